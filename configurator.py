@@ -1,0 +1,160 @@
+"""
+nanoGPT-style configuration: module-level defaults in each script, overridden by config files and --key=value.
+
+    # sft.py
+    lr = 3e-4
+    batch_size = 16
+    out_dir = "out/sft"
+    init_from = None
+    # -----------------------------------------------------------------------------
+    config = configure(globals(), sys.argv[1:], stage="sft")   # mutates globals(), returns the config dict
+
+    $ python sft.py config/qwen_small.py --lr=1e-5 --out_dir=out/run2
+
+    # config/qwen_small.py: one experiment, passed to every stage
+    batch_size = 32                              # shared: every script must declare it
+    pretrain = dict(lr=1e-3)                     # stage sections: only the running stage's is applied
+    sft = dict(lr=3e-5, init_from="out/pretrain")
+
+The script's settings are the names in `globals()` at the time of the call that do not start with '_' and whose
+value is exactly one of int, float, bool, str, None, list, tuple, dict. Modules, functions, classes and
+dataclass instances are not settings; call `configure` right after the settings block. An imported plain
+constant (`from math import pi`) would count, so import those under a '_' name.
+
+Apply order: each config file's shared top-level names, then its section for the running stage, then the
+--key=value arguments. Config files run in a fresh namespace (with `__file__` set); names starting with '_',
+names bound by top-level imports, modules, functions and classes in them are ignored.
+
+Types follow the default: an int is accepted for a float (converted), a bool is not an int, `true/false` work
+for bools, a None default accepts any plain literal, and None is accepted only where the default is None.
+Command-line values are parsed with `ast.literal_eval`; for a str setting the text is taken as is unless it is a
+quoted string literal (so `--run_name=2024` gives '2024'). Everything is validated first and applied after:
+a refused call (ValueError / TypeError) leaves the globals untouched.
+"""
+import ast
+import copy
+import difflib
+import json
+import os
+import types
+
+STAGES = ("pretrain", "sft", "grpo")
+SETTING_TYPES = (int, float, bool, str, type(None), list, tuple, dict)
+
+def print0(*args):
+    # only rank 0 talks in a multi-process run
+    if int(os.environ.get("RANK", "0")) == 0:
+        print(*args)
+
+def settings_of(g):
+    """the settings of a script's globals: plain values (exact types, so no enums or namedtuples), no '_' names"""
+    return {k: v for k, v in g.items() if not k.startswith("_") and type(v) in SETTING_TYPES}
+
+# -----------------------------------------------------------------------------
+# checking one value against its default
+
+def check_value(key, value, default, source):
+    """value converted to the default's type, or a TypeError naming the key, the value and the expected type"""
+    if default is None:
+        if type(value) in SETTING_TYPES:
+            return value
+        expected = "a plain value (int, float, bool, str, None, list, tuple, dict)"
+    elif type(default) is float and type(value) is int:
+        return float(value)  # lr=1 means 1.0; bool is not int here since type() is exact
+    elif type(value) is type(default):
+        return value
+    else:
+        expected = type(default).__name__
+    raise TypeError(f"{source}: {key}={value!r} has type {type(value).__name__}, expected {expected} "
+                    f"(default {default!r})")
+
+def parse_cli_value(key, text, default):
+    """the python value of the text after '--key=', before type checking"""
+    if type(default) is bool and text in ("true", "false"):
+        return text == "true"
+    try:
+        value = ast.literal_eval(text)
+    except (ValueError, SyntaxError, TypeError, MemoryError, RecursionError):
+        if default is None or type(default) is str:
+            return text  # a bare word: the string itself
+        raise TypeError(f"--{key}={text}: {text!r} is not a python literal, expected {type(default).__name__}")
+    if type(default) is str and value is not None and type(value) is not str:
+        return text  # names and paths like 2024 or 1e-5 stay the text that was typed
+    return value
+
+# -----------------------------------------------------------------------------
+# config files
+
+def load_config_file(path):
+    """the settings a config file defines, by name: its plain top-level names, imports and helpers left out"""
+    if not os.path.isfile(path):
+        raise ValueError(f"config file not found: {path!r}")
+    with open(path) as f:
+        source = f.read()
+    tree = ast.parse(source, filename=path)
+    imported = {(a.asname or a.name).split(".")[0] for node in tree.body
+                if isinstance(node, (ast.Import, ast.ImportFrom)) for a in node.names}
+    namespace = {"__file__": os.path.abspath(path), "__name__": "__config__"}
+    exec(compile(tree, path, "exec"), namespace)
+    return {k: v for k, v in namespace.items() if not k.startswith("_") and k not in imported
+            and not isinstance(v, (types.ModuleType, types.FunctionType, types.BuiltinFunctionType, type))}
+
+# -----------------------------------------------------------------------------
+# the entry point
+
+def configure(g, args, stage):
+    """apply config files and --key=value args to the settings in g (a script's globals()); returns the config"""
+    if not isinstance(g, dict):
+        raise TypeError(f"configure: expected the script's globals() dict, got {type(g).__name__}")
+    if isinstance(args, str) or not all(isinstance(a, str) for a in args):
+        raise TypeError(f"configure: expected a list of argument strings, got {args!r}")
+    if stage not in STAGES:
+        raise ValueError(f"configure: unknown stage {stage!r}, expected one of {STAGES}")
+    settings = settings_of(g)
+    clash = sorted(set(settings) & set(STAGES))
+    if clash:
+        raise ValueError(f"configure: settings {clash} are named like stage sections; rename them")
+
+    files, overrides = [], []
+    for arg in args:
+        if not arg.startswith("-"):
+            files.append(arg)
+        elif arg.startswith("--") and "=" in arg:
+            overrides.append(arg[2:].split("=", 1))  # the first '=' only: values may contain '='
+        else:
+            raise ValueError(f"bad argument {arg!r}: expected a config file path or --key=value")
+
+    updates, applied = {}, []  # validated values, and (key, value, source) for the log, in order
+    def put(key, value, source):
+        if key not in settings:
+            close = difflib.get_close_matches(str(key), list(settings), n=1)
+            hint = f" (did you mean {close[0]!r}?)" if close else ""
+            raise ValueError(f"{source}: unknown config key {key!r}{hint}")
+        updates[key] = check_value(key, value, settings[key], source)
+        applied.append((key, updates[key], source))
+
+    for path in files:
+        cfg = load_config_file(path)
+        for name in STAGES:
+            if name in cfg and type(cfg[name]) is not dict:
+                raise TypeError(f"{path}: stage section {name!r} must be a dict, got {type(cfg[name]).__name__}")
+        for key, value in cfg.items():
+            if key not in STAGES:
+                put(key, value, path)
+        for key, value in cfg.get(stage, {}).items():
+            put(key, value, f"{path} [{stage}]")
+    for key, text in overrides:
+        put(key, parse_cli_value(key, text, settings.get(key)), f"--{key}")
+
+    config = {**settings, **updates}
+    for key, value in config.items():  # the config is logged and checkpointed, so it must be JSON
+        try:
+            json.dumps(value)
+        except (TypeError, ValueError) as e:
+            raise TypeError(f"config key {key!r}: value {value!r} is not JSON-serialisable ({e})") from None
+
+    # everything checked: only now touch the script's globals
+    g.update(updates)
+    for key, value, source in applied:
+        print0(f"config: {key} = {value!r}  ({source})")
+    return copy.deepcopy(config)
