@@ -1,0 +1,256 @@
+"""
+model.py against transformers: random tiny checkpoints written by transformers itself, logits compared in fp32.
+
+    python -m pytest -q test_model.py
+"""
+
+import json
+import os
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, Qwen3Config, Qwen3ForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+from model import ModelConfig, Transformer, load_hf_checkpoint, save_hf_checkpoint
+
+VOCAB = 96
+
+# three shapes of Qwen3-MoE and one dense Qwen3; "awkward" bends every rule a lazy port would get wrong
+HF_CONFIGS = {
+    "moe": lambda: Qwen3MoeConfig(
+        vocab_size=VOCAB, hidden_size=32, intermediate_size=64, moe_intermediate_size=16, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=8, num_experts=8, num_experts_per_tok=2,
+        norm_topk_prob=True, tie_word_embeddings=False),
+    "awkward": lambda: Qwen3MoeConfig(
+        vocab_size=VOCAB, hidden_size=48, intermediate_size=40, moe_intermediate_size=24, num_hidden_layers=4,
+        num_attention_heads=3, num_key_value_heads=1, head_dim=20,            # MQA, head_dim != 48 / 3
+        num_experts=6, num_experts_per_tok=3, norm_topk_prob=False,
+        mlp_only_layers=[0], decoder_sparse_step=2,                          # layers 0 and 2 dense, 1 and 3 MoE
+        tie_word_embeddings=True, rms_norm_eps=1e-5, rope_parameters={"rope_type": "default", "rope_theta": 500.0}),
+    "moe_bias": lambda: Qwen3MoeConfig(
+        vocab_size=VOCAB, hidden_size=32, intermediate_size=64, moe_intermediate_size=8, num_hidden_layers=3,
+        num_attention_heads=8, num_key_value_heads=8, head_dim=4, num_experts=4, num_experts_per_tok=1,
+        norm_topk_prob=True, attention_bias=True, rope_parameters={"rope_type": "default", "rope_theta": 1e6}),
+    "dense": lambda: Qwen3Config(
+        vocab_size=VOCAB, hidden_size=32, intermediate_size=80, num_hidden_layers=3, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16, tie_word_embeddings=False),
+}
+
+
+def randomise(hf_model, seed=0):
+    # all-zero routers and all-one norms hide bugs (a wrong norm or router path still "matches"): perturb them all
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in hf_model.named_parameters():
+            if "norm" in name:
+                p.copy_(1.0 + 0.3 * torch.randn(p.shape, generator=g))
+            elif "mlp.gate.weight" in name or name.endswith("bias"):
+                p.copy_(0.5 * torch.randn(p.shape, generator=g))
+            else:
+                p.copy_(0.1 * torch.randn(p.shape, generator=g))
+    return hf_model
+
+
+@pytest.fixture(scope="module", params=list(HF_CONFIGS))
+def checkpoint(request, tmp_path_factory):
+    """(name, hf_model, path) for a random tiny checkpoint that transformers itself wrote to disk."""
+    torch.manual_seed(0)
+    hf_cfg = HF_CONFIGS[request.param]()
+    cls = Qwen3ForCausalLM if hf_cfg.model_type == "qwen3" else Qwen3MoeForCausalLM
+    hf = randomise(cls(hf_cfg)).eval()
+    path = str(tmp_path_factory.mktemp(request.param))
+    hf.save_pretrained(path)
+    return request.param, hf, path
+
+
+def packed(seqs):
+    tokens = torch.cat(seqs)
+    position_ids = torch.cat([torch.arange(len(s)) for s in seqs])
+    cu = torch.tensor([0] + [len(s) for s in seqs]).cumsum(0).to(torch.int32)
+    return tokens, position_ids, cu
+
+
+# -----------------------------------------------------------------------------
+# parity
+
+
+@torch.no_grad()
+def test_logits_match_transformers(checkpoint):
+    name, hf, path = checkpoint
+    ours = load_hf_checkpoint(path)
+    x = torch.randint(0, VOCAB, (37,), generator=torch.Generator().manual_seed(1))
+    ref = hf(x[None]).logits[0]
+    got, _ = ours(x, torch.arange(len(x)))
+    err = (ref - got).abs().max().item()
+    print(f"[{name}] max |dlogit| = {err:.2e}")
+    assert err < 1e-4
+    assert torch.equal(ref.argmax(-1), got.argmax(-1))
+
+
+def test_training_path_matches_flex_path(checkpoint):
+    # CPU FlexAttention has no backward, so with grad the same mask is evaluated densely by SDPA: same numbers
+    _, hf, path = checkpoint
+    ours = load_hf_checkpoint(path)
+    tokens, pos, cu = packed([torch.randint(0, VOCAB, (n,)) for n in (5, 19, 1, 12)])
+    with torch.no_grad():
+        flex, _ = ours(tokens, pos, cu)
+    dense, aux = ours(tokens, pos, cu)
+    assert dense.requires_grad
+    assert (flex - dense).abs().max().item() < 1e-5
+    (dense.logsumexp(-1).mean() + aux).backward()
+    assert all(p.grad is not None and torch.isfinite(p.grad).all() for p in ours.parameters())
+
+
+@torch.no_grad()
+def test_packed_batch_equals_each_sequence_alone(checkpoint):
+    _, hf, path = checkpoint
+    ours = load_hf_checkpoint(path)
+    seqs = [torch.randint(0, VOCAB, (n,), generator=torch.Generator().manual_seed(n)) for n in (7, 1, 30, 16)]
+    tokens, pos, cu = packed(seqs)
+    together, _ = ours(tokens, pos, cu)
+    for s, start in zip(seqs, cu[:-1].tolist()):
+        alone, _ = ours(s, torch.arange(len(s)))
+        assert (together[start:start + len(s)] - alone).abs().max().item() < 1e-5
+        assert (alone - hf(s[None]).logits[0]).abs().max().item() < 1e-4
+
+
+@torch.no_grad()
+def test_aux_loss_matches_transformers_on_padded_batch(checkpoint):
+    # transformers' load_balancing_loss_func over a right-padded batch with its attention mask
+    # must equal ours over the same sequences packed (padding rows excluded on both sides)
+    name, hf, path = checkpoint
+    ours = load_hf_checkpoint(path)
+    if name == "dense":   # no router, no aux loss: transformers' dense Qwen3 has none either
+        assert ours(torch.arange(5), torch.arange(5))[1].item() == 0.0
+        return
+    seqs = [torch.randint(0, VOCAB, (n,), generator=torch.Generator().manual_seed(10 + n)) for n in (9, 23, 4)]
+    S = max(len(s) for s in seqs)
+    ids = torch.zeros(len(seqs), S, dtype=torch.long)
+    mask = torch.zeros(len(seqs), S, dtype=torch.long)
+    for i, s in enumerate(seqs):
+        ids[i, :len(s)], mask[i, :len(s)] = s, 1
+    ref = hf(ids, attention_mask=mask, output_router_logits=True).aux_loss
+    _, aux = ours(*packed(seqs))
+    print(f"[{name}] aux loss ours {aux.item():.6f} transformers {ref.item():.6f}")
+    assert abs(aux.item() - ref.item()) < 1e-5
+
+
+@torch.no_grad()
+def test_save_then_transformers_load_gives_identical_logits(checkpoint, tmp_path):
+    name, hf, path = checkpoint
+    ours = load_hf_checkpoint(path)
+    save_hf_checkpoint(ours, str(tmp_path))
+    back = AutoModelForCausalLM.from_pretrained(str(tmp_path)).eval()
+    assert type(back) is type(hf)
+    x = torch.randint(0, VOCAB, (21,))
+    got, aux = ours(x, torch.arange(len(x)))
+    out = back(x[None], output_router_logits=name != "dense")
+    assert (out.logits[0] - got).abs().max().item() < 1e-4
+    if name != "dense":
+        assert abs(out.aux_loss.item() - aux.item()) < 1e-5
+    # and our own loader reads our own files back to the same model
+    again = load_hf_checkpoint(str(tmp_path))
+    assert all(torch.equal(a, b) for a, b in zip(ours.state_dict().values(), again.state_dict().values()))
+
+
+@torch.no_grad()
+def test_sharded_checkpoint_loads(tmp_path):
+    hf = randomise(Qwen3MoeForCausalLM(HF_CONFIGS["moe"]())).eval()
+    hf.save_pretrained(str(tmp_path), max_shard_size="20KB")
+    assert os.path.exists(tmp_path / "model.safetensors.index.json")
+    ours = load_hf_checkpoint(str(tmp_path))
+    x = torch.randint(0, VOCAB, (11,))
+    assert (hf(x[None]).logits[0] - ours(x, torch.arange(11))[0]).abs().max().item() < 1e-4
+
+
+@torch.no_grad()
+def test_bfloat16(checkpoint):
+    name, hf, path = checkpoint
+    ours = load_hf_checkpoint(path, dtype="bfloat16")
+    assert all(p.dtype == torch.bfloat16 for p in ours.parameters())
+    x = torch.randint(0, VOCAB, (17,), generator=torch.Generator().manual_seed(3))
+    got, aux = ours(x, torch.arange(len(x)))
+    assert got.dtype == torch.bfloat16 and torch.isfinite(got).all() and torch.isfinite(aux)
+    ref32 = hf(x[None]).logits[0]
+    # bf16 has ~3 significant digits: close to fp32, not equal
+    assert (got.float() - ref32).abs().max().item() < 0.05 * ref32.abs().max().item() + 0.05
+
+
+def test_model_config_round_trips_through_transformers(checkpoint):
+    _, hf, path = checkpoint
+    cfg = ModelConfig.from_hf_dict(json.load(open(os.path.join(path, "config.json"))))
+    assert ModelConfig.from_hf_dict(cfg.to_hf_dict()) == cfg
+    assert cfg.head_dim == hf.config.head_dim
+
+
+def test_embedded_default_shape_builds():
+    cfg = ModelConfig()       # the dataclass defaults: an 8-expert top-2 Qwen3-MoE shape
+    model = Transformer(cfg)
+    logits, aux = model(torch.tensor([1, 2, 3]), torch.arange(3))
+    assert logits.shape == (3, cfg.vocab_size) and aux.item() > 0
+
+
+# -----------------------------------------------------------------------------
+# bad checkpoints get errors that name the problem
+
+
+@pytest.fixture
+def moe_dir(tmp_path):
+    Qwen3MoeForCausalLM(HF_CONFIGS["moe"]()).save_pretrained(str(tmp_path))
+    return tmp_path
+
+
+def _rewrite_tensors(path, edit):
+    from safetensors.torch import load_file, save_file
+    f = str(path / "model.safetensors")
+    t = load_file(f)
+    edit(t)
+    save_file(t, f, metadata={"format": "pt"})
+
+
+def test_missing_directory_or_file(tmp_path, moe_dir):
+    with pytest.raises(FileNotFoundError, match="config.json"):
+        load_hf_checkpoint(str(tmp_path / "nope"))
+    os.remove(moe_dir / "model.safetensors")
+    with pytest.raises(FileNotFoundError, match="model.safetensors"):
+        load_hf_checkpoint(str(moe_dir))
+
+
+def test_wrong_shape_is_named(moe_dir):
+    _rewrite_tensors(moe_dir, lambda t: t.__setitem__("model.layers.1.self_attn.k_proj.weight", torch.zeros(3, 32)))
+    with pytest.raises(ValueError, match=r"model\.layers\.1\.self_attn\.k_proj\.weight.*\(3, 32\)"):
+        load_hf_checkpoint(str(moe_dir))
+
+
+def test_unknown_and_missing_keys_are_named(moe_dir):
+    _rewrite_tensors(moe_dir, lambda t: t.__setitem__("model.layers.0.mystery.weight", torch.zeros(2)))
+    with pytest.raises(ValueError, match=r"unknown.*mystery"):
+        load_hf_checkpoint(str(moe_dir))
+    _rewrite_tensors(moe_dir, lambda t: (t.pop("model.layers.0.mystery.weight"),
+                                         t.pop("model.layers.0.mlp.experts.3.up_proj.weight")))
+    with pytest.raises(ValueError, match=r"missing.*experts\.3\.up_proj"):
+        load_hf_checkpoint(str(moe_dir))
+
+
+def test_unsupported_model_type_and_corrupt_files(moe_dir):
+    cfg = json.load(open(moe_dir / "config.json"))
+    json.dump({**cfg, "model_type": "llama"}, open(moe_dir / "config.json", "w"))
+    with pytest.raises(ValueError, match="llama"):
+        load_hf_checkpoint(str(moe_dir))
+    json.dump(cfg, open(moe_dir / "config.json", "w"))
+    with open(moe_dir / "model.safetensors", "r+b") as f:   # truncate the weights: a crash mid-copy
+        f.truncate(100)
+    with pytest.raises(ValueError, match="corrupt"):
+        load_hf_checkpoint(str(moe_dir))
+    (moe_dir / "config.json").write_text("{ not json")
+    with pytest.raises(ValueError, match="config.json"):
+        load_hf_checkpoint(str(moe_dir))
+
+
+def test_bad_dtype_and_config_values():
+    with pytest.raises(ValueError, match="float31"):
+        load_hf_checkpoint("unused", dtype="float31")
+    with pytest.raises(ValueError, match="num_key_value_heads=3"):
+        ModelConfig(num_attention_heads=4, num_key_value_heads=3)
+    with pytest.raises(ValueError, match="num_experts_per_tok=9"):
+        ModelConfig(num_experts=8, num_experts_per_tok=9)
