@@ -1,0 +1,282 @@
+"""
+The embedded default's task: mini-countdown, a verifiable synthetic task a tiny model can learn on a laptop CPU.
+
+Given three digits (1-9, repeats allowed) and a target, write an arithmetic expression that uses exactly those
+digits, each once, in any order, with + - * and parentheses, and evaluates to the target:
+
+    user:      digits 3 5 7 target 22
+    assistant: 3*5+7                      (7+3*5, 5*3+7 are right too)
+
+The problem space is every (digit multiset, reachable target) pair: 165 multisets, 3064 problems. A fixed
+12.5% is held out for testing, picked by a hash of the problem (never by RNG state), so every run, machine and
+Python version agrees on it. SFT demos cover only a fixed minority of the training problems; the reward is an
+exact checker, so GRPO can learn on the rest without demonstrations.
+
+Answers are parsed by a small recursive-descent parser (no eval): single digits, + - *, parentheses, spaces.
+No unary minus, no multi-digit numbers (that would be concatenating digits).
+"""
+
+import functools
+import hashlib
+import itertools
+import random
+from dataclasses import dataclass
+
+# -----------------------------------------------------------------------------
+# settings (changing any of these changes the problem space or the split: bump them together with the tests)
+
+NUM_DIGITS = 3
+DIGITS = range(1, 10)
+OPS = "+-*"
+TEST_FRACTION = 0.125  # held-out share of the problem space
+SFT_FRACTION = 0.25  # share of the training problems that get a demonstration
+MAX_ANSWER_CHARS = 64  # longer completions are wrong without parsing (bounds the parser's recursion)
+END_OF_TURN = "<|im_end|>"  # may close a completion decoded with special tokens; ignored by the reward
+
+
+@dataclass(frozen=True)
+class Problem:
+    digits: tuple[int, ...]  # sorted
+    target: int
+
+    def __post_init__(self):
+        if not isinstance(self.digits, tuple) or not self.digits:
+            raise TypeError(f"Problem.digits must be a non-empty tuple of ints, got {self.digits!r}")
+        if any(type(d) is not int or d not in DIGITS for d in self.digits):
+            raise ValueError(f"Problem.digits must be ints in 1..9, got {self.digits!r}")
+        if type(self.target) is not int:
+            raise TypeError(f"Problem.target must be an int, got {self.target!r}")
+
+
+# -----------------------------------------------------------------------------
+# expressions: build every one over a set of digits, printed with the fewest parentheses
+
+_PREC = {"+": 1, "-": 1, "*": 2}
+_ATOM = 3
+
+
+def _apply(op: str, a: int, b: int) -> int:
+    return a + b if op == "+" else a - b if op == "-" else a * b
+
+
+def _combine(left, op, right):
+    # left/right are (text, value, precedence). Parenthesise a side only when dropping the parentheses would
+    # change the value: a lower-precedence side, or a +/- right side under '-' (a-(b+c) != a-b+c).
+    ls, lv, lp = left
+    rs, rv, rp = right
+    p = _PREC[op]
+    if lp < p:
+        ls = f"({ls})"
+    if rp < p or (rp == p and op == "-"):
+        rs = f"({rs})"
+    return (f"{ls}{op}{rs}", _apply(op, lv, rv), p)
+
+
+@functools.cache
+def _expressions(ordered: tuple[int, ...]) -> tuple:
+    """Every binary expression tree over the digits in this order, as (text, value, precedence)."""
+    if len(ordered) == 1:
+        return ((str(ordered[0]), ordered[0], _ATOM),)
+    out = []
+    for k in range(1, len(ordered)):
+        for left in _expressions(ordered[:k]):
+            for right in _expressions(ordered[k:]):
+                for op in OPS:
+                    out.append(_combine(left, op, right))
+    return tuple(out)
+
+
+@functools.cache
+def _values(digits: tuple[int, ...]) -> dict:
+    """value -> sorted canonical texts, over every order of the digits."""
+    by_value = {}
+    for ordered in set(itertools.permutations(digits)):
+        for text, value, _ in _expressions(ordered):
+            by_value.setdefault(value, set()).add(text)
+    return {v: sorted(ts, key=_preference) for v, ts in by_value.items()}
+
+
+def _preference(text: str):
+    # the order solutions() lists answers in, and SFT demonstrates the first: fewest parentheses, then plain
+    # string order (small digit first, '*' before '+' before '-'). One consistent choice is easier to imitate.
+    return (text.count("("), text)
+
+
+# -----------------------------------------------------------------------------
+# the problem space and its fixed split
+
+
+def _unit(problem: Problem, salt: str) -> float:
+    """A uniform number in [0, 1) fixed by the problem and salt: stable across runs, machines, Pythons."""
+    key = f"{salt}:{','.join(map(str, problem.digits))}:{problem.target}".encode()
+    return int.from_bytes(hashlib.blake2b(key, digest_size=8).digest(), "big") / 2**64
+
+
+@functools.cache
+def _space() -> dict:
+    problems = []
+    for digits in itertools.combinations_with_replacement(DIGITS, NUM_DIGITS):
+        for target in _values(digits):
+            problems.append(Problem(digits, target))
+    # a fixed pseudo-random order, so make_problems(split, n) is a representative sample, not all the 1 1 1s
+    problems.sort(key=lambda p: _unit(p, "order"))
+    test = tuple(p for p in problems if _unit(p, "split") < TEST_FRACTION)
+    train = tuple(p for p in problems if _unit(p, "split") >= TEST_FRACTION)
+    return {"train": train, "test": test}
+
+
+def make_problems(split: str, n: int | None = None) -> list[Problem]:
+    """The first n problems (all if None) of the fixed 'train' or 'test' split, in a fixed shuffled order."""
+    if split not in ("train", "test"):
+        raise ValueError(f"split must be 'train' or 'test', got {split!r}")
+    problems = _space()[split]
+    if n is not None:
+        if type(n) is not int or n < 0 or n > len(problems):
+            raise ValueError(f"n must be an int in [0, {len(problems)}] for split {split!r}, got {n!r}")
+        problems = problems[:n]
+    return list(problems)
+
+
+def solutions(problem: Problem) -> list[str]:
+    """Every valid answer with minimal parentheses, preferred first (empty if the problem is unsolvable)."""
+    if not isinstance(problem, Problem):
+        raise TypeError(f"expected a Problem, got {problem!r}")
+    return list(_values(tuple(sorted(problem.digits))).get(problem.target, ()))
+
+
+# -----------------------------------------------------------------------------
+# the reward: a recursive-descent parser over the answer text, no eval
+#   expr   := term (('+' | '-') term)*
+#   term   := factor ('*' factor)*
+#   factor := digit | '(' expr ')'
+
+
+class _Parser:
+    def __init__(self, text: str):
+        self.text = text.replace(" ", "")
+        self.pos = 0
+        self.digits = []
+
+    def peek(self):
+        return self.text[self.pos] if self.pos < len(self.text) else None
+
+    def parse(self):
+        value = self.expr()
+        return value if self.pos == len(self.text) else None  # trailing text: not an expression
+
+    def expr(self):
+        value = self.term()
+        while value is not None and self.peek() in ("+", "-"):
+            op = self.text[self.pos]
+            self.pos += 1
+            right = self.term()
+            value = None if right is None else _apply(op, value, right)
+        return value
+
+    def term(self):
+        value = self.factor()
+        while value is not None and self.peek() == "*":
+            self.pos += 1
+            right = self.factor()
+            value = None if right is None else value * right
+        return value
+
+    def factor(self):
+        c = self.peek()
+        if c is not None and c in "123456789":
+            self.pos += 1
+            self.digits.append(int(c))
+            return int(c)
+        if c == "(":
+            self.pos += 1
+            value = self.expr()
+            if value is None or self.peek() != ")":
+                return None
+            self.pos += 1
+            return value
+        return None  # end of text, an operator, '0', a letter...
+
+
+def parse_answer(text: str) -> tuple[int, list[int]] | None:
+    """(value, digits used) of an answer expression, or None if it is not one. Never raises on a str."""
+    if not isinstance(text, str):
+        raise TypeError(f"answer must be a str, got {type(text).__name__}")
+    text = text.strip()
+    if text.endswith(END_OF_TURN):
+        text = text[: -len(END_OF_TURN)].strip()
+    if not text or len(text) > MAX_ANSWER_CHARS:
+        return None
+    parser = _Parser(text)
+    value = parser.parse()
+    return None if value is None else (value, parser.digits)
+
+
+def reward(problem: Problem, completion_text: str) -> float:
+    """1.0 iff the completion is an expression using exactly the problem's digits that equals its target."""
+    if not isinstance(problem, Problem):
+        raise TypeError(f"expected a Problem, got {problem!r}")
+    parsed = parse_answer(completion_text)
+    if parsed is None:
+        return 0.0
+    value, used = parsed
+    return 1.0 if value == problem.target and sorted(used) == sorted(problem.digits) else 0.0
+
+
+# -----------------------------------------------------------------------------
+# data for the three stages
+
+
+def prompt_messages(problem: Problem) -> list[dict]:
+    """The chat prompt: one short user turn (about 20 tokens with the template)."""
+    if not isinstance(problem, Problem):
+        raise TypeError(f"expected a Problem, got {problem!r}")
+    digits = " ".join(map(str, problem.digits))
+    return [{"role": "user", "content": f"digits {digits} target {problem.target}"}]
+
+
+def sft_examples(seed: int, fraction: float = SFT_FRACTION) -> list[list[dict]]:
+    """Conversations (prompt + preferred answer) for a fixed subset of the training problems, shuffled by seed.
+
+    The subset is picked by the problem's hash, not by seed: seeds change the order only, and a smaller
+    fraction gives a subset of a larger one. The rest of the training problems are GRPO's to learn.
+    """
+    if not isinstance(fraction, (int, float)) or not 0 < fraction <= 1:
+        raise ValueError(f"fraction must be in (0, 1], got {fraction!r}")
+    chosen = [p for p in make_problems("train") if _unit(p, "sft") < fraction]
+    random.Random(seed).shuffle(chosen)
+    return [prompt_messages(p) + [{"role": "assistant", "content": solutions(p)[0]}] for p in chosen]
+
+
+def _random_expression(rng: random.Random, digits: tuple[int, ...]) -> tuple[str, int]:
+    # a uniformly random tree over a random order of the digits (cached enumeration: 108 trees for 3 digits)
+    ordered = tuple(rng.sample(digits, len(digits)))
+    text, value, _ = rng.choice(_expressions(ordered))
+    return text, value
+
+
+def pretrain_corpus(n_docs: int, seed: int) -> list[str]:
+    """n_docs documents that teach arithmetic on the task's digits, deterministic by seed.
+
+    A document names a few digits and lists random expressions using exactly those digits with their values:
+
+        digits 3 5 7
+        3*5+7=22
+        7-(3+5)=-1
+        ...
+
+    It teaches evaluation and the "use exactly these digits" rule, never the task's inverse direction (which
+    expression reaches a given target): that is what SFT demonstrates on a few problems and GRPO learns.
+    """
+    if type(n_docs) is not int or n_docs < 0:
+        raise ValueError(f"n_docs must be a non-negative int, got {n_docs!r}")
+    rng = random.Random(seed)
+    docs = []
+    for _ in range(n_docs):
+        k = NUM_DIGITS if rng.random() < 0.75 else NUM_DIGITS - 1  # some two-digit docs: the sub-steps
+        digits = tuple(sorted(rng.choice(DIGITS) for _ in range(k)))
+        lines = [f"digits {' '.join(map(str, digits))}"]
+        for _ in range(rng.randint(4, 8)):
+            text, value = _random_expression(rng, digits)
+            lines.append(f"{text}={value}")
+        docs.append("\n".join(lines))
+    return docs

@@ -1,0 +1,396 @@
+# tests for task.py (mini-countdown) and tokenizer.py (the embedded ChatML tokenizer). CPU, a few seconds.
+
+import ast
+import itertools
+import json
+import operator
+import os
+import random
+import re
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from transformers import AutoTokenizer
+
+import task
+from task import Problem, make_problems, parse_answer, pretrain_corpus, prompt_messages, reward, sft_examples, solutions
+from tokenizer import (
+    ENDOFTEXT,
+    IM_END,
+    IM_START,
+    build_tokenizer,
+    chat_example,
+    chat_prompt_ids,
+    load_tokenizer,
+    save_tokenizer,
+)
+
+
+@pytest.fixture(scope="module")
+def tok():
+    return build_tokenizer()
+
+
+def _trusted_eval(text: str) -> int:
+    # reference evaluator for expressions the test itself generated: Python's own parser, + - * on ints only
+    ops = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul}
+
+    def ev(node):
+        if isinstance(node, ast.BinOp):
+            return ops[type(node.op)](ev(node.left), ev(node.right))
+        assert isinstance(node, ast.Constant) and type(node.value) is int
+        return node.value
+
+    return ev(ast.parse(text, mode="eval").body)
+
+
+# -----------------------------------------------------------------------------
+# reward
+
+
+P = Problem((3, 5, 7), 22)
+
+
+@pytest.mark.parametrize(
+    "text, expected",
+    [
+        ("3*5+7", 1.0),
+        ("7+5*3", 1.0),
+        ("(3*5)+7", 1.0),  # redundant parentheses are fine
+        ("((3*5)+(7))", 1.0),
+        (" 3 * 5 + 7 \n", 1.0),  # surrounding and inner spaces
+        ("3*5+7<|im_end|>", 1.0),  # decoded with special tokens
+        ("3*5+7\n<|im_end|>", 1.0),
+        ("3*(5+7)", 0.0),  # wrong value (36)
+        ("3+5+7", 0.0),  # wrong value (15)
+        ("3*5+8", 0.0),  # wrong digit
+        ("3*5+7-0", 0.0),  # extra digit (and 0 is not a digit of the task)
+        ("5*5-3", 0.0),  # reused digit, missing 7 (value 22!)
+        ("3*5", 0.0),  # missing digit
+        ("35-13", 0.0),  # multi-digit numbers
+        ("-3*5+37", 0.0),
+        ("3*5+7=22", 0.0),  # extra text
+        ("3*5+7 is the answer", 0.0),
+        ("answer: 3*5+7", 0.0),
+        ("3*5+7<|im_end|>3", 0.0),  # text after the end of turn
+        ("3*5+7<|im_end|><|im_end|>", 0.0),
+        ("3**5+7", 0.0),
+        ("3*5++7", 0.0),
+        ("(3*5+7", 0.0),
+        ("3*5+7)", 0.0),
+        ("()", 0.0),
+        ("", 0.0),
+        ("   ", 0.0),
+        ("<|im_end|>", 0.0),
+        ("3/5+7", 0.0),
+        ("3×5+7", 0.0),
+        ("(" * 5000 + "3*5+7" + ")" * 5000, 0.0),  # too long: no recursion error
+    ],
+)
+def test_reward_hand_cases(text, expected):
+    assert reward(P, text) == expected
+
+
+def test_reward_negative_and_large_targets():
+    assert reward(Problem((1, 8, 9), -71), "1-8*9") == 1.0
+    assert reward(Problem((1, 8, 9), -71), "1-(8*9)") == 1.0
+    assert reward(Problem((1, 8, 9), -71), "1-8-9") == 0.0
+    assert reward(Problem((9, 9, 9), 729), "9*9*9") == 1.0
+    assert reward(Problem((2, 3, 4), 2), "4-(3-2)") == 0.0  # 3, not 2: '-' is left-associative
+    assert reward(Problem((2, 3, 4), 3), "4-(3-2)") == 1.0
+    assert reward(Problem((2, 3, 4), -1), "4-3-2") == 1.0
+
+
+def test_reward_bad_types():
+    with pytest.raises(TypeError):
+        reward(P, None)
+    with pytest.raises(TypeError):
+        reward(P, b"3*5+7")
+    with pytest.raises(TypeError):
+        reward((3, 5, 7), "3*5+7")
+
+
+def test_problem_validation():
+    with pytest.raises(ValueError, match="0"):
+        Problem((0, 5, 7), 1)
+    with pytest.raises(TypeError):
+        Problem([3, 5, 7], 1)
+    with pytest.raises(TypeError):
+        Problem((3, 5, 7), 1.5)
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.text(alphabet="0123456789+-*() \n<|>imend_xé", max_size=80))
+def test_reward_never_raises_on_text(text):
+    assert reward(P, text) in (0.0, 1.0)
+
+
+@st.composite
+def expressions(draw, depth=3):
+    # random expressions with random (often redundant) parentheses, for the differential test
+    if depth == 0 or draw(st.booleans()):
+        return str(draw(st.integers(1, 9)))
+    left = draw(expressions(depth=depth - 1))
+    right = draw(expressions(depth=depth - 1))
+    text = f"{left}{draw(st.sampled_from('+-*'))}{right}"
+    return f"({text})" if draw(st.booleans()) else text
+
+
+@settings(max_examples=300, deadline=None)
+@given(expressions())
+def test_parser_matches_python(text):
+    value, used = parse_answer(text)
+    assert value == _trusted_eval(text)
+    assert used == [int(c) for c in text if c.isdigit()]
+
+
+# -----------------------------------------------------------------------------
+# problem space, solutions, split
+
+
+def _shape(text):
+    # identifies an expression up to redundant parentheses: its digit order, and its value with the k-th digit
+    # replaced by a large distinct number (so a coincidence like 5-7*1 == (5-7)*1 cannot hide a difference)
+    big = iter([1009, 10007, 100003, 1000003])
+    generic = re.sub(r"\d", lambda m: str(next(big)), text)
+    return re.sub(r"\D", "", text), _trusted_eval(generic)
+
+
+def _brute_force(digits):
+    # every fully parenthesised expression over every order of the digits -> {value: [texts]}
+    out = {}
+    for a, b, c in set(itertools.permutations(digits)):
+        for o1, o2 in itertools.product("+-*", repeat=2):
+            for text in (f"(({a}{o1}{b}){o2}{c})", f"({a}{o1}({b}{o2}{c}))"):
+                out.setdefault(_trusted_eval(text), []).append(text)
+    return out
+
+
+def test_problem_space_is_every_reachable_target():
+    space = set(make_problems("train")) | set(make_problems("test"))
+    expected = set()
+    for digits in itertools.combinations_with_replacement(range(1, 10), 3):
+        expected |= {Problem(digits, v) for v in _brute_force(digits)}
+    assert space == expected
+    assert len(space) == 3064
+
+
+def test_every_solution_is_rewarded_and_complete():
+    for p in make_problems("train") + make_problems("test"):
+        sols = solutions(p)
+        assert sols, p
+        assert len(set(sols)) == len(sols)
+        assert all(reward(p, s) == 1.0 for s in sols), p
+    # every brute-force hit is accepted too, and the same expression (up to parentheses) is listed
+    rng = random.Random(0)
+    for p in rng.sample(make_problems("train"), 100):
+        sols = solutions(p)
+        listed = {_shape(s) for s in sols}
+        for text in _brute_force(p.digits)[p.target]:
+            assert reward(p, text) == 1.0
+            assert _shape(text) in listed, (p, text)
+        # solutions are minimal: removing any pair of parentheses changes the expression
+        for s in sols:
+            for i, c in enumerate(s):
+                if c == "(":
+                    depth, j = 0, i
+                    while True:
+                        depth += {"(": 1, ")": -1}.get(s[j], 0)
+                        if depth == 0:
+                            break
+                        j += 1
+                    stripped = s[:i] + s[i + 1 : j] + s[j + 1 :]
+                    assert _shape(stripped) != _shape(s), (s, stripped)
+    assert solutions(Problem((3, 5, 7), 1000)) == []
+    assert solutions(P)[0] == "3*5+7"  # the preferred answer (what SFT demonstrates)
+
+
+def test_split_is_fixed_and_disjoint():
+    train, test = make_problems("train"), make_problems("test")
+    assert len(train) == 2684 and len(test) == 380  # changing these changes the held-out set: don't
+    assert not set(train) & set(test)
+    assert test[:3] == [Problem((5, 6, 9), 15), Problem((3, 3, 5), 18), Problem((3, 8, 8), 40)]
+    assert make_problems("test") == test and make_problems("train") == train
+    assert make_problems("train", 10) == train[:10]
+    assert make_problems("test", 0) == []
+    assert len({p.digits for p in test}) > 100  # spread over most digit sets, not a block of them
+
+
+@pytest.mark.parametrize("split", ["val", "Train", "", None])
+def test_bad_split(split):
+    with pytest.raises(ValueError, match="split"):
+        make_problems(split)
+
+
+@pytest.mark.parametrize("n", [-1, 2685, 1.5, "3"])
+def test_bad_n(n):
+    with pytest.raises(ValueError, match="n must be"):
+        make_problems("train", n)
+
+
+# -----------------------------------------------------------------------------
+# data for the stages
+
+
+def test_pretrain_corpus_is_deterministic_and_correct():
+    docs = pretrain_corpus(50, seed=0)
+    assert docs == pretrain_corpus(50, seed=0)
+    assert docs != pretrain_corpus(50, seed=1)
+    assert pretrain_corpus(0, seed=0) == []
+    for doc in docs:
+        header, *lines = doc.split("\n")
+        assert header.startswith("digits ") and lines
+        digits = sorted(int(d) for d in header.split()[1:])
+        for line in lines:
+            text, value = line.split("=")
+            assert _trusted_eval(text) == int(value)
+            assert sorted(parse_answer(text)[1]) == digits
+    with pytest.raises(ValueError):
+        pretrain_corpus(-1, seed=0)
+
+
+def test_sft_examples_are_a_fixed_minority_of_train():
+    a, b = sft_examples(seed=0), sft_examples(seed=1)
+    assert a == sft_examples(seed=0)
+    assert a != b  # order depends on seed
+    key = lambda conv: (conv[0]["content"], conv[1]["content"])
+    assert sorted(map(key, a)) == sorted(map(key, b))  # the subset does not
+    n_train = len(make_problems("train"))
+    assert 0.2 * n_train < len(a) < 0.3 * n_train
+    small = sft_examples(seed=0, fraction=0.1)
+    assert set(map(key, small)) < set(map(key, a))  # nested
+    by_prompt = {prompt_messages(p)[0]["content"]: p for p in make_problems("train")}
+    test_prompts = {prompt_messages(p)[0]["content"] for p in make_problems("test")}
+    for conv in a:
+        assert [m["role"] for m in conv] == ["user", "assistant"]
+        assert conv[0]["content"] not in test_prompts
+        assert reward(by_prompt[conv[0]["content"]], conv[1]["content"]) == 1.0
+    for bad in (0, 1.5, -0.1, "0.2"):
+        with pytest.raises(ValueError):
+            sft_examples(seed=0, fraction=bad)
+
+
+def test_prompt_messages():
+    assert prompt_messages(Problem((3, 5, 7), 22)) == [{"role": "user", "content": "digits 3 5 7 target 22"}]
+    assert prompt_messages(Problem((1, 8, 9), -71))[0]["content"] == "digits 1 8 9 target -71"
+
+
+# -----------------------------------------------------------------------------
+# tokenizer
+
+
+def test_vocab_is_small_and_stable(tok):
+    assert len(tok) < 128
+    assert tok.get_vocab() == build_tokenizer().get_vocab()
+    # the ids others may hard-code or see in checkpoints: never move them
+    assert [tok.convert_tokens_to_ids(t) for t in (ENDOFTEXT, IM_START, IM_END)] == [0, 1, 2]
+    assert tok.eos_token == IM_END and tok.pad_token == ENDOFTEXT
+    assert tok.eos_token_id == 2 and tok.pad_token_id == 0
+
+
+def test_text_round_trips(tok):
+    texts = pretrain_corpus(20, seed=3) + [m["content"] for c in sft_examples(0)[:50] for m in c]
+    texts += ["Hello, world! systematic users ~{}[]\n\tTAB".replace("\t", " ")]
+    for text in texts:
+        ids = tok.encode(text, add_special_tokens=False)
+        assert tok.unk_token_id not in ids
+        assert all(0 <= i < len(tok) for i in ids)
+        assert tok.decode(ids) == text
+    assert tok.unk_token_id in tok.encode("é", add_special_tokens=False)
+
+
+def test_chat_prompt_ids(tok):
+    ids = chat_prompt_ids(tok, prompt_messages(P))
+    assert type(ids) is list and all(type(i) is int for i in ids)
+    assert tok.decode(ids) == f"{IM_START}user\ndigits 3 5 7 target 22{IM_END}\n{IM_START}assistant\n"
+    lengths = [len(chat_prompt_ids(tok, prompt_messages(p))) for p in make_problems("test")]
+    assert 15 <= min(lengths) and max(lengths) <= 25
+
+
+def test_chat_example_mask_covers_exactly_the_reply(tok):
+    convs = sft_examples(0)[:100] + [
+        [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello there"}],
+        [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}, {"role": "user", "content": "c"}, {"role": "assistant", "content": "3*5+7"}],
+        [{"role": "assistant", "content": "7+5*3"}],
+    ]
+    im_end = tok.convert_tokens_to_ids(IM_END)
+    for conv in convs:
+        ids, mask = chat_example(tok, conv)
+        assert len(ids) == len(mask) and set(mask) == {0, 1}
+        assert all(0 <= i < len(tok) for i in ids)
+        if len(conv) > 1:
+            prompt = chat_prompt_ids(tok, conv[:-1])
+            assert ids[: len(prompt)] == prompt
+            assert not any(mask[: len(prompt)])
+        learned = [t for t, m in zip(ids, mask) if m]
+        assert tok.decode(learned) == conv[-1]["content"] + IM_END
+        first = mask.index(1)
+        assert all(mask[first : first + len(learned)])  # one contiguous span
+        assert ids[first + len(learned) - 1] == im_end
+        assert tok.decode(ids[first + len(learned) :]) == "\n" and mask[-1] == 0
+        assert tok.decode(ids) == tok.apply_chat_template(conv, tokenize=False)
+        # what the engine would produce for this reply is exactly the learned span, and the reward reads it
+    conv = sft_examples(0)[0]
+    ids, mask = chat_example(tok, conv)
+    completion = [t for t, m in zip(ids, mask) if m]
+    by_prompt = {prompt_messages(p)[0]["content"]: p for p in make_problems("train")}
+    p = by_prompt[conv[0]["content"]]
+    assert reward(p, tok.decode(completion)) == 1.0
+    assert reward(p, tok.decode(completion, skip_special_tokens=True)) == 1.0
+
+
+def test_chat_bad_input(tok):
+    with pytest.raises(ValueError, match="assistant"):
+        chat_example(tok, [{"role": "user", "content": "x"}])
+    with pytest.raises(ValueError, match="tool"):
+        chat_prompt_ids(tok, [{"role": "tool", "content": "x"}])
+    with pytest.raises(ValueError, match="im_end"):
+        chat_example(tok, [{"role": "user", "content": "x"}, {"role": "assistant", "content": "1<|im_end|>2"}])
+    with pytest.raises(ValueError, match="round-trip"):
+        chat_example(tok, [{"role": "user", "content": "x"}, {"role": "assistant", "content": "café"}])
+    with pytest.raises(ValueError):
+        chat_prompt_ids(tok, [])
+    with pytest.raises(TypeError):
+        chat_prompt_ids(tok, [{"role": "user"}])
+
+
+def test_save_load_round_trip(tok, tmp_path):
+    path = tmp_path / "tok"
+    save_tokenizer(tok, path)
+    assert sorted(os.listdir(tmp_path)) == ["tok"]  # no temp dir left behind
+    for loaded in (load_tokenizer(path), AutoTokenizer.from_pretrained(path)):
+        assert loaded.get_vocab() == tok.get_vocab()
+        assert loaded.chat_template == tok.chat_template
+        assert (loaded.eos_token, loaded.pad_token) == (IM_END, ENDOFTEXT)
+        for conv in sft_examples(0)[:20]:
+            assert chat_example(loaded, conv) == chat_example(tok, conv)
+            assert chat_prompt_ids(loaded, conv[:1]) == chat_prompt_ids(tok, conv[:1])
+    # saving into an existing directory (a checkpoint dir) keeps its other files
+    (tmp_path / "ckpt").mkdir()
+    (tmp_path / "ckpt" / "config.json").write_text("{}")
+    save_tokenizer(tok, tmp_path / "ckpt")
+    assert (tmp_path / "ckpt" / "config.json").read_text() == "{}"
+    assert load_tokenizer(tmp_path / "ckpt").get_vocab() == tok.get_vocab()
+
+
+def test_load_errors(tok, tmp_path):
+    missing = tmp_path / "nope"
+    with pytest.raises(FileNotFoundError, match="nope"):
+        load_tokenizer(missing)
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    with pytest.raises(FileNotFoundError, match="empty"):
+        load_tokenizer(empty)
+    corrupt = tmp_path / "corrupt"
+    save_tokenizer(tok, corrupt)
+    (corrupt / "tokenizer.json").write_text("{not json")
+    with pytest.raises(ValueError, match="corrupt"):
+        load_tokenizer(corrupt)
+    truncated = tmp_path / "truncated"
+    save_tokenizer(tok, truncated)
+    data = json.loads((truncated / "tokenizer.json").read_text())
+    del data["model"]
+    (truncated / "tokenizer.json").write_text(json.dumps(data))
+    with pytest.raises(ValueError, match="truncated"):
+        load_tokenizer(truncated)
