@@ -330,7 +330,7 @@ def test_chat_example_mask_covers_exactly_the_reply(tok):
         assert ids[first + len(learned) - 1] == im_end
         assert tok.decode(ids[first + len(learned) :]) == "\n" and mask[-1] == 0
         assert tok.decode(ids) == tok.apply_chat_template(conv, tokenize=False)
-        # what the engine would produce for this reply is exactly the learned span, and the reward reads it
+    # the learned span is what the engine would generate; decoded either way, the reward accepts it
     conv = sft_examples(0)[0]
     ids, mask = chat_example(tok, conv)
     completion = [t for t, m in zip(ids, mask) if m]
@@ -394,3 +394,8 @@ def test_load_errors(tok, tmp_path):
     (truncated / "tokenizer.json").write_text(json.dumps(data))
     with pytest.raises(ValueError, match="truncated"):
         load_tokenizer(truncated)
+    a_file = tmp_path / "a_file"
+    a_file.write_text("x")
+    with pytest.raises(ValueError, match="a_file"):
+        save_tokenizer(tok, a_file)
+    assert a_file.read_text() == "x"

@@ -85,15 +85,16 @@ def build_tokenizer() -> PreTrainedTokenizerFast:
 
 
 def save_tokenizer(tok, path) -> None:
-    """Write tok to the directory path (created if missing), atomically: a temp dir, then a rename."""
+    """Write tok to the directory path: into a temp dir first, then renamed into place (the whole dir if new,
+    file by file into an existing one, e.g. a checkpoint dir, whose other files are kept)."""
     path = os.fspath(path)
+    if os.path.exists(path) and not os.path.isdir(path):
+        raise ValueError(f"tokenizer path exists and is not a directory: {path!r}")
     parent = os.path.dirname(os.path.abspath(path))
     os.makedirs(parent, exist_ok=True)
     tmp = tempfile.mkdtemp(prefix=".tokenizer-", dir=parent)
     try:
         tok.save_pretrained(tmp)
-        if os.path.exists(path) and not os.path.isdir(path):
-            raise ValueError(f"tokenizer path exists and is not a directory: {path!r}")
         if os.path.isdir(path):  # keep other files of a checkpoint dir: move ours in one by one
             for name in os.listdir(tmp):
                 os.replace(os.path.join(tmp, name), os.path.join(path, name))
@@ -112,7 +113,7 @@ def load_tokenizer(path) -> PreTrainedTokenizerFast:
     if not os.path.isfile(os.path.join(path, "tokenizer.json")):
         raise FileNotFoundError(f"no tokenizer.json in tokenizer directory {path!r}")
     try:
-        tok = AutoTokenizer.from_pretrained(path)
+        tok = AutoTokenizer.from_pretrained(path, local_files_only=True)
     except Exception as e:  # json errors, OSError, and the Rust side's plain Exception all mean the same here
         raise ValueError(f"corrupt tokenizer directory {path!r}: {type(e).__name__}: {e}") from e
     if tok.chat_template is None:
