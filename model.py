@@ -25,7 +25,7 @@ from dataclasses import dataclass, asdict, fields
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from torch.nn.attention.flex_attention import flex_attention, create_block_mask
+from torch.nn.attention.flex_attention import BlockMask, create_block_mask, flex_attention
 
 # -----------------------------------------------------------------------------
 # config
@@ -531,3 +531,110 @@ def save_hf_checkpoint(model: Transformer, path):
     with open(tmp, "w") as f:
         json.dump(hf_cfg, f, indent=2)
     os.replace(tmp, os.path.join(path, "config.json"))
+
+
+# -----------------------------------------------------------------------------
+# paged KV cache and attention: the inference engine's side of attention (engine.py decides which page is whose)
+
+
+class PagedKVCache:
+    """Every layer's keys and values, in pages ("blocks") of `block_size` token slots.
+
+    kv[layer] is [2, kv_heads, num_blocks, block_size, head_dim]: k and v side by side, heads outermost, so that
+    gathering a sequence's pages with one index_select (a memcpy per page) already yields each head's keys
+    contiguous: [2, kv_heads, B, L, D] with no transpose copy. Token p of a sequence lives in slot
+    p % block_size of page block_table[p // block_size]. A page is only an index here; which sequence owns it
+    is the engine's allocator's business."""
+
+    def __init__(self, cfg: ModelConfig, num_blocks, block_size, device="cpu", dtype=torch.float32):
+        self.num_blocks, self.block_size = num_blocks, block_size
+        self.kv = torch.zeros(cfg.num_hidden_layers, 2, cfg.num_key_value_heads, num_blocks, block_size,
+                              cfg.head_dim, device=device, dtype=_as_dtype(dtype))
+
+    @staticmethod
+    def bytes_per_block(cfg: ModelConfig, block_size, dtype):
+        return 2 * cfg.num_hidden_layers * block_size * cfg.num_key_value_heads * cfg.head_dim * _as_dtype(dtype).itemsize
+
+    def copy_blocks(self, src, dst):
+        """Copy pages src -> dst (1-D index tensors) in every layer: a forked sequence's private copy of a shared page."""
+        self.kv[:, :, :, dst] = self.kv[:, :, :, src]
+
+
+_compiled_flex_attention = None
+
+
+def compiled_flex_attention():
+    # compiled once per process, shapes dynamic: batch size and context length change every engine step
+    global _compiled_flex_attention
+    if _compiled_flex_attention is None:
+        _compiled_flex_attention = torch.compile(flex_attention, dynamic=True)
+    return _compiled_flex_attention
+
+
+class PagedAttention:
+    """Attention for one engine step, built once and shared by every layer (the protocol of DocumentCausalAttention).
+
+    The step's batch is a flat row of T new tokens from B sequences: prefill chunks and single decode tokens
+    mixed. For sequence b, its queries are rows query_index[b] of the flat batch (padded to Qmax by repeating
+    its last row), they sit at positions query_pos[b], and its pages are block_tables[b]. Per layer:
+      1. the new tokens' k/v are written into their slots (slot_mapping, flat slot = page * block_size + offset),
+      2. each sequence's pages are gathered into a contiguous [B, kv_heads, L, D] view (L = pages * block_size),
+      3. the padded queries [B, heads, Qmax, D] attend to it with the mask kv_pos <= query_pos: causal, and blind
+         to whatever lies in a page past the sequence's length (the mask is built here, once per step).
+    query_index / token_row may be None when every sequence has the same number of new tokens (a decode step):
+    then the flat batch is already [B, Qmax] in row-major order.
+
+    backend 'sdpa': torch's scaled_dot_product_attention with the boolean mask (the CPU default: on 2 CPU cores it
+    beats eager FlexAttention by ~20x and compiled FlexAttention too, see engine.py's EngineConfig).
+    backend 'flex': FlexAttention with a BlockMask built directly from the positions (no create_block_mask, which
+    costs 7-50 ms a call on CPU); compiled=True runs it through torch.compile (the fast path on CUDA)."""
+
+    def __init__(self, cache: PagedKVCache, slot_mapping, block_tables, query_pos, query_index=None, token_row=None,
+                 backend="sdpa", compiled=False):
+        if backend not in ("sdpa", "flex"):
+            raise ValueError(f"unknown paged attention backend {backend!r}: expected 'sdpa' or 'flex'")
+        self.cache, self.slot_mapping, self.block_tables = cache, slot_mapping, block_tables
+        self.query_index, self.token_row, self.backend = query_index, token_row, backend
+        B, Qmax = query_pos.shape
+        L = block_tables.shape[1] * cache.block_size
+        self.B, self.Qmax, self.L = B, Qmax, L
+        kv_pos = torch.arange(L, device=query_pos.device)
+        if backend == "sdpa":
+            self.mask = (kv_pos[None, None, None, :] <= query_pos[:, None, :, None])    # [B, 1, Qmax, L]
+        else:
+            self.flex = compiled_flex_attention() if compiled else flex_attention
+            self.block_mask = self._block_mask(query_pos, L)
+
+    @staticmethod
+    def _block_mask(query_pos, L, block=128):
+        # the sparsity pattern straight from the positions: query tile j of sequence b needs kv tiles up to the
+        # one holding its last query's position; every tile is "partial" (mask_mod decides inside it)
+        B, Qmax = query_pos.shape
+        n_q, n_kv = -(-Qmax // block), -(-L // block)
+        last = torch.clamp(torch.arange(n_q, device=query_pos.device) * block + block - 1, max=Qmax - 1)
+        kv_num_blocks = (query_pos[:, last] // block + 1).to(torch.int32)[:, None, :]          # [B, 1, n_q]
+        kv_indices = torch.arange(n_kv, dtype=torch.int32, device=query_pos.device).expand(B, 1, n_q, n_kv)
+
+        def mask_mod(b, h, q_idx, kv_idx):
+            return kv_idx <= query_pos[b, q_idx]
+        return BlockMask.from_kv_blocks(kv_num_blocks, kv_indices.contiguous(), BLOCK_SIZE=(block, block),
+                                        mask_mod=mask_mod, seq_lengths=(Qmax, L))
+
+    def __call__(self, layer_idx, q, k, v):
+        T, Hq, D = q.shape
+        B, Qmax, L = self.B, self.Qmax, self.L
+        kv = self.cache.kv[layer_idx]                                   # [2, Hkv, num_blocks, block_size, D]
+        Hkv, num_blocks = kv.shape[1], kv.shape[2]
+        slots = kv.view(2, Hkv, -1, D)                                  # flat slots
+        slots[0].index_copy_(1, self.slot_mapping, k.transpose(0, 1))
+        slots[1].index_copy_(1, self.slot_mapping, v.transpose(0, 1))
+        pages = kv.view(2 * Hkv, num_blocks, -1).index_select(1, self.block_tables.view(-1))
+        pages = pages.view(2, Hkv, B, L, D).transpose(1, 2)             # [2, B, Hkv, L, D]
+        q = q.view(B, Qmax, Hq, D) if self.query_index is None else q[self.query_index]
+        q = q.transpose(1, 2)                                           # [B, Hq, Qmax, D]
+        if self.backend == "sdpa":
+            y = F.scaled_dot_product_attention(q, pages[0], pages[1], attn_mask=self.mask, enable_gqa=True)
+        else:
+            y = self.flex(q, pages[0], pages[1], block_mask=self.block_mask, enable_gqa=True)
+        y = y.transpose(1, 2)                                           # [B, Qmax, Hq, D]
+        return y.reshape(T, Hq, D) if self.token_row is None else y.reshape(B * Qmax, Hq, D)[self.token_row]

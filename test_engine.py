@@ -1,0 +1,478 @@
+"""
+engine.py against transformers: random tiny checkpoints written by transformers itself, CPU, fp32.
+
+    python -m pytest -q test_engine.py
+"""
+
+import math
+
+import pytest
+import torch
+from hypothesis import given, settings, strategies as st
+from transformers import Qwen3Config, Qwen3ForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+from engine import (BlockAllocator, EngineConfig, InferenceEngine, SamplingParams, SchedulerConfig, compute_block_hash,
+                    sample_with_logprobs, schedule)
+from model import DocumentCausalAttention, PagedAttention, PagedKVCache, load_hf_checkpoint
+
+VOCAB = 96
+BLOCK = 16
+
+HF_CONFIGS = {
+    "moe": lambda: Qwen3MoeConfig(
+        vocab_size=VOCAB, hidden_size=32, intermediate_size=64, moe_intermediate_size=16, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=8, num_experts=8, num_experts_per_tok=2,
+        norm_topk_prob=True, tie_word_embeddings=False),
+    "dense": lambda: Qwen3Config(
+        vocab_size=VOCAB, hidden_size=32, intermediate_size=80, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=1, head_dim=16, tie_word_embeddings=True),
+}
+
+
+def randomise(hf_model, seed=0):
+    # all-zero routers and all-one norms hide bugs: perturb everything
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in hf_model.named_parameters():
+            scale = 0.5 if "mlp.gate.weight" in name else 0.1
+            p.copy_(1.0 + 0.3 * torch.randn(p.shape, generator=g) if "norm" in name
+                    else scale * torch.randn(p.shape, generator=g))
+    return hf_model.eval()
+
+
+def make_checkpoint(name, tmp_path_factory, seed=0):
+    torch.manual_seed(seed)
+    hf_cfg = HF_CONFIGS[name]()
+    cls = Qwen3ForCausalLM if hf_cfg.model_type == "qwen3" else Qwen3MoeForCausalLM
+    hf = randomise(cls(hf_cfg), seed)
+    path = str(tmp_path_factory.mktemp(f"{name}{seed}"))
+    hf.save_pretrained(path)
+    return hf, path
+
+
+@pytest.fixture(scope="module", params=list(HF_CONFIGS))
+def checkpoint(request, tmp_path_factory):
+    return (request.param, *make_checkpoint(request.param, tmp_path_factory))
+
+
+@pytest.fixture(scope="module")
+def moe(tmp_path_factory):
+    return make_checkpoint("moe", tmp_path_factory)
+
+
+def rand_prompt(n, seed):
+    return torch.randint(0, VOCAB, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+# prompts at and around page boundaries, and two that share a 20-token prefix
+PROMPTS = [rand_prompt(n, n) for n in (15, 16, 17, 33)]
+PROMPTS += [PROMPTS[3][:20] + rand_prompt(5, 100), PROMPTS[3][:20] + rand_prompt(9, 101)]
+
+
+def engine_for(path, **kw):
+    kw = dict(model_path=path, block_size=BLOCK, num_blocks=64, max_model_len=128) | kw
+    return InferenceEngine(EngineConfig(**kw))
+
+
+@torch.no_grad()
+def hf_logprobs(hf, prompt, completion, temperature=1.0):
+    """transformers' log_softmax(logits / T) of each completion token, teacher-forced."""
+    x = torch.tensor([prompt + list(completion)])
+    logits = hf(x).logits[0, len(prompt) - 1:-1] / temperature
+    return torch.log_softmax(logits.float(), -1).gather(1, torch.tensor(completion)[:, None])[:, 0]
+
+
+def outputs(samples):
+    return [(s.completion_tokens, s.finish_reason) for s in samples]
+
+
+# -----------------------------------------------------------------------------
+# parity with transformers
+
+
+@torch.no_grad()
+def test_greedy_matches_transformers_generate(checkpoint):
+    name, hf, path = checkpoint
+    engine = engine_for(path)
+    G, N = 2, 12
+    samples = engine.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=N), num_samples_per_prompt=G)
+    assert len(samples) == G * len(PROMPTS)
+    for i, s in enumerate(samples):
+        prompt = PROMPTS[i // G]
+        assert s.prompt_tokens == tuple(prompt) and s.sample_index == i % G
+        x = torch.tensor([prompt])
+        ref = hf.generate(x, attention_mask=torch.ones_like(x), do_sample=False, max_new_tokens=N,
+                          min_new_tokens=N, eos_token_id=None, pad_token_id=0)[0, len(prompt):].tolist()
+        assert list(s.completion_tokens) == ref, f"[{name}] prompt {i // G} ({len(prompt)} tokens)"
+        assert s.finish_reason == "length" and s.weight_version == 0
+        err = (hf_logprobs(hf, prompt, s.completion_tokens) - torch.tensor(s.logprobs)).abs().max().item()
+        assert err < 1e-3, f"[{name}] logprob error {err}"
+    stats = engine.stats()
+    assert stats["prefill_tokens"] + stats["prefix_cache_hit_tokens"] == sum(map(len, PROMPTS))
+    assert engine.cache.num_free_blocks() == engine.cache.num_blocks
+    engine.cache.check()
+
+
+@torch.no_grad()
+def test_sampled_logprobs_match_transformers(checkpoint):
+    name, hf, path = checkpoint
+    engine = engine_for(path)
+    for params in (SamplingParams(temperature=0.7, max_tokens=10, seed=1),
+                   SamplingParams(temperature=1.3, max_tokens=10, top_k=5, top_p=0.9, seed=2)):
+        samples = engine.generate(PROMPTS[:4], params, num_samples_per_prompt=3)
+        assert len({s.completion_tokens for s in samples}) > 4        # samples of a group differ
+        for i, s in enumerate(samples):
+            prompt = PROMPTS[i // 3]
+            ref = hf_logprobs(hf, prompt, s.completion_tokens, params.temperature)
+            assert (ref - torch.tensor(s.logprobs)).abs().max().item() < 1e-3
+            if params.top_k:   # every sampled token is inside the top-k and the nucleus of its distribution
+                x = torch.tensor([prompt + list(s.completion_tokens)])
+                probs = torch.softmax(hf(x).logits[0, len(prompt) - 1:-1] / params.temperature, -1)
+                for row, tok in zip(probs, s.completion_tokens):
+                    rank = (row > row[tok]).sum().item()
+                    assert rank < params.top_k
+                    assert row[row > row[tok]].sum().item() < params.top_p
+
+
+@torch.no_grad()
+def test_engine_logprobs_equal_trainer_logprobs(moe):
+    _, path = moe
+    engine = engine_for(path)
+    model = load_hf_checkpoint(path)
+    for T in (1.0, 0.6):
+        samples = engine.generate(PROMPTS, SamplingParams(temperature=T, max_tokens=9, seed=3), 2)
+        seqs = [list(s.prompt_tokens + s.completion_tokens) for s in samples]
+        tokens = torch.tensor([t for s in seqs for t in s])
+        pos = torch.cat([torch.arange(len(s)) for s in seqs])
+        cu = torch.tensor([0] + [len(s) for s in seqs]).cumsum(0).to(torch.int32)
+        logits, _ = model(tokens, pos, cu)
+        for s, start in zip(samples, cu[:-1].tolist()):
+            P, C = len(s.prompt_tokens), len(s.completion_tokens)
+            rows = logits[start + P - 1:start + P + C - 1] / T
+            ref = torch.log_softmax(rows, -1).gather(1, torch.tensor(s.completion_tokens)[:, None])[:, 0]
+            assert (ref - torch.tensor(s.logprobs)).abs().max().item() < 1e-4
+
+
+# -----------------------------------------------------------------------------
+# paged attention itself: mixed prefill chunks and decodes, every backend, against the training attention
+
+
+@torch.no_grad()
+@pytest.mark.parametrize("backend", ["sdpa", "flex"])
+def test_paged_attention_mixed_batch_matches_document_attention(backend):
+    g = torch.Generator().manual_seed(0)
+    from model import ModelConfig
+    cfg = ModelConfig(num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2, head_dim=8)
+    cache = PagedKVCache(cfg, num_blocks=32, block_size=4)
+    lens, done = [9, 5, 1, 7], [0, 4, 0, 6]            # total length / already cached: prefill, chunk, decodes
+    perm = torch.randperm(32, generator=g).tolist()    # pages scattered over the pool
+    tables = [perm[8 * b: 8 * b + 8] for b in range(4)]
+    q, k, v = (torch.randn(sum(lens), n, 8, generator=g) for n in (4, 2, 2))
+    cu = torch.tensor([0] + lens).cumsum(0)
+    # what is already cached goes into its slots first
+    for b in range(4):
+        for p in range(done[b]):
+            slot = tables[b][p // 4] * 4 + p % 4
+            cache.kv[0, 0, :, slot // 4, slot % 4] = k[cu[b] + p]
+            cache.kv[0, 1, :, slot // 4, slot % 4] = v[cu[b] + p]
+    new = [list(range(cu[b] + done[b], cu[b + 1])) for b in range(4)]
+    flat = [i for rows in new for i in rows]
+    qlens = [len(r) for r in new]
+    Qmax = max(qlens)
+    starts = torch.tensor([0] + qlens).cumsum(0)
+    slot_mapping = torch.tensor([tables[b][p // 4] * 4 + p % 4 for b in range(4) for p in range(done[b], lens[b])])
+    within = [[min(i, n - 1) for i in range(Qmax)] for n in qlens]
+    query_pos = torch.tensor([[done[b] + i for i in within[b]] for b in range(4)])
+    query_index = torch.tensor([[starts[b].item() + i for i in within[b]] for b in range(4)])
+    token_row = torch.tensor([b * Qmax + i for b in range(4) for i in range(qlens[b])])
+    attn = PagedAttention(cache, slot_mapping, torch.tensor(tables), query_pos, query_index, token_row, backend=backend)
+    got = attn(0, q[flat], k[flat], v[flat])
+    ref = DocumentCausalAttention(cu.to(torch.int32), sum(lens), "cpu")(0, q, k, v)[flat]
+    assert (got - ref).abs().max().item() < 1e-5
+
+
+def test_flex_backend_and_chunked_prefill_give_the_same_tokens(moe):
+    hf, path = moe
+    params = SamplingParams(temperature=0, max_tokens=8)
+    ref = outputs(engine_for(path).generate(PROMPTS, params, 2))
+    assert outputs(engine_for(path, attention_backend="flex").generate(PROMPTS, params, 2)) == ref
+    # a token budget of 7: prompts are prefilled in chunks, mixed with other sequences' decodes
+    chunked = engine_for(path, max_num_batched_tokens=7)
+    assert outputs(chunked.generate(PROMPTS, params, 2)) == ref
+    assert chunked.stats()["steps"] > 20
+
+
+# -----------------------------------------------------------------------------
+# memory pressure, prefix caching, weight swaps
+
+
+def test_tiny_pool_preempts_and_still_matches_roomy_pool(moe):
+    _, path = moe
+    prompts = PROMPTS[:4]
+    for params in (SamplingParams(temperature=0, max_tokens=20), SamplingParams(temperature=1.0, max_tokens=20)):
+        roomy = engine_for(path, num_blocks=256, seed=5)
+        ref = roomy.generate(prompts, params, 3)
+        tiny = engine_for(path, num_blocks=5, seed=5)                  # one 53-token sequence needs 4 pages
+        got = tiny.generate(prompts, params, 3)
+        assert outputs(got) == outputs(ref)      # sampling noise is a function of (seed, position): same draws
+        assert tiny.stats()["preemptions"] > 0 and roomy.stats()["preemptions"] == 0
+        assert tiny.cache.num_free_blocks() == tiny.cache.num_blocks == 5
+        tiny.cache.check()
+        for a, b in zip(got, ref):
+            assert max(abs(x - y) for x, y in zip(a.logprobs, b.logprobs)) < 1e-4
+
+
+def test_request_that_can_never_fit_is_refused(moe):
+    _, path = moe
+    engine = engine_for(path, num_blocks=2)
+    with pytest.raises(ValueError, match="num_blocks"):
+        engine.add_request(rand_prompt(20, 0), SamplingParams(max_tokens=20))
+    assert not engine.has_pending()
+
+
+def test_group_prefills_once_and_second_generate_hits_cache(moe):
+    _, path = moe
+    engine = engine_for(path)
+    prompt = rand_prompt(40, 7)                                      # 2 full pages + 8 tokens
+    params = SamplingParams(temperature=1.0, max_tokens=6)
+    first = engine.generate([prompt], params, num_samples_per_prompt=4)
+    st = engine.stats()
+    assert st["prefill_tokens"] == 40 and st["prefix_cache_hit_tokens"] == 0 and st["forks"] == 3
+    assert len({s.completion_tokens for s in first}) > 1
+    engine.generate([prompt], params, num_samples_per_prompt=4)
+    st2 = engine.stats()
+    assert st2["prefix_cache_hit_tokens"] == 32                       # both full prompt pages
+    assert st2["prefill_tokens"] - st["prefill_tokens"] == 8
+    assert engine.cache.num_free_blocks() == engine.cache.num_blocks
+    engine.flush_cache()
+    engine.generate([prompt], params, num_samples_per_prompt=4)
+    assert engine.stats()["prefix_cache_hit_tokens"] == 32            # nothing more: the cache was flushed
+
+
+def test_update_weights_serves_no_stale_kv(moe, tmp_path_factory):
+    hf_old, path = moe
+    hf_new, new_path = make_checkpoint("moe", tmp_path_factory, seed=1)
+    new_sd = load_hf_checkpoint(new_path).state_dict()
+    params = SamplingParams(temperature=0, max_tokens=10)
+    fresh = outputs(engine_for(new_path).generate(PROMPTS, params, 2))
+    for blocking in (True, False):
+        engine = engine_for(path)
+        old = outputs(engine.generate(PROMPTS, params, 2))            # fills the prefix cache with old KV
+        assert old != fresh and engine.stats()["cached_blocks"] > 0
+        engine.update_weights(new_sd, blocking=blocking)
+        assert engine.get_weight_version() == (1 if blocking else 0)   # non-blocking: at the next step boundary
+        hits = engine.stats()["prefix_cache_hit_tokens"]
+        samples = engine.generate(PROMPTS, params, 2)
+        assert outputs(samples) == fresh
+        assert engine.get_weight_version() == 1 and all(s.weight_version == 1 for s in samples)
+        assert all(set(s.token_versions) == {1} for s in samples)
+        assert engine.stats()["prefix_cache_hit_tokens"] == hits      # not one old page was served
+        engine.generate(PROMPTS, params, 2)                            # ... though new ones are
+        assert engine.stats()["prefix_cache_hit_tokens"] > hits
+
+
+def test_in_process_engine_owns_its_weights(moe):
+    _, path = moe
+    policy = load_hf_checkpoint(path)
+    engine = InferenceEngine(EngineConfig(block_size=BLOCK, num_blocks=64, max_model_len=128), model=policy)
+    params = SamplingParams(temperature=0, max_tokens=8)
+    before = outputs(engine.generate(PROMPTS, params))
+    with torch.no_grad():                                            # the trainer steps: the engine must not see it
+        for p in policy.parameters():
+            p.mul_(1.5)
+    assert outputs(engine.generate(PROMPTS, params)) == before
+    engine.update_weights(policy.state_dict())                       # trainer names == engine names
+    after = outputs(engine.generate(PROMPTS, params))
+    ref = InferenceEngine(EngineConfig(block_size=BLOCK, num_blocks=64, max_model_len=128), model=policy)
+    assert after == outputs(ref.generate(PROMPTS, params)) and after != before
+
+
+def test_step_api_and_stop_tokens(moe):
+    _, path = moe
+    engine = engine_for(path)
+    greedy = engine.generate([PROMPTS[0]], SamplingParams(temperature=0, max_tokens=10))[0].completion_tokens
+    stop = greedy[4]
+    first = greedy.index(stop)
+    seq_id = engine.add_request(PROMPTS[0], SamplingParams(temperature=0, max_tokens=10, stop_token_ids={stop}))
+    other = engine.add_request(PROMPTS[1], SamplingParams(temperature=0, max_tokens=3), num_samples=2)
+    done = []
+    while engine.has_pending():
+        done += engine.step()
+    mine = [s for s in done if s.seq_id == seq_id]
+    assert len(done) == 3 and len(mine) == 1 and {s.sample_index for s in done if s.seq_id == other} == {0, 1}
+    assert mine[0].completion_tokens == greedy[:first + 1] and mine[0].finish_reason == "stop"
+    # generate() while others' requests are queued: theirs are kept and handed out by the next step()
+    engine.add_request(PROMPTS[2], SamplingParams(temperature=0, max_tokens=30))
+    assert len(engine.generate([PROMPTS[1]], SamplingParams(temperature=0, max_tokens=2))) == 1
+    rest = []
+    while engine.has_pending() or not rest:
+        rest += engine.step()
+    assert len(rest) == 1 and len(rest[0].completion_tokens) == 30
+    engine.shutdown()
+    with pytest.raises(RuntimeError):
+        engine.generate([PROMPTS[0]], SamplingParams())
+
+
+def test_max_model_len_ends_with_length(moe):
+    _, path = moe
+    engine = engine_for(path, max_model_len=20)
+    s = engine.generate([PROMPTS[0]], SamplingParams(temperature=0, max_tokens=50))[0]
+    assert len(s.prompt_tokens) + len(s.completion_tokens) == 20 and s.finish_reason == "length"
+
+
+# -----------------------------------------------------------------------------
+# bad input: refused at the boundary, naming the bad value, and the engine is unchanged
+
+
+def test_bad_inputs_are_refused_and_change_nothing(moe):
+    _, path = moe
+    engine = engine_for(path, max_model_len=64)
+    params = SamplingParams(temperature=0, max_tokens=6)
+    before = outputs(engine.generate(PROMPTS[:3], params, 2))
+    good = PROMPTS[0]
+    bad_generate = [
+        (([[]], params), "empty"),
+        (([good + [VOCAB]], params), str(VOCAB)),
+        (([good[:3] + [-1]], params), "-1"),
+        (([rand_prompt(64, 1)], params), "max_model_len"),
+        (([good, good + [VOCAB + 5]], params), r"prompts\[1\]"),      # one bad prompt: none is queued
+        (([good], params, 0), "num_samples_per_prompt"),
+        (([good], params, -2), "num_samples_per_prompt"),
+        ((good, params), "list of token-id lists"),
+        (([good], "greedy"), "SamplingParams"),
+        (([[1.5, 2]], params), "1.5"),
+    ]
+    for args, match in bad_generate:
+        with pytest.raises((ValueError, TypeError), match=match):
+            engine.generate(*args)
+        assert not engine.has_pending()
+    with pytest.raises((ValueError, TypeError), match="empty"):
+        engine.add_request([], params)
+    bad_params = [dict(max_tokens=0), dict(max_tokens=-3), dict(temperature=-0.5), dict(temperature=float("nan")),
+                  dict(top_p=0.0), dict(top_p=1.5), dict(top_p=float("nan")), dict(top_k=-1),
+                  dict(stop_token_ids={-4})]
+    for kw in bad_params:
+        with pytest.raises((ValueError, TypeError), match=list(kw)[0]):
+            SamplingParams(**kw)
+    sd = {k: v.clone() for k, v in engine.model.state_dict().items()}
+    name = "layers.0.self_attn.q_proj.weight"
+    nan = dict(sd, **{name: torch.full_like(sd[name], float("nan"))})
+    inf = dict(sd, **{name: sd[name].clone().index_fill_(0, torch.tensor([3]), float("inf"))})
+    bad_sd = [({k: v for k, v in sd.items() if k != name}, name), (dict(sd, extra=sd[name]), "extra"),
+              (dict(sd, **{name: sd[name][:-1]}), name), (nan, name), (inf, name),
+              (dict(sd, **{name: sd[name].long()}), name), (dict(sd, **{name: [1.0]}), name), ([1, 2], "mapping")]
+    for bad, match in bad_sd:
+        for blocking in (True, False):
+            with pytest.raises((ValueError, TypeError), match=match):
+                engine.update_weights(bad, blocking=blocking)
+    assert engine.get_weight_version() == 0
+    for kw, match in [(dict(cache_type="radix"), "not implemented"), (dict(cache_type="hash"), "cache_type"),
+                      (dict(block_size=0), "block_size"), (dict(dtype="float33"), "float33"),
+                      (dict(attention_backend="xformers"), "xformers")]:
+        with pytest.raises((ValueError, TypeError), match=match):
+            EngineConfig(model_path=path, **kw)
+    assert outputs(engine.generate(PROMPTS[:3], params, 2)) == before
+    assert engine.cache.num_free_blocks() == engine.cache.num_blocks
+
+
+# -----------------------------------------------------------------------------
+# the pure parts: hashing, sampling, scheduling, the allocator
+
+
+def test_compute_block_hash():
+    h = compute_block_hash([1, 23], None)
+    assert h != compute_block_hash([12, 3], None)                    # fixed width: no ambiguity
+    assert compute_block_hash([300, 5], None) != compute_block_hash([44, 5], None)   # ids past 255
+    assert h == compute_block_hash([1, 23], None) != compute_block_hash([1, 23], h)  # the parent is in the name
+    assert isinstance(h, int)
+
+
+def test_sample_with_logprobs():
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(6, 50, generator=g) * 3
+    T = torch.tensor([0.0, 1.0, 0.5, 2.0, 1.0, 1.0])
+    tokens, lp = sample_with_logprobs(logits, T, seeds=torch.arange(6), positions=torch.zeros(6, dtype=torch.long))
+    assert tokens[0] == logits[0].argmax()
+    ref = torch.log_softmax(logits / torch.where(T == 0, 1.0, T)[:, None], -1).gather(1, tokens[:, None])[:, 0]
+    assert torch.allclose(lp, ref, atol=1e-6)
+    # top_k=1 and a tiny top_p are greedy; their logprob is still of the unfiltered distribution
+    for kw in (dict(top_k=torch.full((6,), 1)), dict(top_p=torch.full((6,), 1e-4))):
+        tk, lpk = sample_with_logprobs(logits, torch.ones(6), **kw)
+        assert torch.equal(tk, logits.argmax(-1))
+        assert torch.allclose(lpk, torch.log_softmax(logits, -1).max(-1).values)
+    # seeded draws are a function of (seed, position) only, and follow softmax(logits / T)
+    one = torch.randn(1, 8, generator=g)
+    n = 20000
+    draws, _ = sample_with_logprobs(one.expand(n, 8), torch.full((n,), 0.8), seeds=torch.arange(n),
+                                    positions=torch.full((n,), 3))
+    freq = torch.bincount(draws, minlength=8).float() / n
+    p = torch.softmax(one[0] / 0.8, -1)
+    assert (freq - p).abs().max().item() < 4 * math.sqrt(0.25 / n)
+    again, _ = sample_with_logprobs(one.expand(10, 8), torch.full((10,), 0.8), seeds=torch.arange(10),
+                                    positions=torch.full((10,), 3))
+    assert torch.equal(again, draws[:10])
+
+
+class FakeSeq:
+    def __init__(self, uid, num_tokens, num_computed, block_table=(), num_samples=1, cached=0, cached_free=0):
+        self.uid, self.num_tokens, self.num_computed = uid, num_tokens, num_computed
+        self.block_table, self.num_samples = list(block_table), num_samples
+        self.num_cached_tokens, self.num_cached_free_blocks = cached, cached_free
+
+
+def test_schedule_decodes_first_chunks_prefill_and_preempts_newest():
+    cfg = SchedulerConfig(max_batch_size=8, max_num_batched_tokens=10, block_size=4)
+    prefill = FakeSeq(1, 9, 4, [0, 1])                     # running, mid-prefill (chunked)
+    dec = FakeSeq(2, 6, 5, [2, 3])                         # decode: position 5 fits page 3
+    dec_new_page = FakeSeq(3, 9, 8, [4, 5])                # decode at position 8: needs a page
+    waiting = [FakeSeq(4, 12, 0), FakeSeq(5, 3, 0)]
+    out = schedule(waiting, [prefill, dec, dec_new_page], 10, cfg)
+    assert out.scheduled == ((2, 1), (3, 1), (1, 5), (4, 3)) and out.admitted == (4,) and out.preempted == ()
+    # no free page: the newest running sequence is preempted (its pages count once nobody else holds them)
+    out = schedule(waiting, [dec, dec_new_page, FakeSeq(6, 6, 5, [6, 7])], 0, cfg)
+    assert out.preempted == (6,) and out.scheduled == ((2, 1), (3, 1)) and out.admitted == ()
+    shared = FakeSeq(7, 6, 5, [4, 8])                      # shares page 4 with dec_new_page
+    out = schedule([], [dec_new_page, shared], 0, cfg)
+    assert out.preempted == (7,) and out.scheduled == ((3, 1),)
+    # a group counts as num_samples sequences, and reserves pages for its copies of a partial last page
+    out = schedule([FakeSeq(8, 6, 0, num_samples=9)], [], 100, cfg)
+    assert out.scheduled == ()                            # 9 samples > max_batch_size
+    out = schedule([FakeSeq(8, 6, 0, num_samples=4)], [], 4, cfg)
+    assert out.scheduled == ()                            # 2 pages + 3 copies > 4
+    out = schedule([FakeSeq(8, 6, 4, num_samples=4, cached=4, cached_free=1)], [], 6, cfg)
+    assert out.scheduled == ((8, 2),)                     # prefix hit: only 2 tokens to compute
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.tuples(st.sampled_from(["alloc", "share", "free", "register", "hit", "invalidate"]),
+                          st.integers(0, 1000)), max_size=80))
+def test_allocator_invariants(ops):
+    alloc = BlockAllocator(num_blocks=6, block_size=4)
+    held = []                                              # one entry per reference we hold
+    for op, x in ops:
+        if op == "alloc" and alloc.num_free_blocks():
+            b = alloc.allocate()
+            assert b not in held, "a page handed out while held"
+            held.append(b)
+        elif op == "share" and held:
+            b = held[x % len(held)]
+            alloc.share(b)
+            held.append(b)
+        elif op == "free" and held:
+            alloc.free(held.pop(x % len(held)))
+        elif op == "register" and held:
+            alloc.register(held[x % len(held)], x % 7)
+        elif op == "hit":
+            b = alloc.lookup(x % 7)
+            if b is not None:
+                alloc.share(b)
+                held.append(b)
+        elif op == "invalidate":
+            alloc.invalidate()
+        alloc.check()
+        assert all(alloc.refcount[b] == held.count(b) for b in range(6))
+        assert alloc.num_free_blocks() + len(set(held)) == 6
+    for b in list(held):
+        alloc.free(b)
+    alloc.check()
+    assert alloc.num_free_blocks() == 6
