@@ -33,7 +33,7 @@ import torch
 import torch.nn.functional as F
 import xxhash
 
-from model import PagedAttention, PagedKVCache, Transformer, _as_dtype, load_hf_checkpoint
+from model import PagedAttention, PagedGroup, PagedKVCache, Transformer, _as_dtype, load_hf_checkpoint
 
 # -----------------------------------------------------------------------------
 # configs and results
@@ -448,11 +448,11 @@ class InferenceEngine:
         self._closed = False
 
     def _size_pool(self):
-        # enough pages for max_batch_size sequences at full length, twice over (the rest is prefix cache),
-        # capped at memory_fraction of the free memory of the device
+        # enough pages for max_batch_size sequences at full length (what is left over serves the prefix cache),
+        # capped at memory_fraction of the device's free memory
         cfg, bs = self.config, self.config.block_size
         per_block = PagedKVCache.bytes_per_block(self.model_config, bs, self.dtype)
-        want = 2 * cfg.max_batch_size * -(-self.max_model_len // bs)
+        want = cfg.max_batch_size * -(-self.max_model_len // bs)
         if self.device.type == "cuda":
             free_bytes = torch.cuda.mem_get_info(self.device)[0]
         else:
@@ -610,7 +610,7 @@ class InferenceEngine:
                     self._stats["prefix_cache_hit_tokens"] += seq.num_cached_tokens
             self.waiting = [s for s in self.waiting if s.uid not in admitted]
             self.running += [by_id[i] for i in sched.admitted]
-        batch = [(by_id[i], n) for i, n in sched.scheduled]
+        batch = sorted(((by_id[i], n) for i, n in sched.scheduled), key=lambda x: x[1] > 1)   # decodes first
         if not batch:
             return out
         for seq, n in batch:
@@ -620,41 +620,51 @@ class InferenceEngine:
         return out + self._postprocess(batch, logits, samplers)
 
     def _forward(self, batch):
-        """Build the step's metadata (numpy, one transfer), run the model, return the logits of the sequences that
-        caught up (they sample) and which ones they are."""
+        """Build the step's metadata (numpy, then one host -> device transfer), run the model, return the logits of
+        the sequences that caught up (they sample) and which ones they are. batch is ordered decodes first: they
+        attend as one group, prefill chunks as another (PagedGroup)."""
         bs = self.block_size
         B = len(batch)
         qlens = np.fromiter((n for _, n in batch), dtype=np.int64, count=B)
         starts = np.fromiter((s.num_computed for s, _ in batch), dtype=np.int64, count=B)
         ends = starts + qlens
-        T, Qmax = int(qlens.sum()), int(qlens.max())
         cu = np.zeros(B + 1, dtype=np.int64)
         np.cumsum(qlens, out=cu[1:])
-        n_pages = int(-(-ends.max() // bs))
-        tables = np.zeros((B, n_pages), dtype=np.int64)
+        T = int(cu[-1])
+        tables = np.zeros((B, int(-(-ends.max() // bs))), dtype=np.int64)
         tokens = []
         for b, (seq, n) in enumerate(batch):
             tables[b, :len(seq.block_table)] = seq.block_table
             tokens += seq.tokens[seq.num_computed:seq.num_computed + n]
-        uniform = T == B * Qmax
-        row_of = np.repeat(np.arange(B), qlens) if not uniform else np.arange(T) // Qmax
-        offset = np.arange(T) - cu[:-1][row_of]                      # index of each token within its chunk
+        row_of = np.repeat(np.arange(B), qlens)                       # each token's sequence
+        offset = np.arange(T) - cu[:-1][row_of]                        # ... and place in its chunk
         pos = starts[row_of] + offset
-        slots = tables[row_of, pos // bs] * bs + pos % bs
-        within = np.minimum(np.arange(Qmax)[None, :], (qlens - 1)[:, None])
-        query_pos = starts[:, None] + within                          # [B, Qmax], padding repeats the last row
         samplers = [b for b, (seq, n) in enumerate(batch) if ends[b] == seq.num_tokens]
-        parts = [np.asarray(tokens, dtype=np.int64), pos, slots, tables.ravel(), query_pos.ravel(),
+        parts = [np.asarray(tokens, dtype=np.int64), pos, tables[row_of, pos // bs] * bs + pos % bs,
                  cu[1:][samplers] - 1]
-        if not uniform:
-            parts += [(cu[:-1][:, None] + within).ravel(), row_of * Qmax + offset]
+        num_decodes = int((qlens == 1).sum())                          # batch order: decodes first
+        specs = []
+        for lo, hi in ((0, num_decodes), (num_decodes, B)):
+            if lo == hi:
+                continue
+            Qmax = int(qlens[lo:hi].max())
+            n_pages = int(-(-ends[lo:hi].max() // bs))
+            within = np.minimum(np.arange(Qmax)[None, :], (qlens[lo:hi] - 1)[:, None])
+            parts += [tables[lo:hi, :n_pages].ravel(), (starts[lo:hi, None] + within).ravel()]
+            uniform = bool((qlens[lo:hi] == Qmax).all())
+            if not uniform:
+                rows = slice(cu[lo], cu[hi])
+                parts += [(cu[lo:hi, None] - cu[lo] + within).ravel(), (row_of[rows] - lo) * Qmax + offset[rows]]
+            specs.append((int(cu[lo]), int(cu[hi] - cu[lo]), hi - lo, n_pages, Qmax, uniform))
         flat = torch.from_numpy(np.concatenate(parts)).to(self.device, non_blocking=True)
-        sizes = [p.size for p in parts]
-        views = torch.split(flat, sizes)
-        tok_t, pos_t, slot_t, tab_t, qpos_t, logit_idx = views[:6]
-        qidx_t, row_t = (views[6].view(B, Qmax), views[7]) if not uniform else (None, None)
-        attention = PagedAttention(self.kv_cache, slot_t, tab_t.view(B, n_pages), qpos_t.view(B, Qmax), qidx_t,
-                                   row_t, backend=self.backend, compiled=self.config.compile)
+        views = iter(torch.split(flat, [p.size for p in parts]))
+        tok_t, pos_t, slot_t, logit_idx = (next(views) for _ in range(4))
+        groups = []
+        for start, num, nb, n_pages, Qmax, uniform in specs:
+            tab, qpos = next(views).view(nb, n_pages), next(views).view(nb, Qmax)
+            qidx, row = (None, None) if uniform else (next(views).view(nb, Qmax), next(views))
+            groups.append(PagedGroup(start, num, tab, qpos, qidx, row))
+        attention = PagedAttention(self.kv_cache, slot_t, groups, backend=self.backend, compiled=self.config.compile)
         logits, _ = self.model(tok_t, pos_t, attention=attention, logits_indices=logit_idx)
         for seq, n in batch:                      # what this step computed: prefill (catching up) or decode
             self._stats["prefill_tokens" if seq.catching_up else "decode_tokens"] += n

@@ -13,7 +13,7 @@ from transformers import Qwen3Config, Qwen3ForCausalLM, Qwen3MoeConfig, Qwen3Moe
 
 from engine import (BlockAllocator, EngineConfig, InferenceEngine, SamplingParams, SchedulerConfig, compute_block_hash,
                     sample_with_logprobs, schedule)
-from model import DocumentCausalAttention, PagedAttention, PagedKVCache, load_hf_checkpoint
+from model import DocumentCausalAttention, ModelConfig, PagedAttention, PagedGroup, PagedKVCache, load_hf_checkpoint
 
 VOCAB = 96
 BLOCK = 16
@@ -27,6 +27,16 @@ HF_CONFIGS = {
         vocab_size=VOCAB, hidden_size=32, intermediate_size=80, num_hidden_layers=2, num_attention_heads=4,
         num_key_value_heads=1, head_dim=16, tie_word_embeddings=True),
 }
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    # tiny models gain nothing from a second thread, and on a shared 2-core machine an oversubscribed OpenMP pool
+    # makes each small op ~100x slower (measured: this file takes 6 minutes instead of 15 s)
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
 
 
 def randomise(hf_model, seed=0):
@@ -161,31 +171,29 @@ def test_engine_logprobs_equal_trainer_logprobs(moe):
 @pytest.mark.parametrize("backend", ["sdpa", "flex"])
 def test_paged_attention_mixed_batch_matches_document_attention(backend):
     g = torch.Generator().manual_seed(0)
-    from model import ModelConfig
     cfg = ModelConfig(num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2, head_dim=8)
-    cache = PagedKVCache(cfg, num_blocks=32, block_size=4)
-    lens, done = [9, 5, 1, 7], [0, 4, 0, 6]            # total length / already cached: prefill, chunk, decodes
-    perm = torch.randperm(32, generator=g).tolist()    # pages scattered over the pool
-    tables = [perm[8 * b: 8 * b + 8] for b in range(4)]
+    cache = PagedKVCache(cfg, num_blocks=40, block_size=4)
+    # total length / already cached: two decodes, then a whole prefill, a chunk after a cached prefix, a 1-token one
+    lens, done = [6, 9, 9, 7, 1], [5, 8, 0, 4, 0]
+    perm = torch.randperm(40, generator=g).tolist()    # pages scattered over the pool
+    tables = [perm[8 * b: 8 * b + 8] for b in range(5)]
     q, k, v = (torch.randn(sum(lens), n, 8, generator=g) for n in (4, 2, 2))
     cu = torch.tensor([0] + lens).cumsum(0)
-    # what is already cached goes into its slots first
-    for b in range(4):
+    for b in range(5):                                 # what is already cached goes into its slots first
         for p in range(done[b]):
-            slot = tables[b][p // 4] * 4 + p % 4
-            cache.kv[0, 0, :, slot // 4, slot % 4] = k[cu[b] + p]
-            cache.kv[0, 1, :, slot // 4, slot % 4] = v[cu[b] + p]
-    new = [list(range(cu[b] + done[b], cu[b + 1])) for b in range(4)]
-    flat = [i for rows in new for i in rows]
-    qlens = [len(r) for r in new]
-    Qmax = max(qlens)
-    starts = torch.tensor([0] + qlens).cumsum(0)
-    slot_mapping = torch.tensor([tables[b][p // 4] * 4 + p % 4 for b in range(4) for p in range(done[b], lens[b])])
+            page, off = tables[b][p // 4], p % 4
+            cache.kv[0, 0, :, page, off], cache.kv[0, 1, :, page, off] = k[cu[b] + p], v[cu[b] + p]
+    flat = [i for b in range(5) for i in range(cu[b] + done[b], cu[b + 1])]
+    slot_mapping = torch.tensor([tables[b][p // 4] * 4 + p % 4 for b in range(5) for p in range(done[b], lens[b])])
+    decodes = PagedGroup(0, 2, torch.tensor(tables[:2]), torch.tensor([[5], [8]]))
+    qlens, Qmax = [9, 3, 1], 9
     within = [[min(i, n - 1) for i in range(Qmax)] for n in qlens]
-    query_pos = torch.tensor([[done[b] + i for i in within[b]] for b in range(4)])
-    query_index = torch.tensor([[starts[b].item() + i for i in within[b]] for b in range(4)])
-    token_row = torch.tensor([b * Qmax + i for b in range(4) for i in range(qlens[b])])
-    attn = PagedAttention(cache, slot_mapping, torch.tensor(tables), query_pos, query_index, token_row, backend=backend)
+    starts = [0, 9, 12]
+    prefills = PagedGroup(2, 13, torch.tensor(tables[2:]),
+                          torch.tensor([[done[2 + b] + i for i in within[b]] for b in range(3)]),
+                          torch.tensor([[starts[b] + i for i in within[b]] for b in range(3)]),
+                          torch.tensor([b * Qmax + i for b in range(3) for i in range(qlens[b])]))
+    attn = PagedAttention(cache, slot_mapping, [decodes, prefills], backend=backend)
     got = attn(0, q[flat], k[flat], v[flat])
     ref = DocumentCausalAttention(cu.to(torch.int32), sum(lens), "cpu")(0, q, k, v)[flat]
     assert (got - ref).abs().max().item() < 1e-5
