@@ -1,0 +1,40 @@
+# The embedded default experiment: a small Qwen3-MoE-shaped model learns mini-countdown (task.py) on a CPU.
+# One file for every stage, each stage's output feeding the next:
+#   python pretrain.py config/qwen_small.py      # -> out/qwen_small/pretrain
+#   python sft.py config/qwen_small.py           # init_from the pretrain run -> out/qwen_small/sft
+#   python train_grpo.py config/qwen_small.py    # init_from the sft run
+# Top-level names are shared by every stage (each script declares them); the dicts below are per stage.
+
+# the model, for init_from='scratch' (vocab_size comes from the tokenizer)
+model = dict(
+    hidden_size=128, intermediate_size=384, moe_intermediate_size=128,
+    num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, head_dim=32,
+    num_experts=8, num_experts_per_tok=2, norm_topk_prob=True,
+    rope_theta=10000.0, tie_word_embeddings=True, max_position_embeddings=1024,
+)
+seed = 1337
+device = "cpu"
+dtype = "float32"
+compile = False
+wandb_log = False
+wandb_project = "nano-rl"
+
+pretrain = dict(
+    out_dir="out/qwen_small/pretrain",
+    init_from="scratch",
+    max_iters=300,
+    learning_rate=3e-3, min_lr=3e-4, warmup_iters=20,
+    batch_tokens=2048,
+    log_interval=10, eval_interval=100, ckpt_interval=100,
+)
+
+sft = dict(
+    out_dir="out/qwen_small/sft",
+    init_from="out/qwen_small/pretrain",
+    max_iters=200,
+    learning_rate=1e-3, min_lr=1e-4, warmup_iters=10,
+    batch_tokens=1024,
+    log_interval=10, eval_interval=50, ckpt_interval=100,
+)
+
+grpo = dict()  # filled in with train_grpo.py (init_from="out/qwen_small/sft")

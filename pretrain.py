@@ -1,0 +1,73 @@
+"""
+Pretraining: next-token prediction on packed documents, every token weighted 1.
+
+    python pretrain.py config/qwen_small.py
+    python pretrain.py config/qwen_small.py --max_iters=50 --out_dir=out/try
+    python pretrain.py config/qwen_small.py --init_from=resume      # continue a killed run exactly
+
+The data is the embedded task's corpus (task.pretrain_corpus: digits and expressions with their values), each
+document tokenized and closed with <|endoftext|>. The tokenizer is saved into every checkpoint, so
+{out_dir}/ckpt is a self-contained transformers directory and sft.py can start from --init_from={out_dir}.
+"""
+import sys
+
+import task
+import training
+from configurator import configure, print0
+from tokenizer import ENDOFTEXT, build_tokenizer
+
+# -----------------------------------------------------------------------------
+# settings (a config file, then --key=value, override these)
+out_dir = "out/pretrain"
+init_from = "scratch"        # 'scratch' | 'resume' | a previous run's out_dir | a transformers model dir
+model = dict()               # ModelConfig fields for init_from='scratch' (vocab_size comes from the tokenizer)
+seed = 1337
+device = "cpu"
+dtype = "float32"            # 'float32' | 'bfloat16' (autocast; master weights stay fp32)
+compile = False
+# optimization
+max_iters = 300
+learning_rate = 3e-3
+min_lr = 3e-4
+warmup_iters = 20
+lr_decay_iters = 0           # 0 = max_iters
+weight_decay = 0.1
+beta1 = 0.9
+beta2 = 0.95
+grad_clip = 1.0
+aux_loss_coef = 0.01         # times the router's load-balancing loss
+batch_tokens = 2048          # tokens per micro-batch (whole documents, packed)
+grad_accum = 1               # micro-batches per optimizer step
+# data
+n_docs = 20000               # training documents
+n_val_docs = 200             # held-out documents (another seed) for eval/loss
+# logging and checkpoints
+log_interval = 10
+eval_interval = 100
+ckpt_interval = 100
+wandb_log = False
+wandb_project = "nano-rl"
+wandb_run_name = ""
+# -----------------------------------------------------------------------------
+config = configure(globals(), sys.argv[1:], stage="pretrain")
+
+
+def documents(tok, n, seed):
+    """token ids of n corpus documents, each closed with <|endoftext|> so the model learns where one ends"""
+    eot = tok.convert_tokens_to_ids(ENDOFTEXT)
+    return [tok.encode(d, add_special_tokens=False) + [eot] for d in task.pretrain_corpus(n, seed)]
+
+
+if __name__ == "__main__":
+    start = training.init_start(config, build_tokenizer)
+    tok = start.tokenizer
+    train_docs = documents(tok, n_docs, seed)
+    val_docs = documents(tok, n_val_docs, seed + 1)
+    print0(f"{len(train_docs)} documents, {sum(map(len, train_docs))} tokens")
+    loader = training.PackedLoader(train_docs, [[1.0] * len(d) for d in train_docs], batch_tokens, seed)
+    val_batches = training.fixed_batches(val_docs, [[1.0] * len(d) for d in val_docs], batch_tokens)
+
+    def eval_fn(m):
+        return {"eval/loss": training.evaluate_loss(m, val_batches, device)}
+
+    training.train(config, start, loader, eval_fn=eval_fn)
