@@ -564,10 +564,12 @@ _compiled_flex_attention = None
 
 
 def compiled_flex_attention():
-    # compiled once per process, shapes dynamic: batch size and context length change every engine step
+    # compiled once per process; batch size and lengths change every engine step, so torch.compile's automatic
+    # dynamic shapes (first call static, then the dims that changed go dynamic) keep recompiles to a few.
+    # dynamic=True from the start hits an inductor C++ codegen error for CPU flex (torch 2.13, a 33-query prefill)
     global _compiled_flex_attention
     if _compiled_flex_attention is None:
-        _compiled_flex_attention = torch.compile(flex_attention, dynamic=True)
+        _compiled_flex_attention = torch.compile(flex_attention)
     return _compiled_flex_attention
 
 
