@@ -321,6 +321,17 @@ def test_step_api_and_stop_tokens(moe):
         engine.generate([PROMPTS[0]], SamplingParams())
 
 
+def test_seeded_samples_do_not_depend_on_the_batch(moe):
+    _, path = moe
+    params = SamplingParams(temperature=1.0, max_tokens=12, seed=7)
+    alone = engine_for(path, seed=1).generate(PROMPTS[:1], params, 3)
+    crowded = engine_for(path, seed=2).generate(PROMPTS, params, 3)[:3]
+    assert outputs(alone) == outputs(crowded)
+    assert len({s.completion_tokens for s in alone}) == 3
+    assert outputs(engine_for(path).generate(PROMPTS[:1], SamplingParams(temperature=1.0, max_tokens=12, seed=8), 3)) \
+        != outputs(alone)
+
+
 def test_max_model_len_ends_with_length(moe):
     _, path = moe
     engine = engine_for(path, max_model_len=20)
