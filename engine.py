@@ -428,11 +428,13 @@ class InferenceEngine:
             with torch.device("meta"):
                 own = Transformer(model.config)
             own = own.to_empty(device=self.device).to(self.dtype)
+            theirs = model.state_dict()
             with torch.no_grad():
                 for name, t in own.state_dict().items():
-                    t.copy_(model.state_dict()[name])
+                    t.copy_(theirs[name])
             model = own
         self.model = model.eval().requires_grad_(False)
+        self._params = model.state_dict()         # name -> tensor sharing the parameter's storage (copy_ targets)
         self.model_config = mc = model.config
         self.max_model_len = config.max_model_len or mc.max_position_embeddings
         self.block_size = config.block_size
@@ -774,11 +776,11 @@ class InferenceEngine:
     def _check_state_dict(self, state_dict):
         if not hasattr(state_dict, "keys") or not hasattr(state_dict, "__getitem__"):
             raise TypeError(f"state_dict must be a mapping of name -> tensor, got {type(state_dict).__name__}")
-        expected = self.model.state_dict()
-        missing, unknown = sorted(set(expected) - set(state_dict)), sorted(set(state_dict) - set(expected))
-        if missing:
-            raise ValueError(f"state_dict is missing {missing[:5]}{' ...' if len(missing) > 5 else ''}")
-        if unknown:
+        expected = self._params
+        if state_dict.keys() != expected.keys():
+            missing, unknown = sorted(set(expected) - set(state_dict)), sorted(set(state_dict) - set(expected))
+            if missing:
+                raise ValueError(f"state_dict is missing {missing[:5]}{' ...' if len(missing) > 5 else ''}")
             raise ValueError(f"state_dict has unknown tensor(s) {unknown[:5]}{' ...' if len(unknown) > 5 else ''}")
         sums = []
         for name, ours in expected.items():
@@ -812,7 +814,7 @@ class InferenceEngine:
 
     def _apply_weights(self, state_dict):
         with torch.no_grad():
-            for name, t in self.model.state_dict().items():
+            for name, t in self._params.items():
                 t.copy_(state_dict[name])
         self.version += 1
         self._stats["weight_updates"] += 1
