@@ -58,6 +58,7 @@ class EngineConfig:
     attention_backend: str = "auto"      # 'sdpa' | 'flex' | 'auto' (see above)
     compile: bool = False                # run FlexAttention through torch.compile (the CUDA path)
     seed: int = 0                        # seeds the per-request sampling seeds
+    weight_version: int = 0              # the version of the weights it starts with (a resumed trainer's)
 
     def __post_init__(self):
         if self.cache_type == "radix":
@@ -66,6 +67,8 @@ class EngineConfig:
             raise ValueError(f"unknown cache_type {self.cache_type!r}: expected 'paged' or 'radix'")
         for name in ("block_size", "max_batch_size", "max_num_batched_tokens"):
             _check_positive_int(f"EngineConfig.{name}", getattr(self, name))
+        if isinstance(self.weight_version, bool) or not isinstance(self.weight_version, int) or self.weight_version < 0:
+            raise ValueError(f"EngineConfig.weight_version must be an int >= 0, got {self.weight_version!r}")
         for name in ("num_blocks", "max_model_len"):
             if getattr(self, name) is not None:
                 _check_positive_int(f"EngineConfig.{name}", getattr(self, name))
@@ -445,7 +448,7 @@ class InferenceEngine:
         if self.backend == "auto":
             self.backend = "flex" if self.device.type == "cuda" and config.compile else "sdpa"
         self.scheduler_config = SchedulerConfig(config.max_batch_size, config.max_num_batched_tokens, config.block_size)
-        self.version = 0
+        self.version = config.weight_version
         self._staged = None                       # a non-blocking update waiting for the next step boundary
         self._rng = random.Random(config.seed)
         self._next_id = self._next_uid = 0

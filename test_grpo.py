@@ -1,0 +1,187 @@
+"""
+train_grpo.py: advantages and zero-variance filtering on hand-made groups, the batch it trains on, a few-iteration
+run on a tiny model (weight versions advance, samples carry them, the loss is finite, engine == trainer logprobs),
+the refill-then-skip path when no group has variance, and a run killed mid-way that resumes exactly.
+
+The tiny model starts from scratch, so the task's real reward would be 0 everywhere; these tests swap in a
+reward with variance (completion length parity), which exercises the same loop.
+"""
+import json
+import math
+
+import pytest
+import torch
+
+import task
+import train_grpo
+import training
+from configurator import configure
+from engine import TrainingSample
+from train_grpo import build_batches, group_advantages, zero_variance_groups
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread():
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+# -----------------------------------------------------------------------------
+# advantages
+
+
+def test_group_advantages_centre_each_group():
+    r = [1, 0, 0, 1, 1, 1, 1, 0]
+    adv = group_advantages(r, 4)
+    assert torch.allclose(adv, torch.tensor([0.5, -0.5, -0.5, 0.5, 0.25, 0.25, 0.25, -0.75]))
+    assert torch.allclose(adv.view(2, 4).sum(1), torch.zeros(2))
+
+
+def test_group_advantages_scaled_by_group_std():
+    adv = group_advantages([1, 0, 0, 1, 2, 2, 2, 2], 4, scale_rewards=True)
+    assert torch.allclose(adv[:4], torch.tensor([1.0, -1.0, -1.0, 1.0]), atol=1e-5)
+    assert torch.equal(adv[4:], torch.zeros(4))   # a flat group stays 0 (eps keeps it finite)
+
+
+def test_zero_variance_groups():
+    flat = zero_variance_groups([1, 1, 1, 0, 0, 0, 1, 0, 0], 3)
+    assert flat.tolist() == [True, True, False]
+
+
+@pytest.mark.parametrize("rewards,g", [([1, 0, 1], 2), ([], 2), ([[1, 0]], 2)])
+def test_group_advantages_bad_shapes(rewards, g):
+    with pytest.raises(ValueError, match="whole groups"):
+        group_advantages(rewards, g)
+
+
+def test_batch_weights_are_advantage_on_completion_only():
+    def sample(comp, lps):
+        return TrainingSample(prompt_tokens=(1, 5, 6), completion_tokens=comp, logprobs=lps)
+    prompt = [1, 5, 6]
+    groups = [(None, prompt, [sample((7, 2), (-0.1, -0.2)), sample((8, 9, 2), (-0.3, -0.4, -0.5))], [1.0, 0.0])]
+    c = {"group_size": 2, "scale_rewards": False, "batch_tokens": 64}
+    (b,) = build_batches(groups, c)
+    assert b.tokens.tolist() == [1, 5, 6, 7, 2, 1, 5, 6, 8, 9, 2]
+    # row j is scored on labels[j]: the prompt's last row predicts the first completion token
+    assert b.token_weights.tolist() == [0, 0, 0.5, 0.5, 0, 0, 0, -0.5, -0.5, -0.5, 0]
+    assert b.labels.tolist() == [5, 6, 7, 2, 0, 5, 6, 8, 9, 2, 0]
+    assert torch.allclose(b.log_probs, torch.tensor([0, 0, -0.1, -0.2, 0, 0, 0, -0.3, -0.4, -0.5, 0]))
+    assert b.rewards.tolist() == [1.0, 0.0]
+
+
+# -----------------------------------------------------------------------------
+# tiny runs
+
+TINY = dict(hidden_size=32, intermediate_size=64, moe_intermediate_size=32, num_hidden_layers=2,
+            num_attention_heads=2, num_key_value_heads=1, head_dim=16, num_experts=4, num_experts_per_tok=2,
+            max_position_embeddings=128)
+
+
+def tiny_config(out_dir, *extra):
+    settings = {k: v for k, v in vars(train_grpo).items() if not k.startswith("_")}
+    args = ["--init_from=scratch", f"--out_dir={out_dir}", f"--model={TINY!r}".replace(" ", ""),
+            "--prompts_per_step=4", "--group_size=4", "--max_new_tokens=8", "--n_eval_problems=8", "--pass_k=2",
+            "--learning_rate=3e-3", "--warmup_iters=0", "--eval_interval=100", "--log_interval=1", *extra]
+    return configure(settings, args, stage="grpo")
+
+
+def parity_reward(problem, text):
+    return float(len(text) % 2 == 0)
+
+
+def metrics(out_dir):
+    with open(out_dir / "metrics.jsonl") as f:
+        return [json.loads(line) for line in f]
+
+
+def test_tiny_run_versions_advance_and_loss_is_finite(tmp_path, monkeypatch):
+    monkeypatch.setattr(task, "reward", parity_reward)
+    seen = []
+    real_rollout = train_grpo.rollout
+
+    def spy(engine, tok, stream, c, it):
+        groups, m = real_rollout(engine, tok, stream, c, it)
+        seen.append((it, engine.get_weight_version(), [s for g in groups for s in g[2]]))
+        return groups, m
+
+    monkeypatch.setattr(train_grpo, "rollout", spy)
+    out = tmp_path / "run"
+    final = train_grpo.main(tiny_config(out, "--max_iters=3", "--ckpt_interval=100"))
+
+    assert [(it, v) for it, v, _ in seen] == [(0, 0), (1, 1), (2, 2)]   # one hot-swap per optimizer step
+    for it, v, samples in seen:
+        assert samples, "the parity reward must leave groups with variance"
+        assert all(s.weight_version == v and set(s.token_versions) == {v} for s in samples)
+    rows = [r for r in metrics(out) if "train/loss" in r]
+    assert [r["iter"] for r in rows] == [1, 2, 3]
+    for r in rows:
+        assert math.isfinite(r["train/loss"]) and math.isfinite(r["train/grad_norm"])
+        assert r["train/logprob_mismatch"] < 1e-4      # fp32 engine and trainer hold the same weights
+        assert r["rollout/valid_groups"] + r["rollout/zero_var_groups"] >= 4
+        assert 0 <= r["rollout/reward_mean"] <= 1
+    assert [r["rollout/weight_version"] for r in rows] == [0, 1, 2]
+    evals = [r for r in metrics(out) if "eval/accuracy" in r]
+    assert [r["iter"] for r in evals] == [0, 3]
+    assert set(final) == {"eval/accuracy", "eval/pass@1", "eval/pass@2"}
+    assert all(0 <= v <= 1 for v in final.values())
+    meta = training.read_checkpoint_meta(training.find_checkpoint(str(out)))
+    assert meta["iter"] == 3 and meta["extra"]["weight_version"] == 3
+
+
+def test_no_variance_refills_up_to_max_attempts_then_skips_the_step(tmp_path, monkeypatch):
+    monkeypatch.setattr(task, "reward", lambda problem, text: 1.0)
+    out = tmp_path / "flat"
+    train_grpo.main(tiny_config(out, "--max_iters=2", "--max_attempts=3", "--ckpt_interval=100"))
+    rows = [r for r in metrics(out) if "rollout/reward_mean" in r]
+    assert [r["rollout/attempts_per_batch"] for r in rows] == [3, 3]
+    assert [r["rollout/zero_var_groups"] for r in rows] == [12, 12]   # 4 prompts pulled per attempt, all flat
+    assert all(r["rollout/valid_groups"] == 0 and "train/loss" not in r for r in rows)
+    assert [r["rollout/weight_version"] for r in rows] == [0, 0]       # no step, no swap
+
+
+def test_killed_run_resumes_exactly(tmp_path, monkeypatch):
+    monkeypatch.setattr(task, "reward", parity_reward)
+    common = ["--max_iters=4", "--lr_decay_iters=4", "--ckpt_interval=2"]
+    whole = tmp_path / "whole"
+    train_grpo.main(tiny_config(whole, *common))
+
+    # the same run, killed during iteration 4 (after the checkpoint at 2 and iteration 3's log line)
+    real_rollout = train_grpo.rollout
+
+    class Killed(Exception):
+        pass
+
+    def dies_at_3(engine, tok, stream, c, it):
+        if it == 3:
+            raise Killed
+        return real_rollout(engine, tok, stream, c, it)
+
+    killed = tmp_path / "killed"
+    monkeypatch.setattr(train_grpo, "rollout", dies_at_3)
+    with pytest.raises(Killed):
+        train_grpo.main(tiny_config(killed, *common))
+    assert training.read_checkpoint_meta(training.find_checkpoint(str(killed)))["iter"] == 2
+    monkeypatch.setattr(train_grpo, "rollout", real_rollout)
+    train_grpo.main(tiny_config(killed, *common, "--init_from=resume"))
+
+    a, b = metrics(whole), metrics(killed)
+    assert [r["iter"] for r in a] == [r["iter"] for r in b]
+    for ra, rb in zip(a, b):
+        for k in ("train/loss", "rollout/reward_mean", "rollout/weight_version", "eval/accuracy", "eval/pass@1"):
+            if k in ra:
+                assert abs(ra[k] - rb[k]) <= 1e-5, (ra["iter"], k, ra[k], rb[k])
+    wa = training.load_hf_checkpoint(str(whole / "ckpt")).state_dict()
+    wb = training.load_hf_checkpoint(str(killed / "ckpt")).state_dict()
+    assert all(torch.allclose(wa[n], wb[n], atol=1e-6) for n in wa)
+
+
+def test_bad_settings_are_refused(tmp_path):
+    with pytest.raises(ValueError, match="prompts_per_stepp"):
+        tiny_config(tmp_path, "--prompts_per_stepp=3")
+    with pytest.raises((TypeError, ValueError), match="group_size"):
+        tiny_config(tmp_path, "--group_size=abc")
+    for bad in ("--group_size=1", "--max_attempts=0", "--tis_cap=-1", "--temperature=-0.5"):
+        with pytest.raises(ValueError):
+            train_grpo.check_settings(tiny_config(tmp_path, bad))
