@@ -30,7 +30,8 @@ import numpy as np
 seeds, steps = sys.argv[1].split(), sys.argv[2]
 keys = ["eval/accuracy", "eval/pass@1", "eval/pass@8"]
 rows = {"SFT": "sft", f"SFT + {steps} more SFT steps (control)": "sft_more", f"SFT + {steps} GRPO steps": "grpo"}
-print(f"| start | greedy accuracy | pass@1 | pass@8 |   (held-out, 380 problems; mean ± std over seeds {' '.join(seeds)})")
+print(f"held-out problems, mean ± std over seeds {' '.join(seeds)} (per-seed values):\n")
+print("| start | greedy accuracy | pass@1 | pass@8 |")
 print("| --- | --- | --- | --- |")
 for name, run in rows.items():
     vals = []

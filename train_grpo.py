@@ -300,14 +300,15 @@ def main(c):
             t1 = time.perf_counter()
             batches = [b.to(c["device"]) for b in build_batches(groups, c)]
             batches, m["train/logprob_mismatch"] = apply_tis(batches, forward, autocast, c)
+            t2 = time.perf_counter()   # the optimizer step alone from here: tokens/s and MFU measure it
             m.update(training.train_step(forward, optimizer, batches, lr, c["grad_clip"], c["aux_loss_coef"],
                                          autocast))
-            t2 = time.perf_counter()
-            engine.update_weights(policy.state_dict())
             t3 = time.perf_counter()
+            engine.update_weights(policy.state_dict())
+            t4 = time.perf_counter()
             flops = sum(training.train_flops(policy.config, b.seqlens()) for b in batches)
-            m.update({"perf/train_time_s": t2 - t1, "perf/update_weights_s": t3 - t2,
-                      "perf/tokens_per_sec": m["train/tokens"] / (t2 - t1), "perf/mfu": flops / (t2 - t1) / peak})
+            m.update({"perf/logprob_pass_s": t2 - t1, "perf/train_time_s": t3 - t2, "perf/update_weights_s": t4 - t3,
+                      "perf/tokens_per_sec": m["train/tokens"] / (t3 - t2), "perf/mfu": flops / (t3 - t2) / peak})
         else:  # every group had zero variance max_attempts times: no gradient this step, the weights stay
             print0(f"iter {it + 1}: no group with reward variance in {m['rollout/attempts_per_batch']} attempts")
         it += 1
