@@ -182,7 +182,7 @@ def test_paged_attention_mixed_batch_matches_document_attention(backend):
     for b in range(5):                                 # what is already cached goes into its slots first
         for p in range(done[b]):
             page, off = tables[b][p // 4], p % 4
-            cache.kv[0, 0, :, page, off], cache.kv[0, 1, :, page, off] = k[cu[b] + p], v[cu[b] + p]
+            cache.k[0, page, off], cache.v[0, page, off] = k[cu[b] + p], v[cu[b] + p]
     flat = [i for b in range(5) for i in range(cu[b] + done[b], cu[b + 1])]
     slot_mapping = torch.tensor([tables[b][p // 4] * 4 + p % 4 for b in range(5) for p in range(done[b], lens[b])])
     decodes = PagedGroup(0, 2, torch.tensor(tables[:2]), torch.tensor([[5], [8]]))

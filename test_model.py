@@ -9,6 +9,7 @@ import os
 
 import pytest
 import torch
+import torch.nn.functional as F
 from transformers import AutoModelForCausalLM, Qwen3Config, Qwen3ForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM
 
 from model import DocumentCausalAttention, ModelConfig, Transformer, load_hf_checkpoint, save_hf_checkpoint
@@ -255,3 +256,26 @@ def test_bad_dtype_and_config_values():
         ModelConfig(num_attention_heads=4, num_key_value_heads=3)
     with pytest.raises(ValueError, match="num_experts_per_tok=9"):
         ModelConfig(num_experts=8, num_experts_per_tok=9)
+
+
+@torch.no_grad()
+def test_grouped_gemm_experts_equal_the_loop(monkeypatch):
+    # inference on CPU takes torch._grouped_mm; training (and GROUPED_MM=False) the per-expert loop
+    import model
+    torch.manual_seed(0)
+    experts = model.Experts(8, 32, 24)
+    x = torch.randn(50, 32)
+    top_w, top_idx = torch.topk(torch.randn(50, 8).softmax(-1), 2)
+    top_idx[:5] = torch.tensor([0, 7])        # some experts crowded, some (maybe) empty
+    assert model._use_grouped_mm(x) == model.GROUPED_MM
+    fast = experts(x, top_idx, top_w)
+    monkeypatch.setattr(model, "GROUPED_MM", False)
+    slow = experts(x, top_idx, top_w)
+    ref = torch.zeros_like(x)                 # the definition, token by token
+    for t in range(50):
+        for j in range(2):
+            e = top_idx[t, j]
+            gate, up = (experts.gate_up_proj[e] @ x[t]).chunk(2)
+            ref[t] += top_w[t, j] * (experts.down_proj[e] @ (F.silu(gate) * up))
+    assert (slow - ref).abs().max().item() < 1e-5
+    assert (fast - ref).abs().max().item() < 1e-5

@@ -1,0 +1,286 @@
+"""
+Our engine and trainer against transformers: the same random Qwen3-MoE weights, the same machine, one run.
+
+    python bench.py                                   # CPU, fp32, the embedded default's model size
+    python bench.py --device cuda --dtype bfloat16    # on a GPU
+    python bench.py --prompts 16 --samples 8 --max_new_tokens 100 --repeats 3 --threads 2
+
+No pass/fail: it prints a table of medians and ratios (ours / transformers; for hot-swap, update_weights / a bare
+copy_). What it measures:
+  1. rollout: completion tokens/s of engine.generate vs transformers generate() on a GRPO-shaped workload:
+     P prompts (a shared system prefix + a distinct question) x G samples, temperature 1 over the whole
+     vocabulary, stop tokens that end samples at different lengths, at most max_new_tokens each. transformers
+     gets the same P*G rows left-padded into one batch (its fastest batched path), KV cache on.
+  2. prefix caching: prompt tokens the engine really computed (engine.stats()) against what a cache-less
+     engine would compute (every sample prefills its whole prompt, as transformers does).
+  3. training step: tokens/s of our packed forward + backward + AdamW step (training.train_step) vs a
+     transformers Qwen3MoeForCausalLM step on the same sequences padded into a batch (labels -100 on padding,
+     the same router aux-loss coefficient), both fp32 master weights.
+  4. hot-swap: engine.update_weights(policy.state_dict()) (names/shapes/dtypes/finiteness checked, in-place
+     copy, version bump, prefix cache flush) vs a bare copy_ of the same tensors.
+  5. utilisation: our training step's FLOP/s (training.train_flops) over the matmul FLOP/s measured in this run.
+"""
+import argparse
+import platform
+import statistics
+import tempfile
+import time
+
+import torch
+
+import training
+from engine import EngineConfig, InferenceEngine, SamplingParams
+from model import load_hf_checkpoint
+
+# -----------------------------------------------------------------------------
+# settings (command-line flags)
+parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+parser.add_argument("--device", default="cpu")
+parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+parser.add_argument("--threads", type=int, default=0, help="torch threads on CPU (0 = torch's default)")
+parser.add_argument("--prompts", type=int, default=16)
+parser.add_argument("--samples", type=int, default=8, help="samples per prompt (the GRPO group)")
+parser.add_argument("--prefix_len", type=int, default=32, help="shared system-prompt tokens")
+parser.add_argument("--question_len", type=int, default=12, help="distinct tokens per prompt (+- 4)")
+parser.add_argument("--max_new_tokens", type=int, default=100)
+parser.add_argument("--num_stop_ids", type=int, default=3, help="stop ids; random weights stop after ~V/n tokens")
+parser.add_argument("--repeats", type=int, default=5)
+parser.add_argument("--train_steps", type=int, default=7)
+parser.add_argument("--swaps", type=int, default=20)
+parser.add_argument("--vocab", type=int, default=128)
+parser.add_argument("--seed", type=int, default=0)
+parser.add_argument("--swap_hidden", type=int, default=1024, help="hidden size of the second, larger hot-swap model "
+                    "(where memory bandwidth, not per-tensor overhead, sets the cost); 0 = skip")
+args = parser.parse_args()
+
+# the embedded default's model (config/qwen_small.py)
+MODEL = dict(hidden_size=128, intermediate_size=384, moe_intermediate_size=128, num_hidden_layers=4,
+             num_attention_heads=4, num_key_value_heads=2, head_dim=32, num_experts=8, num_experts_per_tok=2,
+             norm_topk_prob=True, rope_theta=10000.0, tie_word_embeddings=True, max_position_embeddings=1024)
+AUX_COEF = 0.01
+# -----------------------------------------------------------------------------
+
+
+def sync():
+    if torch.device(args.device).type == "cuda":
+        torch.cuda.synchronize()
+
+
+def timed_pair(fa, fb, repeats):
+    """(median a, median b, last results) with a and b interleaved a, b, a, b, ...: on a shared machine both
+    see the same background load, so their ratio is steadier than either time"""
+    fa(), fb()
+    ta, tb, out = [], [], None
+    for _ in range(repeats):
+        sync()
+        t0 = time.perf_counter()
+        ra = fa()
+        sync()
+        t1 = time.perf_counter()
+        rb = fb()
+        sync()
+        tb.append(time.perf_counter() - t1)
+        ta.append(t1 - t0)
+        out = (ra, rb)
+    return statistics.median(ta), statistics.median(tb), out
+
+
+def random_hf_checkpoint(path):
+    """a transformers-written Qwen3-MoE with every weight random (routers and norms too: defaults hide bugs)"""
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+    torch.manual_seed(args.seed)
+    cfg = Qwen3MoeConfig(vocab_size=args.vocab, router_aux_loss_coef=AUX_COEF, **MODEL)
+    hf = Qwen3MoeForCausalLM(cfg)
+    with torch.no_grad():
+        for name, p in hf.named_parameters():
+            if "norm" in name:
+                p.copy_(1 + 0.1 * torch.randn_like(p))
+            elif "gate.weight" in name:
+                p.normal_(0, 0.5)
+    hf.save_pretrained(path)
+    return hf
+
+
+def workload(g):
+    """prompts: one shared system prefix + a distinct question each; the stop ids"""
+    prefix = torch.randint(3, args.vocab, (args.prefix_len,), generator=g).tolist()
+    prompts = []
+    for _ in range(args.prompts):
+        n = args.question_len + int(torch.randint(-4, 5, (1,), generator=g))
+        prompts.append(prefix + torch.randint(3, args.vocab, (n,), generator=g).tolist())
+    return prompts, list(range(args.num_stop_ids))
+
+
+def completion_len(row, stop):
+    """tokens up to and including the first stop id"""
+    for i, t in enumerate(row):
+        if t in stop:
+            return i + 1
+    return len(row)
+
+
+# -----------------------------------------------------------------------------
+# 1 + 2: rollouts and prefix caching
+
+
+def bench_rollout(ours, hf, prompts, stop):
+    P, G = len(prompts), args.samples
+    params = SamplingParams(temperature=1.0, max_tokens=args.max_new_tokens, stop_token_ids=frozenset(stop))
+    max_len = max(map(len, prompts)) + args.max_new_tokens
+    ecfg = EngineConfig(device=args.device, dtype=args.dtype, max_model_len=max_len, max_batch_size=P * G,
+                        num_blocks=P * G * (-(-max_len // 16) + 1), seed=args.seed)
+    engine = InferenceEngine(ecfg, model=ours)
+
+    def ours_run():
+        engine.flush_cache()   # every timed call starts cold (the shared prefix is still shared within a call)
+        samples = engine.generate(prompts, params, num_samples_per_prompt=G)
+        return sum(len(s.completion_tokens) for s in samples)
+
+    # prefix caching, measured on a fresh engine: one cold call, then the same prompts again
+    fresh = InferenceEngine(ecfg, model=ours)
+    fresh.generate(prompts, params, num_samples_per_prompt=G)
+    cold = fresh.stats()
+    fresh.generate(prompts, params, num_samples_per_prompt=G)
+    warm = fresh.stats()
+    prefill = {"no cache (every sample prefills its prompt)": G * sum(map(len, prompts)),
+               "ours, cold call": cold["prefill_tokens"],
+               "ours, same prompts again": warm["prefill_tokens"] - cold["prefill_tokens"]}
+    fresh.shutdown()
+
+    # transformers: all P*G rows left-padded into one batch
+    L = max(map(len, prompts))
+    pad = args.vocab - 1
+    ids = torch.full((P * G, L), pad, dtype=torch.long)
+    mask = torch.zeros((P * G, L), dtype=torch.long)
+    for i, p in enumerate(prompts):
+        ids[i * G:(i + 1) * G, L - len(p):] = torch.tensor(p)
+        mask[i * G:(i + 1) * G, L - len(p):] = 1
+    ids, mask = ids.to(args.device), mask.to(args.device)
+
+    def hf_run():
+        with torch.no_grad():
+            out = hf.generate(input_ids=ids, attention_mask=mask, do_sample=True, temperature=1.0, top_k=0, top_p=1.0,
+                              max_new_tokens=args.max_new_tokens, eos_token_id=stop, pad_token_id=pad,
+                              use_cache=True)
+        return sum(completion_len(row, set(stop)) for row in out[:, L:].tolist())
+    t_ours, t_hf, (n_ours, n_hf) = timed_pair(ours_run, hf_run, args.repeats)
+    engine.shutdown()
+    return (n_ours / t_ours, n_hf / t_hf, n_ours, n_hf), prefill
+
+
+# -----------------------------------------------------------------------------
+# 3 + 5: one training step
+
+
+def bench_train(ours, hf, seqs):
+    device_type, autocast = training.precision({"device": args.device, "dtype": args.dtype})
+    batch = training.pack_sequences(seqs, [[0.0] + [1.0] * (len(s) - 1) for s in seqs]).to(args.device)
+    opt = training.configure_optimizer(ours, 1e-5, 0.0, (0.9, 0.95), device_type)
+
+    def ours_step():
+        return training.train_step(ours, opt, [batch], 1e-5, 1.0, AUX_COEF, autocast)
+
+    L = max(map(len, seqs))
+    ids = torch.zeros((len(seqs), L), dtype=torch.long)
+    mask = torch.zeros((len(seqs), L), dtype=torch.long)
+    for i, s in enumerate(seqs):
+        ids[i, :len(s)], mask[i, :len(s)] = torch.tensor(s), 1
+    labels = ids.masked_fill(mask == 0, -100)
+    ids, mask, labels = ids.to(args.device), mask.to(args.device), labels.to(args.device)
+    hf.train()
+    hf_opt = torch.optim.AdamW(hf.parameters(), lr=1e-5, betas=(0.9, 0.95), weight_decay=0.0,
+                               fused=device_type == "cuda")
+
+    def hf_step():
+        with autocast:
+            out = hf(input_ids=ids, attention_mask=mask, labels=labels, output_router_logits=True)
+        out.loss.backward()   # transformers adds router_aux_loss_coef x aux loss to .loss
+        torch.nn.utils.clip_grad_norm_(hf.parameters(), 1.0)
+        hf_opt.step()
+        hf_opt.zero_grad(set_to_none=True)
+    t_ours, t_hf, _ = timed_pair(ours_step, hf_step, args.train_steps)
+    hf.eval()
+    tokens = sum(map(len, seqs))
+    flops = training.train_flops(ours.config, [len(s) for s in seqs])
+    return tokens / t_ours, tokens / t_hf, flops / t_ours, tokens
+
+
+# -----------------------------------------------------------------------------
+# 4: weight hot-swap
+
+
+def bench_swap(ours):
+    engine = InferenceEngine(EngineConfig(device=args.device, dtype=args.dtype, max_model_len=256, num_blocks=64),
+                             model=ours)
+    swaps = args.swaps if ours.num_params() < 1e7 else 5
+    sd = ours.state_dict()
+    targets = engine.model.state_dict()
+
+    def swap():
+        engine.update_weights(sd)
+
+    def bare():
+        with torch.no_grad():
+            for name, t in targets.items():
+                t.copy_(sd[name])
+    t_swap, t_bare, _ = timed_pair(swap, bare, swaps)
+    engine.shutdown()
+    return t_swap, t_bare
+
+
+# -----------------------------------------------------------------------------
+
+if __name__ == "__main__":
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    g = torch.Generator().manual_seed(args.seed)
+    with tempfile.TemporaryDirectory() as d:
+        hf = random_hf_checkpoint(d).to(args.device).eval()
+        ours = load_hf_checkpoint(d, device=args.device, dtype=torch.float32)
+    hf_dtype = torch.bfloat16 if args.dtype == "bfloat16" else torch.float32
+    prompts, stop = workload(g)
+    peak = training.measure_matmul_flops(args.device, hf_dtype)
+
+    (ours_tps, hf_tps, n_ours, n_hf), prefill = bench_rollout(ours, hf.to(hf_dtype), prompts, stop)
+    hf = hf.float()
+    # train on GRPO-shaped sequences: each prompt with completions of the rollout's length spread
+    lens = torch.randint(5, args.max_new_tokens + 1, (len(prompts) * args.samples,), generator=g).tolist()
+    seqs = [prompts[i // args.samples] + torch.randint(3, args.vocab, (n,), generator=g).tolist()
+            for i, n in enumerate(lens)]
+    ours_train, hf_train, ours_flops, train_tokens = bench_train(ours, hf, seqs)
+    t_swap, t_bare = bench_swap(ours)
+    big_swap = None
+    if args.swap_hidden:
+        from model import ModelConfig, Transformer
+        h = args.swap_hidden
+        big = Transformer(ModelConfig(**{**MODEL, "hidden_size": h, "intermediate_size": 3 * h,
+                                         "moe_intermediate_size": h, "head_dim": h // MODEL["num_attention_heads"]},
+                                      vocab_size=32768)).to(args.device)
+        big_swap = (big.num_params(), *bench_swap(big))
+        del big
+
+    cpu = platform.processor() or platform.machine()
+    print(f"\ndevice {args.device} ({cpu}), dtype {args.dtype}, {torch.get_num_threads()} threads, torch "
+          f"{torch.__version__}; model: random Qwen3-MoE {ours.num_params() / 1e6:.2f}M params "
+          f"({ours.num_active_params() / 1e6:.2f}M active), vocab {args.vocab}")
+    print(f"workload: {args.prompts} prompts x {args.samples} samples, {args.prefix_len}-token shared prefix, "
+          f"<= {args.max_new_tokens} new tokens, T=1, {len(stop)} stop ids; medians of {args.repeats} "
+          f"(train {args.train_steps}, swap {args.swaps})\n")
+    rows = [("rollout completion tok/s", f"{ours_tps:,.0f}", f"{hf_tps:,.0f}", ours_tps / hf_tps),
+            ("  (completion tokens per call)", f"{n_ours:,}", f"{n_hf:,}", None),
+            (f"training step tok/s ({train_tokens:,} tokens)", f"{ours_train:,.0f}", f"{hf_train:,.0f}",
+             ours_train / hf_train),
+            ("hot-swap ms (ours: update_weights, ref: bare copy_)", f"{t_swap * 1e3:.2f}", f"{t_bare * 1e3:.2f}",
+             t_swap / t_bare),
+            *([(f"hot-swap ms, a {big_swap[0] / 1e6:.0f}M-param model (hidden {args.swap_hidden})",
+                 f"{big_swap[1] * 1e3:.1f}", f"{big_swap[2] * 1e3:.1f}", big_swap[1] / big_swap[2])] if big_swap else []),
+            ("training MFU (vs measured matmul)", f"{100 * ours_flops / peak:.1f}%",
+             f"matmul {peak / 1e9:.1f} GFLOP/s", None)]
+    print("| measure | ours | transformers / reference | ratio |")
+    print("| --- | --- | --- | --- |")
+    for name, a, b, r in rows:
+        print(f"| {name} | {a} | {b} | {'' if r is None else f'{r:.2f}x'} |")
+    print("\n| prefill tokens computed (prefix caching) | tokens |")
+    print("| --- | --- |")
+    for name, n in prefill.items():
+        print(f"| {name} | {n:,} |")
