@@ -267,8 +267,9 @@ def main(c):
         stream.load_state_dict(start.data_state)
         training.set_rng_state(start.trainer_state["rng"])
     eval_problems = task.make_problems("test", c["n_eval_problems"] or None)
-    prompt_len = max(len(chat_prompt_ids(tok, task.prompt_messages(p))) for p in eval_problems[:50])
-    max_len = prompt_len + c["max_new_tokens"] + 8   # room for the longest prompt of the task, plus slack
+    # the engine is sized for the task's longest prompt (a 3-digit target) plus the completion budget
+    prompt_len = max(len(chat_prompt_ids(tok, task.prompt_messages(p))) for p in stream.problems + eval_problems)
+    max_len = prompt_len + c["max_new_tokens"]
     blocks_per_seq = -(-max_len // c["engine_block_size"]) + 1
     engine = InferenceEngine(EngineConfig(
         device=c["device"], dtype=c["engine_dtype"], block_size=c["engine_block_size"], max_model_len=max_len,
