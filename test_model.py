@@ -279,3 +279,30 @@ def test_grouped_gemm_experts_equal_the_loop(monkeypatch):
             ref[t] += top_w[t, j] * (experts.down_proj[e] @ (F.silu(gate) * up))
     assert (slow - ref).abs().max().item() < 1e-5
     assert (fast - ref).abs().max().item() < 1e-5
+
+
+@torch.no_grad()
+def test_grouped_gemm_path_is_the_inference_default_and_equals_the_loop(checkpoint, monkeypatch):
+    # the whole model, both expert paths, against each other and transformers; and widths torch's grouped GEMM
+    # cannot take (row strides not 16-byte multiples) fall back to the loop instead of raising
+    import model
+    name, hf, path = checkpoint
+    ours = load_hf_checkpoint(path)
+    x = torch.randint(0, VOCAB, (41,), generator=torch.Generator().manual_seed(3))
+    moe = [layer.mlp.experts for layer in ours.layers if layer.is_moe]
+    assert all(model._use_grouped_mm(torch.zeros(1), e) == model.GROUPED_MM for e in moe)
+    fast, _ = ours(x, torch.arange(len(x)))
+    monkeypatch.setattr(model, "GROUPED_MM", False)
+    slow, _ = ours(x, torch.arange(len(x)))
+    assert (fast - slow).abs().max().item() < 1e-5
+    assert (fast - hf(x[None]).logits[0]).abs().max().item() < 1e-4
+    monkeypatch.setattr(model, "GROUPED_MM", hasattr(torch, "_grouped_mm"))
+    torch.manual_seed(0)
+    odd = model.Experts(4, 30, 6)
+    assert not model._use_grouped_mm(torch.zeros(1, 30), odd)
+    h = torch.randn(9, 30)
+    top_w, top_idx = torch.topk(torch.randn(9, 4).softmax(-1), 2)
+    ref = torch.stack([sum(top_w[t, j] * (odd.down_proj[e] @ (F.silu(g) * u))
+                           for j, e in enumerate(top_idx[t].tolist())
+                           for g, u in [(odd.gate_up_proj[e] @ h[t]).chunk(2)]) for t in range(9)])
+    assert (odd(h, top_idx, top_w) - ref).abs().max().item() < 1e-5
