@@ -4,6 +4,7 @@ Our engine and trainer against transformers: the same random Qwen3-MoE weights, 
     python bench.py                                   # CPU, fp32, the embedded default's model size
     python bench.py --device cuda --dtype bfloat16    # on a GPU
     python bench.py --prompts 16 --samples 8 --max_new_tokens 100 --repeats 3 --threads 2
+    python bench.py --profile 15                      # + the top ops of one rollout call each (torch.profiler)
 
 No pass/fail: it prints a table of medians and ratios (ours / transformers; for hot-swap, update_weights / a bare
 copy_). What it measures:
@@ -21,12 +22,14 @@ copy_). What it measures:
   5. utilisation: our training step's FLOP/s (training.train_flops) over the matmul FLOP/s measured in this run.
 """
 import argparse
+import os
 import platform
 import statistics
 import tempfile
 import time
 
 import torch
+import transformers
 
 import training
 from engine import EngineConfig, InferenceEngine, SamplingParams
@@ -37,7 +40,8 @@ from model import load_hf_checkpoint
 parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
 parser.add_argument("--device", default="cpu")
 parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
-parser.add_argument("--threads", type=int, default=0, help="torch threads on CPU (0 = torch's default)")
+parser.add_argument("--threads", type=int, default=1, help="torch threads (1 = what the engine tests use; "
+                    "0 = torch's default)")
 parser.add_argument("--prompts", type=int, default=16)
 parser.add_argument("--samples", type=int, default=8, help="samples per prompt (the GRPO group)")
 parser.add_argument("--prefix_len", type=int, default=32, help="shared system-prompt tokens")
@@ -49,6 +53,8 @@ parser.add_argument("--train_steps", type=int, default=7)
 parser.add_argument("--swaps", type=int, default=20)
 parser.add_argument("--vocab", type=int, default=128)
 parser.add_argument("--seed", type=int, default=0)
+parser.add_argument("--profile", type=int, default=0, help="print the top N ops by self CPU time of one "
+                    "engine.generate and one transformers generate() call (torch.profiler); 0 = off")
 parser.add_argument("--swap_hidden", type=int, default=1024, help="hidden size of the second, larger hot-swap model "
                     "(where memory bandwidth, not per-tensor overhead, sets the cost); 0 = skip")
 args = parser.parse_args()
@@ -59,6 +65,18 @@ MODEL = dict(hidden_size=128, intermediate_size=384, moe_intermediate_size=128, 
              norm_topk_prob=True, rope_theta=10000.0, tie_word_embeddings=True, max_position_embeddings=1024)
 AUX_COEF = 0.01
 # -----------------------------------------------------------------------------
+
+
+def cpu_name():
+    # the CPU model as lscpu shows it (Linux), else what platform knows
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
 
 
 def sync():
@@ -164,8 +182,21 @@ def bench_rollout(ours, hf, prompts, stop):
                               use_cache=True)
         return sum(completion_len(row, set(stop)) for row in out[:, L:].tolist())
     t_ours, t_hf, (n_ours, n_hf) = timed_pair(ours_run, hf_run, args.repeats)
+    profiles = [(name, profile_top(f)) for name, f in (("engine.generate", ours_run), ("transformers generate()", hf_run))] \
+        if args.profile else []
     engine.shutdown()
-    return (n_ours / t_ours, n_hf / t_hf, n_ours, n_hf), prefill
+    return (n_ours / t_ours, n_hf / t_hf, n_ours, n_hf), prefill, profiles
+
+
+def profile_top(fn):
+    """the top ops of one call by self time: where a rollout's time goes (measured, not guessed)"""
+    from torch.profiler import ProfilerActivity, profile
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.device(args.device).type == "cuda" else [])
+    with profile(activities=activities) as prof:
+        fn()
+        sync()
+    key = "self_cuda_time_total" if torch.device(args.device).type == "cuda" else "self_cpu_time_total"
+    return prof.key_averages().table(sort_by=key, row_limit=args.profile)
 
 
 # -----------------------------------------------------------------------------
@@ -241,7 +272,7 @@ if __name__ == "__main__":
     prompts, stop = workload(g)
     peak = training.measure_matmul_flops(args.device, hf_dtype)
 
-    (ours_tps, hf_tps, n_ours, n_hf), prefill = bench_rollout(ours, hf.to(hf_dtype), prompts, stop)
+    (ours_tps, hf_tps, n_ours, n_hf), prefill, profiles = bench_rollout(ours, hf.to(hf_dtype), prompts, stop)
     hf = hf.float()
     # train on GRPO-shaped sequences: each prompt with completions of the rollout's length spread
     lens = torch.randint(5, args.max_new_tokens + 1, (len(prompts) * args.samples,), generator=g).tolist()
@@ -259,14 +290,19 @@ if __name__ == "__main__":
         big_swap = (big.num_params(), *bench_swap(big))
         del big
 
-    cpu = platform.processor() or platform.machine()
-    print(f"\ndevice {args.device} ({cpu}), dtype {args.dtype}, {torch.get_num_threads()} threads, torch "
-          f"{torch.__version__}; model: random Qwen3-MoE {ours.num_params() / 1e6:.2f}M params "
+    for name, table in profiles:
+        print(f"\ntop ops of one {name} call (self time):\n{table}")
+    gpu = f", {torch.cuda.get_device_name()}" if torch.device(args.device).type == "cuda" else ""
+    print(f"\ndevice {args.device} ({cpu_name()}, {os.cpu_count()} cores{gpu}), dtype {args.dtype}, "
+          f"{torch.get_num_threads()} threads, torch {torch.__version__}, transformers {transformers.__version__}, "
+          f"{time.strftime('%Y-%m-%d')}; "
+          f"model: random Qwen3-MoE {ours.num_params() / 1e6:.2f}M params "
           f"({ours.num_active_params() / 1e6:.2f}M active), vocab {args.vocab}")
     print(f"workload: {args.prompts} prompts x {args.samples} samples, {args.prefix_len}-token shared prefix, "
           f"<= {args.max_new_tokens} new tokens, T=1, {len(stop)} stop ids; medians of {args.repeats} "
           f"(train {args.train_steps}, swap {args.swaps})\n")
-    rows = [("rollout completion tok/s", f"{ours_tps:,.0f}", f"{hf_tps:,.0f}", ours_tps / hf_tps),
+    rows = [("torch threads (both sides)", str(torch.get_num_threads()), str(torch.get_num_threads()), None),
+            ("rollout completion tok/s", f"{ours_tps:,.0f}", f"{hf_tps:,.0f}", ours_tps / hf_tps),
             ("  (completion tokens per call)", f"{n_ours:,}", f"{n_hf:,}", None),
             (f"training step tok/s ({train_tokens:,} tokens)", f"{ours_train:,.0f}", f"{hf_train:,.0f}",
              ours_train / hf_train),
