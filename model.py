@@ -251,11 +251,11 @@ class Experts(nn.Module):
 GROUPED_MM = hasattr(torch, "_grouped_mm")
 
 
-def _use_grouped_mm(x, experts=None):
-    # experts (when given): its widths must be aligned and its weights must need no gradient either
+def _use_grouped_mm(x, experts):
+    # CPU fp32 inference with aligned widths; anything that needs gradients takes the loop
+    weights = (experts.gate_up_proj, experts.down_proj)
     if not (GROUPED_MM and x.device.type == "cpu" and x.dtype == torch.float32):
         return False
-    weights = () if experts is None else (experts.gate_up_proj, experts.down_proj)
     if torch.is_grad_enabled() and (x.requires_grad or any(w.requires_grad for w in weights)):
         return False
     return all(w.shape[-1] % 4 == 0 for w in weights)

@@ -185,3 +185,17 @@ def test_bad_settings_are_refused(tmp_path):
     for bad in ("--group_size=1", "--max_attempts=0", "--tis_cap=-1", "--temperature=-0.5"):
         with pytest.raises(ValueError):
             train_grpo.check_settings(tiny_config(tmp_path, bad))
+
+
+def test_prompt_stream_resumes_and_refuses_a_bad_state():
+    problems = task.make_problems("train")[:10]
+    a = train_grpo.PromptStream(problems, seed=3)
+    first = a.take(7)
+    b = train_grpo.PromptStream(problems, seed=3)
+    b.load_state_dict(a.state_dict())
+    assert a.take(8) == b.take(8)                      # crosses into the next epoch identically
+    epoch = train_grpo.PromptStream(problems, seed=3).take(10)
+    assert epoch[:7] == first and sorted(map(str, epoch)) == sorted(map(str, problems))   # an epoch is a permutation
+    for bad in ({"epoch": -1, "cursor": 0}, {"epoch": 0, "cursor": 11}, {"epoch": 0.5, "cursor": 0}, {"cursor": 0}):
+        with pytest.raises(ValueError, match="bad data state"):
+            b.load_state_dict(bad)

@@ -267,7 +267,7 @@ def test_grouped_gemm_experts_equal_the_loop(monkeypatch):
     x = torch.randn(50, 32)
     top_w, top_idx = torch.topk(torch.randn(50, 8).softmax(-1), 2)
     top_idx[:5] = torch.tensor([0, 7])        # some experts crowded, some (maybe) empty
-    assert model._use_grouped_mm(x) == model.GROUPED_MM
+    assert model._use_grouped_mm(x, experts) == model.GROUPED_MM
     fast = experts(x, top_idx, top_w)
     monkeypatch.setattr(model, "GROUPED_MM", False)
     slow = experts(x, top_idx, top_w)

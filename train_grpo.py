@@ -113,13 +113,20 @@ class PromptStream:
     def __init__(self, problems, seed):
         self.problems, self.seed = problems, seed
         self.epoch, self.cursor = 0, 0
+        self._order_epoch, self._order = None, None
+
+    def order(self, epoch):   # this epoch's permutation, a function of (seed, epoch) only
+        if self._order_epoch != epoch:
+            self._order = np.random.default_rng([self.seed, epoch]).permutation(len(self.problems))
+            self._order_epoch = epoch
+        return self._order
 
     def take(self, n):
         out = []
         while len(out) < n:
             if self.cursor == len(self.problems):
                 self.epoch, self.cursor = self.epoch + 1, 0
-            order = np.random.default_rng([self.seed, self.epoch]).permutation(len(self.problems))
+            order = self.order(self.epoch)
             take = min(n - len(out), len(self.problems) - self.cursor)
             out += [self.problems[i] for i in order[self.cursor:self.cursor + take]]
             self.cursor += take
@@ -129,7 +136,8 @@ class PromptStream:
         return {"epoch": self.epoch, "cursor": self.cursor}
 
     def load_state_dict(self, state):
-        if not isinstance(state, dict) or set(state) != {"epoch", "cursor"} or not 0 <= state["cursor"] <= len(self.problems):
+        if (not isinstance(state, dict) or set(state) != {"epoch", "cursor"}
+                or not all(type(v) is int and v >= 0 for v in state.values()) or state["cursor"] > len(self.problems)):
             raise ValueError(f"PromptStream: bad data state {state!r}")
         self.epoch, self.cursor = state["epoch"], state["cursor"]
 
@@ -243,7 +251,7 @@ def check_settings(c):
                       ("pass_k", 1), ("batch_tokens", 1), ("max_iters", 0), ("n_eval_problems", 0)):
         if isinstance(c[name], bool) or not isinstance(c[name], int) or c[name] < low:
             raise ValueError(f"{name}={c[name]!r}: expected an int >= {low}")
-    if not (isinstance(c["tis_cap"], (int, float)) and c["tis_cap"] >= 0):
+    if isinstance(c["tis_cap"], bool) or not isinstance(c["tis_cap"], (int, float)) or not c["tis_cap"] >= 0:
         raise ValueError(f"tis_cap={c['tis_cap']!r}: expected a number >= 0 (0 = off)")
     SamplingParams(temperature=c["temperature"], top_p=c["top_p"])   # refuses a bad temperature / top_p now
 
