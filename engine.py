@@ -677,7 +677,7 @@ class InferenceEngine:
             qidx, row = (None, None) if uniform else (next(views).view(nb, Qmax), next(views))
             groups.append(PagedGroup(start, num, tab, qpos, qidx, row))
         attention = PagedAttention(self.kv_cache, slot_t, groups, backend=self.backend, compiled=self.config.compile)
-        logits, _ = self.model(tok_t, pos_t, attention=attention, logits_indices=logit_idx)
+        logits, _ = self.model(tok_t, pos_t, attention=attention, logits_indices=logit_idx, aux_loss=False)
         for seq, n in batch:                      # what this step computed: prefill (catching up) or decode
             self._stats["prefill_tokens" if seq.catching_up else "decode_tokens"] += n
         return logits, samplers
