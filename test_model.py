@@ -190,6 +190,9 @@ def test_embedded_default_shape_builds():
     model = Transformer(cfg)
     logits, aux = model(torch.tensor([1, 2, 3]), torch.arange(3))
     assert logits.shape == (3, cfg.vocab_size) and aux.item() > 0
+    # inference skips the aux loss: same logits, no loss
+    same, none = model(torch.tensor([1, 2, 3]), torch.arange(3), aux_loss=False)
+    assert none is None and torch.equal(same, logits)
 
 
 # -----------------------------------------------------------------------------
