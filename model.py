@@ -185,10 +185,10 @@ class Attention(nn.Module):
         projs = (self.q_proj, self.k_proj, self.v_proj)
         bias = torch.cat([p.bias for p in projs]) if self.q_proj.bias is not None else None
         qkv = F.linear(x, torch.cat([p.weight for p in projs]), bias).view(T, Hq + 2 * Hkv, D)
-        qk, v = qkv[:, :Hq + Hkv], qkv[:, Hq + Hkv:]
+        qk, v = qkv.split([Hq + Hkv, Hkv], dim=1)       # split, not slices: its backward is one cat, no zeros
         norm_w = torch.cat((self.q_norm.weight.expand(Hq, D), self.k_norm.weight.expand(Hkv, D)))
         qk = apply_rope(norm_w * F.rms_norm(qk.float(), (D,), eps=self.q_norm.eps).to(x.dtype), cos, sin)
-        q, k = qk[:, :Hq], qk[:, Hq:]
+        q, k = qk.split([Hq, Hkv], dim=1)
         y = attention(self.layer_idx, q, k, v)                    # [T, n_head, head_dim]
         return self.o_proj(y.reshape(T, self.n_head * self.head_dim))
 
@@ -234,13 +234,14 @@ class Experts(nn.Module):
         return (y * top_w[..., None]).sum(dim=1)
 
     def _loop(self, xs, counts):
-        # the readable path (and the one with gradients): one SwiGLU per expert over its slice
-        ys, start = [], 0
-        for e, n in enumerate(counts):
-            if n:
-                gate, up = F.linear(xs[start:start + n], self.gate_up_proj[e]).chunk(2, dim=-1)
-                ys.append(F.linear(F.silu(gate) * up, self.down_proj[e]))
-            start += n
+        # the readable path (and the one with gradients): one SwiGLU per expert over its slice. split / unbind
+        # rather than xs[a:b] / w[e]: their backward is one cat / stack, where each slice's or index's backward
+        # would write a zero tensor the size of all of xs (or of all experts' weights) per expert
+        ys = []
+        for x, gate_up, down in zip(xs.split(counts), self.gate_up_proj.unbind(0), self.down_proj.unbind(0)):
+            if len(x):
+                gate, up = F.linear(x, gate_up).chunk(2, dim=-1)
+                ys.append(F.linear(F.silu(gate) * up, down))
         return torch.cat(ys)
 
     def _grouped(self, xs, counts):
