@@ -41,10 +41,10 @@ from model import PagedAttention, PagedGroup, PagedKVCache, Transformer, _as_dty
 @dataclass(frozen=True)
 class EngineConfig:
     """How the engine runs. attention_backend='auto' picks by measurement: on CPU 'sdpa' (SDPA over each
-    sequence's gathered pages). Measured on this project's CPU box (1 thread, a GRPO-shaped run: 16 prompts x 8
-    samples, <= 100 new tokens, hidden 128, 4 layers, 8 experts): sdpa ~4000 tok/s, compiled flex ~2300 tok/s
-    (after ~35 s of compiling), eager flex ~700 tok/s. On CUDA 'auto' is FlexAttention, compiled when
-    compile=True (the design's path), else sdpa."""
+    sequence's gathered pages). Measured on this project's CPU box (2026-11-23, 1 thread, bench.py's GRPO-shaped
+    run: 16 prompts x 8 samples, <= 100 new tokens, hidden 128, 4 layers, 8 experts, one process, interleaved):
+    sdpa 4,116 tok/s, compiled flex 3,468 tok/s (after a 25 s first call), eager flex 921 tok/s. On CUDA 'auto'
+    is FlexAttention, compiled when compile=True (the design's path), else sdpa."""
     model_path: str | None = None        # a local HF directory; unused when a model is handed to InferenceEngine
     cache_type: str = "paged"            # 'paged' | 'radix' (radix: not built yet)
     block_size: int = 16                 # tokens per KV page
