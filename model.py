@@ -138,6 +138,12 @@ class ModelConfig:
 # building blocks
 
 
+def rms_norm(x, weight, eps):
+    # normalise the last dim in fp32 whatever the model dtype, then scale in the model dtype (as transformers does)
+    # (F.rms_norm is x * rsqrt(mean(x^2) + eps), no weight: the weight is applied after the cast)
+    return weight * F.rms_norm(x.float(), x.shape[-1:], eps=eps).to(x.dtype)
+
+
 class RMSNorm(nn.Module):
     def __init__(self, dim, eps):
         super().__init__()
@@ -145,9 +151,7 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x):
-        # normalise in fp32 whatever the model dtype, then scale in the model dtype (as transformers does)
-        # (F.rms_norm is x * rsqrt(mean(x^2) + eps) in one fused kernel, no weight: the weight is applied after the cast)
-        return self.weight * F.rms_norm(x.float(), x.shape[-1:], eps=self.eps).to(x.dtype)
+        return rms_norm(x, self.weight, self.eps)
 
 
 def rope_cos_sin(position_ids, head_dim, theta, dtype):
@@ -186,8 +190,8 @@ class Attention(nn.Module):
         bias = torch.cat([p.bias for p in projs]) if self.q_proj.bias is not None else None
         qkv = F.linear(x, torch.cat([p.weight for p in projs]), bias).view(T, Hq + 2 * Hkv, D)
         qk, v = qkv.split([Hq + Hkv, Hkv], dim=1)       # split, not slices: its backward is one cat, no zeros
-        norm_w = torch.cat((self.q_norm.weight.expand(Hq, D), self.k_norm.weight.expand(Hkv, D)))
-        qk = apply_rope(norm_w * F.rms_norm(qk.float(), (D,), eps=self.q_norm.eps).to(x.dtype), cos, sin)
+        norm_w = torch.cat((self.q_norm.weight.expand(Hq, D), self.k_norm.weight.expand(Hkv, D)))  # per head
+        qk = apply_rope(rms_norm(qk, norm_w, self.q_norm.eps), cos, sin)    # q_norm and k_norm share cfg's eps
         q, k = qk.split([Hq, Hkv], dim=1)
         y = attention(self.layer_idx, q, k, v)                    # [T, n_head, head_dim]
         return self.o_proj(y.reshape(T, self.n_head * self.head_dim))
