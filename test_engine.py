@@ -293,6 +293,9 @@ def test_in_process_engine_owns_its_weights(moe):
     after = outputs(engine.generate(PROMPTS, params))
     ref = InferenceEngine(EngineConfig(block_size=BLOCK, num_blocks=64, max_model_len=128), model=policy)
     assert after == outputs(ref.generate(PROMPTS, params)) and after != before
+    half = {k: v.bfloat16() for k, v in policy.state_dict().items()}  # another dtype: cast on the way in
+    engine.update_weights(half)
+    assert all(torch.equal(t, half[k].float()) for k, t in engine.model.state_dict().items())
 
 
 def test_step_api_and_stop_tokens(moe):
@@ -377,8 +380,9 @@ def test_bad_inputs_are_refused_and_change_nothing(moe):
     name = "layers.0.self_attn.q_proj.weight"
     nan = dict(sd, **{name: torch.full_like(sd[name], float("nan"))})
     inf = dict(sd, **{name: sd[name].clone().index_fill_(0, torch.tensor([3]), float("inf"))})
+    neg_inf = dict(sd, **{name: sd[name].clone().index_fill_(1, torch.tensor([0]), -float("inf"))})
     bad_sd = [({k: v for k, v in sd.items() if k != name}, name), (dict(sd, extra=sd[name]), "extra"),
-              (dict(sd, **{name: sd[name][:-1]}), name), (nan, name), (inf, name),
+              (dict(sd, **{name: sd[name][:-1]}), name), (nan, name), (inf, name), (neg_inf, name),
               (dict(sd, **{name: sd[name].long()}), name), (dict(sd, **{name: [1.0]}), name), ([1, 2], "mapping")]
     for bad, match in bad_sd:
         for blocking in (True, False):
