@@ -80,6 +80,9 @@ class EngineConfig:
         torch.device(self.device)   # raises on a malformed device string
 
 
+MIN_TEMPERATURE = 1e-5   # below this (and above 0) a temperature is refused: it is greedy, and risks inf / NaN
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     """How to sample. top_k / top_p restrict what is drawn; the logprob recorded is always log_softmax(logits / T)
@@ -95,6 +98,9 @@ class SamplingParams:
         t = self.temperature
         if isinstance(t, bool) or not isinstance(t, (int, float)) or not math.isfinite(t) or t < 0:
             raise ValueError(f"SamplingParams.temperature must be a finite number >= 0, got {t!r}")
+        if 0 < t < MIN_TEMPERATURE:   # logits / T overflows fp32 near 1e-37 and T underflows to 0 below 1e-45
+            raise ValueError(f"SamplingParams.temperature {t!r} is greedy in all but name: use 0 for greedy, "
+                             f"or at least {MIN_TEMPERATURE}")
         _check_positive_int("SamplingParams.max_tokens", self.max_tokens)
         if isinstance(self.top_k, bool) or not isinstance(self.top_k, int) or self.top_k < 0:
             raise ValueError(f"SamplingParams.top_k must be an int >= 0 (0 = off), got {self.top_k!r}")
@@ -110,6 +116,8 @@ class SamplingParams:
         object.__setattr__(self, "stop_token_ids", stop)
         if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)):
             raise TypeError(f"SamplingParams.seed must be an int or None, got {self.seed!r}")
+        if self.seed is not None and not 0 <= self.seed < 2 ** 64:
+            raise ValueError(f"SamplingParams.seed must be in [0, 2**64), got {self.seed!r}")
 
 
 @dataclass(frozen=True)
@@ -291,10 +299,12 @@ def schedule(waiting, running, num_free_blocks, scheduler_config) -> SchedulerOu
     """Pick this step's batch. Reads the sequences (num_tokens, num_computed, block_table, num_samples, and for
     waiting ones num_cached_tokens / num_cached_free_blocks), never writes them.
 
-    1. Running sequences, decodes first then prefill chunks, oldest first, each as many new tokens as it has
-       (a prefill is chunked to the token budget). When the free pages don't cover one, the newest running
-       sequence is preempted (its pages counted free once no other running sequence holds them) until they do;
-       if that newest one is the sequence itself, it is preempted and the step stops there.
+    1. Running sequences, oldest first, each as many new tokens as it has (a prefill is chunked to the token
+       budget). The engine admits in order and a prefill finishes before anything admitted after it starts, so
+       the prefilling sequences are the newest: in practice this is decodes first, then prefill chunks. When the
+       free pages don't cover one, the newest running sequence is preempted (its pages counted free once no other
+       running sequence holds them) until they do; if that newest one is the sequence itself, it is preempted and
+       the step stops there.
     2. Only if nothing was preempted: waiting sequences in order (no skipping ahead), each starting after its
        prefix-cache hit, while the batch has room (a group counts as its num_samples sequences), the token
        budget lasts and the pages suffice.
@@ -302,8 +312,7 @@ def schedule(waiting, running, num_free_blocks, scheduler_config) -> SchedulerOu
     add_request refuses what could not fit the pool alone."""
     bs = scheduler_config.block_size
     budget, free = scheduler_config.max_num_batched_tokens, num_free_blocks
-    order = [s for s in running if s.num_tokens - s.num_computed == 1]
-    order += [s for s in running if s.num_tokens - s.num_computed != 1]
+    order = list(running)     # oldest first: the last one is the newest, the first to be preempted
     scheduled, preempted, holders = [], [], None
     i = 0
     while i < len(order) and budget > 0 and len(scheduled) < scheduler_config.max_batch_size:
@@ -450,6 +459,7 @@ class InferenceEngine:
         self.scheduler_config = SchedulerConfig(config.max_batch_size, config.max_num_batched_tokens, config.block_size)
         self.version = config.weight_version
         self._staged = None                       # a non-blocking update waiting for the next step boundary
+        self._updates_pending = 0                 # update_weights calls not applied yet (staged, or replaced unapplied)
         self._rng = random.Random(config.seed)
         self._next_id = self._next_uid = 0
         self.waiting, self.running = [], []       # Sequences; running in age order
@@ -795,30 +805,36 @@ class InferenceEngine:
             if not t.dtype.is_floating_point:
                 raise ValueError(f"state_dict[{name!r}] has dtype {t.dtype}, expected a floating dtype")
             tensors.append(t)
-        # finiteness in one read of each tensor and one sync: NaN/inf make a tensor's sum non-finite, and the
-        # total of the sums too. Only then (or when finite values overflow a sum) does an exact check run to
-        # name the tensor. This read is the price of refusing before touching anything: about half a copy
-        # (bench.py prints that floor beside update_weights). Cheaper than torch._foreach_norm on CPU.
+        # one read of each tensor, one sync. Where the engine's dtype holds every value of the tensor's dtype, a sum
+        # (NaN/inf make it, and the total, non-finite); where the cast could overflow (fp32 -> fp16), the largest
+        # |value|, which must fit the engine's dtype. Only when that fails (or finite values overflow a sum) does
+        # an exact check run, to name the tensor. This read is the price of refusing before touching anything:
+        # about half a copy (bench.py prints that floor). A sum is cheaper than torch._foreach_norm on CPU.
+        limit = torch.finfo(self.dtype).max
+        narrowing = [t.dtype != self.dtype and torch.finfo(t.dtype).max > limit for t in tensors]
         with torch.inference_mode():
-            sums = [t.sum(dtype=torch.float32) for t in tensors]
-            try:
-                total = torch.stack(sums).sum().item()
-            except RuntimeError:    # tensors on several devices
-                total = sum(s.item() for s in sums)
-        if not math.isfinite(total):
-            for name, t in zip(expected, tensors):
+            sums = [t.sum(dtype=torch.float32) for t, n in zip(tensors, narrowing) if not n]
+            peaks = [torch.stack(torch.aminmax(t)).abs().max().float() for t, n in zip(tensors, narrowing) if n]
+            total, peak = _reduce(sums, torch.sum), _reduce(peaks, torch.max)
+        if not (math.isfinite(total) and peak <= limit):     # a NaN peak fails the comparison
+            for name, t, n in zip(expected, tensors, narrowing):
                 if not torch.isfinite(t.detach()).all():
                     raise ValueError(f"state_dict[{name!r}] has non-finite values (NaN or inf)")
+                if n and t.detach().abs().max() > limit:
+                    raise ValueError(f"state_dict[{name!r}] has values beyond {self.dtype}'s range "
+                                     f"(|x| <= {limit:g}): they would be inf in the engine")
         return tensors
 
     def update_weights(self, state_dict, blocking: bool = True):
-        """Load new weights (names, shapes, dtypes and finiteness checked first: a bad state_dict raises and changes
-        nothing). blocking=True copies now; False takes a snapshot now and copies it in at the next step boundary.
+        """Load new weights (names, shapes, dtypes and finiteness checked first, finiteness as the engine's dtype
+        will hold them: a bad state_dict raises and changes nothing). blocking=True copies now; False takes a
+        snapshot now and copies it in at the next step boundary (a newer call replaces a snapshot not yet applied).
         Copies are in place (param.copy_), so storage addresses and compiled graphs stay valid. The version goes
-        up by one and the prefix cache is emptied: no KV of older weights is ever served to a new request.
-        Sequences already running keep their KV (and each token records the version that sampled it)."""
+        up by one per call and the prefix cache is emptied: no KV of older weights is ever served to a new
+        request. Sequences already running keep their KV (and each token records the version that sampled it)."""
         self._check_open()
         tensors = self._check_state_dict(state_dict)
+        self._updates_pending += 1      # one version per call, even when a newer call supersedes it unapplied
         if blocking:
             self._staged = None
             self._apply_weights(tensors)
@@ -830,8 +846,9 @@ class InferenceEngine:
         # (~10% at the embedded size); it casts dtypes and crosses devices like copy_ does.
         with torch.inference_mode():
             torch._foreach_copy_(list(self._params.values()), tensors)
-        self.version += 1
-        self._stats["weight_updates"] += 1
+        self.version += self._updates_pending
+        self._stats["weight_updates"] += self._updates_pending
+        self._updates_pending = 0
         self.cache.invalidate()
 
     def get_weight_version(self) -> int:
@@ -854,6 +871,16 @@ class InferenceEngine:
         self._closed = True
         self.waiting, self.running, self._staged = [], [], None
         self.kv_cache = self.model = None
+
+
+def _reduce(scalars, fn):
+    # a Python float from 0-d tensors, in one sync (one per device when they are spread over several)
+    if not scalars:
+        return 0.0
+    try:
+        return fn(torch.stack(scalars)).item()
+    except RuntimeError:
+        return fn(torch.tensor([s.item() for s in scalars])).item()
 
 
 def _mix_seed(seed, k):

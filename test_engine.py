@@ -277,6 +277,38 @@ def test_update_weights_serves_no_stale_kv(moe, tmp_path_factory):
         assert engine.stats()["prefix_cache_hit_tokens"] == hits      # not one old page was served
         engine.generate(PROMPTS, params, 2)                            # ... though new ones are
         assert engine.stats()["prefix_cache_hit_tokens"] > hits
+    # one version per call: a snapshot replaced before it was applied still counts, and only the newest is served
+    engine = engine_for(path)
+    old_sd = {k: v.clone() for k, v in engine.model.state_dict().items()}
+    engine.update_weights(old_sd, blocking=False)
+    engine.update_weights(new_sd, blocking=False)
+    assert engine.get_weight_version() == 0
+    samples = engine.generate(PROMPTS, params, 2)
+    assert outputs(samples) == fresh and engine.get_weight_version() == 2
+    assert all(set(s.token_versions) == {2} for s in samples)
+    engine.update_weights(old_sd, blocking=False)
+    engine.update_weights(new_sd)                                      # blocking, over a staged one
+    assert engine.get_weight_version() == 4 and engine.stats()["weight_updates"] == 4
+    assert outputs(engine.generate(PROMPTS, params, 2)) == fresh      # the staged snapshot was dropped
+
+
+def test_update_weights_checks_finiteness_in_the_engine_dtype(moe):
+    # an fp32 value that fits fp32 but not fp16 would be inf in an fp16 engine: refused, nothing changes
+    _, path = moe
+    name = "layers.0.self_attn.q_proj.weight"
+    for dtype, big in (("float16", 1e6), ("bfloat16", 3.4e38)):
+        engine = engine_for(path, dtype=dtype)
+        before = {k: v.clone() for k, v in engine.model.state_dict().items()}
+        sd = {k: v.float() for k, v in before.items()}
+        sd[name] = sd[name].clone().index_fill_(1, torch.tensor([2]), -big)
+        for blocking in (True, False):
+            with pytest.raises(ValueError, match=f"{name}.*range"):
+                engine.update_weights(sd, blocking=blocking)
+        assert engine.get_weight_version() == 0
+        assert all(torch.equal(v, before[k]) for k, v in engine.model.state_dict().items())
+        sd[name].clamp_(-1.0, 1.0)                                     # in range: taken, cast exactly
+        engine.update_weights(sd)
+        assert engine.get_weight_version() == 1 and torch.equal(engine.model.state_dict()[name], sd[name].to(getattr(torch, dtype)))
 
 
 def test_in_process_engine_owns_its_weights(moe):
@@ -371,8 +403,8 @@ def test_bad_inputs_are_refused_and_change_nothing(moe):
     with pytest.raises((ValueError, TypeError), match="empty"):
         engine.add_request([], params)
     bad_params = [dict(max_tokens=0), dict(max_tokens=-3), dict(temperature=-0.5), dict(temperature=float("nan")),
-                  dict(top_p=0.0), dict(top_p=1.5), dict(top_p=float("nan")), dict(top_k=-1),
-                  dict(stop_token_ids={-4})]
+                  dict(temperature=1e-40), dict(top_p=0.0), dict(top_p=1.5), dict(top_p=float("nan")),
+                  dict(top_k=-1), dict(stop_token_ids={-4}), dict(seed=-1), dict(seed=2 ** 64)]
     for kw in bad_params:
         with pytest.raises((ValueError, TypeError), match=list(kw)[0]):
             SamplingParams(**kw)
@@ -443,14 +475,18 @@ class FakeSeq:
         self.num_cached_tokens, self.num_cached_free_blocks = cached, cached_free
 
 
-def test_schedule_decodes_first_chunks_prefill_and_preempts_newest():
+def test_schedule_oldest_first_chunks_prefill_and_preempts_newest():
     cfg = SchedulerConfig(max_batch_size=8, max_num_batched_tokens=10, block_size=4)
     prefill = FakeSeq(1, 9, 4, [0, 1])                     # running, mid-prefill (chunked)
     dec = FakeSeq(2, 6, 5, [2, 3])                         # decode: position 5 fits page 3
     dec_new_page = FakeSeq(3, 9, 8, [4, 5])                # decode at position 8: needs a page
     waiting = [FakeSeq(4, 12, 0), FakeSeq(5, 3, 0)]
-    out = schedule(waiting, [prefill, dec, dec_new_page], 10, cfg)
+    out = schedule(waiting, [dec, dec_new_page, prefill], 10, cfg)
     assert out.scheduled == ((2, 1), (3, 1), (1, 5), (4, 3)) and out.admitted == (4,) and out.preempted == ()
+    # the oldest is never preempted while another runs, even mid-prefill with a newer decode wanting a page
+    out = schedule([], [FakeSeq(1, 12, 4, [0]), FakeSeq(2, 9, 8, [1, 2])], 0,
+                   SchedulerConfig(max_batch_size=8, max_num_batched_tokens=4, block_size=4))
+    assert out.preempted == (2,) and out.scheduled == ((1, 4),)            # its pages went to the oldest
     # no free page: the newest running sequence is preempted (its pages count once nobody else holds them)
     out = schedule(waiting, [dec, dec_new_page, FakeSeq(6, 6, 5, [6, 7])], 0, cfg)
     assert out.preempted == (6,) and out.scheduled == ((2, 1), (3, 1)) and out.admitted == ()
