@@ -386,6 +386,8 @@ def sample_with_logprobs(logits, temperatures, top_k=None, top_p=None, seeds=Non
     *whole* vocabulary, unfiltered: the quantity the trainer computes from the same weights.
     seeds / positions [N] int64 (optional): the draw is a pure function of them (sampling_uniforms); without
     them, torch's global generator draws it. Sampling inverts the CDF: one uniform per row, one cumsum."""
+    if (seeds is None) != (positions is None):
+        raise ValueError("sample_with_logprobs: seeds and positions go together (the draw is a function of both)")
     logits = logits.float()
     N, V = logits.shape
     t = torch.as_tensor(temperatures, dtype=torch.float32, device=logits.device).reshape(N)

@@ -466,6 +466,8 @@ def test_sample_with_logprobs():
     again, _ = sample_with_logprobs(one.expand(10, 8), torch.full((10,), 0.8), seeds=torch.arange(10),
                                     positions=torch.full((10,), 3))
     assert torch.equal(again, draws[:10])
+    with pytest.raises(ValueError, match="positions"):
+        sample_with_logprobs(one.expand(10, 8), torch.ones(10), seeds=torch.arange(10))
 
 
 class FakeSeq:
