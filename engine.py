@@ -405,7 +405,8 @@ def sample_with_logprobs(logits, temperatures, top_k=None, top_p=None, seeds=Non
             rank = torch.arange(V, device=logits.device)[None, :]
             drop = rank >= torch.where(k > 0, k, V)[:, None]
             # top-p: keep the smallest prefix of the sorted tokens whose mass reaches p
-            drop |= (sorted_probs.cumsum(-1) - sorted_probs) >= p[:, None]
+            # (rows with p = 1 skip it: fp32 rounding of the cumsum could otherwise drop their tail tokens)
+            drop |= ((sorted_probs.cumsum(-1) - sorted_probs) >= p[:, None]) & (p < 1)[:, None]
             drop[:, 0] = False                                       # the most likely token always survives
             probs = probs.masked_fill(torch.zeros_like(drop).scatter(1, idx, drop), 0.0)
         cdf = probs.double().cumsum(-1)
