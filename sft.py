@@ -17,7 +17,7 @@ import torch
 import task
 import training
 from configurator import configure, print0
-from tokenizer import build_tokenizer, chat_example, chat_prompt_ids
+from tokenizer import build_tokenizer, chat_example, chat_prompt_ids, completion_text
 
 # -----------------------------------------------------------------------------
 # settings (a config file, then --key=value, override these)
@@ -86,7 +86,7 @@ def greedy_generate(model, prompts, max_new_tokens, stop_ids, device, batch_size
 def accuracy(model, tok, problems):
     prompts = [chat_prompt_ids(tok, task.prompt_messages(p)) for p in problems]
     outs = greedy_generate(model, prompts, eval_max_tokens, {tok.eos_token_id}, device, eval_batch_size)
-    texts = [tok.decode(o, skip_special_tokens=True) for o in outs]
+    texts = [completion_text(tok, o) for o in outs]
     for p, t in list(zip(problems, texts))[:3]:
         print0(f"  digits {p.digits} target {p.target} -> {t!r} (reward {task.reward(p, t)})")
     return sum(task.reward(p, t) for p, t in zip(problems, texts)) / len(problems)

@@ -22,6 +22,7 @@ from tokenizer import (
     build_tokenizer,
     chat_example,
     chat_prompt_ids,
+    completion_text,
     load_tokenizer,
     save_tokenizer,
 )
@@ -330,14 +331,17 @@ def test_chat_example_mask_covers_exactly_the_reply(tok):
         assert ids[first + len(learned) - 1] == im_end
         assert tok.decode(ids[first + len(learned) :]) == "\n" and mask[-1] == 0
         assert tok.decode(ids) == tok.apply_chat_template(conv, tokenize=False)
-    # the learned span is what the engine would generate; decoded either way, the reward accepts it
+    # the learned span is what the engine would generate: the reward accepts it, as the trainers decode it
     conv = sft_examples(0)[0]
     ids, mask = chat_example(tok, conv)
     completion = [t for t, m in zip(ids, mask) if m]
     by_prompt = {prompt_messages(p)[0]["content"]: p for p in make_problems("train")}
     p = by_prompt[conv[0]["content"]]
-    assert reward(p, tok.decode(completion)) == 1.0
-    assert reward(p, tok.decode(completion, skip_special_tokens=True)) == 1.0
+    assert reward(p, completion_text(tok, completion)) == 1.0
+    # ... but not with a special token inside it (skipping special tokens when decoding would hide them)
+    for name in (IM_START, ENDOFTEXT, IM_END):
+        special = tok.convert_tokens_to_ids(name)
+        assert reward(p, completion_text(tok, completion[:1] + [special] + completion[1:])) == 0.0
 
 
 def test_chat_bad_input(tok):

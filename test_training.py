@@ -140,9 +140,13 @@ def test_pack_sequences_consistent_on_random_input():
     (([[1, -2]], [[1.0, 1.0]]), "negative token id"),
     (([[1, 2]], [[1.0, float("nan")]]), "finite"),
     (([[1, 2]], [[1.0, 1.0], [1.0]]), "weight lists"),
+    (([[1.9, 2.5]], [[1.0, 1.0]]), "ints"),
+    (([[True, False]], [[1.0, 1.0]]), "ints"),
+    (([[1, 2]], [[1.0, 1.0]], [[-0.5, float("nan")]]), "log_probs must be finite"),
+    (([[1, 2]], [[1.0, 1.0]], None, [float("nan")]), "rewards must be finite"),
 ])
 def test_pack_sequences_bad_input(args, match):
-    with pytest.raises(ValueError, match=match):
+    with pytest.raises((ValueError, TypeError), match=match):
         pack_sequences(*args)
 
 
@@ -304,6 +308,28 @@ def test_bad_model_settings_are_clear_errors(tmp_path):
         training.init_start(base_config(tmp_path, model={**TINY, "vocab_size": 50}), build_tokenizer)
     with pytest.raises(ValueError, match="float16"):
         training.precision(base_config(tmp_path, dtype="float16"))
+
+
+def test_loop_settings_are_refused_before_any_work(tmp_path):
+    out = tmp_path / "run"
+    for bad in (dict(grad_accum=0), dict(log_interval=0), dict(eval_interval=0), dict(ckpt_interval=0),
+                dict(max_iters=1.5), dict(warmup_iters=-1), dict(learning_rate=0.0), dict(min_lr=-0.5),
+                dict(min_lr=0.5), dict(grad_clip=float("nan")), dict(weight_decay=-0.1)):
+        with pytest.raises(ValueError, match=list(bad)[0]):
+            training.train(base_config(out, **bad), start=None, loader=None)   # refused before it reads them
+        assert not out.exists()
+
+
+def test_fresh_run_clears_an_earlier_runs_checkpoints(tmp_path):
+    # else a fresh run killed before its first checkpoint would 'resume' the earlier run's
+    out = tmp_path / "run"
+    for name in ("ckpt", "ckpt.old"):
+        (out / name).mkdir(parents=True)
+        (out / name / "checkpoint.json").write_text("{}")
+    training.Logger(str(out), {}, resume_iter=3).close()                 # resuming keeps them
+    assert training.find_checkpoint(str(out)) == str(out / "ckpt")
+    training.Logger(str(out), {}).close()                                # a fresh start does not
+    assert training.find_checkpoint(str(out)) is None and not (out / "ckpt.old").exists()
 
 
 @pytest.mark.parametrize("script, stage", [("pretrain.py", "pretrain"), ("sft.py", "sft")])

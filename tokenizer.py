@@ -156,6 +156,12 @@ def chat_prompt_ids(tok, messages) -> list[int]:
     return _ids(tok.apply_chat_template(list(messages), add_generation_prompt=True, tokenize=True, return_dict=False))
 
 
+def completion_text(tok, ids) -> str:
+    """What the reward reads: the completion's text with its special tokens kept. Skipping them would let
+    '3*<|im_start|>5+7' pass as '3*5+7'; task.reward drops the closing <|im_end|> itself."""
+    return tok.decode(ids, skip_special_tokens=False)
+
+
 def chat_example(tok, messages) -> tuple[list[int], list[int]]:
     """(ids, loss_mask) of a whole conversation whose last message is the assistant reply to learn.
 

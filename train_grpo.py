@@ -35,7 +35,7 @@ import task
 import training
 from configurator import configure, print0
 from engine import EngineConfig, InferenceEngine, SamplingParams
-from tokenizer import build_tokenizer, chat_prompt_ids
+from tokenizer import build_tokenizer, chat_prompt_ids, completion_text
 
 # -----------------------------------------------------------------------------
 # settings (a config file, then --key=value, override these)
@@ -50,7 +50,7 @@ compile = False
 prompts_per_step = 16        # groups per optimizer step
 group_size = 8               # samples per prompt (G)
 max_attempts = 4             # rollouts per step at most while refilling dropped zero-variance groups
-temperature = 1.0            # sampling temperature of the rollouts (the loss is at T=1: keep 1.0 for on-policy)
+temperature = 1.0            # of the rollouts; only 1.0 (the loss scores the policy at T=1: on-policy)
 top_p = 1.0
 max_new_tokens = 16          # completion budget (the task's answers are ~5 tokens + <|im_end|>)
 scale_rewards = False        # divide advantages by the group std (GRPO) instead of only centring (Dr. GRPO)
@@ -162,7 +162,7 @@ def rollout(engine, tok, stream, c, it):
         gen_time += time.perf_counter() - t0
         attempts += 1
         G = c["group_size"]
-        rewards = [task.reward(problems[i // G], tok.decode(s.completion_tokens, skip_special_tokens=True))
+        rewards = [task.reward(problems[i // G], completion_text(tok, s.completion_tokens))
                    for i, s in enumerate(samples)]
         flat = zero_variance_groups(rewards, G).tolist()
         for j, p in enumerate(problems):
@@ -231,12 +231,12 @@ def evaluate(engine, tok, problems, c):
     prompts = [chat_prompt_ids(tok, task.prompt_messages(p)) for p in problems]
     greedy = engine.generate(prompts, SamplingParams(temperature=0.0, max_tokens=c["max_new_tokens"],
                                                      stop_token_ids=stop))
-    acc = np.mean([task.reward(p, tok.decode(s.completion_tokens, skip_special_tokens=True))
+    acc = np.mean([task.reward(p, completion_text(tok, s.completion_tokens))
                    for p, s in zip(problems, greedy)])
     k = c["pass_k"]
     sampled = engine.generate(prompts, SamplingParams(temperature=1.0, max_tokens=c["max_new_tokens"],
                                                       stop_token_ids=stop, seed=c["seed"]), num_samples_per_prompt=k)
-    right = np.array([task.reward(problems[i // k], tok.decode(s.completion_tokens, skip_special_tokens=True))
+    right = np.array([task.reward(problems[i // k], completion_text(tok, s.completion_tokens))
                       for i, s in enumerate(sampled)]).reshape(len(problems), k)
     return {"eval/accuracy": float(acc), "eval/pass@1": float(right.mean()),
             f"eval/pass@{k}": float(right.max(axis=1).mean())}
@@ -254,6 +254,12 @@ def check_settings(c):
     if isinstance(c["tis_cap"], bool) or not isinstance(c["tis_cap"], (int, float)) or not c["tis_cap"] >= 0:
         raise ValueError(f"tis_cap={c['tis_cap']!r}: expected a number >= 0 (0 = off)")
     SamplingParams(temperature=c["temperature"], top_p=c["top_p"])   # refuses a bad temperature / top_p now
+    if c["temperature"] != 1.0:
+        # the loss and train/logprob_mismatch score log_softmax(logits) at T = 1: at another T the samples come
+        # from a different distribution than the one trained (and TIS would correct by p_1 / p_T). Not built.
+        raise ValueError(f"temperature={c['temperature']!r}: only 1.0 is supported (the trainer scores the policy "
+                         f"at T = 1, so other temperatures would be off-policy)")
+    training.check_loop_settings(c)
 
 
 def main(c):

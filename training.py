@@ -126,7 +126,10 @@ def pack_sequences(sequences, weights, log_probs=None, rewards=None):
         if log_probs is not None and len(log_probs[i]) != len(seq):
             raise ValueError(f"pack_sequences: sequence {i} has {len(seq)} tokens but {len(log_probs[i])} log_probs")
     lengths = [len(s) for s in sequences]
-    ids = torch.tensor([t for s in sequences for t in s], dtype=torch.long)
+    ids = torch.tensor([t for s in sequences for t in s])          # dtype inferred: floats / bools show up
+    if ids.dtype == torch.bool or ids.dtype.is_floating_point or ids.dtype.is_complex:
+        raise TypeError(f"pack_sequences: token ids must be ints, got {ids.dtype} values")
+    ids = ids.long()
     if ids.min() < 0:
         raise ValueError(f"pack_sequences: negative token id {int(ids.min())}")
     w = torch.tensor([x for ws in weights for x in ws], dtype=torch.float32)
@@ -146,8 +149,13 @@ def pack_sequences(sequences, weights, log_probs=None, rewards=None):
 
     lp = None
     if log_probs is not None:
-        lp = shift(torch.tensor([x for l in log_probs for x in l], dtype=torch.float32))
+        lp = torch.tensor([x for l in log_probs for x in l], dtype=torch.float32)
+        if not torch.isfinite(lp).all():
+            raise ValueError("pack_sequences: log_probs must be finite")
+        lp = shift(lp)
     r = None if rewards is None else torch.tensor([float(x) for x in rewards], dtype=torch.float32)
+    if r is not None and not torch.isfinite(r).all():
+        raise ValueError("pack_sequences: rewards must be finite")
     return PackedBatch(tokens=ids, labels=shift(ids), position_ids=position_ids, cu_seqlens=cu,
                        token_weights=shift(w), log_probs=lp, rewards=r)
 
@@ -550,10 +558,18 @@ class Logger:
     """One JSON object per log call in {out_dir}/metrics.jsonl ({"iter": ..., metrics}), and wandb when asked.
 
     A resumed run first drops the lines after its checkpoint's iteration (the killed run may have logged past
-    it), so the file reads as one uninterrupted run."""
+    it), so the file reads as one uninterrupted run. A fresh run (resume_iter None) starts out_dir over: an empty
+    metrics.jsonl and no checkpoint of an earlier run, so that a later init_from='resume' finds this run's or
+    none (never the earlier run's, which it would silently continue)."""
 
     def __init__(self, out_dir, config, resume_iter=None):
         os.makedirs(out_dir, exist_ok=True)
+        if resume_iter is None:
+            stale = [n for n in (CKPT, CKPT_OLD, CKPT_TMP) if os.path.exists(os.path.join(out_dir, n))]
+            for name in stale:
+                shutil.rmtree(os.path.join(out_dir, name))
+            if stale:
+                print0(f"fresh start in {out_dir}: removed an earlier run's {', '.join(stale)}")
         self.path = os.path.join(out_dir, "metrics.jsonl")
         kept = []
         if resume_iter is not None and os.path.exists(self.path):
@@ -594,11 +610,33 @@ class Logger:
 # the loop of pretrain.py and sft.py: a fixed dataset, one PackedLoader
 
 
+def check_loop_settings(c):
+    """The settings every training loop reads, refused with a ValueError naming the value before any work (those
+    of them that config c has: GRPO has no grad_accum)."""
+    def number(name):
+        v = c[name]
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
+            raise ValueError(f"{name}={v!r}: expected a finite number")
+        return v
+    for name, low in (("max_iters", 0), ("warmup_iters", 0), ("lr_decay_iters", 0), ("grad_accum", 1),
+                      ("batch_tokens", 1), ("log_interval", 1), ("eval_interval", 1), ("ckpt_interval", 1)):
+        if name in c and (isinstance(c[name], bool) or not isinstance(c[name], int) or c[name] < low):
+            raise ValueError(f"{name}={c[name]!r}: expected an int >= {low}")
+    if not number("learning_rate") > 0:
+        raise ValueError(f"learning_rate={c['learning_rate']!r}: expected > 0")
+    if not 0 <= number("min_lr") <= c["learning_rate"]:
+        raise ValueError(f"min_lr={c['min_lr']!r}: expected 0 <= min_lr <= learning_rate={c['learning_rate']!r}")
+    for name in ("weight_decay", "grad_clip", "aux_loss_coef"):
+        if name in c and not number(name) >= 0:
+            raise ValueError(f"{name}={c[name]!r}: expected >= 0")
+
+
 def train(config, start, loader, eval_fn=None, final_fn=None):
     """Train start.model on loader's batches per config; eval_fn(model) -> metrics every eval_interval and at the
     end; final_fn(model) -> metrics once at the very end (e.g. held-out accuracy). Checkpoints every
     ckpt_interval and at the end. Returns the final metrics."""
     c = config
+    check_loop_settings(c)
     seed_everything(c["seed"])
     device_type, autocast = precision(c)
     out_dir = c["out_dir"]
