@@ -182,7 +182,7 @@ def test_bad_settings_are_refused(tmp_path):
         tiny_config(tmp_path, "--prompts_per_stepp=3")
     with pytest.raises((TypeError, ValueError), match="group_size"):
         tiny_config(tmp_path, "--group_size=abc")
-    for bad in ("--group_size=1", "--max_attempts=0", "--tis_cap=-1", "--temperature=-0.5", "--temperature=0.7",
+    for bad in ("--group_size=1", "--max_attempts=0", "--max_attempts=102", "--tis_cap=-1", "--temperature=-0.5", "--temperature=0.7",
                 "--eval_interval=0", "--ckpt_interval=0", "--min_lr=-0.5"):
         with pytest.raises(ValueError, match=bad[2:].split("=")[0]):
             train_grpo.check_settings(tiny_config(tmp_path, bad))

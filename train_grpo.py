@@ -251,6 +251,8 @@ def check_settings(c):
                       ("pass_k", 1), ("batch_tokens", 1), ("max_iters", 0), ("n_eval_problems", 0)):
         if isinstance(c[name], bool) or not isinstance(c[name], int) or c[name] < low:
             raise ValueError(f"{name}={c[name]!r}: expected an int >= {low}")
+    if c["max_attempts"] > 101:   # attempt a of iteration i samples with seed * 1_000_003 + i * 101 + a: no repeats
+        raise ValueError(f"max_attempts={c['max_attempts']!r}: expected at most 101")
     if isinstance(c["tis_cap"], bool) or not isinstance(c["tis_cap"], (int, float)) or not c["tis_cap"] >= 0:
         raise ValueError(f"tis_cap={c['tis_cap']!r}: expected a number >= 0 (0 = off)")
     SamplingParams(temperature=c["temperature"], top_p=c["top_p"])   # refuses a bad temperature / top_p now

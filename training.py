@@ -393,12 +393,22 @@ def save_checkpoint(out_dir, model, optimizer, tokenizer, iter_num, config, data
         json.dump(meta, f, indent=1)
         f.flush()
         os.fsync(f.fileno())
+    _fsync_dir(tmp)
     if os.path.isdir(final):
         shutil.rmtree(old, ignore_errors=True)
         os.replace(final, old)
     os.replace(tmp, final)
+    _fsync_dir(out_dir)           # the renames themselves reach the disk (a power cut, not just a kill)
     shutil.rmtree(old, ignore_errors=True)
     return final
+
+
+def _fsync_dir(path):
+    fd = os.open(path, os.O_RDONLY)   # POSIX: a directory's entries are made durable by fsyncing the directory
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 def find_checkpoint(out_dir):
