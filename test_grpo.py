@@ -130,6 +130,17 @@ def test_tiny_run_versions_advance_and_loss_is_finite(tmp_path, monkeypatch):
     assert meta["iter"] == 3 and meta["extra"]["weight_version"] == 3
 
 
+def test_rollouts_at_another_temperature_are_trained_on_policy(tmp_path, monkeypatch):
+    # the engine's logprobs are log_softmax(logits / T): the trainer must score the same distribution (scoring
+    # it at T = 1 measured a mismatch of ~0.1 at T = 0.5, and TIS would then correct by p_1 / p_T)
+    monkeypatch.setattr(task, "reward", parity_reward)
+    out = tmp_path / "cool"
+    train_grpo.main(tiny_config(out, "--max_iters=2", "--temperature=0.5", "--tis_cap=2.0", "--ckpt_interval=100"))
+    rows = [r for r in metrics(out) if "train/loss" in r]
+    assert len(rows) == 2 and all(r["train/logprob_mismatch"] < 1e-4 for r in rows)
+    assert all(math.isfinite(r["train/loss"]) for r in rows)
+
+
 def test_no_variance_refills_up_to_max_attempts_then_skips_the_step(tmp_path, monkeypatch):
     monkeypatch.setattr(task, "reward", lambda problem, text: 1.0)
     out = tmp_path / "flat"
@@ -182,7 +193,7 @@ def test_bad_settings_are_refused(tmp_path):
         tiny_config(tmp_path, "--prompts_per_stepp=3")
     with pytest.raises((TypeError, ValueError), match="group_size"):
         tiny_config(tmp_path, "--group_size=abc")
-    for bad in ("--group_size=1", "--max_attempts=0", "--max_attempts=102", "--tis_cap=-1", "--temperature=-0.5", "--temperature=0.7",
+    for bad in ("--group_size=1", "--max_attempts=0", "--max_attempts=102", "--tis_cap=-1", "--temperature=-0.5", "--temperature=0",
                 "--eval_interval=0", "--ckpt_interval=0", "--min_lr=-0.5"):
         with pytest.raises(ValueError, match=bad[2:].split("=")[0]):
             train_grpo.check_settings(tiny_config(tmp_path, bad))

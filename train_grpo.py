@@ -50,7 +50,7 @@ compile = False
 prompts_per_step = 16        # groups per optimizer step
 group_size = 8               # samples per prompt (G)
 max_attempts = 4             # rollouts per step at most while refilling dropped zero-variance groups
-temperature = 1.0            # of the rollouts; only 1.0 (the loss scores the policy at T=1: on-policy)
+temperature = 1.0            # of the rollouts; the trainer scores softmax(logits / T) too (on-policy)
 top_p = 1.0
 max_new_tokens = 16          # completion budget (the task's answers are ~5 tokens + <|im_end|>)
 scale_rewards = False        # divide advantages by the group std (GRPO) instead of only centring (Dr. GRPO)
@@ -196,6 +196,19 @@ def build_batches(groups, c):
             for g in training.budget_groups([len(s) for s in seqs], c["batch_tokens"])]
 
 
+def tempered(model, temperature):
+    """model with its logits divided by temperature: the policy the engine samples from at that temperature
+    (its logprobs are log_softmax(logits / T)), so the loss, train/logprob_mismatch and TIS all score the
+    distribution that was sampled, as TRL's GRPOTrainer does. T = 1 returns model itself."""
+    if temperature == 1.0:
+        return model
+
+    def forward(*args, **kwargs):
+        logits, aux = model(*args, **kwargs)
+        return logits / temperature, aux
+    return forward
+
+
 @torch.no_grad()
 def trainer_logprobs(model, batch, autocast):
     """log p(label) of every row under the trainer's current weights (before the step)."""
@@ -256,11 +269,8 @@ def check_settings(c):
     if isinstance(c["tis_cap"], bool) or not isinstance(c["tis_cap"], (int, float)) or not c["tis_cap"] >= 0:
         raise ValueError(f"tis_cap={c['tis_cap']!r}: expected a number >= 0 (0 = off)")
     SamplingParams(temperature=c["temperature"], top_p=c["top_p"])   # refuses a bad temperature / top_p now
-    if c["temperature"] != 1.0:
-        # the loss and train/logprob_mismatch score log_softmax(logits) at T = 1: at another T the samples come
-        # from a different distribution than the one trained (and TIS would correct by p_1 / p_T). Not built.
-        raise ValueError(f"temperature={c['temperature']!r}: only 1.0 is supported (the trainer scores the policy "
-                         f"at T = 1, so other temperatures would be off-policy)")
+    if c["temperature"] == 0:
+        raise ValueError("temperature=0: GRPO needs sampled groups (greedy samples of a prompt are all the same)")
     training.check_loop_settings(c)
 
 
@@ -272,7 +282,7 @@ def main(c):
     device_type, autocast = training.precision(c)
     resumed = c["init_from"] == "resume"
     policy = start.model.to(c["device"])
-    forward = torch.compile(policy) if c["compile"] else policy
+    forward = tempered(torch.compile(policy) if c["compile"] else policy, c["temperature"])
     optimizer = training.configure_optimizer(policy, c["learning_rate"], c["weight_decay"], (c["beta1"], c["beta2"]),
                                              device_type)
     stream = PromptStream(task.make_problems("train"), c["seed"])
