@@ -6,7 +6,7 @@
 #   bash compare.sh                  # seeds 1 2 3, prints the markdown table of README's "Results"
 #   SEEDS="1" bash compare.sh        # one seed (run seeds in parallel, then TABLE_ONLY=1 bash compare.sh)
 #
-# Needs .venv (bash speedrun.sh makes it). About 5-6 minutes a seed on 2 CPU cores.
+# Needs .venv (bash speedrun.sh makes it). About 5-7 minutes a seed on 2 CPU cores.
 set -euo pipefail
 cd "$(dirname "$0")"
 CONFIG=config/qwen_small.py

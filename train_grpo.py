@@ -261,7 +261,7 @@ def evaluate(engine, tok, problems, c):
 
 def check_settings(c):
     for name, low in (("prompts_per_step", 1), ("group_size", 2), ("max_attempts", 1), ("max_new_tokens", 1),
-                      ("pass_k", 1), ("batch_tokens", 1), ("max_iters", 0), ("n_eval_problems", 0)):
+                      ("pass_k", 1), ("n_eval_problems", 0)):      # the loop's own (max_iters, ...): below
         if isinstance(c[name], bool) or not isinstance(c[name], int) or c[name] < low:
             raise ValueError(f"{name}={c[name]!r}: expected an int >= {low}")
     if c["max_attempts"] > 101:   # attempt a of iteration i samples with seed * 1_000_003 + i * 101 + a: no repeats
