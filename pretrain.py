@@ -13,6 +13,7 @@ import sys
 
 import task
 import training
+from checkpoint import init_start
 from configurator import configure, print0
 from tokenizer import ENDOFTEXT, build_tokenizer
 
@@ -52,22 +53,22 @@ wandb_run_name = ""
 config = configure(globals(), sys.argv[1:], stage="pretrain")
 
 
-def documents(tok, n, seed):
+def documents(tokenizer, n, seed):
     """token ids of n corpus documents, each closed with <|endoftext|> so the model learns where one ends"""
-    eot = tok.convert_tokens_to_ids(ENDOFTEXT)
-    return [tok.encode(d, add_special_tokens=False) + [eot] for d in task.pretrain_corpus(n, seed)]
+    eot = tokenizer.convert_tokens_to_ids(ENDOFTEXT)
+    return [tokenizer.encode(d, add_special_tokens=False) + [eot] for d in task.pretrain_corpus(n, seed)]
 
 
 if __name__ == "__main__":
-    start = training.init_start(config, build_tokenizer)
-    tok = start.tokenizer
-    train_docs = documents(tok, n_docs, seed)
-    val_docs = documents(tok, n_val_docs, seed + 1)
+    start = init_start(config, build_tokenizer)
+    tokenizer = start.tokenizer
+    train_docs = documents(tokenizer, n_docs, seed)
+    val_docs = documents(tokenizer, n_val_docs, seed + 1)
     print0(f"{len(train_docs)} documents, {sum(map(len, train_docs))} tokens")
     loader = training.PackedLoader(train_docs, [[1.0] * len(d) for d in train_docs], batch_tokens, seed)
     val_batches = training.fixed_batches(val_docs, [[1.0] * len(d) for d in val_docs], batch_tokens)
 
-    def eval_fn(m):
-        return {"eval/loss": training.evaluate_loss(m, val_batches, device)}
+    def eval_fn(model):
+        return {"eval/loss": training.evaluate_loss(model, val_batches, device)}
 
     training.train(config, start, loader, eval_fn=eval_fn)

@@ -16,6 +16,7 @@ import torch
 
 import task
 import training
+from checkpoint import init_start
 from configurator import configure, print0
 from tokenizer import build_tokenizer, chat_example, chat_prompt_ids, completion_text
 
@@ -56,9 +57,9 @@ wandb_run_name = ""
 config = configure(globals(), sys.argv[1:], stage="sft")
 
 
-def demonstrations(tok, problems):
+def demonstrations(tokenizer, problems):
     """chat examples (ids, loss mask) of problems answered with their preferred solution"""
-    return [chat_example(tok, task.prompt_messages(p) + [{"role": "assistant", "content": task.solutions(p)[0]}])
+    return [chat_example(tokenizer, task.prompt_messages(p) + [{"role": "assistant", "content": task.solutions(p)[0]}])
             for p in problems]
 
 
@@ -83,21 +84,21 @@ def greedy_generate(model, prompts, max_new_tokens, stop_ids, device, batch_size
     return outs
 
 
-def accuracy(model, tok, problems):
-    prompts = [chat_prompt_ids(tok, task.prompt_messages(p)) for p in problems]
-    outs = greedy_generate(model, prompts, eval_max_tokens, {tok.eos_token_id}, device, eval_batch_size)
-    texts = [completion_text(tok, o) for o in outs]
+def accuracy(model, tokenizer, problems):
+    prompts = [chat_prompt_ids(tokenizer, task.prompt_messages(p)) for p in problems]
+    outs = greedy_generate(model, prompts, eval_max_tokens, {tokenizer.eos_token_id}, device, eval_batch_size)
+    texts = [completion_text(tokenizer, o) for o in outs]
     for p, t in list(zip(problems, texts))[:3]:
         print0(f"  digits {p.digits} target {p.target} -> {t!r} (reward {task.reward(p, t)})")
     return sum(task.reward(p, t) for p, t in zip(problems, texts)) / len(problems)
 
 
 if __name__ == "__main__":
-    start = training.init_start(config, build_tokenizer)
-    tok = start.tokenizer
-    train_ex = [chat_example(tok, m) for m in task.sft_examples(seed)]
+    start = init_start(config, build_tokenizer)
+    tokenizer = start.tokenizer
+    train_ex = [chat_example(tokenizer, m) for m in task.sft_examples(seed)]
     test_problems = task.make_problems("test", n_eval_problems or None)
-    val_ex = demonstrations(tok, test_problems)
+    val_ex = demonstrations(tokenizer, test_problems)
     print0(f"{len(train_ex)} demonstrations ({sum(sum(m) for _, m in train_ex)} reply tokens), "
            f"{len(test_problems)} held-out problems")
     loader = training.PackedLoader([i for i, _ in train_ex], [[float(x) for x in m] for _, m in train_ex],
@@ -105,11 +106,11 @@ if __name__ == "__main__":
     val_batches = training.fixed_batches([i for i, _ in val_ex], [[float(x) for x in m] for _, m in val_ex],
                                          batch_tokens)
 
-    def eval_fn(m):
-        return {"eval/loss": training.evaluate_loss(m, val_batches, device)}
+    def eval_fn(model):
+        return {"eval/loss": training.evaluate_loss(model, val_batches, device)}
 
-    def final_fn(m):
-        return {"eval/accuracy": accuracy(m, tok, test_problems)}
+    def final_fn(model):
+        return {"eval/accuracy": accuracy(model, tokenizer, test_problems)}
 
     final = training.train(config, start, loader, eval_fn=eval_fn, final_fn=final_fn)
     if "eval/accuracy" in final:

@@ -9,11 +9,13 @@ import math
 import pytest
 import torch
 from hypothesis import given, settings, strategies as st
-from transformers import Qwen3Config, Qwen3ForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM
+from transformers import Qwen3Config, Qwen3MoeConfig
 
+from attention import DocumentCausalAttention, PagedAttention, PagedGroup, PagedKVCache
+from conftest import write_hf_checkpoint
 from engine import (BlockAllocator, EngineConfig, InferenceEngine, SamplingParams, SchedulerConfig, compute_block_hash,
                     sample_with_logprobs, schedule)
-from model import DocumentCausalAttention, ModelConfig, PagedAttention, PagedGroup, PagedKVCache, load_hf_checkpoint
+from model import ModelConfig, load_hf_checkpoint
 
 VOCAB = 96
 BLOCK = 16
@@ -30,34 +32,12 @@ HF_CONFIGS = {
 
 
 @pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    # tiny models gain nothing from a second thread, and on a shared 2-core machine an oversubscribed OpenMP pool
-    # makes each small op ~100x slower (measured: this file takes 6 minutes instead of 15 s)
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
+def _one_thread(one_thread):
     yield
-    torch.set_num_threads(n)
-
-
-def randomise(hf_model, seed=0):
-    # all-zero routers and all-one norms hide bugs: perturb everything
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, p in hf_model.named_parameters():
-            scale = 0.5 if "mlp.gate.weight" in name else 0.1
-            p.copy_(1.0 + 0.3 * torch.randn(p.shape, generator=g) if "norm" in name
-                    else scale * torch.randn(p.shape, generator=g))
-    return hf_model.eval()
 
 
 def make_checkpoint(name, tmp_path_factory, seed=0):
-    torch.manual_seed(seed)
-    hf_cfg = HF_CONFIGS[name]()
-    cls = Qwen3ForCausalLM if hf_cfg.model_type == "qwen3" else Qwen3MoeForCausalLM
-    hf = randomise(cls(hf_cfg), seed)
-    path = str(tmp_path_factory.mktemp(f"{name}{seed}"))
-    hf.save_pretrained(path)
-    return hf, path
+    return write_hf_checkpoint(HF_CONFIGS[name](), str(tmp_path_factory.mktemp(f"{name}{seed}")), seed)
 
 
 @pytest.fixture(scope="module", params=list(HF_CONFIGS))

@@ -12,6 +12,7 @@ import math
 import pytest
 import torch
 
+import checkpoint
 import task
 import train_grpo
 import training
@@ -126,7 +127,7 @@ def test_tiny_run_versions_advance_and_loss_is_finite(tmp_path, monkeypatch):
     assert [r["iter"] for r in evals] == [0, 3]
     assert set(final) == {"eval/accuracy", "eval/pass@1", "eval/pass@2"}
     assert all(0 <= v <= 1 for v in final.values())
-    meta = training.read_checkpoint_meta(training.find_checkpoint(str(out)))
+    meta = checkpoint.read_checkpoint_meta(checkpoint.find_checkpoint(str(out)))
     assert meta["iter"] == 3 and meta["extra"]["weight_version"] == 3
 
 
@@ -173,7 +174,7 @@ def test_killed_run_resumes_exactly(tmp_path, monkeypatch):
     monkeypatch.setattr(train_grpo, "rollout", dies_at_3)
     with pytest.raises(Killed):
         train_grpo.main(tiny_config(killed, *common))
-    assert training.read_checkpoint_meta(training.find_checkpoint(str(killed)))["iter"] == 2
+    assert checkpoint.read_checkpoint_meta(checkpoint.find_checkpoint(str(killed)))["iter"] == 2
     monkeypatch.setattr(train_grpo, "rollout", real_rollout)
     train_grpo.main(tiny_config(killed, *common, "--init_from=resume"))
 
@@ -183,8 +184,8 @@ def test_killed_run_resumes_exactly(tmp_path, monkeypatch):
         for k in ("train/loss", "rollout/reward_mean", "rollout/weight_version", "eval/accuracy", "eval/pass@1"):
             if k in ra:
                 assert abs(ra[k] - rb[k]) <= 1e-5, (ra["iter"], k, ra[k], rb[k])
-    wa = training.load_hf_checkpoint(str(whole / "ckpt")).state_dict()
-    wb = training.load_hf_checkpoint(str(killed / "ckpt")).state_dict()
+    wa = checkpoint.load_hf_checkpoint(str(whole / "ckpt")).state_dict()
+    wb = checkpoint.load_hf_checkpoint(str(killed / "ckpt")).state_dict()
     assert all(torch.allclose(wa[n], wb[n], atol=1e-6) for n in wa)
 
 

@@ -10,9 +10,12 @@ import os
 import pytest
 import torch
 import torch.nn.functional as F
-from transformers import AutoModelForCausalLM, Qwen3Config, Qwen3ForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM
+from transformers import AutoModelForCausalLM, Qwen3Config, Qwen3MoeConfig, Qwen3MoeForCausalLM
 
-from model import DocumentCausalAttention, ModelConfig, Transformer, load_hf_checkpoint, save_hf_checkpoint
+from attention import DocumentCausalAttention
+from conftest import randomise, write_hf_checkpoint
+from checkpoint import config_from_hf, config_to_hf
+from model import ModelConfig, Transformer, load_hf_checkpoint, save_hf_checkpoint
 
 VOCAB = 96
 
@@ -38,30 +41,10 @@ HF_CONFIGS = {
 }
 
 
-def randomise(hf_model, seed=0):
-    # all-zero routers and all-one norms hide bugs (a wrong norm or router path still "matches"): perturb them all
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, p in hf_model.named_parameters():
-            if "norm" in name:
-                p.copy_(1.0 + 0.3 * torch.randn(p.shape, generator=g))
-            elif "mlp.gate.weight" in name or name.endswith("bias"):
-                p.copy_(0.5 * torch.randn(p.shape, generator=g))
-            else:
-                p.copy_(0.1 * torch.randn(p.shape, generator=g))
-    return hf_model
-
-
 @pytest.fixture(scope="module", params=list(HF_CONFIGS))
 def checkpoint(request, tmp_path_factory):
     """(name, hf_model, path) for a random tiny checkpoint that transformers itself wrote to disk."""
-    torch.manual_seed(0)
-    hf_cfg = HF_CONFIGS[request.param]()
-    cls = Qwen3ForCausalLM if hf_cfg.model_type == "qwen3" else Qwen3MoeForCausalLM
-    hf = randomise(cls(hf_cfg)).eval()
-    path = str(tmp_path_factory.mktemp(request.param))
-    hf.save_pretrained(path)
-    return request.param, hf, path
+    return request.param, *write_hf_checkpoint(HF_CONFIGS[request.param](), str(tmp_path_factory.mktemp(request.param)))
 
 
 def packed(seqs):
@@ -180,8 +163,8 @@ def test_bfloat16(checkpoint):
 
 def test_model_config_round_trips_through_transformers(checkpoint):
     _, hf, path = checkpoint
-    cfg = ModelConfig.from_hf_dict(json.load(open(os.path.join(path, "config.json"))))
-    assert ModelConfig.from_hf_dict(cfg.to_hf_dict()) == cfg
+    cfg = config_from_hf(json.load(open(os.path.join(path, "config.json"))))
+    assert config_from_hf(config_to_hf(cfg)) == cfg
     assert cfg.head_dim == hf.config.head_dim
 
 

@@ -13,6 +13,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+import checkpoint
 import training
 from model import ModelConfig, Transformer, load_hf_checkpoint, save_hf_checkpoint
 from tokenizer import build_tokenizer
@@ -242,7 +243,7 @@ def test_init_from_transformers_checkpoint_trains(tmp_path):
                             num_experts=4, num_experts_per_tok=2)
     Qwen3MoeForCausalLM(hf_cfg).save_pretrained(tmp_path / "hf")
     c = base_config(tmp_path / "run", init_from=str(tmp_path / "hf"), max_iters=4)
-    start = training.init_start(c, build_tokenizer)   # no tokenizer in the dir: the embedded one fits
+    start = checkpoint.init_start(c, build_tokenizer)   # no tokenizer in the dir: the embedded one fits
     seqs = rand_seqs(20, 4, 12, seed=9)
     loader = PackedLoader(seqs, [[1.0] * len(s) for s in seqs], 64, seed=0)
     training.train(c, start, loader)
@@ -255,7 +256,7 @@ def test_init_from_transformers_checkpoint_trains(tmp_path):
     ckpt = tmp_path / "run" / "ckpt"
     assert AutoModelForCausalLM.from_pretrained(ckpt).config.vocab_size == 128
     assert len(AutoTokenizer.from_pretrained(ckpt)) == 105
-    nxt = training.init_start(base_config(tmp_path / "next", init_from=str(tmp_path / "run")), build_tokenizer)
+    nxt = checkpoint.init_start(base_config(tmp_path / "next", init_from=str(tmp_path / "run")), build_tokenizer)
     assert nxt.iter_num == 0 and nxt.source == str(ckpt)
     meta = json.load(open(ckpt / "checkpoint.json"))
     assert meta["iter"] == 4 and meta["config"]["max_iters"] == 4 and meta["data_state"] == loader.state_dict()
@@ -264,48 +265,48 @@ def test_init_from_transformers_checkpoint_trains(tmp_path):
 def test_missing_and_corrupt_checkpoints_are_clear_errors(tmp_path):
     c = base_config(tmp_path / "run", max_iters=2)
     with pytest.raises(ValueError, match="no checkpoint in out_dir"):
-        training.init_start({**c, "init_from": "resume"}, build_tokenizer)
+        checkpoint.init_start({**c, "init_from": "resume"}, build_tokenizer)
     with pytest.raises(ValueError, match="existing directory"):
-        training.init_start({**c, "init_from": str(tmp_path / "nope")}, build_tokenizer)
+        checkpoint.init_start({**c, "init_from": str(tmp_path / "nope")}, build_tokenizer)
     (tmp_path / "empty").mkdir()
     with pytest.raises(ValueError, match="neither a run directory"):
-        training.init_start({**c, "init_from": str(tmp_path / "empty")}, build_tokenizer)
+        checkpoint.init_start({**c, "init_from": str(tmp_path / "empty")}, build_tokenizer)
     seqs = rand_seqs(10, 4, 12)
-    training.train(c, training.init_start(c, build_tokenizer), PackedLoader(seqs, [[1.0] * len(s) for s in seqs], 64, 0))
+    training.train(c, checkpoint.init_start(c, build_tokenizer), PackedLoader(seqs, [[1.0] * len(s) for s in seqs], 64, 0))
     resume = {**c, "init_from": "resume"}
-    assert training.init_start(resume, build_tokenizer).iter_num == 2
+    assert checkpoint.init_start(resume, build_tokenizer).iter_num == 2
     ckpt = tmp_path / "run" / "ckpt"
     weights = ckpt / "model.safetensors"
     data = weights.read_bytes()
     weights.write_bytes(data[: len(data) // 2])   # truncated, as by a full disk
     with pytest.raises(ValueError, match="corrupt checkpoint.*model.safetensors"):
-        training.init_start(resume, build_tokenizer)
+        checkpoint.init_start(resume, build_tokenizer)
     weights.write_bytes(data)
     state = ckpt / "trainer_state.pt"
     blob = bytearray(state.read_bytes())
     blob[len(blob) // 2] ^= 0xFF                  # one flipped byte, same size
     state.write_bytes(bytes(blob))
     with pytest.raises(ValueError, match="corrupt checkpoint.*trainer_state.pt"):
-        training.init_start(resume, build_tokenizer)
+        checkpoint.init_start(resume, build_tokenizer)
     (ckpt / "checkpoint.json").write_text("{not json")
     with pytest.raises(ValueError, match="corrupt checkpoint"):
-        training.init_start(resume, build_tokenizer)
+        checkpoint.init_start(resume, build_tokenizer)
     (ckpt / "checkpoint.json").unlink()
     with pytest.raises(ValueError, match="no checkpoint in out_dir"):
-        training.init_start(resume, build_tokenizer)
+        checkpoint.init_start(resume, build_tokenizer)
     # a transformers dir (no checkpoint.json) with a broken weights file: model.py's error names it
     (tmp_path / "hf").mkdir()
     (tmp_path / "hf" / "config.json").write_text((ckpt / "config.json").read_text())
     (tmp_path / "hf" / "model.safetensors").write_bytes(b"garbage")
     with pytest.raises(ValueError, match="corrupt"):
-        training.init_start({**c, "init_from": str(tmp_path / "hf")}, build_tokenizer)
+        checkpoint.init_start({**c, "init_from": str(tmp_path / "hf")}, build_tokenizer)
 
 
 def test_bad_model_settings_are_clear_errors(tmp_path):
     with pytest.raises(ValueError, match="unknown ModelConfig field.*hidden_sise"):
-        training.init_start(base_config(tmp_path, model={"hidden_sise": 32}), build_tokenizer)
+        checkpoint.init_start(base_config(tmp_path, model={"hidden_sise": 32}), build_tokenizer)
     with pytest.raises(ValueError, match="vocab_size=50 is smaller"):
-        training.init_start(base_config(tmp_path, model={**TINY, "vocab_size": 50}), build_tokenizer)
+        checkpoint.init_start(base_config(tmp_path, model={**TINY, "vocab_size": 50}), build_tokenizer)
     with pytest.raises(ValueError, match="float16"):
         training.precision(base_config(tmp_path, dtype="float16"))
 
@@ -327,9 +328,9 @@ def test_fresh_run_clears_an_earlier_runs_checkpoints(tmp_path):
         (out / name).mkdir(parents=True)
         (out / name / "checkpoint.json").write_text("{}")
     training.Logger(str(out), {}, resume_iter=3).close()                 # resuming keeps them
-    assert training.find_checkpoint(str(out)) == str(out / "ckpt")
-    training.Logger(str(out), {}).close()                                # a fresh start does not
-    assert training.find_checkpoint(str(out)) is None and not (out / "ckpt.old").exists()
+    assert checkpoint.find_checkpoint(str(out)) == str(out / "ckpt")
+    checkpoint.clear_checkpoints(str(out))                               # a fresh start does not
+    assert checkpoint.find_checkpoint(str(out)) is None and not (out / "ckpt.old").exists()
 
 
 @pytest.mark.parametrize("script, stage", [("pretrain.py", "pretrain"), ("sft.py", "sft")])
@@ -402,7 +403,7 @@ def test_sigkill_then_resume_matches_uninterrupted_run(tmp_path):
     p.send_signal(signal.SIGKILL)
     p.communicate()
     assert p.returncode == -signal.SIGKILL, "the run finished before it could be killed"
-    at_kill = training.read_checkpoint_meta(training.find_checkpoint(str(killed)))["iter"]
+    at_kill = checkpoint.read_checkpoint_meta(checkpoint.find_checkpoint(str(killed)))["iter"]
     assert 10 <= at_kill < 60
 
     _run_pretrain(cfg, killed, "--init_from=resume")

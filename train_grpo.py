@@ -18,12 +18,13 @@ One iteration:
      prompts are pulled, at most max_attempts rollouts per step;
   4. token_weights = advantage x completion mask (x a truncated importance ratio trainer/engine when
      tis_cap > 0), packed into PackedBatches; the shared training.train_step (unified_loss) takes one step;
-  5. engine.update_weights(policy.state_dict()): in place, version += 1, prefix cache flushed.
+  5. engine.update_weights(model.state_dict()): in place, version += 1, prefix cache flushed;
+  then log, evaluate (every eval_interval) and checkpoint (every ckpt_interval, with the stream's position).
 
 The trainer keeps fp32 master weights; the engine holds its own copy (its dtype) and never aliases them.
 train/logprob_mismatch is the mean |engine logprob - trainer logprob| over the step's completion tokens, both
-of the same weights: it should be ~1e-6 in fp32 (it grows with bf16 engines or stale weights, which is what
-TIS corrects).
+of the same weights: fp32 rounding when both are fp32 (it grows with bf16 engines or stale weights, which is
+what TIS corrects).
 """
 import sys
 import time
@@ -33,6 +34,7 @@ import torch
 
 import task
 import training
+from checkpoint import init_start, save_checkpoint
 from configurator import configure, print0
 from engine import EngineConfig, InferenceEngine, SamplingParams
 from tokenizer import build_tokenizer, chat_prompt_ids, completion_text
@@ -86,12 +88,18 @@ wandb_run_name = ""
 # advantages: pure functions over a flat list of rewards, G consecutive samples per group
 
 
+def _require(ok, message):
+    # one line per input rule, at the entry point
+    if not ok:
+        raise ValueError(message)
+
+
 def group_advantages(rewards, group_size, scale_rewards=False, eps=1e-6):
     """reward - mean of its group, for rewards laid out group by group ([num_groups * G] -> same shape).
     With scale_rewards the centred rewards are divided by the group's std (+eps), as in the GRPO paper."""
     r = torch.as_tensor(rewards, dtype=torch.float32)
-    if r.dim() != 1 or r.numel() == 0 or r.numel() % group_size:
-        raise ValueError(f"rewards must be a flat list of whole groups of {group_size}, got shape {tuple(r.shape)}")
+    _require(r.dim() == 1 and r.numel() > 0 and r.numel() % group_size == 0,
+             f"rewards must be a flat list of whole groups of {group_size}, got shape {tuple(r.shape)}")
     g = r.view(-1, group_size)
     adv = g - g.mean(dim=1, keepdim=True)
     if scale_rewards:
@@ -105,95 +113,60 @@ def zero_variance_groups(rewards, group_size):
     return (g == g[:, :1]).all(dim=1)
 
 
-# -----------------------------------------------------------------------------
-# the prompt stream: the training problems, reshuffled every epoch, position (epoch, cursor) is its whole state
-
-
-class PromptStream:
-    def __init__(self, problems, seed):
-        self.problems, self.seed = problems, seed
-        self.epoch, self.cursor = 0, 0
-        self._order_epoch, self._order = None, None
-
-    def order(self, epoch):   # this epoch's permutation, a function of (seed, epoch) only
-        if self._order_epoch != epoch:
-            self._order = np.random.default_rng([self.seed, epoch]).permutation(len(self.problems))
-            self._order_epoch = epoch
-        return self._order
-
-    def take(self, n):
-        out = []
-        while len(out) < n:
-            if self.cursor == len(self.problems):
-                self.epoch, self.cursor = self.epoch + 1, 0
-            order = self.order(self.epoch)
-            take = min(n - len(out), len(self.problems) - self.cursor)
-            out += [self.problems[i] for i in order[self.cursor:self.cursor + take]]
-            self.cursor += take
-        return out
-
-    def state_dict(self):
-        return {"epoch": self.epoch, "cursor": self.cursor}
-
-    def load_state_dict(self, state):
-        if (not isinstance(state, dict) or set(state) != {"epoch", "cursor"}
-                or not all(type(v) is int and v >= 0 for v in state.values()) or state["cursor"] > len(self.problems)):
-            raise ValueError(f"PromptStream: bad data state {state!r}")
-        self.epoch, self.cursor = state["epoch"], state["cursor"]
+# the training problems, reshuffled every epoch; the position (epoch, cursor) goes into every checkpoint
+PromptStream = training.EpochCursor
 
 
 # -----------------------------------------------------------------------------
-# rollouts and the batch
+# one iteration: rollout, build batches, tis / mismatch, train step, hot-swap
 
 
-def rollout(engine, tok, stream, c, it):
+def rollout(engine, tokenizer, stream, config, it):
     """Sample groups until prompts_per_step of them have reward variance (or max_attempts rollouts ran).
-    Returns (kept groups as (problem, prompt_ids, samples, rewards)), rollout metrics)."""
-    stop = frozenset({tok.eos_token_id})
-    kept, all_rewards, lens, zero_var, attempts, gen_time = [], [], [], 0, 0, 0.0
-    while len(kept) < c["prompts_per_step"] and attempts < c["max_attempts"]:
-        problems = stream.take(c["prompts_per_step"] - len(kept))
-        prompts = [chat_prompt_ids(tok, task.prompt_messages(p)) for p in problems]
+    Returns (the kept groups as (problem, prompt_ids, samples, rewards), rollout metrics)."""
+    G, stop = config["group_size"], frozenset({tokenizer.eos_token_id})
+    kept, all_rewards, lengths, zero_var, attempts, gen_time = [], [], [], 0, 0, 0.0
+    while len(kept) < config["prompts_per_step"] and attempts < config["max_attempts"]:
+        problems = stream.take(config["prompts_per_step"] - len(kept))
+        prompts = [chat_prompt_ids(tokenizer, task.prompt_messages(p)) for p in problems]
         # the seed is a function of (run seed, iteration, attempt): a resumed run draws the same samples
-        params = SamplingParams(temperature=c["temperature"], top_p=c["top_p"], max_tokens=c["max_new_tokens"],
-                                stop_token_ids=stop, seed=c["seed"] * 1_000_003 + it * 101 + attempts)
+        params = SamplingParams(temperature=config["temperature"], top_p=config["top_p"],
+                                max_tokens=config["max_new_tokens"], stop_token_ids=stop,
+                                seed=config["seed"] * 1_000_003 + it * 101 + attempts)
         t0 = time.perf_counter()
-        samples = engine.generate(prompts, params, num_samples_per_prompt=c["group_size"])
+        samples = engine.generate(prompts, params, num_samples_per_prompt=G)
         gen_time += time.perf_counter() - t0
         attempts += 1
-        G = c["group_size"]
-        rewards = [task.reward(problems[i // G], completion_text(tok, s.completion_tokens))
+        rewards = [task.reward(problems[i // G], completion_text(tokenizer, s.completion_tokens))
                    for i, s in enumerate(samples)]
-        flat = zero_variance_groups(rewards, G).tolist()
-        for j, p in enumerate(problems):
-            if flat[j]:
+        for j, flat in enumerate(zero_variance_groups(rewards, G).tolist()):
+            if flat:
                 zero_var += 1
             else:
-                kept.append((p, prompts[j], samples[j * G:(j + 1) * G], rewards[j * G:(j + 1) * G]))
+                kept.append((problems[j], prompts[j], samples[j * G:(j + 1) * G], rewards[j * G:(j + 1) * G]))
         all_rewards += rewards
-        lens += [len(s.completion_tokens) for s in samples]
+        lengths += [len(s.completion_tokens) for s in samples]
     metrics = {"rollout/reward_mean": float(np.mean(all_rewards)), "rollout/zero_var_groups": zero_var,
                "rollout/valid_groups": len(kept), "rollout/attempts_per_batch": attempts,
-               "rollout/completion_len": float(np.mean(lens)), "rollout/tokens_per_s": sum(lens) / gen_time,
+               "rollout/completion_len": float(np.mean(lengths)), "rollout/tokens_per_s": sum(lengths) / gen_time,
                "rollout/weight_version": engine.get_weight_version(), "perf/rollout_time_s": gen_time}
     return kept, metrics
 
 
-def build_batches(groups, c):
+def build_batches(groups, config):
     """Packed batches of prompt + completion with token_weights = advantage on completion tokens, 0 on the
     prompt; log_probs = the engine's logprob of each completion token. Split under batch_tokens."""
     seqs, weights, logps, rewards = [], [], [], []
-    for _, prompt, samples, r in groups:
-        adv = group_advantages(r, c["group_size"], c["scale_rewards"]).tolist()
-        for s, a, ri in zip(samples, adv, r):
-            n = len(s.completion_tokens)
+    for _, prompt, samples, group_rewards in groups:
+        adv = group_advantages(group_rewards, config["group_size"], config["scale_rewards"]).tolist()
+        for s, a, r in zip(samples, adv, group_rewards):
             seqs.append(list(prompt) + list(s.completion_tokens))
-            weights.append([0.0] * len(prompt) + [a] * n)
+            weights.append([0.0] * len(prompt) + [a] * len(s.completion_tokens))
             logps.append([0.0] * len(prompt) + list(s.logprobs))
-            rewards.append(ri)
+            rewards.append(r)
     return [training.pack_sequences([seqs[i] for i in g], [weights[i] for i in g], [logps[i] for i in g],
                                     [rewards[i] for i in g])
-            for g in training.budget_groups([len(s) for s in seqs], c["batch_tokens"])]
+            for g in training.budget_groups([len(s) for s in seqs], config["batch_tokens"])]
 
 
 def tempered(model, temperature):
@@ -217,7 +190,7 @@ def trainer_logprobs(model, batch, autocast):
     return training.token_logprobs(logits, batch.labels)
 
 
-def apply_tis(batches, model, autocast, c):
+def apply_tis(batches, model, autocast, config):
     """train/logprob_mismatch over completion tokens; with tis_cap > 0, fold the truncated importance ratio
     min(exp(trainer - engine), tis_cap) into the weights (a no-grad factor, as the loss contract asks)."""
     out, diff, count = [], 0.0, 0
@@ -226,8 +199,8 @@ def apply_tis(batches, model, autocast, c):
         mask = b.token_weights != 0
         diff += (lp - b.log_probs).abs()[mask].sum().item()
         count += int(mask.sum())
-        if c["tis_cap"] > 0:
-            ratio = torch.exp(lp - b.log_probs).clamp(max=c["tis_cap"])
+        if config["tis_cap"] > 0:
+            ratio = torch.exp(lp - b.log_probs).clamp(max=config["tis_cap"])
             b = training.PackedBatch(b.tokens, b.labels, b.position_ids, b.cu_seqlens,
                                      b.token_weights * torch.where(mask, ratio, torch.ones_like(ratio)),
                                      b.log_probs, b.rewards)
@@ -235,124 +208,129 @@ def apply_tis(batches, model, autocast, c):
     return out, diff / max(count, 1)
 
 
+def grpo_step(engine, run, stream, config, it):
+    """Iteration it: rollout, build batches, tis / mismatch, one optimizer step, hot-swap into the engine.
+    Returns the iteration's metrics (no step and no swap when no group had reward variance)."""
+    t0 = time.perf_counter()
+    groups, metrics = rollout(engine, run.start.tokenizer, stream, config, it)
+    if not groups:  # every group had zero variance max_attempts times: no gradient this step, the weights stay
+        print0(f"iter {it + 1}: no group with reward variance in {metrics['rollout/attempts_per_batch']} attempts")
+    else:
+        forward = tempered(run.forward, config["temperature"])
+        t1 = time.perf_counter()
+        batches = [b.to(config["device"]) for b in build_batches(groups, config)]
+        batches, metrics["train/logprob_mismatch"] = apply_tis(batches, forward, run.autocast, config)
+        t2 = time.perf_counter()   # the optimizer step alone from here: tokens/s and MFU measure it
+        metrics.update(training.train_step(forward, run.optimizer, batches, training.scheduled_lr(config, it),
+                                           config["grad_clip"], config["aux_loss_coef"], run.autocast))
+        t3 = time.perf_counter()
+        engine.update_weights(run.model.state_dict())
+        t4 = time.perf_counter()
+        flops = sum(training.train_flops(run.model.config, b.seqlens()) for b in batches)
+        metrics.update({"perf/logprob_pass_s": t2 - t1, "perf/train_time_s": t3 - t2,
+                        "perf/update_weights_s": t4 - t3, "perf/tokens_per_sec": metrics["train/tokens"] / (t3 - t2),
+                        "perf/mfu": flops / (t3 - t2) / run.peak_flops})
+    metrics["perf/step_time_s"] = time.perf_counter() - t0
+    return metrics
+
+
 # -----------------------------------------------------------------------------
 # evaluation: held-out greedy accuracy, and pass@1 / pass@k from sampled completions, all through the engine
 
 
-def evaluate(engine, tok, problems, c):
-    stop = frozenset({tok.eos_token_id})
-    prompts = [chat_prompt_ids(tok, task.prompt_messages(p)) for p in problems]
-    greedy = engine.generate(prompts, SamplingParams(temperature=0.0, max_tokens=c["max_new_tokens"],
+def evaluate(engine, tokenizer, problems, config):
+    """Greedy accuracy, and pass@1 / pass@k over pass_k samples at temperature 1, of these problems."""
+    stop = frozenset({tokenizer.eos_token_id})
+    prompts = [chat_prompt_ids(tokenizer, task.prompt_messages(p)) for p in problems]
+    greedy = engine.generate(prompts, SamplingParams(temperature=0.0, max_tokens=config["max_new_tokens"],
                                                      stop_token_ids=stop))
-    acc = np.mean([task.reward(p, completion_text(tok, s.completion_tokens))
+    acc = np.mean([task.reward(p, completion_text(tokenizer, s.completion_tokens))
                    for p, s in zip(problems, greedy)])
-    k = c["pass_k"]
-    sampled = engine.generate(prompts, SamplingParams(temperature=1.0, max_tokens=c["max_new_tokens"],
-                                                      stop_token_ids=stop, seed=c["seed"]), num_samples_per_prompt=k)
-    right = np.array([task.reward(problems[i // k], completion_text(tok, s.completion_tokens))
+    k = config["pass_k"]
+    sampled = engine.generate(prompts, SamplingParams(temperature=1.0, max_tokens=config["max_new_tokens"],
+                                                      stop_token_ids=stop, seed=config["seed"]),
+                              num_samples_per_prompt=k)
+    right = np.array([task.reward(problems[i // k], completion_text(tokenizer, s.completion_tokens))
                       for i, s in enumerate(sampled)]).reshape(len(problems), k)
     return {"eval/accuracy": float(acc), "eval/pass@1": float(right.mean()),
             f"eval/pass@{k}": float(right.max(axis=1).mean())}
+
+
+def evaluate_and_log(engine, run, problems, config, done):
+    t0 = time.perf_counter()
+    metrics = evaluate(engine, run.start.tokenizer, problems, config)
+    run.logger.log(done, metrics)
+    print0(f"eval iter {done}: " + ", ".join(f"{k} {v:.4f}" for k, v in metrics.items()) +
+           f" ({time.perf_counter() - t0:.1f} s)")
+    return metrics
 
 
 # -----------------------------------------------------------------------------
 # the loop
 
 
-def check_settings(c):
+def check_settings(config):
+    """GRPO's own settings, then the loop's, each refused with a ValueError naming it before any work."""
     for name, low in (("prompts_per_step", 1), ("group_size", 2), ("max_attempts", 1), ("max_new_tokens", 1),
-                      ("pass_k", 1), ("n_eval_problems", 0)):      # the loop's own (max_iters, ...): below
-        if isinstance(c[name], bool) or not isinstance(c[name], int) or c[name] < low:
-            raise ValueError(f"{name}={c[name]!r}: expected an int >= {low}")
-    if c["max_attempts"] > 101:   # attempt a of iteration i samples with seed * 1_000_003 + i * 101 + a: no repeats
-        raise ValueError(f"max_attempts={c['max_attempts']!r}: expected at most 101")
-    if isinstance(c["tis_cap"], bool) or not isinstance(c["tis_cap"], (int, float)) or not c["tis_cap"] >= 0:
-        raise ValueError(f"tis_cap={c['tis_cap']!r}: expected a number >= 0 (0 = off)")
-    SamplingParams(temperature=c["temperature"], top_p=c["top_p"])   # refuses a bad temperature / top_p now
-    if c["temperature"] == 0:
-        raise ValueError("temperature=0: GRPO needs sampled groups (greedy samples of a prompt are all the same)")
-    training.check_loop_settings(c)
+                      ("pass_k", 1), ("n_eval_problems", 0)):
+        _require(type(config[name]) is int and config[name] >= low, f"{name}={config[name]!r}: expected an int "
+                                                                     f">= {low}")
+    # attempt a of iteration i samples with seed * 1_000_003 + i * 101 + a: more attempts would repeat seeds
+    _require(config["max_attempts"] <= 101, f"max_attempts={config['max_attempts']!r}: expected at most 101")
+    tis_cap = config["tis_cap"]
+    _require(type(tis_cap) in (int, float) and tis_cap >= 0, f"tis_cap={tis_cap!r}: expected a number >= 0 "
+                                                             f"(0 = off)")
+    SamplingParams(temperature=config["temperature"], top_p=config["top_p"])   # refuses a bad temperature / top_p
+    _require(config["temperature"] != 0, "temperature=0: GRPO needs sampled groups (greedy samples of a prompt "
+                                         "are all the same)")
+    # a bad engine dtype or page size is refused here, before the run setup touches out_dir
+    EngineConfig(device=config["device"], dtype=config["engine_dtype"], block_size=config["engine_block_size"])
+    training.check_loop_settings(config)
 
 
-def main(c):
-    check_settings(c)
-    start = training.init_start(c, build_tokenizer)
-    tok = start.tokenizer
-    training.seed_everything(c["seed"])
-    device_type, autocast = training.precision(c)
-    resumed = c["init_from"] == "resume"
-    policy = start.model.to(c["device"])
-    forward = tempered(torch.compile(policy) if c["compile"] else policy, c["temperature"])
-    optimizer = training.configure_optimizer(policy, c["learning_rate"], c["weight_decay"], (c["beta1"], c["beta2"]),
-                                             device_type)
-    stream = PromptStream(task.make_problems("train"), c["seed"])
-    version = 0
-    if resumed:
-        version = training.read_checkpoint_meta(start.source)["extra"]["weight_version"]
-        optimizer.load_state_dict(start.trainer_state["optimizer"])
-        stream.load_state_dict(start.data_state)
-        training.set_rng_state(start.trainer_state["rng"])
-    eval_problems = task.make_problems("test", c["n_eval_problems"] or None)
-    # the engine is sized for the task's longest prompt (a 3-digit target) plus the completion budget
-    prompt_len = max(len(chat_prompt_ids(tok, task.prompt_messages(p))) for p in stream.problems + eval_problems)
-    max_len = prompt_len + c["max_new_tokens"]
-    blocks_per_seq = -(-max_len // c["engine_block_size"]) + 1
-    engine = InferenceEngine(EngineConfig(
-        device=c["device"], dtype=c["engine_dtype"], block_size=c["engine_block_size"], max_model_len=max_len,
-        max_batch_size=256, num_blocks=256 * blocks_per_seq, seed=c["seed"],
-        weight_version=version), model=policy)
-    logger = training.Logger(c["out_dir"], c, resume_iter=start.iter_num if resumed else None)
-    peak = training.measure_matmul_flops(c["device"], torch.float32 if c["dtype"] == "float32" else torch.bfloat16)
-    lr_decay_iters = c["lr_decay_iters"] or c["max_iters"]
-    print0(f"{policy.num_params() / 1e6:.2f}M parameters ({policy.num_active_params() / 1e6:.2f}M active), from "
-           f"{start.source}, iter {start.iter_num} -> {c['max_iters']}, {c['prompts_per_step']} prompts x "
-           f"{c['group_size']} samples per step, {len(eval_problems)} held-out problems")
+def make_engine(config, run, problems):
+    """The in-process engine over a copy of the policy, sized for the longest prompt of these problems plus the
+    completion budget, starting at the resumed run's weight version."""
+    prompt_len = max(len(chat_prompt_ids(run.start.tokenizer, task.prompt_messages(p))) for p in problems)
+    max_len = prompt_len + config["max_new_tokens"]
+    blocks_per_seq = -(-max_len // config["engine_block_size"]) + 1
+    version = 0 if run.start.meta is None else run.start.meta["extra"]["weight_version"]
+    return InferenceEngine(EngineConfig(
+        device=config["device"], dtype=config["engine_dtype"], block_size=config["engine_block_size"],
+        max_model_len=max_len, max_batch_size=256, num_blocks=256 * blocks_per_seq, seed=config["seed"],
+        weight_version=version), model=run.model)
 
-    def run_eval(it):
-        t0 = time.perf_counter()
-        e = evaluate(engine, tok, eval_problems, c)
-        logger.log(it, e)
-        print0(f"eval iter {it}: " + ", ".join(f"{k} {v:.4f}" for k, v in e.items()) +
-               f" ({time.perf_counter() - t0:.1f} s)")
-        return e
 
-    it, final = start.iter_num, {}
-    if not resumed:
-        final = run_eval(0)
-    while it < c["max_iters"]:
-        t0 = time.perf_counter()
-        groups, m = rollout(engine, tok, stream, c, it)
-        lr = training.get_lr(it, c["learning_rate"], c["min_lr"], c["warmup_iters"], lr_decay_iters)
-        if groups:
-            t1 = time.perf_counter()
-            batches = [b.to(c["device"]) for b in build_batches(groups, c)]
-            batches, m["train/logprob_mismatch"] = apply_tis(batches, forward, autocast, c)
-            t2 = time.perf_counter()   # the optimizer step alone from here: tokens/s and MFU measure it
-            m.update(training.train_step(forward, optimizer, batches, lr, c["grad_clip"], c["aux_loss_coef"],
-                                         autocast))
-            t3 = time.perf_counter()
-            engine.update_weights(policy.state_dict())
-            t4 = time.perf_counter()
-            flops = sum(training.train_flops(policy.config, b.seqlens()) for b in batches)
-            m.update({"perf/logprob_pass_s": t2 - t1, "perf/train_time_s": t3 - t2, "perf/update_weights_s": t4 - t3,
-                      "perf/tokens_per_sec": m["train/tokens"] / (t3 - t2), "perf/mfu": flops / (t3 - t2) / peak})
-        else:  # every group had zero variance max_attempts times: no gradient this step, the weights stay
-            print0(f"iter {it + 1}: no group with reward variance in {m['rollout/attempts_per_batch']} attempts")
-        it += 1
-        m["perf/step_time_s"] = time.perf_counter() - t0
-        last = it == c["max_iters"]
-        if it % c["log_interval"] == 0 or last:
-            logger.log(it, m)
-            print0(f"iter {it}: reward {m['rollout/reward_mean']:.3f}, groups {m['rollout/valid_groups']}"
-                   f"/{m['rollout/valid_groups'] + m['rollout/zero_var_groups']}, loss {m.get('train/loss', 0):.4f}, "
-                   f"mismatch {m.get('train/logprob_mismatch', 0):.1e}, len {m['rollout/completion_len']:.1f}, "
-                   f"{m['perf/step_time_s'] * 1000:.0f} ms, rollout {m['rollout/tokens_per_s']:.0f} tok/s")
-        if it % c["eval_interval"] == 0 or last:
-            final = run_eval(it)
-        if it % c["ckpt_interval"] == 0 or last:
-            training.save_checkpoint(c["out_dir"], policy, optimizer, tok, it, c, stream.state_dict(),
-                                     extra={"weight_version": engine.get_weight_version()})
-    logger.close()
+def log_iteration(logger, done, metrics):
+    logger.log(done, metrics)
+    valid, flat = metrics["rollout/valid_groups"], metrics["rollout/zero_var_groups"]
+    print0(f"iter {done}: reward {metrics['rollout/reward_mean']:.3f}, groups {valid}/{valid + flat}, "
+           f"loss {metrics.get('train/loss', 0):.4f}, mismatch {metrics.get('train/logprob_mismatch', 0):.1e}, "
+           f"len {metrics['rollout/completion_len']:.1f}, {metrics['perf/step_time_s'] * 1000:.0f} ms, "
+           f"rollout {metrics['rollout/tokens_per_s']:.0f} tok/s")
+
+
+def main(config):
+    check_settings(config)
+    start = init_start(config, build_tokenizer)
+    stream = PromptStream(task.make_problems("train"), config["seed"])
+    run = training.setup_run(config, start, stream)
+    eval_problems = task.make_problems("test", config["n_eval_problems"] or None)
+    engine = make_engine(config, run, stream.items + eval_problems)
+    print0(f"{config['prompts_per_step']} prompts x {config['group_size']} samples per step, "
+           f"{len(eval_problems)} held-out problems")
+    final = {} if start.meta is not None else evaluate_and_log(engine, run, eval_problems, config, 0)
+    for it in range(start.iter_num, config["max_iters"]):
+        metrics = grpo_step(engine, run, stream, config, it)   # rollout, batches, tis, train step, hot-swap
+        done = it + 1
+        if training.due(config, "log_interval", done):
+            log_iteration(run.logger, done, metrics)
+        if training.due(config, "eval_interval", done):
+            final = evaluate_and_log(engine, run, eval_problems, config, done)
+        if training.due(config, "ckpt_interval", done):
+            save_checkpoint(config["out_dir"], run.model, run.optimizer, run.start.tokenizer, done, config,
+                            stream.state_dict(), extra={"weight_version": engine.get_weight_version()})
+    run.logger.close()
     engine.shutdown()
     return final
 
