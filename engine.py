@@ -49,8 +49,7 @@ def _is_number(x):
 
 @dataclass(frozen=True)
 class EngineConfig:
-    """How the engine runs. attention_backend='auto' is 'sdpa' on CPU (bench.py compares the backends) and
-    FlexAttention on CUDA when compile=True (the design's path)."""
+    """How the engine runs. attention_backend='auto': FlexAttention on CUDA with compile=True, else 'sdpa'."""
     model_path: str | None = None        # a local HF directory; unused when a model is handed to InferenceEngine
     cache_type: str = "paged"            # 'paged' | 'radix' (radix: not built yet)
     block_size: int = 16                 # tokens per KV block
@@ -144,9 +143,11 @@ def check_prompt(prompt, vocab_size, max_model_len, where="prompt"):
     _require(hasattr(prompt, "__len__") and not isinstance(prompt, (str, bytes)),
              f"{where} must be a list of token ids, got {type(prompt).__name__}", TypeError)
     _require(len(prompt) > 0, f"{where} is empty: a prompt needs at least one token")
-    for i, tok in enumerate(prompt):
-        _require(_is_int(tok), f"{where}[{i}] = {tok!r} is not an int token id", TypeError)
-        _require(0 <= tok < vocab_size, f"{where}[{i}] = {tok} is outside the vocabulary [0, {vocab_size})")
+    for i, tok in enumerate(prompt):   # (a plain loop, not _require: a message is formatted only when raised)
+        if not _is_int(tok):
+            raise TypeError(f"{where}[{i}] = {tok!r} is not an int token id")
+        if not 0 <= tok < vocab_size:
+            raise ValueError(f"{where}[{i}] = {tok} is outside the vocabulary [0, {vocab_size})")
     _require(len(prompt) < max_model_len, f"{where} has {len(prompt)} tokens: longer than max_model_len="
              f"{max_model_len} allows (at most {max_model_len - 1}, to leave room for one new token)")
     return [int(t) for t in prompt]
@@ -157,14 +158,18 @@ def check_state_dict(state_dict, params, dtype):
     finite once cast to the engine's dtype; otherwise a ValueError / TypeError naming the tensor."""
     _require(hasattr(state_dict, "keys") and hasattr(state_dict, "__getitem__"),
              f"state_dict must be a mapping of name -> tensor, got {type(state_dict).__name__}", TypeError)
-    missing, unknown = sorted(set(params) - set(state_dict.keys())), sorted(set(state_dict.keys()) - set(params))
-    _require(not missing, f"state_dict is missing {missing[:5]}{' ...' if len(missing) > 5 else ''}")
-    _require(not unknown, f"state_dict has unknown tensor(s) {unknown[:5]}{' ...' if len(unknown) > 5 else ''}")
+    if state_dict.keys() != params.keys():
+        missing, unknown = sorted(set(params) - set(state_dict.keys())), sorted(set(state_dict.keys()) - set(params))
+        _require(not missing, f"state_dict is missing {missing[:5]}{' ...' if len(missing) > 5 else ''}")
+        _require(not unknown, f"state_dict has unknown tensor(s) {unknown[:5]}{' ...' if len(unknown) > 5 else ''}")
     tensors = [state_dict[name] for name in params]
-    for (name, ours), t in zip(params.items(), tensors):
-        _require(isinstance(t, torch.Tensor), f"state_dict[{name!r}] is a {type(t).__name__}, not a tensor", TypeError)
-        _require(t.shape == ours.shape, f"state_dict[{name!r}] has shape {tuple(t.shape)}, expected {tuple(ours.shape)}")
-        _require(t.dtype.is_floating_point, f"state_dict[{name!r}] has dtype {t.dtype}, expected a floating dtype")
+    for (name, ours), t in zip(params.items(), tensors):   # plain ifs: a message is formatted only when raised
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"state_dict[{name!r}] is a {type(t).__name__}, not a tensor")
+        if t.shape != ours.shape:
+            raise ValueError(f"state_dict[{name!r}] has shape {tuple(t.shape)}, expected {tuple(ours.shape)}")
+        if not t.dtype.is_floating_point:
+            raise ValueError(f"state_dict[{name!r}] has dtype {t.dtype}, expected a floating dtype")
     # one read of each tensor, one sync: a sum is non-finite when a value is NaN/inf; where the cast to the
     # engine's dtype could overflow (fp32 -> fp16), the largest |value| must fit it. Only when that fails (or
     # finite values overflow a sum) does an exact check run, to name the tensor.
@@ -176,9 +181,11 @@ def check_state_dict(state_dict, params, dtype):
         total, peak = _reduce(sums, torch.sum), _reduce(peaks, torch.max)
     if not (math.isfinite(total) and peak <= limit):     # a NaN peak fails the comparison
         for name, t, n in zip(params, tensors, narrowing):
-            _require(bool(torch.isfinite(t.detach()).all()), f"state_dict[{name!r}] has non-finite values (NaN or inf)")
-            _require(not n or t.detach().abs().max() <= limit, f"state_dict[{name!r}] has values beyond {dtype}'s "
-                     f"range (|x| <= {limit:g}): they would be inf in the engine")
+            if not torch.isfinite(t.detach()).all():
+                raise ValueError(f"state_dict[{name!r}] has non-finite values (NaN or inf)")
+            if n and t.detach().abs().max() > limit:
+                raise ValueError(f"state_dict[{name!r}] has values beyond {dtype}'s range (|x| <= {limit:g}): "
+                                 f"they would be inf in the engine")
     return tensors
 
 
@@ -247,8 +254,7 @@ class InferenceEngine:
     self.cache is the block allocator (scheduler.BlockAllocator), self.kv the KV tensors (attention.PagedKVCache)."""
 
     def __init__(self, config: EngineConfig, model: Transformer | None = None):
-        _require(isinstance(config, EngineConfig), f"config must be an EngineConfig, got {type(config).__name__}",
-                 TypeError)
+        _require(isinstance(config, EngineConfig), f"config must be an EngineConfig, got {config!r}", TypeError)
         _require(model is not None or config.model_path is not None,
                  "EngineConfig.model_path is None and no model was given")
         self.config = config
@@ -312,8 +318,7 @@ class InferenceEngine:
 
     def _check_request(self, params, num_samples, name):
         self._check_open()
-        _require(isinstance(params, SamplingParams), f"params must be SamplingParams, got {type(params).__name__}",
-                 TypeError)
+        _require(isinstance(params, SamplingParams), f"params must be SamplingParams, got {params!r}", TypeError)
         _require(_is_int(num_samples) and num_samples >= 1, f"{name} must be an int >= 1, got {num_samples!r}")
         _require(num_samples <= self.config.max_batch_size,
                  f"{name}={num_samples} exceeds max_batch_size={self.config.max_batch_size}")

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The main job on a fresh machine: a virtualenv, the requirements, then pretrain -> sft -> train_grpo on the
-# embedded default (config/qwen_small.py). About 6 minutes on 2 CPU cores (pip included).
+# embedded default (config/qwen_small.py); the README says how long it takes on 2 CPU cores.
 #
 #   bash speedrun.sh                          # the embedded default
 #   bash speedrun.sh config/qwen_small.py     # or another experiment file (each stage reads its section)
