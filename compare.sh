@@ -1,45 +1,107 @@
 #!/usr/bin/env bash
-# Does GRPO beat more SFT? For each seed: pretrain -> sft, then from that SFT checkpoint either the same number
-# of extra SFT steps (the control) or GRPO steps; every checkpoint is scored by the same evaluation
-# (train_grpo.py --max_iters=0: held-out greedy accuracy, pass@1 and pass@8 at temperature 1).
+# The fair comparison: per seed, pretrain -> sft, then from that SFT checkpoint GRPO and two baselines matched to
+# it (sft_more: more SFT at GRPO's FLOPs; rft: rejection-sampling fine-tuning on GRPO's problem count and group
+# size, same FLOPs; both early-stopped on val), every arm scored once on the test split; then report.py.
 #
-#   bash compare.sh                  # seeds 1 2 3, prints the markdown table of README's "Results"
-#   SEEDS="1" bash compare.sh        # one seed (run seeds in parallel, then TABLE_ONLY=1 bash compare.sh)
+#   bash compare.sh                 # seeds 1 2 3 4 5, JOBS=2 seeds at a time, the cores shared out among them
+#   bash compare.sh 1 2             # these seeds; JOBS=1 one at a time; FORCE=1 redoes finished seeds
+#   CONFIG=config/other.py bash compare.sh
 #
-# Needs .venv (bash speedrun.sh makes it). About 5-7 minutes a seed on 2 CPU cores.
+# Writes out/compare/seed<S>/ (log.txt, pretrain, sft, grpo, sft_more, rft, test_<arm>), then
+# out/compare/results.json and out/compare/val_accuracy.png (report.py). Needs .venv (bash speedrun.sh makes it).
 set -euo pipefail
 cd "$(dirname "$0")"
-CONFIG=config/qwen_small.py
-SEEDS="${SEEDS:-1 2 3}"
-STEPS="${STEPS:-$(.venv/bin/python -c "exec(open('$CONFIG').read()); print(grpo['max_iters'])")}"
+CONFIG="${CONFIG:-config/qwen_small.py}"
+JOBS="${JOBS:-2}"
 PY=.venv/bin/python
-for s in $SEEDS; do
-    [ -n "${TABLE_ONLY:-}" ] && break   # TABLE_ONLY=1: just print the table of finished seeds
-    d=out/compare/seed$s
-    $PY pretrain.py $CONFIG --seed=$s --out_dir=$d/pretrain
-    $PY sft.py $CONFIG --seed=$s --init_from=$d/pretrain --out_dir=$d/sft
-    $PY sft.py $CONFIG --seed=$s --init_from=$d/sft --out_dir=$d/sft_more --max_iters=$STEPS
-    $PY train_grpo.py $CONFIG --seed=$s --init_from=$d/sft --out_dir=$d/grpo --max_iters=$STEPS
-    for run in sft sft_more grpo; do   # one evaluation for all three
-        $PY train_grpo.py $CONFIG --seed=$s --init_from=$d/$run --out_dir=$d/eval_$run --max_iters=0
-    done
+OUT="${OUT:-out/compare}"
+ARMS=(sft sft_more rft grpo)
+SEEDS=("$@")
+[ ${#SEEDS[@]} -gt 0 ] || SEEDS=(1 2 3 4 5)
+for s in "${SEEDS[@]}"; do
+    [[ $s =~ ^[0-9]+$ ]] || { echo "compare.sh: a seed is a non-negative integer, got '$s'" >&2; exit 2; }
 done
-$PY - "$SEEDS" "$STEPS" <<'PY'
+[[ $JOBS =~ ^[1-9][0-9]*$ ]] || { echo "compare.sh: JOBS must be a positive integer, got '$JOBS'" >&2; exit 2; }
+
+# each job gets its share of the cores (at least one thread), so parallel seeds do not oversubscribe them
+THREADS=$(( $(nproc) / JOBS ))
+[ "$THREADS" -ge 1 ] || THREADS=1
+export OMP_NUM_THREADS=$THREADS MKL_NUM_THREADS=$THREADS
+export WANDB_MODE="${WANDB_MODE:-offline}"
+# GRPO's samples per problem and rollout temperature: RFT samples the same way
+read -r G T <<< "$($PY -c "exec(open('$CONFIG').read()); print(int(grpo['group_size']), float(grpo.get('temperature', 1.0)))")"
+
+finished() {   # finished <seed>: every arm's test evaluation is on disk
+    local arm
+    for arm in "${ARMS[@]}"; do
+        grep -qs '"eval/accuracy"' "$OUT/seed$1/test_$arm/metrics.jsonl" || return 1
+    done
+}
+
+step() {   # step <name> <command ...>: run it, saying what and how long it took
+    local t0=$SECONDS name=$1
+    shift
+    echo "== $name: $*"
+    "$@"
+    echo "== $name done in $((SECONDS - t0)) s"
+}
+
+grpo_budget() {   # grpo_budget <metrics.jsonl>: "F N", GRPO's total FLOPs and training problems consumed
+    $PY - "$1" <<'PY'
 import json, sys
-import numpy as np
-seeds, steps = sys.argv[1].split(), sys.argv[2]
-keys = ["eval/accuracy", "eval/pass@1", "eval/pass@8"]
-rows = {"SFT": "sft", f"SFT + {steps} more SFT steps (control)": "sft_more", f"SFT + {steps} GRPO steps": "grpo"}
-print(f"held-out problems, mean ± std over seeds {' '.join(seeds)} (per-seed values):\n")
-print("| start | greedy accuracy | pass@1 | pass@8 |")
-print("| --- | --- | --- | --- |")
-for name, run in rows.items():
-    vals = []
-    for s in seeds:
-        with open(f"out/compare/seed{s}/eval_{run}/metrics.jsonl") as f:
-            last = [json.loads(l) for l in f][-1]
-        vals.append([last[k] for k in keys])
-    v = np.array(vals)
-    cells = [f"{m:.3f} ± {sd:.3f} ({', '.join(f'{x:.3f}' for x in col)})" for m, sd, col in zip(v.mean(0), v.std(0), v.T)]
-    print(f"| {name} | " + " | ".join(cells) + " |")
+rows = [json.loads(line) for line in open(sys.argv[1]) if line.strip()]
+last = [r for r in rows if "perf/flops_total" in r and "rollout/problems_total" in r]
+if not last:
+    sys.exit(f"{sys.argv[1]}: no perf/flops_total / rollout/problems_total rows")
+print(int(last[-1]["perf/flops_total"]), int(last[-1]["rollout/problems_total"]))
 PY
+}
+
+run_seed() {   # run_seed <seed>: the whole pipeline of one seed
+    local s=$1 d=$OUT/seed$1 budget F N arm init baseline
+    step pretrain $PY pretrain.py "$CONFIG" --seed=$s --out_dir=$d/pretrain
+    step sft $PY sft.py "$CONFIG" --seed=$s --init_from=$d/pretrain --out_dir=$d/sft
+    step grpo $PY train_grpo.py "$CONFIG" --seed=$s --init_from=$d/sft --out_dir=$d/grpo
+    budget=$(grpo_budget $d/grpo/metrics.jsonl)
+    read -r F N <<< "$budget"
+    echo "== GRPO used F=$F FLOPs on N=$N training problems, G=$G samples each: the baselines' budget"
+    # the baselines continue from the SFT checkpoint at a constant learning rate (chosen on validation, README),
+    # until they have spent GRPO's FLOPs; each keeps its best model on validation
+    local baseline=(--max_iters=1000000 --max_flops=$F --keep_best=True --learning_rate=3e-4 --min_lr=3e-4 --eval_interval=200
+                    --warmup_iters=0)
+    step sft_more $PY sft.py "$CONFIG" --seed=$s --init_from=$d/sft --out_dir=$d/sft_more "${baseline[@]}"
+    step rft $PY sft.py "$CONFIG" --seed=$s --init_from=$d/sft --out_dir=$d/rft "${baseline[@]}" \
+        --rft_samples=$G --rft_problems=$N --rft_temperature=$T
+    for arm in "${ARMS[@]}"; do   # one evaluation on the test split for all four
+        case $arm in sft_more | rft) init=$d/$arm/best ;; *) init=$d/$arm ;; esac
+        step test_$arm $PY train_grpo.py "$CONFIG" --seed=$s --init_from=$init --out_dir=$d/test_$arm \
+            --max_iters=0 --eval_split=test --n_eval_problems=0
+    done
+}
+
+echo "compare.sh: seeds ${SEEDS[*]}, $JOBS at a time, $THREADS thread(s) each, $CONFIG"
+start=$SECONDS
+for s in "${SEEDS[@]}"; do
+    d=$OUT/seed$s
+    if [ -z "${FORCE:-}" ] && finished "$s"; then
+        echo "seed $s: finished before, skipped (FORCE=1 redoes it)"
+        continue
+    fi
+    while [ "$(jobs -rp | wc -l)" -ge "$JOBS" ]; do
+        wait -n || true   # a failed seed is found below, by its missing evaluations
+    done
+    rm -rf "$d"   # a seed runs from scratch: nothing of an earlier, unfinished or forced run is kept
+    mkdir -p "$d"
+    echo "seed $s: started at +$((SECONDS - start)) s, log in $d/log.txt"
+    run_seed "$s" > "$d/log.txt" 2>&1 &
+done
+wait
+
+failed=()
+for s in "${SEEDS[@]}"; do finished "$s" || failed+=("$s"); done
+if [ ${#failed[@]} -gt 0 ]; then
+    for s in "${failed[@]}"; do echo "seed $s: FAILED, see the end of $OUT/seed$s/log.txt" >&2; done
+    exit 1
+fi
+echo "compare.sh: all seeds done in $((SECONDS - start)) s"
+$PY report.py $OUT "${SEEDS[@]}"

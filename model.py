@@ -336,6 +336,22 @@ def load_balancing_loss(router_logits, num_experts, top_k, like):
     return num_experts * torch.sum(routed * probs.float().mean(dim=0))
 
 
+def train_flops(config: ModelConfig, seqlens):
+    """FLOPs of one forward+backward over packed sequences of these lengths (a forward alone is a third): 6 per
+    active matmul weight per token (experts count top_k of E, the router and the head count, the embedding
+    lookup doesn't) plus attention's QK^T and AV over the causal pairs within each sequence."""
+    H, D = config.hidden_size, config.head_dim
+    per_token = config.vocab_size * H
+    for i in range(config.num_hidden_layers):
+        per_token += H * D * (2 * config.num_attention_heads + 2 * config.num_key_value_heads)
+        if config.is_moe_layer(i):
+            per_token += config.num_experts * H + config.num_experts_per_tok * 3 * H * config.moe_intermediate_size
+        else:
+            per_token += 3 * H * config.intermediate_size
+    pairs = sum(n * (n + 1) // 2 for n in seqlens)
+    return 6 * per_token * sum(seqlens) + 12 * config.num_hidden_layers * config.num_attention_heads * D * pairs
+
+
 def __getattr__(name):
     # the HF format lives in checkpoint.py (which imports this file); `from model import load_hf_checkpoint`
     # works too, resolved on first use so that neither module needs the other while it loads

@@ -28,6 +28,7 @@ dtype = "float32"            # 'float32' | 'bfloat16' (autocast; master weights 
 compile = False
 # optimization
 max_iters = 300
+max_flops = 0.0             # > 0: stop once the run has spent this many FLOPs
 learning_rate = 3e-3
 min_lr = 3e-4
 warmup_iters = 20

@@ -4,21 +4,35 @@ Supervised fine-tuning on chat conversations: the loss is on the assistant reply
     python sft.py config/qwen_small.py
     python sft.py config/qwen_small.py --init_from=out/qwen_small/pretrain --max_iters=100
     python sft.py config/qwen_small.py --init_from=resume           # continue a killed run exactly
+    python sft.py config/qwen_small.py --init_from=out/qwen_small/sft --out_dir=out/rft \
+        --rft_samples=8 --rft_problems=2000 --max_flops=1e13 --keep_best=True --max_iters=1000000
 
 The data is the embedded task's demonstrations (task.sft_examples: a minority of the training problems with
 their preferred answer), each made by tokenizer.chat_example, the same chat template the engine's prompts use.
-eval/loss is measured on demonstrations of the held-out problems; at the end the model answers every held-out
-problem greedily and eval/accuracy is the share the task's exact reward accepts.
+With rft_samples > 0 it is rejection-sampling fine-tuning instead: the starting model answers rft_problems
+training problems (the ones GRPO's prompt stream would take first, same seed) rft_samples times each at
+rft_temperature, and the distinct correct answers, token for token as sampled, are the data.
+
+Every eval_interval: eval/loss on demonstrations of validation problems, and eval/accuracy, the greedy accuracy
+on n_eval_problems validation problems. keep_best=True keeps the model of the best eval/accuracy in
+{out_dir}/best (early stopping on validation); max_flops > 0 stops once the run (sampling included) has spent
+that many FLOPs (a compute-matched baseline). The test split is never read here.
 """
+import json
+import os
+import shutil
 import sys
 
 import torch
 
+import evaluate
 import task
 import training
-from checkpoint import init_start
+from checkpoint import init_start, save_hf_checkpoint
 from configurator import configure, print0
-from tokenizer import build_tokenizer, chat_example, chat_prompt_ids, completion_text
+from engine import SamplingParams
+from model import train_flops
+from tokenizer import build_tokenizer, chat_example, save_tokenizer
 
 # -----------------------------------------------------------------------------
 # settings (a config file, then --key=value, override these)
@@ -29,8 +43,14 @@ seed = 1337
 device = "cpu"
 dtype = "float32"            # 'float32' | 'bfloat16' (autocast; master weights stay fp32)
 compile = False
+# data: demonstrations, or the model's own correct answers (rejection-sampling fine-tuning)
+demo_fraction = 0.1          # share of the training problems with a demonstration (task.sft_examples)
+rft_samples = 0              # > 0: answers sampled per training problem, the correct ones kept as data
+rft_problems = 0             # training problems to sample (the first of GRPO's prompt stream)
+rft_temperature = 1.0
 # optimization
 max_iters = 200
+max_flops = 0.0              # > 0: stop once the run has spent this many FLOPs (compute-matched baselines)
 learning_rate = 1e-3
 min_lr = 1e-4
 warmup_iters = 10
@@ -42,10 +62,10 @@ grad_clip = 1.0
 aux_loss_coef = 0.01         # times the router's load-balancing loss
 batch_tokens = 1024          # tokens per micro-batch (whole conversations, packed)
 grad_accum = 1               # micro-batches per optimizer step
-# evaluation
-n_eval_problems = 0          # held-out problems answered greedily at the end (0 = all of them)
+# evaluation (validation split only)
+n_eval_problems = 500        # validation problems answered greedily every eval_interval (0 = all)
 eval_max_tokens = 16         # generation budget per answer
-eval_batch_size = 64         # prompts per forward in the greedy loop
+keep_best = False            # keep the model of the best eval/accuracy in {out_dir}/best
 # logging and checkpoints
 log_interval = 10
 eval_interval = 50
@@ -63,55 +83,84 @@ def demonstrations(tokenizer, problems):
             for p in problems]
 
 
-@torch.no_grad()
-def greedy_generate(model, prompts, max_new_tokens, stop_ids, device, batch_size):
-    """Greedy completions of token-id prompts with the packed forward, no KV cache: every step re-reads each
-    unfinished sequence whole and takes the logits at its last token. Slow but obviously right; the engine
-    (engine.py) is the fast path. Completions include the stop token when one was emitted."""
-    outs = [[] for _ in prompts]
-    for lo in range(0, len(prompts), batch_size):
-        active = list(range(lo, min(lo + batch_size, len(prompts))))
-        for _ in range(max_new_tokens):
-            if not active:
-                break
-            seqs = [prompts[i] + outs[i] for i in active]
-            batch = training.pack_sequences(seqs, [[0.0] * len(s) for s in seqs]).to(device)
-            logits, _ = model(batch.tokens, batch.position_ids, batch.cu_seqlens,
-                              logits_indices=batch.cu_seqlens[1:].long() - 1)
-            for i, t in zip(active, logits.argmax(-1).tolist()):
-                outs[i].append(t)
-            active = [i for i in active if outs[i][-1] not in stop_ids]
-    return outs
+def rejection_samples(model, tokenizer, problems):
+    """(examples, flops): the distinct correct answers of model to each problem, as chat examples made of the exact
+    prompt and completion ids that were sampled (mask on the completion), and the FLOPs sampling them cost."""
+    engine = evaluate.task_engine(model, tokenizer, problems, eval_max_tokens, seed=seed)
+    prompts = evaluate.prompt_ids(tokenizer, problems)
+    params = SamplingParams(temperature=rft_temperature, max_tokens=eval_max_tokens,
+                            stop_token_ids=frozenset({tokenizer.eos_token_id}), seed=seed)
+    samples = engine.generate(prompts, params, num_samples_per_prompt=rft_samples)
+    engine.shutdown()
+    kept = {}
+    for i, s in enumerate(samples):
+        problem = problems[i // rft_samples]
+        if evaluate.score(problem, tokenizer, s) == 1.0:
+            kept.setdefault((i // rft_samples, s.completion_tokens), s)
+    examples = [(list(s.prompt_tokens) + list(s.completion_tokens),
+                 [0] * len(s.prompt_tokens) + [1] * len(s.completion_tokens)) for s in kept.values()]
+    flops = train_flops(model.config, [len(s.prompt_tokens) + len(s.completion_tokens) for s in samples]) / 3
+    print0(f"rejection sampling: {len(examples)} distinct correct answers from {len(samples)} samples of "
+           f"{len(problems)} training problems")
+    return examples, flops
 
 
-def accuracy(model, tokenizer, problems):
-    prompts = [chat_prompt_ids(tokenizer, task.prompt_messages(p)) for p in problems]
-    outs = greedy_generate(model, prompts, eval_max_tokens, {tokenizer.eos_token_id}, device, eval_batch_size)
-    texts = [completion_text(tokenizer, o) for o in outs]
-    for p, t in list(zip(problems, texts))[:3]:
-        print0(f"  digits {p.digits} target {p.target} -> {t!r} (reward {task.reward(p, t)})")
-    return sum(task.reward(p, t) for p, t in zip(problems, texts)) / len(problems)
+def rft_data(start, tokenizer):
+    """The rejection-sampled data, sampled by the starting model once and kept in {out_dir}/rft_data.json, so
+    that a resumed run trains on the very same data."""
+    path = os.path.join(out_dir, "rft_data.json")
+    if start.meta is None:
+        problems = training.EpochCursor(task.make_problems("train"), seed).take(rft_problems)
+        examples, flops = rejection_samples(start.model, tokenizer, problems)
+        os.makedirs(out_dir, exist_ok=True)
+        with open(path + ".tmp", "w") as f:
+            json.dump({"examples": examples, "flops": flops}, f)
+        os.replace(path + ".tmp", path)
+    with open(path) as f:
+        data = json.load(f)
+    return [tuple(e) for e in data["examples"]], data["flops"]
+
+
+def save_best(model, tokenizer):
+    """{out_dir}/best: a transformers model directory (a later stage's init_from), swapped in by one rename."""
+    best, tmp = os.path.join(out_dir, "best"), os.path.join(out_dir, "best.tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    save_hf_checkpoint(model, tmp)
+    save_tokenizer(tokenizer, tmp)
+    shutil.rmtree(best, ignore_errors=True)
+    os.replace(tmp, best)
+
+
+def make_eval_fn(tokenizer, val_problems, val_batches):
+    best = {"accuracy": -1.0}
+
+    @torch.no_grad()
+    def eval_fn(model):
+        engine = evaluate.task_engine(model, tokenizer, val_problems, eval_max_tokens, seed=seed)
+        accuracy = evaluate.greedy_accuracy(engine, tokenizer, val_problems, eval_max_tokens)
+        engine.shutdown()
+        if keep_best and accuracy > best["accuracy"]:
+            best["accuracy"] = accuracy
+            save_best(model, tokenizer)
+        return {"eval/loss": training.evaluate_loss(model, val_batches, device), "eval/accuracy": accuracy}
+    return eval_fn
 
 
 if __name__ == "__main__":
     start = init_start(config, build_tokenizer)
     tokenizer = start.tokenizer
-    train_ex = [chat_example(tokenizer, m) for m in task.sft_examples(seed)]
-    test_problems = task.make_problems("test", n_eval_problems or None)
-    val_ex = demonstrations(tokenizer, test_problems)
-    print0(f"{len(train_ex)} demonstrations ({sum(sum(m) for _, m in train_ex)} reply tokens), "
-           f"{len(test_problems)} held-out problems")
-    loader = training.PackedLoader([i for i, _ in train_ex], [[float(x) for x in m] for _, m in train_ex],
+    if start.meta is None:   # a fresh run: no best model or sampled data of an earlier run in out_dir
+        shutil.rmtree(os.path.join(out_dir, "best"), ignore_errors=True)
+    examples, spent = [chat_example(tokenizer, m) for m in task.sft_examples(seed, demo_fraction)], 0.0
+    if rft_samples > 0:
+        examples, spent = rft_data(start, tokenizer)
+    val_problems = task.make_problems("val", n_eval_problems or None)
+    val = demonstrations(tokenizer, val_problems)
+    print0(f"{len(examples)} training conversations ({sum(sum(m) for _, m in examples)} reply tokens), "
+           f"{len(val_problems)} validation problems")
+    loader = training.PackedLoader([i for i, _ in examples], [[float(x) for x in m] for _, m in examples],
                                    batch_tokens, seed)
-    val_batches = training.fixed_batches([i for i, _ in val_ex], [[float(x) for x in m] for _, m in val_ex],
-                                         batch_tokens)
-
-    def eval_fn(model):
-        return {"eval/loss": training.evaluate_loss(model, val_batches, device)}
-
-    def final_fn(model):
-        return {"eval/accuracy": accuracy(model, tokenizer, test_problems)}
-
-    final = training.train(config, start, loader, eval_fn=eval_fn, final_fn=final_fn)
+    val_batches = training.fixed_batches([i for i, _ in val], [[float(x) for x in m] for _, m in val], batch_tokens)
+    final = training.train(config, start, loader, make_eval_fn(tokenizer, val_problems, val_batches), spent)
     if "eval/accuracy" in final:
-        print0(f"held-out accuracy (greedy, {len(test_problems)} problems): {final['eval/accuracy']:.3f}")
+        print0(f"validation accuracy (greedy, {len(val_problems)} problems): {final['eval/accuracy']:.3f}")

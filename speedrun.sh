@@ -1,11 +1,13 @@
 #!/usr/bin/env bash
 # The main job on a fresh machine: a virtualenv, the requirements, then pretrain -> sft -> train_grpo on the
-# embedded default (config/qwen_small.py); the README says how long it takes on 2 CPU cores.
+# embedded default (config/qwen_small.py), then one evaluation of the SFT and GRPO models on the test split;
+# the README says how long it takes on 2 CPU cores.
 #
 #   bash speedrun.sh                          # the embedded default
 #   bash speedrun.sh config/qwen_small.py     # or another experiment file (each stage reads its section)
 #
-# Outputs: out/qwen_small/{pretrain,sft,grpo}/ckpt (transformers model dirs) and metrics.jsonl beside each.
+# Outputs: out/qwen_small/{pretrain,sft,grpo}/ckpt (transformers model dirs) and metrics.jsonl beside each;
+# out/qwen_small/test_{sft,grpo}/metrics.jsonl (the test evaluations).
 set -euo pipefail
 cd "$(dirname "$0")"
 CONFIG="${1:-config/qwen_small.py}"
@@ -15,15 +17,32 @@ if [ ! -x .venv/bin/python ]; then
 fi
 .venv/bin/pip install -q -r requirements.txt
 export WANDB_MODE="${WANDB_MODE:-offline}"   # no network here: wandb (when wandb_log=True) writes locally
+PY=.venv/bin/python
 
-stage() {   # stage <script>: run it on the config, say how long it took
-    local t0=$SECONDS
-    echo "== $1 $CONFIG"
-    .venv/bin/python "$1" "$CONFIG"
-    echo "== $1 done in $((SECONDS - t0)) s"
+stage() {   # stage <script> [args]: run it on the config, say how long it took
+    local t0=$SECONDS script=$1
+    shift
+    echo "== $script $CONFIG $*"
+    $PY "$script" "$CONFIG" "$@"
+    echo "== $script done in $((SECONDS - t0)) s"
 }
 start=$SECONDS
 stage pretrain.py
 stage sft.py
 stage train_grpo.py
+# the test split is read once, at the end, by the same evaluation for both models
+read -r SFT GRPO <<< "$($PY -c "exec(open('$CONFIG').read()); print(sft['out_dir'], grpo['out_dir'])")"
+stage train_grpo.py --init_from="$SFT" --out_dir="$SFT/../test_sft" --max_iters=0 --eval_split=test --n_eval_problems=0
+stage train_grpo.py --init_from="$GRPO" --out_dir="$GRPO/../test_grpo" --max_iters=0 --eval_split=test --n_eval_problems=0
+$PY - "$SFT" "$GRPO" <<'PY'
+import json, os, sys
+def last_eval(path):
+    rows = [json.loads(line) for line in open(os.path.join(path, "metrics.jsonl"))]
+    return [r for r in rows if "eval/accuracy" in r][-1]
+sft, grpo = sys.argv[1:]
+for name, run in (("SFT", sft), ("GRPO", grpo)):
+    val, test = last_eval(run), last_eval(os.path.join(run, "..", f"test_{name.lower()}"))
+    print(f"{name:5s} greedy accuracy: validation {val['eval/accuracy']:.3f}, test {test['eval/accuracy']:.3f} "
+          f"(test pass@1 {test['eval/pass@1']:.3f}, pass@8 {test.get('eval/pass@8', float('nan')):.3f})")
+PY
 echo "== speedrun done in $((SECONDS - start)) s"

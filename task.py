@@ -1,16 +1,20 @@
 """
 The embedded default's task: mini-countdown, a verifiable synthetic task a tiny model can learn on a laptop CPU.
 
-Given three digits (1-9, repeats allowed) and a target, write an arithmetic expression that uses exactly those
-digits, each once, in any order, with + - * and parentheses, and evaluates to the target:
+Given three or four digits (1-9, repeats allowed) and a target in 1..99, write an arithmetic expression that uses
+exactly those digits, each once, in any order, with + - * and parentheses, and evaluates to the target:
 
     user:      digits 3 5 7 target 22
     assistant: 3*5+7                      (7+3*5, 5*3+7 are right too)
+    user:      digits 2 4 6 9 target 30
+    assistant: (4*6-9)*2
 
-The problem space is every (digit multiset, reachable target) pair: 165 multisets, 3064 problems. A fixed
-12.5% is held out for testing, picked by a hash of the problem (never by RNG state), so every run, machine and
-Python version agrees on it. SFT demos cover only a fixed minority of the training problems; the reward is an
-exact checker, so GRPO can learn on the rest without demonstrations.
+The problem space is every (digit multiset, reachable target) pair, split by digit multiset into train, val
+and test: a multiset and every problem over it belong to one split only, picked by a hash of the multiset (never
+by RNG state), so every run, machine and Python version agrees, and no validation or test multiset is ever seen
+in training. The pretraining corpus only writes expressions over training multisets (and over pairs of digits,
+which are never problems): it contains no validation or test answer. SFT demos cover a fixed minority of the
+training problems; the reward is an exact checker, so GRPO can learn on the rest without demonstrations.
 
 Answers are parsed by a small recursive-descent parser (no eval): single digits, + - *, parentheses, spaces.
 No unary minus, no multi-digit numbers (that would be concatenating digits).
@@ -25,11 +29,12 @@ from dataclasses import dataclass
 # -----------------------------------------------------------------------------
 # settings (changing any of these changes the problem space or the split: bump them together with the tests)
 
-NUM_DIGITS = 3
+NUM_DIGITS = (3, 4)  # a problem has this many digits
 DIGITS = range(1, 10)
+TARGETS = range(1, 100)
 OPS = "+-*"
-TEST_FRACTION = 0.125  # held-out share of the problem space
-SFT_FRACTION = 0.25  # share of the training problems that get a demonstration
+SPLITS = {"val": 0.1, "test": 0.1}  # share of the digit multisets held out for each; the rest is 'train'
+SFT_FRACTION = 0.1  # share of the training problems that get a demonstration
 MAX_ANSWER_CHARS = 64  # longer completions are wrong without parsing (bounds the parser's recursion)
 END_OF_TURN = "<|im_end|>"  # may close a completion decoded with special tokens; ignored by the reward
 
@@ -106,29 +111,40 @@ def _preference(text: str):
 # the problem space and its fixed split
 
 
-def _unit(problem: Problem, salt: str) -> float:
-    """A uniform number in [0, 1) fixed by the problem and salt: stable across runs, machines, Pythons."""
-    key = f"{salt}:{','.join(map(str, problem.digits))}:{problem.target}".encode()
-    return int.from_bytes(hashlib.blake2b(key, digest_size=8).digest(), "big") / 2**64
+def _unit(key: str) -> float:
+    """A uniform number in [0, 1) fixed by a string: stable across runs, machines, Pythons."""
+    return int.from_bytes(hashlib.blake2b(key.encode(), digest_size=8).digest(), "big") / 2**64
+
+
+def _problem_key(problem: Problem, salt: str) -> str:
+    return f"{salt}:{','.join(map(str, problem.digits))}:{problem.target}"
+
+
+def split_of(digits: tuple[int, ...]) -> str:
+    """'train', 'val' or 'test': the split of every problem over this digit multiset."""
+    u = _unit(f"split:{','.join(map(str, sorted(digits)))}")
+    for split, share in SPLITS.items():
+        if u < share:
+            return split
+        u -= share
+    return "train"
 
 
 @functools.cache
 def _space() -> dict:
-    problems = []
-    for digits in itertools.combinations_with_replacement(DIGITS, NUM_DIGITS):
-        for target in _values(digits):
-            problems.append(Problem(digits, target))
+    splits = {"train": [], "val": [], "test": []}
+    for k in NUM_DIGITS:
+        for digits in itertools.combinations_with_replacement(DIGITS, k):
+            split = split_of(digits)
+            splits[split] += [Problem(digits, t) for t in _values(digits) if t in TARGETS]
     # a fixed pseudo-random order, so make_problems(split, n) is a representative sample, not all the 1 1 1s
-    problems.sort(key=lambda p: _unit(p, "order"))
-    test = tuple(p for p in problems if _unit(p, "split") < TEST_FRACTION)
-    train = tuple(p for p in problems if _unit(p, "split") >= TEST_FRACTION)
-    return {"train": train, "test": test}
+    return {s: tuple(sorted(ps, key=lambda p: _unit(_problem_key(p, "order")))) for s, ps in splits.items()}
 
 
 def make_problems(split: str, n: int | None = None) -> list[Problem]:
-    """The first n problems (all if None) of the fixed 'train' or 'test' split, in a fixed shuffled order."""
-    if split not in ("train", "test"):
-        raise ValueError(f"split must be 'train' or 'test', got {split!r}")
+    """The first n problems (all if None) of the fixed 'train', 'val' or 'test' split, in a fixed shuffled order."""
+    if split not in ("train", "val", "test"):
+        raise ValueError(f"split must be 'train', 'val' or 'test', got {split!r}")
     problems = _space()[split]
     if n is not None:
         if type(n) is not int or n < 0 or n > len(problems):
@@ -242,16 +258,24 @@ def sft_examples(seed: int, fraction: float = SFT_FRACTION) -> list[list[dict]]:
     """
     if not isinstance(fraction, (int, float)) or not 0 < fraction <= 1:
         raise ValueError(f"fraction must be in (0, 1], got {fraction!r}")
-    chosen = [p for p in make_problems("train") if _unit(p, "sft") < fraction]
+    chosen = [p for p in make_problems("train") if _unit(_problem_key(p, "sft")) < fraction]
     random.Random(seed).shuffle(chosen)
     return [prompt_messages(p) + [{"role": "assistant", "content": solutions(p)[0]}] for p in chosen]
 
 
 def _random_expression(rng: random.Random, digits: tuple[int, ...]) -> tuple[str, int]:
-    # a uniformly random tree over a random order of the digits (cached enumeration: 108 trees for 3 digits)
+    # a uniformly random tree over a random order of the digits (from the cached enumeration)
     ordered = tuple(rng.sample(digits, len(digits)))
     text, value, _ = rng.choice(_expressions(ordered))
     return text, value
+
+
+@functools.cache
+def _training_multisets() -> dict:
+    # k -> the digit multisets of k digits the corpus may use: every pair (never a problem), and for problem
+    # sizes only the training split's
+    return {k: [d for d in itertools.combinations_with_replacement(DIGITS, k) if k not in NUM_DIGITS
+                or split_of(d) == "train"] for k in (2, *NUM_DIGITS)}
 
 
 def pretrain_corpus(n_docs: int, seed: int) -> list[str]:
@@ -265,15 +289,16 @@ def pretrain_corpus(n_docs: int, seed: int) -> list[str]:
         ...
 
     It teaches evaluation and the "use exactly these digits" rule, never the task's inverse direction (which
-    expression reaches a given target): that is what SFT demonstrates on a few problems and GRPO learns.
+    expression reaches a given target): that is what SFT demonstrates on a few problems and GRPO learns. Its
+    multisets of three or four digits are training ones only, so no line answers a validation or test problem.
     """
     if type(n_docs) is not int or n_docs < 0:
         raise ValueError(f"n_docs must be a non-negative int, got {n_docs!r}")
-    rng = random.Random(seed)
+    rng, multisets = random.Random(seed), _training_multisets()
     docs = []
     for _ in range(n_docs):
-        k = NUM_DIGITS if rng.random() < 0.75 else NUM_DIGITS - 1  # some two-digit docs: the sub-steps
-        digits = tuple(sorted(rng.choice(DIGITS) for _ in range(k)))
+        k = rng.choice((2, *NUM_DIGITS))   # pairs too: the sub-steps of every answer
+        digits = rng.choice(multisets[k])
         lines = [f"digits {' '.join(map(str, digits))}"]
         for _ in range(rng.randint(4, 8)):
             text, value = _random_expression(rng, digits)

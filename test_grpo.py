@@ -13,11 +13,14 @@ import pytest
 import torch
 
 import checkpoint
+import evaluate
 import task
 import train_grpo
 import training
 from configurator import configure
 from engine import TrainingSample
+from model import ModelConfig, Transformer
+from tokenizer import build_tokenizer
 from train_grpo import build_batches, group_advantages, zero_variance_groups
 
 
@@ -143,7 +146,7 @@ def test_rollouts_at_another_temperature_are_trained_on_policy(tmp_path, monkeyp
 
 
 def test_no_variance_refills_up_to_max_attempts_then_skips_the_step(tmp_path, monkeypatch):
-    monkeypatch.setattr(task, "reward", lambda problem, text: 1.0)
+    monkeypatch.setattr(evaluate, "score", lambda problem, tokenizer, sample: 1.0)
     out = tmp_path / "flat"
     train_grpo.main(tiny_config(out, "--max_iters=2", "--max_attempts=3", "--ckpt_interval=100"))
     rows = [r for r in metrics(out) if "rollout/reward_mean" in r]
@@ -212,3 +215,131 @@ def test_prompt_stream_resumes_and_refuses_a_bad_state():
     for bad in ({"epoch": -1, "cursor": 0}, {"epoch": 0, "cursor": 11}, {"epoch": 0.5, "cursor": 0}, {"cursor": 0}):
         with pytest.raises(ValueError, match="bad data state"):
             b.load_state_dict(bad)
+
+
+# -----------------------------------------------------------------------------
+# the reward of a truncated completion, the loss normalizers, TIS and the KL term, on hand-made numbers
+
+
+def test_a_truncated_completion_scores_zero():
+    tok = build_tokenizer()
+    p = task.Problem((3, 5, 7), 22)
+    ids = tok.encode("3*5+7", add_special_tokens=False)
+    stopped = TrainingSample(prompt_tokens=(1,), completion_tokens=tuple(ids + [tok.eos_token_id]),
+                             logprobs=(0.0,) * (len(ids) + 1), finish_reason="stop")
+    cut = TrainingSample(prompt_tokens=(1,), completion_tokens=tuple(ids), logprobs=(0.0,) * len(ids),
+                         finish_reason="length")
+    assert evaluate.score(p, tok, stopped) == 1.0
+    assert evaluate.score(p, tok, cut) == 0.0      # the right text, but it never stopped
+
+
+def two_groups(engine_logprob=None):
+    # two groups of 2; sample completions of 2, 3, 1 and 2 tokens after a 3-token prompt
+    def sample(comp, lps):
+        lps = lps if engine_logprob is None else (engine_logprob,) * len(lps)
+        return TrainingSample(prompt_tokens=(1, 5, 6), completion_tokens=comp, logprobs=lps, finish_reason="stop")
+    prompt = [1, 5, 6]
+    return [(None, prompt, [sample((7, 2), (-0.1, -0.2)), sample((8, 9, 2), (-0.3, -0.4, -0.5))], [1.0, 0.0]),
+            (None, prompt, [sample((2,), (-0.6,)), sample((9, 2), (-0.7, -0.8))], [0.0, 1.0])]
+
+
+def test_loss_normalizers_on_hand_made_batches():
+    groups = two_groups()
+    c = {"group_size": 2, "scale_rewards": False, "batch_tokens": 8, "prompts_per_step": 4, "max_new_tokens": 16}
+    batches = build_batches(groups, c)
+    assert len(batches) > 1                                      # the normalizer spans micro-batches
+    masks = train_grpo.completion_masks(groups, batches)
+    assert sum(int(m.sum()) for m in masks) == 2 + 3 + 1 + 2      # the completion tokens
+    assert train_grpo.loss_normalizer(batches, masks, {**c, "loss_norm": "constant"}) == 4 * 2 * 16
+    assert train_grpo.loss_normalizer(batches, masks, {**c, "loss_norm": "tokens"}) == 8
+    assert train_grpo.loss_normalizer(batches, masks, {**c, "loss_norm": "weights"}) == pytest.approx(8 * 0.5)
+    # the constant normalizer does not move with the batch: a step with fewer samples keeps the same denominator
+    one = build_batches(groups[:1], c)
+    assert train_grpo.loss_normalizer(one, train_grpo.completion_masks(groups[:1], one),
+                                      {**c, "loss_norm": "constant"}) == 4 * 2 * 16
+
+
+class FixedLogits:
+    """A stand-in model whose next-token log-probabilities are given per row (vocab of 16)."""
+
+    def __init__(self, logprob_of_label):
+        self.logprob_of_label = logprob_of_label
+
+    def with_labels(self, labels):
+        # row t puts logprob_of_label[t] on its label and spreads the rest of the mass evenly
+        def forward(tokens, position_ids, cu_seqlens):
+            T = tokens.numel()
+            p = torch.exp(self.logprob_of_label)
+            rest = ((1 - p) / 15).clamp(min=1e-12).log()
+            logits = rest[:, None].repeat(1, 16)
+            logits[torch.arange(T), labels] = self.logprob_of_label
+            return logits, None
+        return forward
+
+
+def test_tis_is_the_papers_estimator_outside_the_normalizer():
+    groups = two_groups(engine_logprob=-2.0)
+    c = {"group_size": 2, "scale_rewards": False, "batch_tokens": 64, "prompts_per_step": 2, "max_new_tokens": 4,
+         "loss_norm": "weights", "tis_cap": 2.0, "kl_coef": 0.0}
+    (b,) = build_batches(groups, c)
+    masks = train_grpo.completion_masks(groups, [b])
+    normalizer = train_grpo.loss_normalizer([b], masks, c)
+    # the trainer's logprob of each label: the engine's + log(3) on the first completion row (ratio 3, capped
+    # at 2), - log(2) on every other completion row (ratio 0.5)
+    trainer = b.log_probs.clone()
+    rows = masks[0].nonzero().flatten()
+    trainer[rows] += torch.log(torch.tensor(0.5))
+    trainer[rows[0]] = b.log_probs[rows[0]] + torch.log(torch.tensor(3.0))
+    model = FixedLogits(trainer).with_labels(b.labels)
+    (out,), mismatch = train_grpo.apply_corrections([b], masks, model, None, torch.autocast("cpu", enabled=False), c)
+    ratio = torch.where(masks[0], torch.full_like(trainer, 0.5), torch.ones_like(trainer))
+    ratio[rows[0]] = 2.0
+    assert torch.allclose(out.token_weights, b.token_weights * ratio, atol=1e-5)
+    assert normalizer == pytest.approx(8 * 0.5)          # computed before: the ratios are not in it
+    assert mismatch == pytest.approx((float(torch.log(torch.tensor(3.0))) + 7 * float(torch.log(torch.tensor(2.0))))
+                                     / 8, rel=1e-4)
+
+
+def test_kl_coef_pulls_the_policy_back_toward_the_reference():
+    torch.manual_seed(0)
+    cfg = ModelConfig(vocab_size=16, hidden_size=32, intermediate_size=64, moe_intermediate_size=16,
+                      num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1, head_dim=16, num_experts=4)
+    reference = Transformer(cfg).eval()
+    policy = Transformer(cfg)
+    policy.load_state_dict(reference.state_dict())
+    with torch.no_grad():
+        for p in policy.parameters():
+            p.add_(0.05 * torch.randn_like(p))
+    groups = two_groups()
+    c = {"group_size": 2, "scale_rewards": False, "batch_tokens": 64, "prompts_per_step": 2, "max_new_tokens": 4,
+         "loss_norm": "tokens", "tis_cap": 0.0, "kl_coef": 1.0}
+    (b,) = build_batches(groups, c)
+    b = training.PackedBatch(b.tokens, b.labels, b.position_ids, b.cu_seqlens, torch.zeros_like(b.token_weights),
+                             b.log_probs, b.rewards)            # no advantage: the KL term alone
+    masks = train_grpo.completion_masks(groups, [b])
+    off = torch.autocast("cpu", enabled=False)
+
+    def gap():
+        # the weights -(log p - log p_ref) make the step a gradient step on 1/2 sum (log p - log p_ref)^2 over
+        # these tokens (and, over tokens sampled from the policy, on the KL to the reference)
+        lp, ref = train_grpo.trainer_logprobs(policy, b, off), train_grpo.trainer_logprobs(reference, b, off)
+        return float(((lp - ref)[masks[0]] ** 2).sum() / 2)
+
+    before = gap()
+    assert before > 0
+    (weighted,), _ = train_grpo.apply_corrections([b], masks, policy, reference, off, c)
+    lp = train_grpo.trainer_logprobs(policy, b, off)
+    ref = train_grpo.trainer_logprobs(reference, b, off)
+    assert torch.allclose(weighted.token_weights, torch.where(masks[0], -(lp - ref), 0.0), atol=1e-6)
+    optimizer = torch.optim.SGD(policy.parameters(), lr=1e-3)
+    training.train_step(policy, optimizer, [weighted], lr=1e-3, grad_clip=0.0, normalizer=1.0)
+    assert gap() < before                                 # one step toward the reference
+
+
+def test_top_p_is_refused_in_grpo(tmp_path):
+    with pytest.raises(ValueError, match="top_p"):
+        train_grpo.check_settings(tiny_config(tmp_path, "--top_p=0.9"))
+    with pytest.raises(ValueError, match="loss_norm"):
+        train_grpo.check_settings(tiny_config(tmp_path, "--loss_norm=mean"))
+    with pytest.raises(ValueError, match="kl_coef"):
+        train_grpo.check_settings(tiny_config(tmp_path, "--kl_coef=0.1"))   # tiny_config starts from scratch

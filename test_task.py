@@ -1,6 +1,7 @@
 # tests for task.py (mini-countdown) and tokenizer.py (the embedded ChatML tokenizer). CPU, a few seconds.
 
 import ast
+import functools
 import itertools
 import json
 import operator
@@ -168,24 +169,49 @@ def _brute_force(digits):
     return out
 
 
+@functools.cache
+def _reachable(digits):
+    """Every value an expression over exactly this multiset (a sorted tuple) reaches: split it into two
+    non-empty parts every way, combine their values with + - * (an independent count, by values not texts)."""
+    if len(digits) == 1:
+        return frozenset(digits)
+    out = set()
+    for mask in range(1, 2 ** len(digits) - 1):
+        left = tuple(d for i, d in enumerate(digits) if mask >> i & 1)
+        right = tuple(d for i, d in enumerate(digits) if not mask >> i & 1)
+        for a in _reachable(left):
+            for b in _reachable(right):
+                out |= {a + b, a - b, a * b}
+    return frozenset(out)
+
+
 def test_problem_space_is_every_reachable_target():
-    space = set(make_problems("train")) | set(make_problems("test"))
-    expected = set()
-    for digits in itertools.combinations_with_replacement(range(1, 10), 3):
-        expected |= {Problem(digits, v) for v in _brute_force(digits)}
-    assert space == expected
-    assert len(space) == 3064
+    splits = {s: make_problems(s) for s in ("train", "val", "test")}
+    space = set().union(*map(set, splits.values()))
+    assert sum(map(len, splits.values())) == len(space)            # no problem in two splits
+    by_digits = {}
+    for p in space:
+        by_digits.setdefault(p.digits, set()).add(p.target)
+    three = list(itertools.combinations_with_replacement(range(1, 10), 3))
+    four = random.Random(0).sample(list(itertools.combinations_with_replacement(range(1, 10), 4)), 40)
+    for digits in three + four:
+        assert by_digits.get(digits, set()) == {v for v in _reachable(digits) if 1 <= v <= 99}, digits
+    for digits in three:   # the two counts agree for three digits too (texts, by Python's own eval)
+        assert {v for v in _brute_force(digits) if 1 <= v <= 99} == by_digits[digits]
+    assert set(map(len, by_digits)) == {3, 4} and len(space) == 22251
 
 
 def test_every_solution_is_rewarded_and_complete():
-    for p in make_problems("train") + make_problems("test"):
+    rng = random.Random(0)
+    problems = [p for p in make_problems("train") + make_problems("val") + make_problems("test") if len(p.digits) == 3]
+    four = rng.sample([p for p in make_problems("train") if len(p.digits) == 4], 200)
+    for p in problems + four:
         sols = solutions(p)
         assert sols, p
         assert len(set(sols)) == len(sols)
         assert all(reward(p, s) == 1.0 for s in sols), p
     # every brute-force hit is accepted too, and the same expression (up to parentheses) is listed
-    rng = random.Random(0)
-    for p in rng.sample(make_problems("train"), 100):
+    for p in rng.sample(problems, 100):
         sols = solutions(p)
         listed = {_shape(s) for s in sols}
         for text in _brute_force(p.digits)[p.target]:
@@ -207,24 +233,32 @@ def test_every_solution_is_rewarded_and_complete():
     assert solutions(P)[0] == "3*5+7"  # the preferred answer (what SFT demonstrates)
 
 
-def test_split_is_fixed_and_disjoint():
-    train, test = make_problems("train"), make_problems("test")
-    assert len(train) == 2684 and len(test) == 380  # changing these changes the held-out set: don't
-    assert not set(train) & set(test)
-    assert test[:3] == [Problem((5, 6, 9), 15), Problem((3, 3, 5), 18), Problem((3, 8, 8), 40)]
-    assert make_problems("test") == test and make_problems("train") == train
+TEST_HEAD = [Problem((3, 5, 6), 27), Problem((1, 3, 8, 9), 49), Problem((3, 3, 5), 18)]
+
+
+def test_split_is_fixed_and_disjoint_by_digit_multiset():
+    train, val, test = (make_problems(s) for s in ("train", "val", "test"))
+    # changing these changes the held-out sets: don't
+    assert (len(train), len(val), len(test)) == (17465, 2503, 2283)
+    assert test[:3] == TEST_HEAD
+    multisets = [{p.digits for p in split} for split in (train, val, test)]
+    assert not multisets[0] & multisets[1] and not multisets[0] & multisets[2] and not multisets[1] & multisets[2]
+    assert all(task.split_of(p.digits) == name for name, split in (("train", train), ("val", val), ("test", test))
+               for p in split)
+    for split in (val, test):
+        assert len(split) >= 1500 and {len(p.digits) for p in split} == {3, 4}
+    assert make_problems("test") == test and make_problems("val") == val and make_problems("train") == train
     assert make_problems("train", 10) == train[:10]
     assert make_problems("test", 0) == []
-    assert len({p.digits for p in test}) > 100  # spread over most digit sets, not a block of them
 
 
-@pytest.mark.parametrize("split", ["val", "Train", "", None])
+@pytest.mark.parametrize("split", ["validation", "Train", "", None])
 def test_bad_split(split):
     with pytest.raises(ValueError, match="split"):
         make_problems(split)
 
 
-@pytest.mark.parametrize("n", [-1, 2685, 1.5, "3"])
+@pytest.mark.parametrize("n", [-1, 17466, 1.5, "3"])
 def test_bad_n(n):
     with pytest.raises(ValueError, match="n must be"):
         make_problems("train", n)
@@ -251,6 +285,20 @@ def test_pretrain_corpus_is_deterministic_and_correct():
         pretrain_corpus(-1, seed=0)
 
 
+def test_pretrain_corpus_holds_no_validation_or_test_answer():
+    held_out = {(p.digits, p.target) for s in ("val", "test") for p in make_problems(s)}
+    sizes = set()
+    for seed in (0, 1, 2, 1337):
+        for doc in pretrain_corpus(2000, seed):
+            for line in doc.split("\n")[1:]:
+                text, value = line.split("=")
+                digits = tuple(sorted(parse_answer(text)[1]))
+                sizes.add(len(digits))
+                assert (digits, int(value)) not in held_out, (seed, line)
+                assert len(digits) == 2 or task.split_of(digits) == "train", (seed, line)
+    assert sizes == {2, 3, 4}
+
+
 def test_sft_examples_are_a_fixed_minority_of_train():
     a, b = sft_examples(seed=0), sft_examples(seed=1)
     assert a == sft_examples(seed=0)
@@ -258,14 +306,14 @@ def test_sft_examples_are_a_fixed_minority_of_train():
     key = lambda conv: (conv[0]["content"], conv[1]["content"])
     assert sorted(map(key, a)) == sorted(map(key, b))  # the subset does not
     n_train = len(make_problems("train"))
-    assert 0.2 * n_train < len(a) < 0.3 * n_train
-    small = sft_examples(seed=0, fraction=0.1)
+    assert 0.07 * n_train < len(a) < 0.13 * n_train
+    small = sft_examples(seed=0, fraction=0.05)
     assert set(map(key, small)) < set(map(key, a))  # nested
     by_prompt = {prompt_messages(p)[0]["content"]: p for p in make_problems("train")}
-    test_prompts = {prompt_messages(p)[0]["content"] for p in make_problems("test")}
+    held_out = {prompt_messages(p)[0]["content"] for s in ("val", "test") for p in make_problems(s)}
     for conv in a:
         assert [m["role"] for m in conv] == ["user", "assistant"]
-        assert conv[0]["content"] not in test_prompts
+        assert conv[0]["content"] not in held_out
         assert reward(by_prompt[conv[0]["content"]], conv[1]["content"]) == 1.0
     for bad in (0, 1.5, -0.1, "0.2"):
         with pytest.raises(ValueError):

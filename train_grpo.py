@@ -5,26 +5,36 @@ them, and the shared loss pushes up the answers that beat their group's mean.
     python train_grpo.py config/qwen_small.py
     python train_grpo.py config/qwen_small.py --max_iters=20 --out_dir=out/try
     python train_grpo.py config/qwen_small.py --init_from=resume          # continue a killed run exactly
-    python train_grpo.py config/qwen_small.py --max_iters=0 --out_dir=out/eval_sft   # just evaluate init_from
+    python train_grpo.py config/qwen_small.py --max_iters=0 --out_dir=out/eval_sft --eval_split=test \
+        --n_eval_problems=0                                                # only evaluate init_from, on test
 
 One iteration:
-  1. take prompts_per_step problems from the prompt stream; their chat-template ids are made once and those
-     exact ids go to the engine and into the training batch (no re-tokenising on either side);
+  1. take prompts from the prompt stream (the training problems, reshuffled every epoch); their chat-template
+     ids are made once and those exact ids go to the engine and into the training batch;
   2. engine.generate(prompt_ids, num_samples_per_prompt=group_size): each prompt is prefilled once, its G
-     samples share its KV pages; every sample carries the weight version that produced it;
-  3. rewards from task.reward; advantages = reward - group mean (divided by the group std only when
-     scale_rewards=True: Dr. GRPO shows the division biases toward easy/hard groups); a group whose rewards
-     are all equal has zero advantage everywhere and teaches nothing: it is dropped and counted, and more
-     prompts are pulled, at most max_attempts rollouts per step;
-  4. token_weights = advantage x completion mask (x a truncated importance ratio trainer/engine when
-     tis_cap > 0), packed into PackedBatches; the shared training.train_step (unified_loss) takes one step;
+     samples share its KV blocks; every sample carries the weight version that produced it;
+  3. rewards: the task's exact reward, 0 for a completion that did not stop by itself (truncated);
+     advantages = reward - group mean (divided by the group std only when scale_rewards=True: Dr. GRPO shows
+     the division biases toward easy/hard groups); a group whose rewards are all equal teaches nothing: it is
+     dropped and counted, and more prompts are pulled, at most max_attempts rollouts per step, so a step
+     consumes prompts_per_step problems or more (rollout/problems);
+  4. token_weights = advantage x completion mask, packed into PackedBatches; the loss normalizer is fixed now
+     (loss_norm, below); then the per-token no-grad corrections fold into the weights: TIS (tis_cap > 0) and
+     the KL to the starting policy (kl_coef > 0); the shared training.train_step (unified_loss) takes one step;
   5. engine.update_weights(model.state_dict()): in place, version += 1, prefix cache flushed;
-  then log, evaluate (every eval_interval) and checkpoint (every ckpt_interval, with the stream's position).
+  then log, evaluate on the validation split (every eval_interval) and checkpoint (with the stream's position).
 
-The trainer keeps fp32 master weights; the engine holds its own copy (its dtype) and never aliases them.
-train/logprob_mismatch is the mean |engine logprob - trainer logprob| over the step's completion tokens, both
-of the same weights: fp32 rounding when both are fp32 (it grows with bf16 engines or stale weights, which is
-what TIS corrects).
+loss_norm, the denominator of unified_loss: 'constant' (the default, Dr. GRPO: prompts_per_step x group_size
+x max_new_tokens, the same every step, so a step's size follows how much its samples have to teach and not how
+many of them there are), 'tokens' (the completion tokens of the step: a per-token mean, DAPO) or 'weights'
+(sum |advantage| over completion tokens: a weighted mean whose scale ignores how many groups succeed).
+No KL term unless kl_coef > 0: it is the k1 estimate log p - log p_start per completion token, a per-token
+penalty in the weights, as in KL-in-reward.
+
+The trainer keeps fp32 master weights; the engine holds its own copy (its dtype) and never aliases them. The
+trainer scores log_softmax(logits / T), the distribution the engine samples at temperature T (top-p / top-k
+would sample another, and are refused). train/logprob_mismatch is the mean |engine - trainer logprob| over the
+step's completion tokens, both of the same weights: fp32 rounding when both are fp32.
 """
 import sys
 import time
@@ -32,12 +42,14 @@ import time
 import numpy as np
 import torch
 
+import evaluate
 import task
 import training
-from checkpoint import init_start, save_checkpoint
+from checkpoint import init_start, load_model, model_dir_of, save_checkpoint
 from configurator import configure, print0
-from engine import EngineConfig, InferenceEngine, SamplingParams
-from tokenizer import build_tokenizer, chat_prompt_ids, completion_text
+from engine import EngineConfig, SamplingParams
+from model import train_flops
+from tokenizer import build_tokenizer
 
 # -----------------------------------------------------------------------------
 # settings (a config file, then --key=value, override these)
@@ -49,14 +61,16 @@ device = "cpu"
 dtype = "float32"            # the trainer's autocast: 'float32' | 'bfloat16' (master weights stay fp32)
 compile = False
 # rollouts
-prompts_per_step = 16        # groups per optimizer step
+prompts_per_step = 16        # groups per optimizer step (more problems are consumed when groups are dropped)
 group_size = 8               # samples per prompt (G)
 max_attempts = 4             # rollouts per step at most while refilling dropped zero-variance groups
 temperature = 1.0            # of the rollouts; the trainer scores softmax(logits / T) too (on-policy)
-top_p = 1.0
-max_new_tokens = 16          # completion budget (the task's answers are ~5 tokens + <|im_end|>)
+top_p = 1.0                  # only 1.0: the trainer scores the whole distribution, never a nucleus
+max_new_tokens = 16          # completion budget; a completion that reaches it without stopping scores 0
 scale_rewards = False        # divide advantages by the group std (GRPO) instead of only centring (Dr. GRPO)
+loss_norm = "constant"       # 'constant' | 'tokens' | 'weights' (see the top of this file)
 tis_cap = 0.0                # > 0: weights *= min(exp(trainer - engine logprob), tis_cap), detached (TIS)
+kl_coef = 0.0                # > 0: weights -= kl_coef * (log p - log p_start) on completion tokens
 engine_dtype = "float32"     # the engine's copy of the weights ('bfloat16' on a GPU)
 engine_block_size = 16
 # optimization
@@ -71,9 +85,10 @@ beta2 = 0.95
 grad_clip = 1.0
 aux_loss_coef = 0.01         # times the router's load-balancing loss
 batch_tokens = 4096          # tokens per micro-batch; a step is however many micro-batches its samples need
-# evaluation (held-out split, with the engine)
-n_eval_problems = 0          # 0 = the whole held-out split
-pass_k = 8                   # samples per problem for eval/pass@1 and eval/pass@{k} (temperature 1)
+# evaluation (with the engine; 'test' is for the final comparison only)
+eval_split = "val"           # 'val' | 'test'
+n_eval_problems = 500        # the first n of the split (0 = all of it)
+pass_k = 8                   # samples per problem for eval/pass@1 and eval/pass@{k} (at the rollout temperature)
 # logging and checkpoints
 log_interval = 1
 eval_interval = 25
@@ -84,14 +99,14 @@ wandb_run_name = ""
 # -----------------------------------------------------------------------------
 
 
-# -----------------------------------------------------------------------------
-# advantages: pure functions over a flat list of rewards, G consecutive samples per group
-
-
 def _require(ok, message):
     # one line per input rule, at the entry point
     if not ok:
         raise ValueError(message)
+
+
+# -----------------------------------------------------------------------------
+# advantages: pure functions over a flat list of rewards, G consecutive samples per group
 
 
 def group_advantages(rewards, group_size, scale_rewards=False, eps=1e-6):
@@ -118,38 +133,41 @@ PromptStream = training.EpochCursor
 
 
 # -----------------------------------------------------------------------------
-# one iteration: rollout, build batches, tis / mismatch, train step, hot-swap
+# one iteration: rollout, build batches, normalizer, corrections, train step, hot-swap
 
 
 def rollout(engine, tokenizer, stream, config, it):
     """Sample groups until prompts_per_step of them have reward variance (or max_attempts rollouts ran).
     Returns (the kept groups as (problem, prompt_ids, samples, rewards), rollout metrics)."""
     G, stop = config["group_size"], frozenset({tokenizer.eos_token_id})
-    kept, all_rewards, lengths, zero_var, attempts, gen_time = [], [], [], 0, 0, 0.0
+    kept, samples_all, rewards_all, zero_var, attempts, gen_time = [], [], [], 0, 0, 0.0
     while len(kept) < config["prompts_per_step"] and attempts < config["max_attempts"]:
         problems = stream.take(config["prompts_per_step"] - len(kept))
-        prompts = [chat_prompt_ids(tokenizer, task.prompt_messages(p)) for p in problems]
+        prompts = evaluate.prompt_ids(tokenizer, problems)
         # the seed is a function of (run seed, iteration, attempt): a resumed run draws the same samples
-        params = SamplingParams(temperature=config["temperature"], top_p=config["top_p"],
-                                max_tokens=config["max_new_tokens"], stop_token_ids=stop,
-                                seed=config["seed"] * 1_000_003 + it * 101 + attempts)
+        params = SamplingParams(temperature=config["temperature"], max_tokens=config["max_new_tokens"],
+                                stop_token_ids=stop, seed=config["seed"] * 1_000_003 + it * 101 + attempts)
         t0 = time.perf_counter()
         samples = engine.generate(prompts, params, num_samples_per_prompt=G)
         gen_time += time.perf_counter() - t0
         attempts += 1
-        rewards = [task.reward(problems[i // G], completion_text(tokenizer, s.completion_tokens))
-                   for i, s in enumerate(samples)]
+        rewards = [evaluate.score(problems[i // G], tokenizer, s) for i, s in enumerate(samples)]
         for j, flat in enumerate(zero_variance_groups(rewards, G).tolist()):
             if flat:
                 zero_var += 1
             else:
                 kept.append((problems[j], prompts[j], samples[j * G:(j + 1) * G], rewards[j * G:(j + 1) * G]))
-        all_rewards += rewards
-        lengths += [len(s.completion_tokens) for s in samples]
-    metrics = {"rollout/reward_mean": float(np.mean(all_rewards)), "rollout/zero_var_groups": zero_var,
+        samples_all += samples
+        rewards_all += rewards
+    lengths = [len(s.completion_tokens) for s in samples_all]
+    metrics = {"rollout/reward_mean": float(np.mean(rewards_all)), "rollout/zero_var_groups": zero_var,
                "rollout/valid_groups": len(kept), "rollout/attempts_per_batch": attempts,
-               "rollout/completion_len": float(np.mean(lengths)), "rollout/tokens_per_s": sum(lengths) / gen_time,
-               "rollout/weight_version": engine.get_weight_version(), "perf/rollout_time_s": gen_time}
+               "rollout/problems": len(samples_all) // G, "rollout/completion_len": float(np.mean(lengths)),
+               "rollout/truncated": float(np.mean([s.finish_reason != "stop" for s in samples_all])),
+               "rollout/tokens_per_s": sum(lengths) / gen_time, "perf/rollout_time_s": gen_time,
+               "rollout/weight_version": engine.get_weight_version(),
+               "perf/rollout_flops": train_flops(engine.model.config, [len(s.prompt_tokens) + n for s, n in
+                                                                       zip(samples_all, lengths)]) / 3}
     return kept, metrics
 
 
@@ -167,6 +185,28 @@ def build_batches(groups, config):
     return [training.pack_sequences([seqs[i] for i in g], [weights[i] for i in g], [logps[i] for i in g],
                                     [rewards[i] for i in g])
             for g in training.budget_groups([len(s) for s in seqs], config["batch_tokens"])]
+
+
+def completion_masks(groups, batches):
+    """[T] bool per batch: the rows scored on a completion token (the same packing as build_batches)."""
+    rows = [([0.0] * len(prompt) + [1.0] * len(s.completion_tokens)) for _, prompt, samples, _ in groups
+            for s in samples]
+    masks, i = [], 0
+    for b in batches:
+        packed = training.pack_sequences([[0] * len(r) for r in rows[i:i + b.num_seqs]], rows[i:i + b.num_seqs])
+        masks.append(packed.token_weights.to(b.token_weights.device) > 0)
+        i += b.num_seqs
+    return masks
+
+
+def loss_normalizer(batches, masks, config):
+    """The denominator of the step's loss, fixed before any correction is folded into the weights (so TIS is
+    the paper's estimator, its ratio outside the normalizer): see loss_norm at the top of this file."""
+    if config["loss_norm"] == "constant":
+        return float(config["prompts_per_step"] * config["group_size"] * config["max_new_tokens"])
+    if config["loss_norm"] == "tokens":
+        return float(max(sum(int(m.sum()) for m in masks), 1))
+    return float(max(sum(b.token_weights.abs().sum().item() for b in batches), 1.0))
 
 
 def tempered(model, temperature):
@@ -190,83 +230,58 @@ def trainer_logprobs(model, batch, autocast):
     return training.token_logprobs(logits, batch.labels)
 
 
-def apply_tis(batches, model, autocast, config):
-    """train/logprob_mismatch over completion tokens; with tis_cap > 0, fold the truncated importance ratio
-    min(exp(trainer - engine), tis_cap) into the weights (a no-grad factor, as the loss contract asks)."""
+def apply_corrections(batches, masks, model, reference, autocast, config):
+    """train/logprob_mismatch over completion tokens, and the per-token no-grad factors folded into the weights
+    (the loss contract): with tis_cap > 0 the truncated importance ratio min(exp(trainer - engine), tis_cap)
+    multiplies the advantage; with kl_coef > 0, kl_coef * (trainer - reference logprob) is subtracted."""
     out, diff, count = [], 0.0, 0
-    for b in batches:
+    for b, mask in zip(batches, masks):
         lp = trainer_logprobs(model, b, autocast)
-        mask = b.token_weights != 0
         diff += (lp - b.log_probs).abs()[mask].sum().item()
         count += int(mask.sum())
+        w = b.token_weights
         if config["tis_cap"] > 0:
-            ratio = torch.exp(lp - b.log_probs).clamp(max=config["tis_cap"])
-            b = training.PackedBatch(b.tokens, b.labels, b.position_ids, b.cu_seqlens,
-                                     b.token_weights * torch.where(mask, ratio, torch.ones_like(ratio)),
-                                     b.log_probs, b.rewards)
-        out.append(b)
+            w = w * torch.where(mask, torch.exp(lp - b.log_probs).clamp(max=config["tis_cap"]), 1.0)
+        if config["kl_coef"] > 0:
+            w = w - config["kl_coef"] * torch.where(mask, lp - trainer_logprobs(reference, b, autocast), 0.0)
+        out.append(training.PackedBatch(b.tokens, b.labels, b.position_ids, b.cu_seqlens, w, b.log_probs, b.rewards))
     return out, diff / max(count, 1)
 
 
-def grpo_step(engine, run, stream, config, it):
-    """Iteration it: rollout, build batches, tis / mismatch, one optimizer step, hot-swap into the engine.
-    Returns the iteration's metrics (no step and no swap when no group had reward variance)."""
+def grpo_step(engine, run, reference, stream, config, it):
+    """Iteration it: rollout, build batches, normalizer, corrections, one optimizer step, hot-swap into the
+    engine. Returns its metrics (no step and no swap when no group had reward variance)."""
     t0 = time.perf_counter()
     groups, metrics = rollout(engine, run.start.tokenizer, stream, config, it)
+    flops = metrics.pop("perf/rollout_flops")
     if not groups:  # every group had zero variance max_attempts times: no gradient this step, the weights stay
         print0(f"iter {it + 1}: no group with reward variance in {metrics['rollout/attempts_per_batch']} attempts")
     else:
         forward = tempered(run.forward, config["temperature"])
         t1 = time.perf_counter()
         batches = [b.to(config["device"]) for b in build_batches(groups, config)]
-        batches, metrics["train/logprob_mismatch"] = apply_tis(batches, forward, run.autocast, config)
+        masks = completion_masks(groups, batches)
+        normalizer = loss_normalizer(batches, masks, config)
+        ref = None if reference is None else tempered(reference, config["temperature"])
+        batches, metrics["train/logprob_mismatch"] = apply_corrections(batches, masks, forward, ref, run.autocast,
+                                                                       config)
         t2 = time.perf_counter()   # the optimizer step alone from here: tokens/s and MFU measure it
         metrics.update(training.train_step(forward, run.optimizer, batches, training.scheduled_lr(config, it),
-                                           config["grad_clip"], config["aux_loss_coef"], run.autocast))
+                                           config["grad_clip"], config["aux_loss_coef"], run.autocast, normalizer))
         t3 = time.perf_counter()
         engine.update_weights(run.model.state_dict())
-        t4 = time.perf_counter()
-        flops = sum(training.train_flops(run.model.config, b.seqlens()) for b in batches)
+        step_flops = sum(train_flops(run.model.config, b.seqlens()) for b in batches)
+        flops += step_flops * (4 + (reference is not None)) / 3     # + the logprob (and reference) passes
         metrics.update({"perf/logprob_pass_s": t2 - t1, "perf/train_time_s": t3 - t2,
-                        "perf/update_weights_s": t4 - t3, "perf/tokens_per_sec": metrics["train/tokens"] / (t3 - t2),
-                        "perf/mfu": flops / (t3 - t2) / run.peak_flops})
+                        "perf/update_weights_s": time.perf_counter() - t3, "train/normalizer": normalizer,
+                        "perf/tokens_per_sec": metrics["train/tokens"] / (t3 - t2),
+                        "perf/mfu": step_flops / (t3 - t2) / run.peak_flops})
     metrics["perf/step_time_s"] = time.perf_counter() - t0
-    return metrics
+    return metrics, flops
 
 
 # -----------------------------------------------------------------------------
-# evaluation: held-out greedy accuracy, and pass@1 / pass@k from sampled completions, all through the engine
-
-
-def evaluate(engine, tokenizer, problems, config):
-    """Greedy accuracy, and pass@1 / pass@k over pass_k samples at temperature 1, of these problems."""
-    stop = frozenset({tokenizer.eos_token_id})
-    prompts = [chat_prompt_ids(tokenizer, task.prompt_messages(p)) for p in problems]
-    greedy = engine.generate(prompts, SamplingParams(temperature=0.0, max_tokens=config["max_new_tokens"],
-                                                     stop_token_ids=stop))
-    acc = np.mean([task.reward(p, completion_text(tokenizer, s.completion_tokens))
-                   for p, s in zip(problems, greedy)])
-    k = config["pass_k"]
-    sampled = engine.generate(prompts, SamplingParams(temperature=1.0, max_tokens=config["max_new_tokens"],
-                                                      stop_token_ids=stop, seed=config["seed"]),
-                              num_samples_per_prompt=k)
-    right = np.array([task.reward(problems[i // k], completion_text(tokenizer, s.completion_tokens))
-                      for i, s in enumerate(sampled)]).reshape(len(problems), k)
-    return {"eval/accuracy": float(acc), "eval/pass@1": float(right.mean()),
-            f"eval/pass@{k}": float(right.max(axis=1).mean())}
-
-
-def evaluate_and_log(engine, run, problems, config, done):
-    t0 = time.perf_counter()
-    metrics = evaluate(engine, run.start.tokenizer, problems, config)
-    run.logger.log(done, metrics)
-    print0(f"eval iter {done}: " + ", ".join(f"{k} {v:.4f}" for k, v in metrics.items()) +
-           f" ({time.perf_counter() - t0:.1f} s)")
-    return metrics
-
-
-# -----------------------------------------------------------------------------
-# the loop
+# setup and the loop
 
 
 def check_settings(config):
@@ -277,28 +292,41 @@ def check_settings(config):
                                                                      f">= {low}")
     # attempt a of iteration i samples with seed * 1_000_003 + i * 101 + a: more attempts would repeat seeds
     _require(config["max_attempts"] <= 101, f"max_attempts={config['max_attempts']!r}: expected at most 101")
-    tis_cap = config["tis_cap"]
-    _require(type(tis_cap) in (int, float) and tis_cap >= 0, f"tis_cap={tis_cap!r}: expected a number >= 0 "
-                                                             f"(0 = off)")
+    for name in ("tis_cap", "kl_coef"):
+        _require(type(config[name]) in (int, float) and config[name] >= 0, f"{name}={config[name]!r}: expected a "
+                                                                           f"number >= 0 (0 = off)")
+    _require(config["loss_norm"] in ("constant", "tokens", "weights"),
+             f"loss_norm={config['loss_norm']!r}: expected 'constant', 'tokens' or 'weights'")
+    _require(config["eval_split"] in ("val", "test"), f"eval_split={config['eval_split']!r}: expected 'val' or 'test'")
     SamplingParams(temperature=config["temperature"], top_p=config["top_p"])   # refuses a bad temperature / top_p
     _require(config["temperature"] != 0, "temperature=0: GRPO needs sampled groups (greedy samples of a prompt "
                                          "are all the same)")
-    # a bad engine dtype or page size is refused here, before the run setup touches out_dir
+    _require(config["top_p"] == 1.0, f"top_p={config['top_p']!r}: the trainer scores the whole softmax(logits / T), "
+                                     f"so a nucleus-sampled rollout would be trained off-policy; use top_p=1.0")
+    _require(config["kl_coef"] == 0 or config["init_from"] != "scratch",
+             "kl_coef > 0 with init_from='scratch': a KL to a random starting policy teaches nothing")
+    # a bad engine dtype or block size is refused here, before the run setup touches out_dir
     EngineConfig(device=config["device"], dtype=config["engine_dtype"], block_size=config["engine_block_size"])
     training.check_loop_settings(config)
 
 
-def make_engine(config, run, problems):
-    """The in-process engine over a copy of the policy, sized for the longest prompt of these problems plus the
-    completion budget, starting at the resumed run's weight version."""
-    prompt_len = max(len(chat_prompt_ids(run.start.tokenizer, task.prompt_messages(p))) for p in problems)
-    max_len = prompt_len + config["max_new_tokens"]
-    blocks_per_seq = -(-max_len // config["engine_block_size"]) + 1
-    version = 0 if run.start.meta is None else run.start.meta["extra"]["weight_version"]
-    return InferenceEngine(EngineConfig(
-        device=config["device"], dtype=config["engine_dtype"], block_size=config["engine_block_size"],
-        max_model_len=max_len, max_batch_size=256, num_blocks=256 * blocks_per_seq, seed=config["seed"],
-        weight_version=version), model=run.model)
+def reference_model(config, start):
+    """The starting policy, frozen, for the KL term (None when kl_coef = 0). A resumed run reloads the model its
+    first run started from."""
+    if config["kl_coef"] == 0:
+        return None
+    source = config["init_from"] if start.meta is None else start.meta["config"]["init_from"]
+    return load_model(model_dir_of(source)).to(config["device"]).eval().requires_grad_(False)
+
+
+def evaluate_and_log(engine, run, problems, config, done, meter):
+    t0 = time.perf_counter()
+    metrics = evaluate.evaluate(engine, run.start.tokenizer, problems, config["max_new_tokens"], config["pass_k"],
+                                config["temperature"], config["seed"])
+    run.logger.log(done, {**metrics, "perf/elapsed_s": meter.seconds})
+    print0(f"eval iter {done} ({config['eval_split']}): " + ", ".join(f"{k} {v:.4f}" for k, v in metrics.items()) +
+           f" ({time.perf_counter() - t0:.1f} s)")
+    return metrics
 
 
 def log_iteration(logger, done, metrics):
@@ -313,23 +341,32 @@ def log_iteration(logger, done, metrics):
 def main(config):
     check_settings(config)
     start = init_start(config, build_tokenizer)
+    reference = reference_model(config, start)
     stream = PromptStream(task.make_problems("train"), config["seed"])
     run = training.setup_run(config, start, stream)
-    eval_problems = task.make_problems("test", config["n_eval_problems"] or None)
-    engine = make_engine(config, run, stream.items + eval_problems)
+    eval_problems = task.make_problems(config["eval_split"], config["n_eval_problems"] or None)
+    engine = evaluate.task_engine(run.model, run.start.tokenizer, stream.items + eval_problems,
+                                  config["max_new_tokens"], config["engine_block_size"], config["engine_dtype"],
+                                  config["device"], config["seed"],
+                                  0 if start.meta is None else start.meta["extra"]["weight_version"])
+    meter = training.Meter(run.start)
     print0(f"{config['prompts_per_step']} prompts x {config['group_size']} samples per step, "
-           f"{len(eval_problems)} held-out problems")
-    final = {} if start.meta is not None else evaluate_and_log(engine, run, eval_problems, config, 0)
+           f"{len(eval_problems)} {config['eval_split']} problems")
+    final = {} if start.meta is not None else evaluate_and_log(engine, run, eval_problems, config, 0, meter)
     for it in range(start.iter_num, config["max_iters"]):
-        metrics = grpo_step(engine, run, stream, config, it)   # rollout, batches, tis, train step, hot-swap
+        metrics, flops = grpo_step(engine, run, reference, stream, config, it)
+        metrics.update(meter.add(flops, metrics["perf/step_time_s"]))
+        metrics["rollout/problems_total"] = stream.epoch * len(stream.items) + stream.cursor
         done = it + 1
-        if training.due(config, "log_interval", done):
+        last = done == config["max_iters"]
+        if training.due(config, "log_interval", done, last):
             log_iteration(run.logger, done, metrics)
-        if training.due(config, "eval_interval", done):
-            final = evaluate_and_log(engine, run, eval_problems, config, done)
-        if training.due(config, "ckpt_interval", done):
+        if training.due(config, "eval_interval", done, last):
+            final = evaluate_and_log(engine, run, eval_problems, config, done, meter)
+        if training.due(config, "ckpt_interval", done, last):
             save_checkpoint(config["out_dir"], run.model, run.optimizer, run.start.tokenizer, done, config,
-                            stream.state_dict(), extra={"weight_version": engine.get_weight_version()})
+                            stream.state_dict(), extra={"weight_version": engine.get_weight_version(),
+                                                        "meter": meter.state_dict()})
     run.logger.close()
     engine.shutdown()
     return final

@@ -24,7 +24,7 @@ import torch
 
 from checkpoint import Start, clear_checkpoints, save_checkpoint, set_rng_state
 from configurator import print0
-from model import ModelConfig, Transformer
+from model import Transformer, train_flops  # noqa: F401 (train_flops: the trainers' FLOP count)
 
 
 def _require(ok, message, error=ValueError):
@@ -61,8 +61,8 @@ class PackedBatch:
         return (self.cu_seqlens[1:] - self.cu_seqlens[:-1]).tolist()
 
     def to(self, device):
-        moved = {f.name: getattr(self, f.name) for f in fields(self)}
-        return PackedBatch(**{k: None if v is None else v.to(device, non_blocking=True) for k, v in moved.items()})
+        return PackedBatch(*(None if v is None else v.to(device, non_blocking=True)
+                             for v in (getattr(self, f.name) for f in fields(self))))
 
 
 def token_logprobs(logits, labels):
@@ -305,8 +305,7 @@ def measure_matmul_flops(device="cpu", dtype=torch.float32):
         g = torch.Generator().manual_seed(0)
         a, b = (torch.randn(n, n, generator=g).to(device, dtype) for _ in range(2))
         sync = torch.cuda.synchronize if torch.device(device).type == "cuda" else (lambda: None)
-        a @ b
-        sync()
+        (a @ b, sync())
         reps, t0 = 0, time.perf_counter()
         while reps < 3 or time.perf_counter() - t0 < 0.2:
             a @ b
@@ -314,23 +313,6 @@ def measure_matmul_flops(device="cpu", dtype=torch.float32):
         sync()
         _MATMUL_RATE[key] = 2 * n ** 3 * reps / (time.perf_counter() - t0)
     return _MATMUL_RATE[key]
-
-
-def train_flops(model_config: ModelConfig, seqlens):
-    """FLOPs of one forward+backward over packed sequences of these lengths: 6 per active matmul weight per
-    token (experts count top_k of E, the router and the head count, the embedding lookup doesn't) plus
-    attention's QK^T and AV over the causal pairs within each sequence (3 x 4 x heads x head_dim per pair)."""
-    mc = model_config
-    H, D = mc.hidden_size, mc.head_dim
-    per_token = mc.vocab_size * H
-    for i in range(mc.num_hidden_layers):
-        per_token += H * D * (2 * mc.num_attention_heads + 2 * mc.num_key_value_heads)
-        if mc.is_moe_layer(i):
-            per_token += mc.num_experts * H + mc.num_experts_per_tok * 3 * H * mc.moe_intermediate_size
-        else:
-            per_token += 3 * H * mc.intermediate_size
-    pairs = sum(n * (n + 1) // 2 for n in seqlens)
-    return 6 * per_token * sum(seqlens) + 12 * mc.num_hidden_layers * mc.num_attention_heads * D * pairs
 
 
 # -----------------------------------------------------------------------------
@@ -355,10 +337,9 @@ class Logger:
                         continue  # a line cut short by the kill
                     if row.get("iter", math.inf) <= resume_iter:
                         kept.append(line if line.endswith("\n") else line + "\n")
-        tmp = self.path + ".tmp"
-        with open(tmp, "w") as f:
+        with open(self.path + ".tmp", "w") as f:
             f.writelines(kept)
-        os.replace(tmp, self.path)
+        os.replace(self.path + ".tmp", self.path)
         self.file = open(self.path, "a")
         self.wandb = None
         if config.get("wandb_log"):
@@ -435,33 +416,50 @@ def setup_run(config, start, data):
 def check_loop_settings(config):
     """The settings every training loop reads, each refused with a ValueError naming it before any work (those
     of them that config has: GRPO has no grad_accum)."""
-    def is_number(v):
-        return type(v) in (int, float) and math.isfinite(v)
     for name, low in (("max_iters", 0), ("warmup_iters", 0), ("lr_decay_iters", 0), ("grad_accum", 1),
                       ("batch_tokens", 1), ("log_interval", 1), ("eval_interval", 1), ("ckpt_interval", 1)):
-        if name in config:
-            _require(type(config[name]) is int and config[name] >= low, f"{name}={config[name]!r}: expected an "
-                                                                         f"int >= {low}")
+        _require(name not in config or type(config[name]) is int and config[name] >= low,
+                 f"{name}={config.get(name)!r}: expected an int >= {low}")
     lr, min_lr = config["learning_rate"], config["min_lr"]
-    _require(is_number(lr) and lr > 0, f"learning_rate={lr!r}: expected a finite number > 0")
-    _require(is_number(min_lr) and 0 <= min_lr <= lr, f"min_lr={min_lr!r}: expected 0 <= min_lr <= {lr!r}")
-    for name in ("weight_decay", "grad_clip", "aux_loss_coef"):
-        if name in config:
-            _require(is_number(config[name]) and config[name] >= 0, f"{name}={config[name]!r}: expected a number >= 0")
+    _require(_is_number(lr) and lr > 0, f"learning_rate={lr!r}: expected a finite number > 0")
+    _require(_is_number(min_lr) and 0 <= min_lr <= lr, f"min_lr={min_lr!r}: expected 0 <= min_lr <= {lr!r}")
+    for name in ("weight_decay", "grad_clip", "aux_loss_coef", "max_flops"):
+        _require(name not in config or _is_number(config[name]) and config[name] >= 0,
+                 f"{name}={config.get(name)!r}: expected a number >= 0")
 
 
-def due(config, interval, done):
+def _is_number(v):
+    return type(v) in (int, float) and math.isfinite(v)
+
+
+def due(config, interval, done, last):
     """Whether the iteration that makes `done` logs / evaluates / checkpoints: every config[interval], and last."""
-    return done % config[interval] == 0 or done == config["max_iters"]
+    return done % config[interval] == 0 or last
 
 
-def train(config, start, loader, eval_fn=None, final_fn=None):
-    """Train start.model on loader's batches per config; eval_fn(model) -> metrics every eval_interval and at the
-    end; final_fn(model) -> metrics once at the very end (e.g. held-out accuracy). Checkpoints every
-    ckpt_interval and at the end. Returns the final metrics."""
+class Meter:
+    """What a run has spent: FLOPs (training steps, plus any sampling the caller adds) and seconds of training
+    (evaluation excluded), kept in every checkpoint; max_flops > 0 ends a run once spent (compute-matched arms)."""
+
+    def __init__(self, start, flops=0.0):
+        state = start.meta["extra"]["meter"] if start.meta is not None else {"flops": flops, "seconds": 0.0}
+        self.flops, self.seconds = float(state["flops"]), float(state["seconds"])
+
+    def add(self, flops, seconds):
+        self.flops, self.seconds = self.flops + flops, self.seconds + seconds
+        return {"perf/flops_total": self.flops, "perf/elapsed_s": self.seconds}
+
+    def state_dict(self):
+        return {"flops": self.flops, "seconds": self.seconds}
+
+
+def train(config, start, loader, eval_fn=None, spent_flops=0.0):
+    """Train start.model on loader's batches per config, for max_iters steps or until max_flops are spent (with
+    spent_flops already counted); eval_fn(model) -> metrics every eval_interval and at the end. Checkpoints every
+    ckpt_interval and at the end. Returns the last evaluation's metrics."""
     check_loop_settings(config)
     run = setup_run(config, start, loader)
-    final = {}
+    meter, final = Meter(run.start, spent_flops), {}
     for it in range(run.start.iter_num, config["max_iters"]):
         t0 = time.perf_counter()
         batches = [loader.next_batch().to(config["device"]) for _ in range(config["grad_accum"])]
@@ -470,31 +468,33 @@ def train(config, start, loader, eval_fn=None, final_fn=None):
         if run.device_type == "cuda":
             torch.cuda.synchronize()
         seconds, done = time.perf_counter() - t0, it + 1
-        if due(config, "log_interval", done):
-            flops = sum(train_flops(run.model.config, b.seqlens()) for b in batches)
+        flops = sum(train_flops(run.model.config, b.seqlens()) for b in batches)
+        metrics.update(meter.add(flops, seconds))
+        last = done == config["max_iters"] or 0 < config.get("max_flops", 0) <= meter.flops
+        if due(config, "log_interval", done, last):
             metrics.update({"perf/step_time_s": seconds, "perf/tokens_per_sec": metrics["train/tokens"] / seconds,
                             "perf/mfu": flops / seconds / run.peak_flops})
             run.logger.log(done, metrics)
             print0(f"iter {done}: loss {metrics['train/loss']:.4f}, aux {metrics['train/aux_loss']:.3f}, "
                    f"lr {metrics['train/lr']:.2e}, {seconds * 1000:.0f} ms, "
                    f"{metrics['perf/tokens_per_sec']:.0f} tok/s, mfu {100 * metrics['perf/mfu']:.1f}%")
-        if eval_fn is not None and due(config, "eval_interval", done):
-            final.update(_evaluate(run, done, eval_fn, "eval"))
-        if final_fn is not None and done == config["max_iters"]:
-            final.update(_evaluate(run, done, final_fn, "final"))
-        if due(config, "ckpt_interval", done):
+        if eval_fn is not None and due(config, "eval_interval", done, last):
+            final = _evaluate(run, done, eval_fn, {"perf/elapsed_s": meter.seconds})
+        if due(config, "ckpt_interval", done, last):
             save_checkpoint(config["out_dir"], run.model, run.optimizer, run.start.tokenizer, done, config,
-                            loader.state_dict())
+                            loader.state_dict(), extra={"meter": meter.state_dict()})
+        if last:
+            break
     run.logger.close()
     return final
 
 
-def _evaluate(run, done, fn, label):
-    # fn(model) in eval mode under the run's precision, then logged and printed
+def _evaluate(run, done, fn, extra):
+    # fn(model) in eval mode under the run's precision, then logged (with extra) and printed
     run.model.eval()
     with run.autocast:
         metrics = fn(run.model)
     run.model.train()
-    run.logger.log(done, metrics)
-    print0(f"{label} iter {done}: " + ", ".join(f"{k} {v:.4f}" for k, v in metrics.items()))
+    run.logger.log(done, {**metrics, **extra})
+    print0(f"eval iter {done}: " + ", ".join(f"{k} {v:.4f}" for k, v in metrics.items()))
     return metrics

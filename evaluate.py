@@ -1,0 +1,60 @@
+"""
+How well a model solves the embedded task, measured the same way for every stage and every baseline, through
+the inference engine:
+
+    engine = task_engine(model, tokenizer, problems, max_new_tokens=16)
+    metrics = evaluate(engine, tokenizer, problems, max_new_tokens=16, pass_k=8, temperature=1.0, seed=0)
+    # {"eval/accuracy": greedy accuracy, "eval/pass@1": mean of k sampled answers, "eval/pass@8": any of k right}
+
+A completion scores only if it stopped by itself: one cut off at max_new_tokens scores 0 whatever its text
+(score), in training and in evaluation alike. pass@k is sampled at the temperature the policy is trained at
+(the rollouts'), so it measures the distribution GRPO shapes.
+"""
+
+import numpy as np
+
+import task
+from engine import EngineConfig, InferenceEngine, SamplingParams
+from tokenizer import chat_prompt_ids, completion_text
+
+
+def prompt_ids(tokenizer, problems):
+    """The chat-template ids of each problem's prompt, made once: these exact ids go to the engine and the batch."""
+    return [chat_prompt_ids(tokenizer, task.prompt_messages(p)) for p in problems]
+
+
+def score(problem, tokenizer, sample):
+    """The task's exact reward of a finished sample; 0 when it did not stop (truncated at max_tokens)."""
+    if sample.finish_reason != "stop":
+        return 0.0
+    return task.reward(problem, completion_text(tokenizer, sample.completion_tokens))
+
+
+def task_engine(model, tokenizer, problems, max_new_tokens, block_size=16, dtype="float32", device="cpu",
+                seed=0, weight_version=0):
+    """An in-process engine over a copy of model, sized for the longest prompt of these problems plus the
+    completion budget, for 256 sequences at a time."""
+    longest = max(problems, key=lambda p: len(task.prompt_messages(p)[0]["content"]))   # its ids are the longest
+    max_len = len(prompt_ids(tokenizer, [longest])[0]) + max_new_tokens
+    blocks_per_seq = -(-max_len // block_size) + 1
+    return InferenceEngine(EngineConfig(
+        device=device, dtype=dtype, block_size=block_size, max_model_len=max_len, max_batch_size=256,
+        num_blocks=256 * blocks_per_seq, seed=seed, weight_version=weight_version), model=model)
+
+
+def greedy_accuracy(engine, tokenizer, problems, max_new_tokens):
+    """The share of problems whose greedy answer is right."""
+    params = SamplingParams(temperature=0.0, max_tokens=max_new_tokens, stop_token_ids=frozenset({tokenizer.eos_token_id}))
+    greedy = engine.generate(prompt_ids(tokenizer, problems), params)
+    return float(np.mean([score(p, tokenizer, s) for p, s in zip(problems, greedy)]))
+
+
+def evaluate(engine, tokenizer, problems, max_new_tokens, pass_k, temperature, seed):
+    """Greedy accuracy of these problems, and pass@1 / pass@k over pass_k samples at temperature."""
+    params = SamplingParams(temperature=temperature, max_tokens=max_new_tokens,
+                            stop_token_ids=frozenset({tokenizer.eos_token_id}), seed=seed)
+    sampled = engine.generate(prompt_ids(tokenizer, problems), params, num_samples_per_prompt=pass_k)
+    right = np.array([score(problems[i // pass_k], tokenizer, s) for i, s in enumerate(sampled)])
+    right = right.reshape(len(problems), pass_k)
+    return {"eval/accuracy": greedy_accuracy(engine, tokenizer, problems, max_new_tokens),
+            "eval/pass@1": float(right.mean()), f"eval/pass@{pass_k}": float(right.max(axis=1).mean())}

@@ -1,0 +1,253 @@
+"""The fair comparison (compare.sh) read back from disk: two tables with paired 95% intervals, and a plot.
+
+compare.sh trains, for each seed, three arms from one SFT checkpoint and scores all four once on the test split:
+  sft       the SFT checkpoint itself (the start)
+  sft_more  more SFT on the demonstrations, matched to GRPO's FLOPs, early-stopped on validation
+  rft       rejection-sampling fine-tuning on GRPO's problems and group size, same FLOPs, early-stopped on validation
+  grpo      GRPO
+This script reads those evaluations (OUT_DIR/seed<S>/test_<arm>/metrics.jsonl, the last row), writes
+OUT_DIR/results.json, prints two markdown tables (each arm's test metrics, mean ± std over seeds; the paired
+differences of greedy accuracy with their 95% intervals) and plots validation accuracy against wall-clock time
+(OUT_DIR/val_accuracy.png, when matplotlib is installed).
+
+    python report.py out/compare 1 2 3 4 5      # the seeds to read (none given: every seed<S> directory there)
+
+A difference is paired by seed (both arms start from the same pretrain and SFT checkpoint): with d_s = a_s - b_s
+over n seeds, the interval is mean(d) ± t_{0.975, n-1} * std(d, ddof=1) / sqrt(n) (Student's t). It covers the
+seed-to-seed variation of everything after the shared checkpoint, test-split noise included in each d_s.
+"""
+import json
+import math
+import os
+import re
+import sys
+
+import numpy as np
+
+ARMS = ("sft", "sft_more", "rft", "grpo")
+COMPARISONS = (("grpo", "sft"), ("grpo", "sft_more"), ("grpo", "rft"), ("sft_more", "sft"), ("rft", "sft"))
+CURVE_ARMS = ("grpo", "sft_more", "rft")  # the arms that train from the SFT checkpoint: the plot's curves
+
+# t_{0.975, df}, the two-sided 95% quantile of Student's t for df = 1..30 (standard tables, 3 decimals)
+T975 = (12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262, 2.228,
+        2.201, 2.179, 2.160, 2.145, 2.131, 2.120, 2.110, 2.101, 2.093, 2.086,
+        2.080, 2.074, 2.069, 2.064, 2.060, 2.056, 2.052, 2.048, 2.045, 2.042)
+
+
+# -----------------------------------------------------------------------------
+# statistics
+
+
+def t975(df):
+    """t_{0.975, df}. Past df = 30 the table's last value, which is slightly wide (t tends to 1.960)."""
+    if df < 1:
+        raise ValueError(f"df={df}: a t interval needs at least 2 paired values")
+    return T975[min(df, len(T975)) - 1]
+
+
+def std(values):
+    """The sample standard deviation (ddof=1) of values; None for fewer than two (undefined)."""
+    return float(np.std(values, ddof=1)) if len(values) > 1 else None
+
+
+def paired_ci(a, b):
+    """(mean, lo, hi) of a - b, paired by position: the mean difference and its 95% Student-t interval.
+    One pair has no spread to estimate: lo and hi are then nan."""
+    a, b = np.asarray(a, dtype=float), np.asarray(b, dtype=float)
+    if a.ndim != 1 or a.shape != b.shape or len(a) == 0:
+        raise ValueError(f"paired_ci needs two non-empty lists of one length, got shapes {a.shape} and {b.shape}")
+    d = a - b
+    mean = float(d.mean())
+    if len(d) == 1:
+        return mean, math.nan, math.nan
+    half = t975(len(d) - 1) * std(d) / math.sqrt(len(d))
+    return mean, mean - half, mean + half
+
+
+# -----------------------------------------------------------------------------
+# the evaluations on disk -> results.json
+
+
+def read_rows(path):
+    """The JSON rows of a metrics.jsonl, in file order."""
+    with open(path) as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+def load(out_dir, seeds):
+    """Each seed's test evaluation of each arm: {"per_seed": {seed: {arm: greedy accuracy}}, "pass@1": {...},
+    "pass@<k>": {...}}, seeds as strings, the pass@ names as the evaluation logged them. A missing or unfinished
+    evaluation is an error that names its file."""
+    results = {"per_seed": {}}
+    for seed in map(str, seeds):
+        for arm in ARMS:
+            path = os.path.join(out_dir, f"seed{seed}", f"test_{arm}", "metrics.jsonl")
+            if not os.path.exists(path):
+                raise FileNotFoundError(f"{path} is missing: run `bash compare.sh {seed}` first")
+            rows = read_rows(path)
+            if not rows or "eval/accuracy" not in rows[-1]:
+                raise ValueError(f"{path}: its last row has no eval/accuracy (did the evaluation finish?)")
+            row = rows[-1]
+            results["per_seed"].setdefault(seed, {})[arm] = row["eval/accuracy"]
+            for key in row:
+                if key.startswith("eval/pass@"):
+                    results.setdefault(key[len("eval/"):], {}).setdefault(seed, {})[arm] = row[key]
+    return results
+
+
+def pass_keys(results):
+    """The pass@k entries of results, by k (pass@1 first)."""
+    return sorted((k for k in results if k.startswith("pass@")), key=lambda k: int(k.split("@")[1]))
+
+
+def summarize(results):
+    """results plus "summary" (each arm's greedy accuracy: mean, std with ddof=1) and "paired" (each comparison
+    a - b: mean difference, ci95 = [lo, hi], n seeds). None where one seed leaves a value undefined."""
+    seeds = list(results["per_seed"])
+    acc = {arm: [results["per_seed"][s][arm] for s in seeds] for arm in ARMS}
+    summary = {arm: {"mean": float(np.mean(v)), "std": std(v)} for arm, v in acc.items()}
+    paired = {}
+    for a, b in COMPARISONS:
+        mean, lo, hi = paired_ci(acc[a], acc[b])
+        paired[f"{a}-{b}"] = {"mean": mean, "ci95": None if math.isnan(lo) else [lo, hi], "n": len(seeds)}
+    return {**results, "summary": summary, "paired": paired}
+
+
+# -----------------------------------------------------------------------------
+# the tables
+
+
+def cell(values):
+    """'mean ± std (v1, v2, ...)' of one arm's per-seed values; std is n/a for one seed."""
+    if any(v is None for v in values):
+        return "n/a"
+    sd = std(values)
+    per_seed = ", ".join(f"{v:.3f}" for v in values)
+    return f"{np.mean(values):.3f} ± {'n/a' if sd is None else f'{sd:.3f}'} ({per_seed})"
+
+
+def verdict(ci95):
+    """Whether a 95% interval excludes 0, and on which side."""
+    if ci95 is None:
+        return "n/a"
+    lo, hi = ci95
+    return "yes, above 0" if lo > 0 else "yes, below 0" if hi < 0 else "no"
+
+
+def tables(results):
+    """The two markdown tables, as text: each arm's test metrics over seeds, and the paired differences."""
+    seeds = list(results["per_seed"])
+    metrics = [("greedy accuracy", "per_seed")] + [(k, k) for k in pass_keys(results)]
+    lines = [f"test split, mean ± std (ddof=1) over seeds {', '.join(seeds)} (per-seed values):", "",
+             "| arm | " + " | ".join(name for name, _ in metrics) + " |",
+             "|" + " --- |" * (len(metrics) + 1)]
+    for arm in ARMS:
+        cells = [cell([results[key].get(s, {}).get(arm) for s in seeds]) for _, key in metrics]
+        lines.append(f"| {arm} | " + " | ".join(cells) + " |")
+    lines += ["", f"paired differences of greedy test accuracy, 95% Student-t interval over {len(seeds)} seeds:", "",
+              "| comparison | mean difference | 95% CI | excludes 0? |", "| --- | --- | --- | --- |"]
+    for name, p in results["paired"].items():
+        ci = "n/a" if p["ci95"] is None else "[{:+.3f}, {:+.3f}]".format(*p["ci95"])
+        lines.append(f"| {name.replace('-', ' - ')} | {p['mean']:+.3f} | {ci} | {verdict(p['ci95'])} |")
+    return "\n".join(lines)
+
+
+# -----------------------------------------------------------------------------
+# the plot: validation accuracy against wall-clock time
+
+
+def val_curve(path):
+    """(seconds, accuracies) of a run's validation evaluations, in file order: the rows of its metrics.jsonl
+    that carry both eval/accuracy and perf/elapsed_s. Empty lists when the file is missing."""
+    if not os.path.exists(path):
+        return [], []
+    rows = [r for r in read_rows(path) if "eval/accuracy" in r and "perf/elapsed_s" in r]
+    return [r["perf/elapsed_s"] for r in rows], [r["eval/accuracy"] for r in rows]
+
+
+def mean_curve(curves, points=200):
+    """(grid, mean) of piecewise-linear curves over seeds, on the time range that every one of them covers;
+    None when there is no such range (no curves, or one eval point each)."""
+    curves = [(t, a) for t, a in curves if len(t) > 0]
+    if not curves:
+        return None
+    lo, hi = max(t[0] for t, _ in curves), min(t[-1] for t, _ in curves)
+    if hi <= lo:
+        return None
+    grid = np.linspace(lo, hi, points)
+    return grid, np.mean([np.interp(grid, t, a) for t, a in curves], axis=0)
+
+
+def plot(out_dir, seeds, path):
+    """Validation accuracy against seconds since each arm started from the SFT checkpoint: one thin line per
+    seed, the mean over seeds in bold, and the SFT checkpoint's own validation accuracy (the GRPO run's first
+    evaluation, at iteration 0) as a dashed line. Returns the path written, or None without matplotlib."""
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib is not installed (.venv/bin/pip install matplotlib): no plot")
+        return None
+    fig, ax = plt.subplots(figsize=(8, 5))
+    for arm, color in zip(CURVE_ARMS, ("C3", "C0", "C2")):
+        curves = [val_curve(os.path.join(out_dir, f"seed{s}", arm, "metrics.jsonl")) for s in seeds]
+        for t, a in curves:
+            ax.plot(t, a, color=color, lw=0.8, alpha=0.35, marker=".", ms=3)
+        n = sum(1 for t, _ in curves if t)
+        mean = mean_curve(curves)
+        if mean is not None:
+            ax.plot(*mean, color=color, lw=2.5, label=f"{arm}: mean of {n} seeds (thin: each seed)")
+        elif n:
+            ax.plot([], [], color=color, lw=0.8, label=f"{arm}: {n} seeds")
+    start = [a[0] for _, a in (val_curve(os.path.join(out_dir, f"seed{s}", "grpo", "metrics.jsonl"))
+                               for s in seeds) if a]
+    if start:
+        ax.axhline(np.mean(start), color="gray", ls="--", lw=1.5, label=f"sft (the start): mean of {len(start)} seeds")
+    ax.set_xlabel("wall-clock seconds since the arm started from the SFT checkpoint")
+    ax.set_ylabel("validation greedy accuracy")
+    ax.set_title(f"validation accuracy against time, seeds {', '.join(map(str, seeds))}")
+    ax.set_xlim(left=0)
+    ax.grid(alpha=0.3)
+    ax.legend(loc="best")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
+# -----------------------------------------------------------------------------
+# main
+
+
+def find_seeds(out_dir):
+    """The seeds that have a seed<S> directory under out_dir, in numeric order."""
+    names = os.listdir(out_dir) if os.path.isdir(out_dir) else []
+    return sorted((m.group(1) for m in map(re.compile(r"seed(\d+)$").match, names) if m), key=int)
+
+
+def main(argv):
+    """report.py OUT_DIR [SEED ...]: load, summarize, print the tables, write results.json and the plot."""
+    if not argv or argv[0] in ("-h", "--help"):
+        print(__doc__)
+        return 0 if argv else 2
+    out_dir, seeds = argv[0], [str(s) for s in argv[1:]] or find_seeds(argv[0])
+    if not seeds:
+        raise SystemExit(f"no seed<S> directories under {out_dir}: run bash compare.sh first")
+    try:
+        results = summarize(load(out_dir, seeds))
+    except (FileNotFoundError, ValueError) as e:
+        raise SystemExit(f"report.py: {e}") from None
+    path = os.path.join(out_dir, "results.json")
+    with open(path, "w") as f:
+        json.dump(results, f, indent=2, allow_nan=False)
+    print(tables(results))
+    print(f"\nwrote {path}")
+    png = plot(out_dir, seeds, os.path.join(out_dir, "val_accuracy.png"))
+    if png is not None:
+        print(f"wrote {png}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

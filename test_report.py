@@ -1,0 +1,141 @@
+# tests for report.py (the statistics and the plot of compare.sh) on hand-made numbers. CPU, a second.
+
+import json
+import math
+import os
+import sys
+
+import numpy as np
+import pytest
+
+import report
+from report import ARMS, load, paired_ci, plot, summarize, t975
+
+# a fake comparison, 3 seeds: test greedy accuracy, pass@1 and pass@8 of each arm, chosen so that the paired
+# differences are exact in binary floating point (multiples of 1/8 and 1/16)
+ACC = {"1": {"sft": 0.25, "sft_more": 0.375, "rft": 0.25, "grpo": 0.5},
+       "2": {"sft": 0.125, "sft_more": 0.25, "rft": 0.25, "grpo": 0.5},
+       "3": {"sft": 0.25, "sft_more": 0.25, "rft": 0.375, "grpo": 0.625}}
+
+
+def write_rows(path, rows):
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    with open(path, "w") as f:
+        f.writelines(json.dumps(r) + "\n" for r in rows)
+
+
+def fake_tree(root, acc=ACC):
+    """out/compare as compare.sh leaves it: each seed's test_<arm> evaluation (a stale row first, the last row
+    counts) and each trained arm's run with validation evaluations against wall-clock seconds."""
+    for seed, arms in acc.items():
+        d = os.path.join(root, f"seed{seed}")
+        for arm, a in arms.items():
+            write_rows(os.path.join(d, f"test_{arm}", "metrics.jsonl"),
+                       [{"iter": 0, "eval/accuracy": 0.0},
+                        {"iter": 0, "eval/accuracy": a, "eval/pass@1": a / 2, "eval/pass@8": 1 - a}])
+        for k, arm in enumerate(report.CURVE_ARMS):
+            rows = [{"iter": 10 * i, "eval/accuracy": 0.1 + 0.05 * i + 0.01 * k, "perf/elapsed_s": 5.0 + 30 * i}
+                    for i in range(5)]
+            rows.insert(1, {"iter": 5, "train/loss": 1.0, "perf/elapsed_s": 12.0})  # a training row: not a point
+            write_rows(os.path.join(d, arm, "metrics.jsonl"), rows)
+
+
+def test_t975_table():
+    assert t975(1) == 12.706 and t975(2) == 4.303 and t975(4) == 2.776 and t975(30) == 2.042
+    assert t975(100) == 2.042  # past the table: its last value, a little wide
+    with pytest.raises(ValueError, match="df=0"):
+        t975(0)
+
+
+def test_paired_ci_hand_made():
+    mean, lo, hi = paired_ci([3, 4, 5], [2, 2, 2])  # differences 1, 2, 3: std 1 (ddof=1), n = 3
+    half = 4.303 * 1 / math.sqrt(3)
+    assert mean == 2
+    assert lo == pytest.approx(2 - half) and hi == pytest.approx(2 + half)
+    assert half == pytest.approx(2.484, abs=1e-3)
+
+
+def test_paired_ci_is_paired_not_two_sample():
+    # the arms' own spreads are large, their per-seed difference is constant: a zero-width interval
+    mean, lo, hi = paired_ci([0.5, 0.75, 1.0, 0.25], [0.25, 0.5, 0.75, 0.0])
+    assert (mean, lo, hi) == (0.25, 0.25, 0.25)
+
+
+def test_paired_ci_one_seed_and_bad_input():
+    mean, lo, hi = paired_ci([0.5], [0.25])
+    assert mean == 0.25 and math.isnan(lo) and math.isnan(hi)
+    with pytest.raises(ValueError, match="one length"):
+        paired_ci([1, 2], [1])
+    with pytest.raises(ValueError, match="non-empty"):
+        paired_ci([], [])
+
+
+def test_std_is_ddof_1():
+    assert report.std([1, 2, 3, 4]) == pytest.approx(math.sqrt(5 / 3))  # ddof=0 would be sqrt(5/4)
+    assert report.std([0.5]) is None
+
+
+def test_load_and_summarize_fake_tree(tmp_path):
+    fake_tree(str(tmp_path))
+    results = summarize(load(str(tmp_path), [1, 2, 3]))
+    assert list(results) == ["per_seed", "pass@1", "pass@8", "summary", "paired"]
+    assert results["per_seed"] == ACC  # the last row of each evaluation, seeds as strings
+    assert results["pass@1"]["2"]["grpo"] == 0.25 and results["pass@8"]["3"]["sft"] == 0.75
+    grpo = [ACC[s]["grpo"] for s in "123"]
+    assert results["summary"]["grpo"] == {"mean": pytest.approx(np.mean(grpo)), "std": pytest.approx(0.0721687836)}
+    assert set(results["summary"]) == set(ARMS)
+    assert list(results["paired"]) == ["grpo-sft", "grpo-sft_more", "grpo-rft", "sft_more-sft", "rft-sft"]
+    p = results["paired"]["grpo-sft"]  # differences 0.25, 0.375, 0.375
+    half = 4.303 * np.std([0.25, 0.375, 0.375], ddof=1) / math.sqrt(3)
+    assert p["n"] == 3 and p["mean"] == pytest.approx(1 / 3)
+    assert p["ci95"] == pytest.approx([1 / 3 - half, 1 / 3 + half])
+    assert results["paired"]["grpo-rft"]["mean"] == pytest.approx(0.25)  # differences 0.25, 0.25, 0.25
+    assert results["paired"]["grpo-rft"]["ci95"] == pytest.approx([0.25, 0.25])
+
+
+def test_one_seed_leaves_spread_undefined(tmp_path):
+    fake_tree(str(tmp_path), {"7": ACC["1"]})
+    results = summarize(load(str(tmp_path), ["7"]))
+    assert results["summary"]["sft"] == {"mean": 0.25, "std": None}
+    assert results["paired"]["grpo-sft"] == {"mean": 0.25, "ci95": None, "n": 1}
+    text = report.tables(results)
+    assert "| grpo | 0.500 ± n/a (0.500) |" in text and "| grpo - sft | +0.250 | n/a | n/a |" in text
+
+
+def test_missing_evaluation_names_its_file(tmp_path):
+    fake_tree(str(tmp_path))
+    os.remove(tmp_path / "seed2" / "test_rft" / "metrics.jsonl")
+    with pytest.raises(FileNotFoundError, match="seed2/test_rft/metrics.jsonl"):
+        load(str(tmp_path), [1, 2, 3])
+
+
+def test_main_writes_results_json_and_tables(tmp_path, capsys, monkeypatch):
+    fake_tree(str(tmp_path))
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # as if not installed: said, and no plot, no crash
+    assert report.main([str(tmp_path)]) == 0  # no seeds given: every seed<S> directory
+    with open(tmp_path / "results.json") as f:
+        written = json.load(f)
+    assert written == json.loads(json.dumps(summarize(load(str(tmp_path), ["1", "2", "3"]))))
+    out = capsys.readouterr().out
+    assert "| arm | greedy accuracy | pass@1 | pass@8 |" in out
+    assert "| grpo | 0.542 ± 0.072 (0.500, 0.500, 0.625) |" in out
+    assert "| grpo - rft | +0.250 | [+0.250, +0.250] | yes, above 0 |" in out
+    assert "| sft_more - sft | +0.083 |" in out and "| no |" in out
+    assert "matplotlib is not installed" in out and not (tmp_path / "val_accuracy.png").exists()
+
+
+def test_mean_curve_on_the_common_range():
+    grid, mean = report.mean_curve([([0, 10], [0.0, 1.0]), ([2, 20], [0.2, 0.2]), ([], [])], points=3)
+    assert list(grid) == [2, 6, 10]
+    assert mean == pytest.approx([(0.2 + 0.2) / 2, (0.6 + 0.2) / 2, (1.0 + 0.2) / 2])
+    assert report.mean_curve([([5], [0.3])]) is None
+
+
+def test_plot_writes_a_png(tmp_path):
+    pytest.importorskip("matplotlib")
+    fake_tree(str(tmp_path))
+    t, a = report.val_curve(str(tmp_path / "seed1" / "grpo" / "metrics.jsonl"))
+    assert t == [5.0, 35.0, 65.0, 95.0, 125.0] and a[0] == pytest.approx(0.1)  # eval rows only
+    path = plot(str(tmp_path), ["1", "2", "3"], str(tmp_path / "val_accuracy.png"))
+    with open(path, "rb") as f:
+        assert f.read(8) == b"\x89PNG\r\n\x1a\n"
