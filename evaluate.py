@@ -14,6 +14,7 @@ A completion scores only if it stopped by itself: one cut off at max_new_tokens 
 import numpy as np
 
 import task
+from model import train_flops
 from engine import EngineConfig, InferenceEngine, SamplingParams
 from tokenizer import chat_prompt_ids, completion_text
 
@@ -58,3 +59,10 @@ def evaluate(engine, tokenizer, problems, max_new_tokens, pass_k, temperature, s
     right = right.reshape(len(problems), pass_k)
     return {"eval/accuracy": greedy_accuracy(engine, tokenizer, problems, max_new_tokens),
             "eval/pass@1": float(right.mean()), f"eval/pass@{pass_k}": float(right.max(axis=1).mean())}
+
+
+def sampling_flops(model_config, samples, num_samples_per_prompt):
+    """Forward FLOPs the engine spent on these samples (num_samples_per_prompt consecutive ones per prompt): each
+    prompt is prefilled once for its group (its blocks are shared), each completion token is computed once."""
+    prompts = [len(s.prompt_tokens) for s in samples[::num_samples_per_prompt]]
+    return train_flops(model_config, prompts + [len(s.completion_tokens) for s in samples]) / 3

@@ -31,7 +31,6 @@ import training
 from checkpoint import init_start, save_hf_checkpoint
 from configurator import configure, print0
 from engine import SamplingParams
-from model import train_flops
 from tokenizer import build_tokenizer, chat_example, save_tokenizer
 
 # -----------------------------------------------------------------------------
@@ -99,7 +98,7 @@ def rejection_samples(model, tokenizer, problems):
             kept.setdefault((i // rft_samples, s.completion_tokens), s)
     examples = [(list(s.prompt_tokens) + list(s.completion_tokens),
                  [0] * len(s.prompt_tokens) + [1] * len(s.completion_tokens)) for s in kept.values()]
-    flops = train_flops(model.config, [len(s.prompt_tokens) + len(s.completion_tokens) for s in samples]) / 3
+    flops = evaluate.sampling_flops(model.config, samples, rft_samples)
     print0(f"rejection sampling: {len(examples)} distinct correct answers from {len(samples)} samples of "
            f"{len(problems)} training problems")
     return examples, flops

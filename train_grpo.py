@@ -166,8 +166,7 @@ def rollout(engine, tokenizer, stream, config, it):
                "rollout/truncated": float(np.mean([s.finish_reason != "stop" for s in samples_all])),
                "rollout/tokens_per_s": sum(lengths) / gen_time, "perf/rollout_time_s": gen_time,
                "rollout/weight_version": engine.get_weight_version(),
-               "perf/rollout_flops": train_flops(engine.model.config, [len(s.prompt_tokens) + n for s, n in
-                                                                       zip(samples_all, lengths)]) / 3}
+               "perf/rollout_flops": evaluate.sampling_flops(engine.model.config, samples_all, G)}
     return kept, metrics
 
 
