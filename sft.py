@@ -145,7 +145,22 @@ def make_eval_fn(tokenizer, val_problems, val_batches):
     return eval_fn
 
 
+def check_settings():
+    # sft.py's own settings, refused before anything in out_dir changes (the loop's are checked by training)
+    for name, value, low in (("rft_samples", rft_samples, 0), ("rft_problems", rft_problems, 0),
+                             ("eval_max_tokens", eval_max_tokens, 1)):
+        if type(value) is not int or value < low:
+            raise ValueError(f"{name}={value!r}: expected an int >= {low}")
+    if rft_samples > 0 and rft_problems < 1:
+        raise ValueError(f"rft_problems={rft_problems!r}: rejection sampling (rft_samples > 0) needs problems >= 1")
+    if not rft_temperature > 0:
+        raise ValueError(f"rft_temperature={rft_temperature!r}: expected > 0")
+    training.check_loop_settings(config)
+
+
 if __name__ == "__main__":
+    check_settings()
+    val_problems = task.make_problems("val", n_eval_problems or None)
     start = init_start(config, build_tokenizer)
     tokenizer = start.tokenizer
     if start.meta is None:   # a fresh run: no best model or sampled data of an earlier run in out_dir
@@ -153,7 +168,6 @@ if __name__ == "__main__":
     examples, spent = [chat_example(tokenizer, m) for m in task.sft_examples(seed, demo_fraction)], 0.0
     if rft_samples > 0:
         examples, spent = rft_data(start, tokenizer)
-    val_problems = task.make_problems("val", n_eval_problems or None)
     val = demonstrations(tokenizer, val_problems)
     print0(f"{len(examples)} training conversations ({sum(sum(m) for _, m in examples)} reply tokens), "
            f"{len(val_problems)} validation problems")

@@ -446,3 +446,15 @@ def test_sft_rejection_sampling_keep_best_and_flop_budget(tmp_path, monkeypatch)
     assert any("eval/accuracy" in r and "perf/elapsed_s" in r for r in rows)
     best = checkpoint.load_model(str(out / "best"))
     assert best.config.vocab_size == 105 and os.path.isfile(out / "best" / "tokenizer.json")
+
+
+@pytest.mark.parametrize("bad", ["--rft_samples=-1", "--rft_samples=4", "--rft_temperature=0.0", "--eval_max_tokens=0",
+                                 "--n_eval_problems=99999", "--max_flops=-1.0"])
+def test_sft_refuses_bad_settings_before_touching_out_dir(bad, tmp_path, monkeypatch):
+    out = tmp_path / "run"
+    out.mkdir()
+    (out / "best").mkdir()                               # an earlier run's best model must survive a refused call
+    monkeypatch.setattr(sys, "argv", ["sft.py", f"--out_dir={out}", "--init_from=scratch", bad])
+    with pytest.raises(ValueError, match=bad[2:].split("=")[0] if "n_eval" not in bad else "n must be"):
+        runpy.run_path(os.path.join(ROOT, "sft.py"), run_name="__main__")
+    assert os.listdir(out) == ["best"]

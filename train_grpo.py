@@ -341,9 +341,9 @@ def main(config):
     check_settings(config)
     start = init_start(config, build_tokenizer)
     reference = reference_model(config, start)
-    stream = PromptStream(task.make_problems("train"), config["seed"])
+    eval_problems = task.make_problems(config["eval_split"], config["n_eval_problems"] or None)   # refused before
+    stream = PromptStream(task.make_problems("train"), config["seed"])                          # out_dir changes
     run = training.setup_run(config, start, stream)
-    eval_problems = task.make_problems(config["eval_split"], config["n_eval_problems"] or None)
     engine = evaluate.task_engine(run.model, run.start.tokenizer, stream.items + eval_problems,
                                   config["max_new_tokens"], config["engine_block_size"], config["engine_dtype"],
                                   config["device"], config["seed"],

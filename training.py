@@ -442,7 +442,7 @@ class Meter:
     (evaluation excluded), kept in every checkpoint; max_flops > 0 ends a run once spent (compute-matched arms)."""
 
     def __init__(self, start, flops=0.0):
-        state = start.meta["extra"]["meter"] if start.meta is not None else {"flops": flops, "seconds": 0.0}
+        state = ((start.meta or {}).get("extra") or {}).get("meter", {"flops": flops, "seconds": 0.0})
         self.flops, self.seconds = float(state["flops"]), float(state["seconds"])
 
     def add(self, flops, seconds):
