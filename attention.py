@@ -250,3 +250,19 @@ class PagedAttention:
             y = self.flex(q.transpose(1, 2), k, v, block_mask=mask, enable_gqa=True).transpose(1, 2)
         # y: [B, Qmax, Hq, D]
         return y.reshape(T, Hq, D) if g.token_row is None else y.reshape(B * Qmax, Hq, D)[g.token_row]
+
+
+def paged_forward(model, kv, batch, backend, compiled):
+    """One model call over every scheduled token of an engine step (batch: (sequence, new tokens), decodes
+    first). Returns the logits at the last token of each sequence that catches up in this step, and those
+    sequences' indices in batch."""
+    qlens = np.fromiter((n for _, n in batch), dtype=np.int64, count=len(batch))
+    starts = np.fromiter((s.num_computed for s, _ in batch), dtype=np.int64, count=len(batch))
+    tokens = np.array([t for s, n in batch for t in s.tokens[s.num_computed:s.num_computed + n]], dtype=np.int64)
+    ready = [b for b, (s, n) in enumerate(batch) if s.num_computed + n == s.num_tokens]
+    last_rows = (np.cumsum(qlens) - 1)[ready]
+    positions, slots, groups, (tokens, last_rows) = paged_step(
+        kv, starts, qlens, [s.block_table for s, _ in batch], extras=(tokens, last_rows))
+    attention = PagedAttention(kv, slots, groups, backend=backend, compiled=compiled)
+    logits, _ = model(tokens, positions, attention=attention, logits_indices=last_rows, aux_loss=False)
+    return logits, ready

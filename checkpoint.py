@@ -29,10 +29,11 @@ from dataclasses import asdict, dataclass, fields
 import numpy as np
 import torch
 import xxhash
+from transformers import GenerationConfig
 
 from configurator import print0
 from model import ModelConfig, Transformer, as_dtype
-from tokenizer import load_tokenizer, save_tokenizer
+from tokenizer import generation_stop_ids, load_tokenizer, save_tokenizer
 
 # -----------------------------------------------------------------------------
 # config.json <-> ModelConfig
@@ -288,6 +289,8 @@ def save_checkpoint(out_dir, model, optimizer, tokenizer, iter_num, config, data
     os.makedirs(tmp)
     save_hf_checkpoint(model, tmp)
     save_tokenizer(tokenizer, tmp)
+    stop = generation_stop_ids(tokenizer)   # so a server (serve.py) knows what ends a generation
+    GenerationConfig(eos_token_id=stop, pad_token_id=tokenizer.pad_token_id).save_pretrained(tmp)
     torch.save({"optimizer": optimizer.state_dict(), "rng": rng_state()}, os.path.join(tmp, TRAINER_STATE))
     files = {}
     for name in sorted(os.listdir(tmp)):

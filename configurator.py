@@ -38,7 +38,7 @@ import json
 import os
 import types
 
-STAGES = ("pretrain", "sft", "grpo")
+STAGES = ("pretrain", "sft", "grpo", "serve")
 SETTING_TYPES = (int, float, bool, str, type(None), list, tuple, dict)
 
 def print0(*args):

@@ -24,11 +24,12 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from attention import PagedAttention, PagedKVCache, paged_step
+from attention import PagedKVCache, paged_forward
 from checkpoint import load_hf_checkpoint
 from model import Transformer, as_dtype
-from sampling import mix_seed, sample_with_logprobs
-from scheduler import BlockAllocator, SchedulerConfig, Sequence, compute_block_hash, schedule  # noqa: F401 (API)
+from sampling import mix_seed, sample_next, sample_with_logprobs, top_logprobs  # noqa: F401 (API)
+from scheduler import (BlockAllocator, SchedulerConfig, Sequence, check_fits, compute_block_hash,  # noqa: F401 (API)
+                       schedule)
 
 # -----------------------------------------------------------------------------
 # configs and results
@@ -95,6 +96,7 @@ class SamplingParams:
     top_k: int = 0                       # 0 = off
     top_p: float = 1.0                   # 1.0 = off
     seed: int | None = None              # a request with a seed samples the same tokens whatever else is batched
+    top_logprobs: int = 0                # also record this many most likely tokens at each step (OpenAI's field)
 
     def __post_init__(self):
         t, p, stop, seed = self.temperature, self.top_p, self.stop_token_ids, self.seed
@@ -113,6 +115,8 @@ class SamplingParams:
         _require(not bad, f"SamplingParams.stop_token_ids must be ints >= 0, got {bad[:1]!r}")
         _require(seed is None or _is_int(seed), f"SamplingParams.seed must be an int or None, got {seed!r}", TypeError)
         _require(seed is None or 0 <= seed < 2 ** 64, f"SamplingParams.seed must be in [0, 2**64), got {seed!r}")
+        _require(_is_int(self.top_logprobs) and self.top_logprobs >= 0,
+                 f"SamplingParams.top_logprobs must be an int >= 0, got {self.top_logprobs!r}")
         object.__setattr__(self, "stop_token_ids", frozenset(stop))
 
 
@@ -127,6 +131,7 @@ class TrainingSample:
     token_versions: tuple = ()           # the weight version that sampled each completion token
     seq_id: int = -1                     # what add_request returned
     sample_index: int = 0                # 0..num_samples-1 within its request
+    top_logprobs: tuple = ()             # per completion token: ((token, logprob), ...) most likely first, if asked
 
 
 # -----------------------------------------------------------------------------
@@ -197,26 +202,6 @@ def _reduce(scalars, fn):
         return fn(torch.stack(scalars)).item()
     except RuntimeError:
         return fn(torch.tensor([s.item() for s in scalars])).item()
-
-
-def check_fits(prompt, params, num_samples, cache, max_model_len, where):
-    """Refuse now a request that could never fit the block pool, even alone, rather than let it starve later."""
-    bs, P = cache.block_size, len(prompt)
-    longest = min(P + params.max_tokens - 1, max_model_len)
-    need = max(-(-longest // bs), -(-P // bs) + (num_samples - 1 if P % bs else 0))
-    _require(need <= cache.num_blocks, f"{where} needs {need} KV blocks but the pool has num_blocks={cache.num_blocks}")
-
-
-def sample_next(seqs, logits):
-    """The next token of each sequence (one logits row each) under its own SamplingParams and seed."""
-    params, dev = [s.params for s in seqs], logits.device
-    meta = torch.tensor([[p.temperature, p.top_k, p.top_p] for p in params], dtype=torch.float64)
-    use_k, use_p = any(p.top_k for p in params), any(p.top_p < 1.0 for p in params)
-    return sample_with_logprobs(
-        logits, meta[:, 0].float().to(dev), top_k=meta[:, 1].long().to(dev) if use_k else None,
-        top_p=meta[:, 2].float().to(dev) if use_p else None,
-        seeds=torch.tensor([s.seed for s in seqs], dtype=torch.int64).to(dev),
-        positions=torch.tensor([s.num_tokens for s in seqs], dtype=torch.int64).to(dev))
 
 
 def pool_size(config, model_config, max_model_len, device, dtype):
@@ -354,8 +339,10 @@ class InferenceEngine:
             return out
         for seq, n in batch:                      # after the hits were taken: a fresh block may evict a named one
             self.cache.grow(seq, n)
-        logits, ready = self._forward(batch)
-        return out + self._postprocess(batch, logits, ready)
+        logits, ready = paged_forward(self.model, self.kv, batch, self.backend, self.config.compile)
+        for seq, n in batch:                      # what this step computed: prefill (catching up) or decode
+            self._stats["prefill_tokens" if seq.catching_up else "decode_tokens"] += n
+        return out + self._postprocess(batch, logits, [batch[b][0] for b in ready])
 
     def _preempt(self, victims):
         for seq in victims:
@@ -376,22 +363,6 @@ class InferenceEngine:
         self.running += seqs
         return seqs
 
-    def _forward(self, batch):
-        """One model call over every scheduled token (batch: (sequence, new tokens), decodes first). Returns the
-        logits at the last token of each sequence that catches up in this step, and those sequences."""
-        qlens = np.fromiter((n for _, n in batch), dtype=np.int64, count=len(batch))
-        starts = np.fromiter((s.num_computed for s, _ in batch), dtype=np.int64, count=len(batch))
-        tokens = np.array([t for s, n in batch for t in s.tokens[s.num_computed:s.num_computed + n]], dtype=np.int64)
-        ready = [b for b, (s, n) in enumerate(batch) if s.num_computed + n == s.num_tokens]
-        last_rows = (np.cumsum(qlens) - 1)[ready]
-        positions, slots, groups, (tokens, last_rows) = paged_step(
-            self.kv, starts, qlens, [s.block_table for s, _ in batch], extras=(tokens, last_rows))
-        attention = PagedAttention(self.kv, slots, groups, backend=self.backend, compiled=self.config.compile)
-        logits, _ = self.model(tokens, positions, attention=attention, logits_indices=last_rows, aux_loss=False)
-        for seq, n in batch:                      # what this step computed: prefill (catching up) or decode
-            self._stats["prefill_tokens" if seq.catching_up else "decode_tokens"] += n
-        return logits, [batch[b][0] for b in ready]
-
     def _postprocess(self, batch, logits, ready):
         for seq, n in batch:
             seq.num_computed += n
@@ -408,9 +379,10 @@ class InferenceEngine:
         if len(rows) != len(ready):
             logits = logits[torch.tensor(rows, device=logits.device)]
         tokens, logprobs = sample_next(seqs, logits)
+        tops = top_logprobs(seqs, logits)
         finished = []
-        for seq, token, logprob in zip(seqs, tokens.tolist(), logprobs.tolist()):
-            reason = seq.append(token, logprob, self.version, self.max_model_len)
+        for seq, token, logprob, top in zip(seqs, tokens.tolist(), logprobs.tolist(), tops):
+            reason = seq.append(token, logprob, self.version, self.max_model_len, top)
             if reason is not None:
                 finished.append(self._finish(seq, reason))
         self._stats["generated_tokens"] += len(seqs)
@@ -445,7 +417,22 @@ class InferenceEngine:
         return TrainingSample(
             prompt_tokens=tuple(seq.tokens[:seq.num_prompt]), completion_tokens=tuple(seq.tokens[seq.num_prompt:]),
             logprobs=tuple(seq.logprobs), weight_version=min(seq.versions), finish_reason=reason,
-            token_versions=tuple(seq.versions), seq_id=seq.seq_id, sample_index=seq.sample_index)
+            token_versions=tuple(seq.versions), seq_id=seq.seq_id, sample_index=seq.sample_index,
+            top_logprobs=tuple(seq.top_logprobs))
+
+    def abort(self, seq_id, sample_index=None) -> int:
+        """Drop a request's samples (all, or the forked sample sample_index) wherever they are and free their
+        blocks: they are never returned. Returns how many were dropped (0: finished or unknown)."""
+        self._check_open()
+        def hit(s):
+            return s.seq_id == seq_id and (sample_index is None or s.sample_index == sample_index and s.num_samples == 1)
+        gone = [s for s in self.waiting + self.running if hit(s)]
+        for seq in gone:
+            self.cache.release(seq)
+        self.waiting = [s for s in self.waiting if not hit(s)]
+        self.running = [s for s in self.running if not hit(s)]
+        self._undelivered = [s for s in self._undelivered if not hit(s)]
+        return len(gone)
 
     # ---- weights
 

@@ -92,3 +92,33 @@ def _filter_top_k_top_p(probs, top_k, top_p):
     return probs.masked_fill(torch.zeros_like(drop).scatter(1, idx, drop), 0.0)
 
 
+# -----------------------------------------------------------------------------
+# one engine step: each sequence under its own SamplingParams
+
+
+def sample_next(seqs, logits):
+    """The next token of each sequence (one logits row each) under its own SamplingParams and seed."""
+    params, dev = [s.params for s in seqs], logits.device
+    meta = torch.tensor([[p.temperature, p.top_k, p.top_p] for p in params], dtype=torch.float64)
+    use_k, use_p = any(p.top_k for p in params), any(p.top_p < 1.0 for p in params)
+    return sample_with_logprobs(
+        logits, meta[:, 0].float().to(dev), top_k=meta[:, 1].long().to(dev) if use_k else None,
+        top_p=meta[:, 2].float().to(dev) if use_p else None,
+        seeds=torch.tensor([s.seed for s in seqs], dtype=torch.int64).to(dev),
+        positions=torch.tensor([s.num_tokens for s in seqs], dtype=torch.int64).to(dev))
+
+
+def top_logprobs(seqs, logits):
+    """Per sequence: None, or its params.top_logprobs most likely ((token, logprob), ...) under log_softmax(logits /
+    T), T = 1 when greedy (the distribution the sampled token's logprob is read from)."""
+    want = [i for i, s in enumerate(seqs) if s.params.top_logprobs > 0]
+    out = [None] * len(seqs)
+    if not want:
+        return out
+    t = torch.tensor([seqs[i].params.temperature or 1.0 for i in want], device=logits.device)
+    k = min(max(seqs[i].params.top_logprobs for i in want), logits.shape[-1])
+    values, ids = torch.log_softmax(logits[want].float() / t[:, None], dim=-1).topk(k, dim=-1)
+    for row, i in enumerate(want):
+        n = seqs[i].params.top_logprobs
+        out[i] = tuple(zip(ids[row, :n].tolist(), values[row, :n].tolist()))
+    return out

@@ -45,6 +45,7 @@ class Sequence:
         self.num_cached_free_blocks = 0           #   ... of which blocks that are free (admitting revives them)
         self.kv_version = None                    # the weights that computed this sequence's KV
         self.logprobs, self.versions = [], []     # per completion token: its logprob, the weights that sampled it
+        self.top_logprobs = []                    # per completion token, when params.top_logprobs > 0
         self.finish_reason = None
         self.catching_up = True                   # computing tokens it already has (prefill or recompute)
 
@@ -52,11 +53,13 @@ class Sequence:
     def num_tokens(self):
         return len(self.tokens)
 
-    def append(self, token, logprob, version, max_model_len):
+    def append(self, token, logprob, version, max_model_len, top=None):
         """A sampled token joins the sequence; returns why that finished it ('stop' | 'length'), or None."""
         self.tokens.append(token)
         self.logprobs.append(logprob)
         self.versions.append(version)
+        if top is not None:
+            self.top_logprobs.append(top)
         if token in self.params.stop_token_ids:
             return "stop"
         if self.num_tokens - self.num_prompt >= self.params.max_tokens or self.num_tokens >= max_model_len:
@@ -232,6 +235,15 @@ class SchedulerOutput:
     scheduled: tuple    # ((uid, num_new_tokens), ...): this step's batch, in order
     admitted: tuple     # uids taken from the waiting queue (they are in scheduled too)
     preempted: tuple    # uids to free and send back to the front of the waiting queue, in this order
+
+
+def check_fits(prompt, params, num_samples, cache, max_model_len, where):
+    """Refuse now a request that could never fit the block pool, even alone, rather than let it starve later."""
+    bs, P = cache.block_size, len(prompt)
+    longest = min(P + params.max_tokens - 1, max_model_len)
+    need = max(-(-longest // bs), -(-P // bs) + (num_samples - 1 if P % bs else 0))
+    if need > cache.num_blocks:
+        raise ValueError(f"{where} needs {need} KV blocks but the pool has num_blocks={cache.num_blocks}")
 
 
 def blocks_needed(seq, num_new_tokens, block_size, num_computed=None):

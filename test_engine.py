@@ -347,6 +347,39 @@ def test_seeded_samples_do_not_depend_on_the_batch(moe):
         != outputs(alone)
 
 
+def test_top_logprobs_match_transformers(moe):
+    hf, path = moe
+    params = SamplingParams(temperature=0.8, max_tokens=6, seed=3, top_logprobs=5)
+    s = engine_for(path).generate([PROMPTS[2]], params)[0]
+    x = torch.tensor([PROMPTS[2] + list(s.completion_tokens)])
+    with torch.no_grad():
+        ref = torch.log_softmax(hf(x).logits[0, len(PROMPTS[2]) - 1:-1].float() / 0.8, -1)
+    assert len(s.top_logprobs) == len(s.completion_tokens)
+    for row, top in zip(ref, s.top_logprobs):
+        values, ids = row.topk(5)
+        assert [t for t, _ in top] == ids.tolist()
+        assert [v for _, v in top] == pytest.approx(values.tolist(), abs=1e-4)
+    assert engine_for(path).generate([PROMPTS[2]], SamplingParams(max_tokens=3))[0].top_logprobs == ()
+
+
+def test_abort_drops_samples_and_frees_their_blocks(moe):
+    _, path = moe
+    engine = engine_for(path)
+    free = engine.cache.num_free_blocks()
+    keep = engine.add_request(PROMPTS[0], SamplingParams(temperature=0, max_tokens=8))
+    group = engine.add_request(PROMPTS[3], SamplingParams(temperature=1.0, max_tokens=40), num_samples=3)
+    engine.step()
+    engine.step()                                 # the group has forked: three samples running
+    assert engine.abort(group, sample_index=1) == 1
+    assert {(s.seq_id, s.sample_index) for s in engine.running} >= {(group, 0), (group, 2)}
+    assert engine.abort(group) == 2 and engine.abort(group) == 0
+    done = []
+    while engine.has_pending():
+        done += engine.step()
+    assert [s.seq_id for s in done] == [keep]
+    assert engine.cache.num_free_blocks() == free  # every block is back (some still named: the prefix cache)
+
+
 def test_max_model_len_ends_with_length(moe):
     _, path = moe
     engine = engine_for(path, max_model_len=20)

@@ -156,6 +156,13 @@ def chat_prompt_ids(tok, messages) -> list[int]:
     return _ids(tok.apply_chat_template(list(messages), add_generation_prompt=True, tokenize=True, return_dict=False))
 
 
+def generation_stop_ids(tok) -> list[int]:
+    """What ends a generation: the eos (<|im_end|>, a chat turn's end) and, when the vocabulary has it, the
+    document separator <|endoftext|> (a plain completion's end), as Qwen's generation_config lists them."""
+    ids = [tok.eos_token_id, tok.convert_tokens_to_ids(ENDOFTEXT) if ENDOFTEXT in tok.get_vocab() else None]
+    return [i for i in dict.fromkeys(ids) if i is not None]
+
+
 def completion_text(tok, ids) -> str:
     """What the reward reads: the completion's text with its special tokens kept. Skipping them would let
     '3*<|im_start|>5+7' pass as '3*5+7'; task.reward drops the closing <|im_end|> itself."""
