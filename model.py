@@ -293,13 +293,16 @@ class Transformer(nn.Module):
             n += p.numel() * (cfg.num_experts_per_tok / cfg.num_experts if ".experts." in name else 1.0)
         return int(n) - self.embed_tokens.weight.numel() * (0 if cfg.tie_word_embeddings else 1)
 
-    def forward(self, tokens, position_ids, cu_seqlens=None, attention=None, logits_indices=None, aux_loss=True):
+    def forward(self, tokens, position_ids, cu_seqlens=None, attention=None, logits_indices=None, aux_loss=True,
+                labels=None, temperature=1.0):
         """tokens, position_ids: [T] (a packed batch); cu_seqlens: int32 [N+1] document boundaries.
         attention: how to attend (default: causal within each document of cu_seqlens).
         logits_indices: compute logits only at these rows (the engine wants one per sequence).
-        Returns (logits [T or len(logits_indices), V], aux_loss): aux_loss is the load-balancing loss over all
-        MoE layers (transformers' load_balancing_loss_func), a 0-dim tensor, 0 for a dense model; None when
-        aux_loss=False (inference: the engine never needs it)."""
+        Returns (logits / temperature [T or len(logits_indices), V], aux_loss): aux_loss is the load-balancing
+        loss over all MoE layers (transformers' load_balancing_loss_func), a 0-dim tensor, 0 for a dense model;
+        None when aux_loss=False (inference: the engine never needs it).
+        labels [T]: return log_softmax(logits / temperature)[label] per row [T] (fp32) instead of the logits,
+        made a chunk of rows at a time (head_logprobs), so no [T, V] tensor is ever whole: the trainers' path."""
         _require(tokens.dim() == 1 and position_ids.shape == tokens.shape,
                  f"tokens and position_ids must be 1-D and equal in shape, got {tuple(tokens.shape)} and "
                  f"{tuple(position_ids.shape)}")
@@ -318,10 +321,65 @@ class Transformer(nn.Module):
         x = self.norm(x)
         if logits_indices is not None:
             x = x[logits_indices]
-        logits = F.linear(x, self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight)
+        head = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        if labels is not None:
+            logits = head_logprobs(x, head, labels, temperature)
+        else:
+            logits = F.linear(x, head) if temperature == 1.0 else F.linear(x, head) / temperature
         if not aux_loss:
             return logits, None
         return logits, load_balancing_loss(router_logits, self.config.num_experts, self.config.num_experts_per_tok, x)
+
+
+# -----------------------------------------------------------------------------
+# the head's logprobs, a chunk of rows at a time: at a real vocabulary (151,936) a 16k-token batch's fp32 logits
+# alone are 10 GB, and log_softmax and its gradient each want as much again
+
+
+def head_logprobs(hidden, weight, labels, temperature=1.0, chunk_bytes=256 * 2 ** 20):
+    """log_softmax(hidden @ weight.T / temperature)[label] per row, [T, D] x [V, D] -> [T] fp32, equal to the
+    whole computation; no more than chunk_bytes of fp32 logits exist at once, forward or backward (backward
+    recomputes each chunk's logits, as fused linear-cross-entropy kernels do). Under autocast the matmuls run in
+    the autocast dtype, as F.linear would."""
+    _require(hidden.dim() == 2 and labels.shape == hidden.shape[:1], f"hidden {tuple(hidden.shape)} and labels "
+             f"{tuple(labels.shape)}: expected [T, D] and [T]")
+    kind = hidden.device.type
+    dtype = torch.get_autocast_dtype(kind) if torch.is_autocast_enabled(kind) else hidden.dtype
+    rows = max(1, chunk_bytes // (4 * weight.shape[0]))
+    return HeadLogprobs.apply(hidden, weight, labels, float(temperature), rows, dtype)
+
+
+class HeadLogprobs(torch.autograd.Function):
+    """d logp_t / d logits_t = (onehot(label_t) - softmax(logits_t / T)) / T: each chunk's logits are made again
+    in backward and turned into the gradients of hidden and weight right away."""
+
+    @staticmethod
+    def forward(ctx, hidden, weight, labels, temperature, rows, dtype):
+        out = torch.empty(hidden.shape[0], dtype=torch.float32, device=hidden.device)
+        with torch.autocast(hidden.device.type, enabled=False):
+            w = weight.to(dtype)
+            for s in range(0, hidden.shape[0], rows):
+                logits = F.linear(hidden[s:s + rows].to(dtype), w).float() / temperature
+                out[s:s + rows] = torch.log_softmax(logits, -1).gather(1, labels[s:s + rows, None])[:, 0]
+        ctx.save_for_backward(hidden, weight, labels)
+        ctx.temperature, ctx.rows, ctx.dtype = temperature, rows, dtype
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        hidden, weight, labels = ctx.saved_tensors
+        T, rows, dtype = ctx.temperature, ctx.rows, ctx.dtype
+        grad_hidden = torch.empty_like(hidden)
+        grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)
+        with torch.autocast(hidden.device.type, enabled=False):
+            w = weight.to(dtype)
+            for s in range(0, hidden.shape[0], rows):
+                h, g = hidden[s:s + rows].to(dtype), grad[s:s + rows].float() / T
+                d = torch.softmax(F.linear(h, w).float() / T, -1).mul_(-g[:, None])
+                d.scatter_add_(1, labels[s:s + rows, None], g[:, None])      # + onehot(label) * g
+                grad_hidden[s:s + rows] = (d.to(dtype) @ w).to(hidden.dtype)
+                grad_weight += (d.t().to(dtype) @ h).float()
+        return grad_hidden, grad_weight.to(weight.dtype), None, None, None, None
 
 
 def load_balancing_loss(router_logits, num_experts, top_k, like):

@@ -265,15 +265,16 @@ class FixedLogits:
     def __init__(self, logprob_of_label):
         self.logprob_of_label = logprob_of_label
 
-    def with_labels(self, labels):
-        # row t puts logprob_of_label[t] on its label and spreads the rest of the mass evenly
-        def forward(tokens, position_ids, cu_seqlens):
+    def with_labels(self, batch_labels):
+        # row t puts logprob_of_label[t] on its label and spreads the rest of the mass evenly; with labels=
+        # (the trainers' path) it returns the label logprobs, as Transformer.forward does
+        def forward(tokens, position_ids, cu_seqlens, labels=None):
             T = tokens.numel()
             p = torch.exp(self.logprob_of_label)
             rest = ((1 - p) / 15).clamp(min=1e-12).log()
             logits = rest[:, None].repeat(1, 16)
-            logits[torch.arange(T), labels] = self.logprob_of_label
-            return logits, None
+            logits[torch.arange(T), batch_labels] = self.logprob_of_label
+            return (logits if labels is None else torch.log_softmax(logits, -1).gather(1, labels[:, None])[:, 0]), None
         return forward
 
 

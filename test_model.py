@@ -15,7 +15,7 @@ from transformers import AutoModelForCausalLM, Qwen3Config, Qwen3MoeConfig, Qwen
 from attention import DocumentCausalAttention
 from conftest import randomise, write_hf_checkpoint
 from checkpoint import config_from_hf, config_to_hf
-from model import ModelConfig, Transformer, load_hf_checkpoint, save_hf_checkpoint
+from model import ModelConfig, Transformer, head_logprobs, load_hf_checkpoint, save_hf_checkpoint
 
 VOCAB = 96
 
@@ -292,3 +292,42 @@ def test_grouped_gemm_path_is_the_inference_default_and_equals_the_loop(checkpoi
                            for j, e in enumerate(top_idx[t].tolist())
                            for g, u in [(odd.gate_up_proj[e] @ h[t]).chunk(2)]) for t in range(9)])
     assert (odd(h, top_idx, top_w) - ref).abs().max().item() < 1e-5
+
+
+# -----------------------------------------------------------------------------
+# the head's logprobs a chunk of rows at a time (model(..., labels=...)): the same numbers, no [T, V] tensor
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_head_logprobs_equal_the_whole_computation(temperature):
+    g = torch.Generator().manual_seed(0)
+    hidden = torch.randn(37, 16, generator=g, requires_grad=True)
+    weight = torch.randn(50, 16, generator=g, requires_grad=True)
+    labels = torch.randint(0, 50, (37,), generator=g)
+    upstream = torch.randn(37, generator=g)
+    whole = torch.log_softmax(F.linear(hidden, weight) / temperature, -1).gather(1, labels[:, None])[:, 0]
+    want = torch.autograd.grad((whole * upstream).sum(), (hidden, weight))
+    chunked = head_logprobs(hidden, weight, labels, temperature, chunk_bytes=4 * 50 * 5)   # 5 rows a chunk
+    got = torch.autograd.grad((chunked * upstream).sum(), (hidden, weight))
+    assert torch.allclose(chunked, whole, atol=1e-6, rtol=1e-6)
+    for a, b in zip(got, want):
+        assert torch.allclose(a, b, atol=1e-6, rtol=1e-6)
+
+
+def test_model_labels_path_equals_logits_path():
+    cfg = ModelConfig(vocab_size=64, hidden_size=32, intermediate_size=64, moe_intermediate_size=16,
+                      num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=8, num_experts=4,
+                      num_experts_per_tok=2)
+    torch.manual_seed(0)
+    model = Transformer(cfg)
+    tokens = torch.randint(0, 64, (24,))
+    position_ids, cu = torch.cat([torch.arange(10), torch.arange(14)]), torch.tensor([0, 10, 24], dtype=torch.int32)
+    labels = torch.randint(0, 64, (24,))
+    logits, _ = model(tokens, position_ids, cu, temperature=0.5)
+    whole = torch.log_softmax(logits, -1).gather(1, labels[:, None])[:, 0]
+    want = torch.autograd.grad(whole.sum(), list(model.parameters()), allow_unused=True)
+    logp, _ = model(tokens, position_ids, cu, labels=labels, temperature=0.5)
+    got = torch.autograd.grad(logp.sum(), list(model.parameters()), allow_unused=True)
+    assert torch.allclose(logp, whole, atol=1e-6, rtol=1e-6)
+    for a, b in zip(got, want):
+        assert (a is None and b is None) or torch.allclose(a, b, atol=1e-6, rtol=1e-6)

@@ -458,3 +458,30 @@ def test_sft_refuses_bad_settings_before_touching_out_dir(bad, tmp_path, monkeyp
     with pytest.raises(ValueError, match=bad[2:].split("=")[0] if "n_eval" not in bad else "n must be"):
         runpy.run_path(os.path.join(ROOT, "sft.py"), run_name="__main__")
     assert os.listdir(out) == ["best"]
+
+
+REAL_VOCAB_STEP = """
+import resource, torch, training
+from model import ModelConfig, Transformer
+torch.manual_seed(0)
+cfg = ModelConfig(vocab_size=151936, hidden_size=256, intermediate_size=512, moe_intermediate_size=128,
+                  num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=64, num_experts=8,
+                  num_experts_per_tok=2, tie_word_embeddings=True)
+model = Transformer(cfg)
+optimizer = training.configure_optimizer(model, 1e-3, 0.1, (0.9, 0.95), "cpu")
+docs = [torch.randint(0, cfg.vocab_size, (1024,)).tolist() for _ in range(16)]
+batch = training.pack_sequences(docs, [[1.0] * 1024 for _ in docs])
+loss = training.train_step(model, optimizer, [batch], 1e-3)["train/loss"]
+print(loss, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)
+"""
+
+
+def test_a_16k_token_step_at_qwen3_vocabulary_fits_in_4_gib():
+    # 16,384 tokens x 151,936 logits would be 10 GB in fp32 alone; the trainers' path (model(..., labels=...))
+    # never holds more than a chunk of them, forward or backward
+    out = subprocess.run([sys.executable, "-c", REAL_VOCAB_STEP], capture_output=True, text=True, timeout=600,
+                         cwd=os.path.dirname(os.path.abspath(__file__)), env=dict(os.environ, OMP_NUM_THREADS="2"))
+    assert out.returncode == 0, out.stderr[-2000:]
+    loss, peak = out.stdout.split()
+    assert abs(float(loss) - torch.log(torch.tensor(151936.0)).item()) < 1.0   # an untrained model: about ln V
+    assert int(peak) < 4 * 2 ** 30, f"peak resident memory {int(peak) / 2 ** 30:.2f} GiB"

@@ -216,8 +216,7 @@ def tempered(model, temperature):
         return model
 
     def forward(*args, **kwargs):
-        logits, aux = model(*args, **kwargs)
-        return logits / temperature, aux
+        return model(*args, temperature=temperature, **kwargs)
     return forward
 
 
@@ -225,8 +224,7 @@ def tempered(model, temperature):
 def trainer_logprobs(model, batch, autocast):
     """log p(label) of every row under the trainer's current weights (before the step)."""
     with autocast:
-        logits, _ = model(batch.tokens, batch.position_ids, batch.cu_seqlens)
-    return training.token_logprobs(logits, batch.labels)
+        return model(batch.tokens, batch.position_ids, batch.cu_seqlens, labels=batch.labels)[0]
 
 
 def apply_corrections(batches, masks, model, reference, autocast, config):

@@ -8,8 +8,7 @@ schedule, one optimizer step, logging, one run setup, and the loop of a fixed da
     train_step(run.forward, run.optimizer, [batch], scheduled_lr(config, it))   # unified_loss, one step
 
 The data sources differ only in the per-token weights they hand to pack_sequences, never in the step (see
-unified_loss). train_grpo.py writes its own loop over these parts.
-"""
+unified_loss). train_grpo.py writes its own loop over these parts."""
 
 import json
 import math
@@ -74,19 +73,19 @@ def token_logprobs(logits, labels):
 
 
 def unified_loss(logits, batch, normalizer=None):
-    """-(token_weights * log p(labels)).sum() / normalizer, the one loss of all three trainers.
-
-    The default normalizer is token_weights.abs().sum().clamp(min=1), which means:
+    """-(token_weights * log p(labels)).sum() / normalizer, the one loss of all three trainers. The default normalizer is token_weights.abs().sum().clamp(min=1), which means:
       pretrain  weights 1         -> the mean next-token NLL (== F.cross_entropy's mean)
       SFT       weights 0/1 mask  -> the mean NLL over assistant tokens (== cross_entropy with ignore_index)
-      GRPO      advantage x mask  -> sum_t A_t * (-log p_t) / sum_t |A_t|: a weighted mean whose size does not
-                                     depend on the scale of the advantages (note the clamp: when sum |A| < 1
-                                     the denominator is 1); an importance ratio or any other per-token,
-                                     no-grad factor is folded into the weights too
-    RL variants that want a constant denominator (e.g. Dr. GRPO's num_sequences * max_tokens) pass it as
-    `normalizer` (a number or a 0-dim tensor); train_step passes the whole step's sum over micro-batches.
-    The weights are treated as constants (no gradient flows into them)."""
-    logp = token_logprobs(logits, batch.labels)
+      GRPO      advantage x mask  -> sum_t A_t * (-log p_t) / sum_t |A_t| (clamped at 1); importance ratios and
+                                     other per-token, no-grad factors are folded into the weights
+    A constant denominator (Dr. GRPO's num_sequences * max_tokens) is passed as `normalizer`; train_step passes
+    the whole step's sum over micro-batches. The weights are constants (no gradient flows into them).
+    The trainers call weighted_loss on model(..., labels=batch.labels): the same numbers, no [T, V] tensor."""
+    return weighted_loss(token_logprobs(logits, batch.labels), batch, normalizer)
+
+
+def weighted_loss(logp, batch, normalizer=None):
+    """unified_loss from the label logprobs logp [T] (model(..., labels=...) makes them a chunk at a time)."""
     w = batch.token_weights.detach().to(logp.dtype)
     if normalizer is None:
         normalizer = w.abs().sum().clamp(min=1)
@@ -266,8 +265,8 @@ def train_step(model, optimizer, batches, lr, grad_clip=1.0, aux_loss_coef=0.0, 
     loss_sum, aux_sum = 0.0, 0.0
     for b in batches:
         with autocast or nullcontext():
-            logits, aux = model(b.tokens, b.position_ids, b.cu_seqlens)
-        loss = unified_loss(logits, b, normalizer)
+            logp, aux = model(b.tokens, b.position_ids, b.cu_seqlens, labels=b.labels)
+        loss = weighted_loss(logp, b, normalizer)
         aux = aux.float() / len(batches)
         (loss + aux_loss_coef * aux).backward()
         loss_sum += loss.item()
@@ -287,8 +286,8 @@ def evaluate_loss(model, batches, device):
     total, norm = 0.0, 0.0
     for b in batches:
         b = b.to(device)
-        logits, _ = model(b.tokens, b.position_ids, b.cu_seqlens)
-        total += unified_loss(logits, b, normalizer=1.0).item()
+        logp, _ = model(b.tokens, b.position_ids, b.cu_seqlens, labels=b.labels)
+        total += weighted_loss(logp, b, normalizer=1.0).item()
         norm += b.token_weights.abs().sum().item()
     return total / max(norm, 1.0)
 
