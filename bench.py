@@ -21,19 +21,28 @@ copy_). What it measures:
      copy, version bump, prefix cache flush) vs a bare copy_ of the same tensors; and the floor of any update
      that checks before it copies: one read of every byte, then the copy, on one flat buffer.
   5. utilisation: our training step's FLOP/s (training.train_flops) over the matmul FLOP/s measured in this run.
+  6. decode: one engine step of every sample decoding, against the time its matmuls would take at the measured
+     matmul rate (the machine's limit for this step), and the sampler's share of it.
+Peak memory: the most resident memory (CPU; allocated memory on CUDA) each side added during one call. At a real
+vocabulary (--vocab 151936) transformers' training step holds [B, L, V] fp32 logits and their gradients, which
+may not fit: the training row then runs both sides on the most sequences transformers can take and says so.
+
+    python bench.py --vocab 151936 --max_new_tokens 48 --swap_hidden 0                  # Qwen3's vocabulary
+    python bench.py --vocab 151936 --layout dense --layers 2 --max_new_tokens 32 --swap_hidden 0
 """
 import argparse
 import os
 import platform
 import statistics
 import tempfile
+import threading
 import time
 
 import torch
 import transformers
 
 import training
-from engine import EngineConfig, InferenceEngine, SamplingParams
+from engine import EngineConfig, InferenceEngine, SamplingParams, sample_with_logprobs
 from model import load_hf_checkpoint
 
 # -----------------------------------------------------------------------------
@@ -56,14 +65,23 @@ parser.add_argument("--vocab", type=int, default=128)
 parser.add_argument("--seed", type=int, default=0)
 parser.add_argument("--profile", type=int, default=0, help="print the top N ops by self CPU time of one "
                     "engine.generate and one transformers generate() call (torch.profiler); 0 = off")
+parser.add_argument("--layout", default="moe", choices=["moe", "dense"], help="moe: the embedded default's "
+                    "Qwen3-MoE; dense: Qwen3-0.6B's widths (hidden 1024, 16/8 heads of 128, MLP 3072) with --layers")
+parser.add_argument("--layers", type=int, default=0, help="decoder layers (0 = 4 for moe, 2 for dense)")
+parser.add_argument("--mem_fraction", type=float, default=0.6, help="of the available memory, what transformers' "
+                    "training step may be planned to use (its [B, L, V] logits and their gradients)")
 parser.add_argument("--swap_hidden", type=int, default=1024, help="hidden size of the second, larger hot-swap model "
                     "(where memory bandwidth, not per-tensor overhead, sets the cost); 0 = skip")
 args = parser.parse_args()
 
-# the embedded default's model (config/qwen_small.py)
-MODEL = dict(hidden_size=128, intermediate_size=384, moe_intermediate_size=128, num_hidden_layers=4,
+# the embedded default's model (config/qwen_small.py), or Qwen3-0.6B's widths with fewer layers
+MODEL = dict(hidden_size=128, intermediate_size=384, moe_intermediate_size=128, num_hidden_layers=args.layers or 4,
              num_attention_heads=4, num_key_value_heads=2, head_dim=32, num_experts=8, num_experts_per_tok=2,
              norm_topk_prob=True, rope_theta=10000.0, tie_word_embeddings=True, max_position_embeddings=1024)
+if args.layout == "dense":
+    MODEL = dict(hidden_size=1024, intermediate_size=3072, num_hidden_layers=args.layers or 2, num_attention_heads=16,
+                 num_key_value_heads=8, head_dim=128, rope_theta=1000000.0, tie_word_embeddings=True,
+                 max_position_embeddings=1024)
 AUX_COEF = 0.01
 # -----------------------------------------------------------------------------
 
@@ -104,12 +122,79 @@ def timed_pair(fa, fb, repeats):
     return statistics.median(ta), statistics.median(tb), out
 
 
+class PeakMemory:
+    """The most memory a block of code added: resident memory sampled every millisecond by a thread (CPU, after
+    handing freed memory back to the OS), or the allocator's peak (CUDA). Bytes above what was in use when the
+    block began."""
+
+    def __enter__(self):
+        self.cuda = torch.device(args.device).type == "cuda"
+        if self.cuda:
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+            self.base = torch.cuda.memory_allocated()
+            return self
+        release_free_memory()   # so that what the block allocates shows up as resident memory it adds
+        self.base = self.top = rss()
+        self.done = threading.Event()
+        self.thread = threading.Thread(target=self._watch, daemon=True)
+        self.thread.start()
+        return self
+
+    def _watch(self):
+        while not self.done.wait(0.001):
+            self.top = max(self.top, rss())
+
+    def __exit__(self, *exc):
+        if self.cuda:
+            torch.cuda.synchronize()
+            self.peak = torch.cuda.max_memory_allocated() - self.base
+        else:
+            self.done.set()
+            self.thread.join()
+            self.peak = max(self.top, rss()) - self.base
+
+
+def release_free_memory():
+    # glibc keeps freed memory resident for reuse; malloc_trim hands it back to the OS (elsewhere: a no-op)
+    try:
+        import ctypes
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
+
+
+def rss():
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def mib(n):
+    return f"{n / 2 ** 20:,.0f}"
+
+
+def peak_of(fn):
+    with PeakMemory() as m:
+        fn()
+    return m.peak
+
+
+def available_bytes():
+    if torch.device(args.device).type == "cuda":
+        return torch.cuda.mem_get_info()[0]
+    with open("/proc/meminfo") as f:
+        return next(int(line.split()[1]) * 1024 for line in f if line.startswith("MemAvailable"))
+
+
 def random_hf_checkpoint(path):
-    """a transformers-written Qwen3-MoE with every weight random (routers and norms too: defaults hide bugs)"""
-    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+    """a transformers-written Qwen3-MoE (or Qwen3) with every weight random (routers and norms too: defaults
+    hide bugs)"""
+    from transformers import Qwen3Config, Qwen3ForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM
     torch.manual_seed(args.seed)
-    cfg = Qwen3MoeConfig(vocab_size=args.vocab, router_aux_loss_coef=AUX_COEF, **MODEL)
-    hf = Qwen3MoeForCausalLM(cfg)
+    if args.layout == "dense":
+        hf = Qwen3ForCausalLM(Qwen3Config(vocab_size=args.vocab, **MODEL))
+    else:
+        hf = Qwen3MoeForCausalLM(Qwen3MoeConfig(vocab_size=args.vocab, router_aux_loss_coef=AUX_COEF, **MODEL))
     with torch.no_grad():
         for name, p in hf.named_parameters():
             if "norm" in name:
@@ -183,10 +268,11 @@ def bench_rollout(ours, hf, prompts, stop):
                               use_cache=True)
         return sum(completion_len(row, set(stop)) for row in out[:, L:].tolist())
     t_ours, t_hf, (n_ours, n_hf) = timed_pair(ours_run, hf_run, args.repeats)
+    peaks = (peak_of(ours_run), peak_of(hf_run))
     profiles = [(name, profile_top(f)) for name, f in (("engine.generate", ours_run), ("transformers generate()", hf_run))] \
         if args.profile else []
     engine.shutdown()
-    return (n_ours / t_ours, n_hf / t_hf, n_ours, n_hf), prefill, profiles
+    return (n_ours / t_ours, n_hf / t_hf, n_ours, n_hf, *peaks), prefill, profiles
 
 
 def profile_top(fn):
@@ -202,6 +288,26 @@ def profile_top(fn):
 
 # -----------------------------------------------------------------------------
 # 3 + 5: one training step
+
+
+def transformers_fit(seqs):
+    """How many of seqs (from the front) transformers' step can take: its [B, L, V] fp32 logits, the loss's
+    log_softmax and both gradients (about 4 copies) within mem_fraction of the available memory."""
+    budget, n = args.mem_fraction * available_bytes(), len(seqs)
+    while n > 1 and n * max(map(len, seqs[:n])) * args.vocab * 4 * 4 > budget:
+        n -= 1
+    return n
+
+
+def bench_ours_alone(ours, seqs):
+    """(tokens/s, peak bytes) of our training step on seqs, with nobody to compare against"""
+    device_type, autocast = training.precision({"device": args.device, "dtype": args.dtype})
+    batch = training.pack_sequences(seqs, [[0.0] + [1.0] * (len(s) - 1) for s in seqs]).to(args.device)
+    opt = training.configure_optimizer(ours, 1e-5, 0.0, (0.9, 0.95), device_type)
+    peak = peak_of(lambda: training.train_step(ours, opt, [batch], 1e-5, 1.0, AUX_COEF, autocast))
+    t, _, _ = timed_pair(lambda: training.train_step(ours, opt, [batch], 1e-5, 1.0, AUX_COEF, autocast), lambda: None,
+                         max(args.train_steps // 2, 1))
+    return batch.num_tokens / t, peak
 
 
 def bench_train(ours, hf, seqs):
@@ -225,16 +331,57 @@ def bench_train(ours, hf, seqs):
 
     def hf_step():
         with autocast:
-            out = hf(input_ids=ids, attention_mask=mask, labels=labels, output_router_logits=True)
+            out = hf(input_ids=ids, attention_mask=mask, labels=labels,
+                     **({"output_router_logits": True} if args.layout == "moe" else {}))
         out.loss.backward()   # transformers adds router_aux_loss_coef x aux loss to .loss
         torch.nn.utils.clip_grad_norm_(hf.parameters(), 1.0)
         hf_opt.step()
         hf_opt.zero_grad(set_to_none=True)
     t_ours, t_hf, _ = timed_pair(ours_step, hf_step, args.train_steps)
+    peaks = (peak_of(ours_step), peak_of(hf_step))
     hf.eval()
     tokens = sum(map(len, seqs))
     flops = training.train_flops(ours.config, [len(s) for s in seqs])
-    return tokens / t_ours, tokens / t_hf, flops / t_ours, tokens
+    return tokens / t_ours, tokens / t_hf, flops / t_ours, tokens, *peaks
+
+
+# -----------------------------------------------------------------------------
+# 6: one decode step against the machine's limit
+
+
+def bench_decode(ours, prompts, peak_rate):
+    """(step seconds, matmul-bound seconds, sampler seconds, samples): one engine step in which every sample
+    decodes, the time its FLOPs (weights and attention) would take at the measured matmul rate, and the
+    sampler alone on logits of the same shape."""
+    P, G = len(prompts), args.samples
+    params = SamplingParams(temperature=1.0, max_tokens=args.max_new_tokens)   # no stop ids: all keep decoding
+    max_len = max(map(len, prompts)) + args.max_new_tokens
+    engine = InferenceEngine(EngineConfig(device=args.device, dtype=args.dtype, max_model_len=max_len,
+                                          max_batch_size=P * G, num_blocks=P * G * (-(-max_len // 16) + 1)),
+                             model=ours)
+    for p in prompts:
+        engine.add_request(p, params, G)
+    while engine.waiting or any(s.catching_up or s.num_samples > 1 for s in engine.running):
+        engine.step()
+    engine.step()
+    times = []
+    for _ in range(min(5, args.max_new_tokens - 3)):
+        sync()
+        t0 = time.perf_counter()
+        engine.step()
+        sync()
+        times.append(time.perf_counter() - t0)
+    n = len(engine.running)
+    context = statistics.mean(s.num_tokens for s in engine.running)
+    cfg = ours.config
+    attention = 4 * context * cfg.num_attention_heads * cfg.head_dim * cfg.num_hidden_layers   # QK^T and PV
+    flops = n * (2 * ours.num_active_params() + attention)
+    engine.shutdown()
+    logits = torch.randn(n, args.vocab, device=args.device)
+    seeds, positions = torch.arange(n, device=args.device), torch.full((n,), 7, device=args.device)
+    t_sample, _, _ = timed_pair(lambda: sample_with_logprobs(logits, torch.ones(n, device=args.device), seeds=seeds,
+                                                             positions=positions), lambda: None, 10)
+    return statistics.median(times), flops / peak_rate, t_sample, n
 
 
 # -----------------------------------------------------------------------------
@@ -278,13 +425,17 @@ if __name__ == "__main__":
     prompts, stop = workload(g)
     peak = training.measure_matmul_flops(args.device, hf_dtype)
 
-    (ours_tps, hf_tps, n_ours, n_hf), prefill, profiles = bench_rollout(ours, hf.to(hf_dtype), prompts, stop)
+    (ours_tps, hf_tps, n_ours, n_hf, *roll_peaks), prefill, profiles = bench_rollout(ours, hf.to(hf_dtype), prompts,
+                                                                                     stop)
     hf = hf.float()
     # train on GRPO-shaped sequences: each prompt with completions of the rollout's length spread
     lens = torch.randint(5, args.max_new_tokens + 1, (len(prompts) * args.samples,), generator=g).tolist()
     seqs = [prompts[i // args.samples] + torch.randint(3, args.vocab, (n,), generator=g).tolist()
             for i, n in enumerate(lens)]
-    ours_train, hf_train, ours_flops, train_tokens = bench_train(ours, hf, seqs)
+    fit = transformers_fit(seqs)
+    ours_train, hf_train, ours_flops, train_tokens, *train_peaks = bench_train(ours, hf, seqs[:fit])
+    alone = bench_ours_alone(ours, seqs) if fit < len(seqs) else None
+    decode = bench_decode(ours, prompts, peak)
     t_swap, t_bare, swap_floor = bench_swap(ours)
     big_swap = None
     if args.swap_hidden:
@@ -302,7 +453,7 @@ if __name__ == "__main__":
     print(f"\ndevice {args.device} ({cpu_name()}, {os.cpu_count()} cores{gpu}), dtype {args.dtype}, "
           f"{torch.get_num_threads()} threads, torch {torch.__version__}, transformers {transformers.__version__}, "
           f"{time.strftime('%Y-%m-%d')}; "
-          f"model: random Qwen3-MoE {ours.num_params() / 1e6:.2f}M params "
+          f"model: random {'Qwen3' if args.layout == 'dense' else 'Qwen3-MoE'} {ours.num_params() / 1e6:.2f}M params "
           f"({ours.num_active_params() / 1e6:.2f}M active), vocab {args.vocab}")
     print(f"workload: {args.prompts} prompts x {args.samples} samples, {args.prefix_len}-token shared prefix, "
           f"<= {args.max_new_tokens} new tokens, T=1, {len(stop)} stop ids; medians of {args.repeats} "
@@ -310,8 +461,16 @@ if __name__ == "__main__":
     rows = [("torch threads (both sides)", str(torch.get_num_threads()), str(torch.get_num_threads()), None),
             ("rollout completion tok/s", f"{ours_tps:,.0f}", f"{hf_tps:,.0f}", ours_tps / hf_tps),
             ("  (completion tokens per call)", f"{n_ours:,}", f"{n_hf:,}", None),
-            (f"training step tok/s ({train_tokens:,} tokens)", f"{ours_train:,.0f}", f"{hf_train:,.0f}",
-             ours_train / hf_train),
+            ("rollout peak memory MiB (one call)", mib(roll_peaks[0]), mib(roll_peaks[1]), None),
+            (f"training step tok/s ({train_tokens:,} tokens{'' if alone is None else ', the most transformers takes'})",
+             f"{ours_train:,.0f}", f"{hf_train:,.0f}", ours_train / hf_train),
+            ("training step peak memory MiB", mib(train_peaks[0]), mib(train_peaks[1]), None),
+            *([(f"  ours alone on all {len(seqs)} sequences ({sum(map(len, seqs)):,} tokens): tok/s, peak MiB",
+                f"{alone[0]:,.0f}, {mib(alone[1])}", f"too big: {fit} of {len(seqs)} fit", None)] if alone else []),
+            (f"decode step ms, {decode[3]} samples (ref: its FLOPs at the measured matmul rate)",
+             f"{decode[0] * 1e3:.1f}", f"{decode[1] * 1e3:.1f}", decode[0] / decode[1]),
+            ("  sampler on the step's [N, V] logits, ms (share of the step)", f"{decode[2] * 1e3:.2f}",
+             f"{100 * decode[2] / decode[0]:.0f}%", None),
             ("hot-swap ms (ours: update_weights, ref: bare copy_)", f"{t_swap * 1e3:.2f}", f"{t_bare * 1e3:.2f}",
              t_swap / t_bare),
             ("  (floor: read every byte, then copy; one flat buffer)", "", "", swap_floor),

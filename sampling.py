@@ -4,11 +4,18 @@ Sampling, as pure functions: one token per row of logits, its logprob, and repro
     tokens, logprobs = sample_with_logprobs(logits, temperatures, top_k=None, top_p=None, seeds=None, positions=None)
 
 The logprob is always log_softmax(logits / T) at the sampled token over the whole vocabulary (T = 1 when
-greedy), computed with log_softmax, never log(softmax): the quantity the trainer's loss differentiates on the
-same weights. top_k / top_p only shape which tokens can be drawn. A seeded draw is a pure function of
-(seed, position), so a sample does not depend on what else is batched with it, and a preempted sequence
-resumes with the very tokens it would have drawn.
+greedy), as log_softmax computes it ((x - max) / T - log sum exp((x - max) / T)), never log(softmax): the
+quantity the trainer's loss differentiates on the same weights. top_k / top_p only shape which tokens can be
+drawn. A seeded draw is a pure function of (seed, position), so a sample does not depend on what else is
+batched with it, and a preempted sequence resumes with the very tokens it would have drawn.
+
+At a real vocabulary (151,936) the sampler could cost more than the head's matmul, so it makes as few full
+passes over the [N, V] logits as it can: the max, exp((x - max) / T) into a reused buffer, and sums over
+blocks of 1,024 entries. The draw then inverts the CDF in two levels: a cumsum over the ~150 block sums finds
+the block, a cumsum over that block's 1,024 entries finds the token.
 """
+
+import threading
 
 import torch
 import xxhash
@@ -52,28 +59,98 @@ def sample_with_logprobs(logits, temperatures, top_k=None, top_p=None, seeds=Non
     The returned logprob is always log_softmax(logits / T) at the sampled token, T = 1 for greedy rows, over the
     *whole* vocabulary, unfiltered: the quantity the trainer computes from the same weights.
     seeds / positions [N] int64 (optional): the draw is a pure function of them (sampling_uniforms); without
-    them, torch's global generator draws it. Sampling inverts the CDF: one uniform per row, one cumsum."""
+    them, torch's global generator draws it. Sampling inverts the CDF with one uniform per row."""
     _require((seeds is None) == (positions is None),
              "sample_with_logprobs: seeds and positions go together (the draw is a function of both)")
     logits = logits.float()
     N, V = logits.shape
     t = torch.as_tensor(temperatures, dtype=torch.float32, device=logits.device).reshape(N)
     greedy = t == 0
-    logp = torch.log_softmax(logits / torch.where(greedy, 1.0, t)[:, None], dim=-1)
-    tokens = logits.argmax(-1)
+    t = torch.where(greedy, 1.0, t)[:, None]
+    e, block_sums, shift = _shifted_exp(logits, t)              # exp((logits - shift) / T), and its block sums
+    total = block_sums.sum(-1)
+    tokens = torch.zeros(N, 1, dtype=torch.int64, device=logits.device)
+    if bool(greedy.any()):
+        tokens[greedy] = logits[greedy].argmax(-1, keepdim=True)
     if not bool(greedy.all()):
-        probs = logp.exp()
-        if top_k is not None or top_p is not None:
-            probs = _filter_top_k_top_p(probs, top_k, top_p)
-        cdf = probs.double().cumsum(-1)
         if seeds is not None:
             u = sampling_uniforms(torch.as_tensor(seeds, device=logits.device).reshape(N),
                                   torch.as_tensor(positions, device=logits.device).reshape(N))
         else:
             u = torch.rand(N, dtype=torch.float64, device=logits.device)
-        sampled = torch.searchsorted(cdf, (u * cdf[:, -1])[:, None]).squeeze(1).clamp_(max=V - 1)
-        tokens = torch.where(greedy, tokens, sampled)
-    return tokens, logp.gather(1, tokens[:, None]).squeeze(1)
+        if top_k is not None or top_p is not None:
+            sampled = _draw_filtered(e / total.float()[:, None], top_k, top_p, u)
+        else:
+            sampled = _draw(e, block_sums, u * total)
+        tokens = torch.where(greedy[:, None], tokens, sampled.clamp_(max=V - 1)[:, None])
+    # log_softmax(logits / T) at the token, from what is already here: (x - shift) / T - log(sum exp((x - shift) / T)),
+    # in float64 so that the one rounding is the last
+    logp = ((logits.gather(1, tokens) - shift).double() / t.double() - total.log()[:, None]).float()
+    return tokens[:, 0], logp[:, 0]
+
+
+BLOCK = 1024   # vocabulary entries per block of the two-level CDF
+
+
+def _shifted_exp(logits, t):
+    """(e, block sums, shift): e = exp((logits - shift) / t) [N, V] and the sums of its blocks of BLOCK entries
+    [N, B] (the last block may be shorter; summed in fp32, as a float64 reduction costs ten times more here).
+    shift is 0 in every row where that is safe (no entry overflows, the row's mass does not vanish), so the
+    common case reads the logits once for exp and once for the sums; other rows are redone shifted by their max."""
+    N, V = logits.shape
+    e = _scratch(N * V, logits.device).view(N, V)
+    tempered = bool((t != 1).any())
+    torch.div(logits, t, out=e).exp_() if tempered else torch.exp(logits, out=e)
+    sums = _block_sums(e)
+    shift = torch.zeros(N, 1, device=logits.device)
+    total = sums.sum(-1)
+    redo = (~torch.isfinite(total) | (total < 1e-30)).nonzero()[:, 0]
+    if len(redo):
+        shift[redo] = logits[redo].amax(-1, keepdim=True)
+        e[redo] = ((logits[redo] - shift[redo]) / t[redo]).exp()
+        sums[redo] = _block_sums(e[redo])
+    return e, sums.double(), shift
+
+
+def _block_sums(e):
+    N, V = e.shape
+    whole = V // BLOCK                                           # row n's block k: e[n, k * BLOCK:(k + 1) * BLOCK]
+    sums = e.as_strided((N, whole, BLOCK), (V, BLOCK, 1)).sum(-1)
+    return torch.cat([sums, e[:, whole * BLOCK:].sum(-1, keepdim=True)], 1) if V % BLOCK else sums
+
+
+_SCRATCH = threading.local()   # per thread: device -> a flat fp32 buffer, grown as needed
+
+
+def _scratch(numel, device):
+    """A reusable buffer for the [N, V] exponentials: a fresh 78 MB tensor every step (128 x 151,936) would cost
+    more in page faults than the arithmetic it holds. Its contents live only within one sampling call."""
+    buffers = _SCRATCH.__dict__.setdefault("buffers", {})
+    buf = buffers.get(device)
+    if buf is None or buf.numel() < numel:
+        with torch.inference_mode(False):   # a normal tensor: usable in and out of the engine's inference mode
+            buf = buffers[device] = torch.empty(numel, device=device)
+    return buf[:numel]
+
+
+def _draw(e, block_sums, target):
+    """The token where the CDF of e first reaches target, per row, in two levels: the block whose running sum
+    reaches it (a cumsum over B block sums), then the entry inside that block (a cumsum over BLOCK entries).
+    Example: block sums [2, 5, 3], target 6 -> block 1 (running sums 2, 7, 10), 4 left to find inside it."""
+    N, V = e.shape
+    running = block_sums.cumsum(-1)
+    b = torch.searchsorted(running, target[:, None]).clamp_(max=block_sums.shape[1] - 1)
+    left = target[:, None] - (running.gather(1, b) - block_sums.gather(1, b))
+    cols = b * BLOCK + torch.arange(BLOCK, device=e.device)      # the block's columns (past V in a short last one)
+    inside = e.gather(1, cols.clamp(max=V - 1)).masked_fill_(cols >= V, 0.0).double().cumsum(-1)
+    return b[:, 0] * BLOCK + torch.searchsorted(inside, left).clamp_(max=BLOCK - 1)[:, 0]
+
+
+def _draw_filtered(e, top_k, top_p, u):
+    # top-k / top-p on the probabilities: zero the mass outside them, then one cumsum over the vocabulary
+    probs = _filter_top_k_top_p(e, top_k, top_p)
+    cdf = probs.double().cumsum(-1)
+    return torch.searchsorted(cdf, (u * cdf[:, -1])[:, None]).squeeze(1)
 
 
 def _filter_top_k_top_p(probs, top_k, top_p):

@@ -483,6 +483,25 @@ def test_sample_with_logprobs():
         sample_with_logprobs(one.expand(10, 8), torch.ones(10), seeds=torch.arange(10))
 
 
+def test_two_level_draw_is_the_inverse_cdf_over_the_whole_vocabulary():
+    # several blocks and a partial one: the same token as one cumsum over all V, and the exact logprob
+    g = torch.Generator().manual_seed(1)
+    N, V = 64, 2 * 1024 + 300
+    logits = torch.randn(N, V, generator=g) * 4
+    logits[:4] += torch.tensor([300.0, -300.0, 80.0, -90.0])[:, None]   # rows whose exp would overflow or vanish
+    T = torch.rand(N, generator=g) + 0.3
+    seeds, positions = torch.arange(N), torch.full((N,), 7)
+    tokens, lp = sample_with_logprobs(logits, T, seeds=seeds, positions=positions)
+    from sampling import sampling_uniforms
+    probs = torch.softmax(logits / T[:, None], -1).double()
+    cdf = probs.cumsum(-1)
+    u = sampling_uniforms(seeds, positions)
+    want = torch.searchsorted(cdf, (u * cdf[:, -1])[:, None])[:, 0]
+    assert torch.equal(tokens, want)
+    ref = torch.log_softmax(logits / T[:, None], -1).gather(1, tokens[:, None])[:, 0]
+    assert torch.allclose(lp, ref, atol=1e-5, rtol=1e-6)
+
+
 class FakeSeq:
     def __init__(self, uid, num_tokens, num_computed, block_table=(), num_samples=1, cached=0, cached_free=0):
         self.uid, self.num_tokens, self.num_computed = uid, num_tokens, num_computed
