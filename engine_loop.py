@@ -67,7 +67,6 @@ class Request:
         self.prompts, self.params, self.n, self.emit = prompts, params, n, emit
         self.samples = [SampleText(tokenizer, stop) for _ in range(len(prompts) * n)]
         self.seq_ids = []         # the engine's seq_id of each prompt, once added
-        self.done = False
 
 
 class EngineLoop:
@@ -190,7 +189,6 @@ class EngineLoop:
         self._forget(request)
 
     def _forget(self, request):
-        request.done = True
         for seq_id in request.seq_ids:
             self.by_seq.pop(seq_id, None)
 
