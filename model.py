@@ -325,7 +325,7 @@ class Transformer(nn.Module):
         if labels is not None:
             logits = head_logprobs(x, head, labels, temperature)
         else:
-            logits = F.linear(x, head) if temperature == 1.0 else F.linear(x, head) / temperature
+            logits = F.linear(x, head) / temperature if temperature != 1.0 else F.linear(x, head)
         if not aux_loss:
             return logits, None
         return logits, load_balancing_loss(router_logits, self.config.num_experts, self.config.num_experts_per_tok, x)

@@ -10,9 +10,9 @@ drawn. A seeded draw is a pure function of (seed, position), so a sample does no
 batched with it, and a preempted sequence resumes with the very tokens it would have drawn.
 
 At a real vocabulary (151,936) the sampler could cost more than the head's matmul, so it makes as few full
-passes over the [N, V] logits as it can: the max, exp((x - max) / T) into a reused buffer, and sums over
-blocks of 1,024 entries. The draw then inverts the CDF in two levels: a cumsum over the ~150 block sums finds
-the block, a cumsum over that block's 1,024 entries finds the token.
+passes over the [N, V] logits as it can: exp(x / T) into a reused buffer (shifted by the row's max only in a
+row where that could overflow or vanish), and sums over blocks of 1,024 entries. The draw then inverts the CDF
+in two levels: a cumsum over the ~150 block sums finds the block, a cumsum over that block's entries the token.
 """
 
 import threading
@@ -104,7 +104,8 @@ def _shifted_exp(logits, t):
     sums = _block_sums(e)
     shift = torch.zeros(N, 1, device=logits.device)
     total = sums.sum(-1)
-    redo = (~torch.isfinite(total) | (total < 1e-30)).nonzero()[:, 0]
+    # a row whose sum is tiny has its max far below 0: entries that underflow could then carry real mass
+    redo = (~torch.isfinite(total) | (total < 1e-10)).nonzero()[:, 0]
     if len(redo):
         shift[redo] = logits[redo].amax(-1, keepdim=True)
         e[redo] = ((logits[redo] - shift[redo]) / t[redo]).exp()

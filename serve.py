@@ -69,8 +69,8 @@ class BadRequest(Exception):
         self.message, self.param, self.status, self.kind = message, param, status, kind
 
 
-def error_response(message, param=None, status=400, kind="invalid_request_error"):
-    return JSONResponse({"error": {"message": message, "type": kind, "param": param, "code": status}}, status)
+def error_body(message, param=None, status=400, kind="invalid_request_error"):   # OpenAI's error shape
+    return {"error": {"message": message, "type": kind, "param": param, "code": status}}
 
 
 class Server:
@@ -372,7 +372,7 @@ def sse(server, http, prompts, params, n, stop, choices, body, head, chunk_choic
             if with_usage:
                 yield f"data: {json.dumps(dict(head, choices=[], usage=usage(prompts, n, choices)))}\n\n"
         except BadRequest as e:
-            yield f"data: {json.dumps({'error': {'message': e.message, 'type': e.kind, 'param': None, 'code': e.status}})}\n\n"
+            yield f"data: {json.dumps(error_body(e.message, e.param, e.status, e.kind))}\n\n"
         yield "data: [DONE]\n\n"
 
     return StreamingResponse(events(), media_type="text/event-stream")
@@ -424,8 +424,8 @@ def build_app(server) -> FastAPI:
     @app.middleware("http")
     async def check_key(http: Request, call_next):
         if server.api_key and not hmac.compare_digest(http.headers.get("authorization", "").encode(), key):
-            return error_response("missing or wrong API key: send 'Authorization: Bearer <key>'", None, 401,
-                                  "authentication_error")
+            return JSONResponse(error_body("missing or wrong API key: send 'Authorization: Bearer <key>'", None, 401,
+                                           "authentication_error"), 401)
         return await call_next(http)
 
     async def body_of(http):
@@ -444,7 +444,7 @@ def build_app(server) -> FastAPI:
             try:
                 out = await handler(server, http, await body_of(http))
             except BadRequest as e:
-                return error_response(e.message, e.param, e.status, e.kind)
+                return JSONResponse(error_body(e.message, e.param, e.status, e.kind), e.status)
             return out if isinstance(out, Response) else JSONResponse(out)
         app.post(path)(run)
 

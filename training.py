@@ -73,7 +73,8 @@ def token_logprobs(logits, labels):
 
 
 def unified_loss(logits, batch, normalizer=None):
-    """-(token_weights * log p(labels)).sum() / normalizer, the one loss of all three trainers. The default normalizer is token_weights.abs().sum().clamp(min=1), which means:
+    """-(token_weights * log p(labels)).sum() / normalizer, the one loss of all three trainers. The default
+    normalizer is token_weights.abs().sum().clamp(min=1), which means:
       pretrain  weights 1         -> the mean next-token NLL (== F.cross_entropy's mean)
       SFT       weights 0/1 mask  -> the mean NLL over assistant tokens (== cross_entropy with ignore_index)
       GRPO      advantage x mask  -> sum_t A_t * (-log p_t) / sum_t |A_t| (clamped at 1); importance ratios and
