@@ -23,6 +23,9 @@ copy_). What it measures:
   5. utilisation: our training step's FLOP/s (training.train_flops) over the matmul FLOP/s measured in this run.
   6. decode: one engine step of every sample decoding, against the time its matmuls would take at the measured
      matmul rate (the machine's limit for this step), and the sampler's share of it.
+  7. multi-turn: P conversations that grow turn by turn (a turn's prompt is the last prompt + its reply + a new
+     user message), each turn one generate call for all of them: the prompt tokens computed and the completion
+     tokens/s of the whole conversation, EngineConfig(cache_type='radix') against 'paged' in the same memory.
 Peak memory: the most resident memory (CPU; allocated memory on CUDA) each side added during one call. At a real
 vocabulary (--vocab 151936) transformers' training step holds [B, L, V] fp32 logits and their gradients, which
 may not fit: the training row then runs both sides on the most sequences transformers can take and says so.
@@ -32,10 +35,8 @@ may not fit: the training row then runs both sides on the most sequences transfo
 """
 import argparse
 import os
-import platform
 import statistics
 import tempfile
-import threading
 import time
 
 import torch
@@ -43,6 +44,7 @@ import transformers
 
 import training
 from engine import EngineConfig, InferenceEngine, SamplingParams, sample_with_logprobs
+from measure import available_bytes, cpu_name, mib, peak_of, sync, timed_pair
 from model import load_hf_checkpoint
 
 # -----------------------------------------------------------------------------
@@ -72,6 +74,8 @@ parser.add_argument("--mem_fraction", type=float, default=0.6, help="of the avai
                     "training step may be planned to use (its [B, L, V] logits and their gradients)")
 parser.add_argument("--swap_hidden", type=int, default=1024, help="hidden size of the second, larger hot-swap model "
                     "(where memory bandwidth, not per-tensor overhead, sets the cost); 0 = skip")
+parser.add_argument("--turns", type=int, default=4, help="turns per conversation in the multi-turn row")
+parser.add_argument("--turn_tokens", type=int, default=24, help="new tokens per reply in the multi-turn row")
 args = parser.parse_args()
 
 # the embedded default's model (config/qwen_small.py), or Qwen3-0.6B's widths with fewer layers
@@ -84,106 +88,6 @@ if args.layout == "dense":
                  max_position_embeddings=1024)
 AUX_COEF = 0.01
 # -----------------------------------------------------------------------------
-
-
-def cpu_name():
-    # the CPU model as lscpu shows it (Linux), else what platform knows
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
-
-
-def sync():
-    if torch.device(args.device).type == "cuda":
-        torch.cuda.synchronize()
-
-
-def timed_pair(fa, fb, repeats):
-    """(median a, median b, last results) with a and b interleaved a, b, a, b, ...: on a shared machine both
-    see the same background load, so their ratio is steadier than either time"""
-    fa(), fb()
-    ta, tb, out = [], [], None
-    for _ in range(repeats):
-        sync()
-        t0 = time.perf_counter()
-        ra = fa()
-        sync()
-        t1 = time.perf_counter()
-        rb = fb()
-        sync()
-        tb.append(time.perf_counter() - t1)
-        ta.append(t1 - t0)
-        out = (ra, rb)
-    return statistics.median(ta), statistics.median(tb), out
-
-
-class PeakMemory:
-    """The most memory a block of code added: resident memory sampled every millisecond by a thread (CPU, after
-    handing freed memory back to the OS), or the allocator's peak (CUDA). Bytes above what was in use when the
-    block began."""
-
-    def __enter__(self):
-        self.cuda = torch.device(args.device).type == "cuda"
-        if self.cuda:
-            torch.cuda.synchronize()
-            torch.cuda.reset_peak_memory_stats()
-            self.base = torch.cuda.memory_allocated()
-            return self
-        release_free_memory()   # so that what the block allocates shows up as resident memory it adds
-        self.base = self.top = rss()
-        self.done = threading.Event()
-        self.thread = threading.Thread(target=self._watch, daemon=True)
-        self.thread.start()
-        return self
-
-    def _watch(self):
-        while not self.done.wait(0.001):
-            self.top = max(self.top, rss())
-
-    def __exit__(self, *exc):
-        if self.cuda:
-            torch.cuda.synchronize()
-            self.peak = torch.cuda.max_memory_allocated() - self.base
-        else:
-            self.done.set()
-            self.thread.join()
-            self.peak = max(self.top, rss()) - self.base
-
-
-def release_free_memory():
-    # glibc keeps freed memory resident for reuse; malloc_trim hands it back to the OS (elsewhere: a no-op)
-    try:
-        import ctypes
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
-    except (OSError, AttributeError):
-        pass
-
-
-def rss():
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-
-
-def mib(n):
-    return f"{n / 2 ** 20:,.0f}"
-
-
-def peak_of(fn):
-    with PeakMemory() as m:
-        fn()
-    return m.peak
-
-
-def available_bytes():
-    if torch.device(args.device).type == "cuda":
-        return torch.cuda.mem_get_info()[0]
-    with open("/proc/meminfo") as f:
-        return next(int(line.split()[1]) * 1024 for line in f if line.startswith("MemAvailable"))
 
 
 def random_hf_checkpoint(path):
@@ -267,8 +171,8 @@ def bench_rollout(ours, hf, prompts, stop):
                               max_new_tokens=args.max_new_tokens, eos_token_id=stop, pad_token_id=pad,
                               use_cache=True)
         return sum(completion_len(row, set(stop)) for row in out[:, L:].tolist())
-    t_ours, t_hf, (n_ours, n_hf) = timed_pair(ours_run, hf_run, args.repeats)
-    peaks = (peak_of(ours_run), peak_of(hf_run))
+    t_ours, t_hf, (n_ours, n_hf) = timed_pair(ours_run, hf_run, args.repeats, args.device)
+    peaks = (peak_of(ours_run, args.device), peak_of(hf_run, args.device))
     profiles = [(name, profile_top(f)) for name, f in (("engine.generate", ours_run), ("transformers generate()", hf_run))] \
         if args.profile else []
     engine.shutdown()
@@ -281,7 +185,7 @@ def profile_top(fn):
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.device(args.device).type == "cuda" else [])
     with profile(activities=activities) as prof:
         fn()
-        sync()
+        sync(args.device)
     key = "self_cuda_time_total" if torch.device(args.device).type == "cuda" else "self_cpu_time_total"
     return prof.key_averages().table(sort_by=key, row_limit=args.profile)
 
@@ -293,7 +197,7 @@ def profile_top(fn):
 def transformers_fit(seqs):
     """How many of seqs (from the front) transformers' step can take: its [B, L, V] fp32 logits, the loss's
     log_softmax and both gradients (about 4 copies) within mem_fraction of the available memory."""
-    budget, n = args.mem_fraction * available_bytes(), len(seqs)
+    budget, n = args.mem_fraction * available_bytes(args.device), len(seqs)
     while n > 1 and n * max(map(len, seqs[:n])) * args.vocab * 4 * 4 > budget:
         n -= 1
     return n
@@ -304,9 +208,9 @@ def bench_ours_alone(ours, seqs):
     device_type, autocast = training.precision({"device": args.device, "dtype": args.dtype})
     batch = training.pack_sequences(seqs, [[0.0] + [1.0] * (len(s) - 1) for s in seqs]).to(args.device)
     opt = training.configure_optimizer(ours, 1e-5, 0.0, (0.9, 0.95), device_type)
-    peak = peak_of(lambda: training.train_step(ours, opt, [batch], 1e-5, 1.0, AUX_COEF, autocast))
+    peak = peak_of(lambda: training.train_step(ours, opt, [batch], 1e-5, 1.0, AUX_COEF, autocast), args.device)
     t, _, _ = timed_pair(lambda: training.train_step(ours, opt, [batch], 1e-5, 1.0, AUX_COEF, autocast), lambda: None,
-                         max(args.train_steps // 2, 1))
+                         max(args.train_steps // 2, 1), args.device)
     return batch.num_tokens / t, peak
 
 
@@ -337,8 +241,8 @@ def bench_train(ours, hf, seqs):
         torch.nn.utils.clip_grad_norm_(hf.parameters(), 1.0)
         hf_opt.step()
         hf_opt.zero_grad(set_to_none=True)
-    t_ours, t_hf, _ = timed_pair(ours_step, hf_step, args.train_steps)
-    peaks = (peak_of(ours_step), peak_of(hf_step))
+    t_ours, t_hf, _ = timed_pair(ours_step, hf_step, args.train_steps, args.device)
+    peaks = (peak_of(ours_step, args.device), peak_of(hf_step, args.device))
     hf.eval()
     tokens = sum(map(len, seqs))
     flops = training.train_flops(ours.config, [len(s) for s in seqs])
@@ -366,10 +270,10 @@ def bench_decode(ours, prompts, peak_rate):
     engine.step()
     times = []
     for _ in range(min(5, args.max_new_tokens - 3)):
-        sync()
+        sync(args.device)
         t0 = time.perf_counter()
         engine.step()
-        sync()
+        sync(args.device)
         times.append(time.perf_counter() - t0)
     n = len(engine.running)
     context = statistics.mean(s.num_tokens for s in engine.running)
@@ -380,12 +284,43 @@ def bench_decode(ours, prompts, peak_rate):
     logits = torch.randn(n, args.vocab, device=args.device)
     seeds, positions = torch.arange(n, device=args.device), torch.full((n,), 7, device=args.device)
     t_sample, _, _ = timed_pair(lambda: sample_with_logprobs(logits, torch.ones(n, device=args.device), seeds=seeds,
-                                                             positions=positions), lambda: None, 10)
+                                                             positions=positions), lambda: None, 10, args.device)
     return statistics.median(times), flops / peak_rate, t_sample, n
 
 
 # -----------------------------------------------------------------------------
 # 4: weight hot-swap
+
+
+def bench_multiturn(ours, g, stop):
+    """radix against paged on growing conversations; returns (seconds, completion tokens, prompt tokens computed)
+    for each, the prompt tokens a cache-less engine would compute, and whether the two wrote the same replies"""
+    P, system = args.prompts, torch.randint(3, args.vocab, (args.prefix_len,), generator=g).tolist()
+    users = [[torch.randint(3, args.vocab, (8 + int(torch.randint(0, 9, (1,), generator=g)),), generator=g).tolist()
+              for _ in range(args.turns)] for _ in range(P)]
+    params = SamplingParams(temperature=1.0, max_tokens=args.turn_tokens, stop_token_ids=frozenset(stop),
+                            seed=args.seed)
+    max_len = args.prefix_len + args.turns * (16 + args.turn_tokens)
+    engines = [InferenceEngine(EngineConfig(cache_type=kind, device=args.device, dtype=args.dtype, max_model_len=max_len,
+                                            max_batch_size=P, num_blocks=P * (-(-max_len // 16) + 1)), model=ours)
+               for kind in ("radix", "paged")]
+
+    def converse(engine):
+        engine.flush_cache()   # every timed call starts cold; the cache is what the conversation itself builds
+        before, prompts, replies, prompt_tokens = engine.stats()["prefill_tokens"], [system + u[0] for u in users], [], 0
+        for turn in range(args.turns):
+            samples = engine.generate(prompts, params)
+            prompt_tokens += sum(map(len, prompts))
+            replies.append([s.completion_tokens for s in samples])
+            if turn + 1 < args.turns:
+                prompts = [p + list(s.completion_tokens) + u[turn + 1] for p, s, u in zip(prompts, samples, users)]
+        n = sum(len(r) for turn in replies for r in turn)
+        return n, engine.stats()["prefill_tokens"] - before, prompt_tokens, replies
+    t_radix, t_paged, (radix, paged) = timed_pair(lambda: converse(engines[0]), lambda: converse(engines[1]),
+                                                   args.repeats, args.device)
+    for engine in engines:
+        engine.shutdown()
+    return (t_radix, *radix[:2]), (t_paged, *paged[:2]), radix[2], radix[3] == paged[3]
 
 
 def bench_swap(ours):
@@ -402,13 +337,14 @@ def bench_swap(ours):
         with torch.no_grad():
             for name, t in targets.items():
                 t.copy_(sd[name])
-    t_swap, t_bare, _ = timed_pair(swap, bare, swaps)
+    t_swap, t_bare, _ = timed_pair(swap, bare, swaps, args.device)
     engine.shutdown()
     # the floor for any update that refuses bad weights before touching anything: every byte read once (a sum
     # stands in for the finiteness check), then copied; one flat buffer, so no per-tensor overhead at all
     src = torch.cat([t.reshape(-1) for t in sd.values()])
     dst = torch.empty_like(src)
-    t_floor, t_flat, _ = timed_pair(lambda: (src.sum().item(), dst.copy_(src)), lambda: dst.copy_(src), swaps)
+    t_floor, t_flat, _ = timed_pair(lambda: (src.sum().item(), dst.copy_(src)), lambda: dst.copy_(src), swaps,
+                                    args.device)
     return t_swap, t_bare, t_floor / t_flat
 
 
@@ -437,6 +373,7 @@ if __name__ == "__main__":
     alone = bench_ours_alone(ours, seqs) if fit < len(seqs) else None
     decode = bench_decode(ours, prompts, peak)
     t_swap, t_bare, swap_floor = bench_swap(ours)
+    radix, paged, turn_prompts, same_replies = bench_multiturn(ours, g, stop)
     big_swap = None
     if args.swap_hidden:
         from model import ModelConfig, Transformer
@@ -477,6 +414,10 @@ if __name__ == "__main__":
             *([(f"hot-swap ms, a {big_swap[0] / 1e6:.0f}M-param model (hidden {args.swap_hidden})",
                  f"{big_swap[1] * 1e3:.1f}", f"{big_swap[2] * 1e3:.1f}", big_swap[1] / big_swap[2]),
                ("  (floor: read every byte, then copy; one flat buffer)", "", "", big_swap[3])] if big_swap else []),
+            (f"multi-turn completion tok/s, {args.prompts} x {args.turns} turns (ours: radix, ref: paged)",
+             f"{radix[1] / radix[0]:,.0f}", f"{paged[1] / paged[0]:,.0f}", radix[1] * paged[0] / (paged[1] * radix[0])),
+            (f"  prompt tokens computed (no cache: {turn_prompts:,}; same replies: {same_replies})",
+             f"{radix[2]:,}", f"{paged[2]:,}", radix[2] / paged[2]),
             ("training MFU (vs measured matmul)", f"{100 * ours_flops / peak:.1f}%",
              f"matmul {peak / 1e9:.1f} GFLOP/s", None)]
     print("| measure | ours | transformers / reference | ratio |")

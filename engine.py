@@ -27,6 +27,7 @@ import torch
 from attention import PagedKVCache, paged_forward
 from checkpoint import load_hf_checkpoint
 from model import Transformer, as_dtype
+from radix import RadixCache
 from sampling import mix_seed, sample_next, sample_with_logprobs, top_logprobs  # noqa: F401 (API)
 from scheduler import (BlockAllocator, SchedulerConfig, Sequence, check_fits, compute_block_hash,  # noqa: F401 (API)
                        schedule)
@@ -52,7 +53,7 @@ def _is_number(x):
 class EngineConfig:
     """How the engine runs. attention_backend='auto': FlexAttention on CUDA with compile=True, else 'sdpa'."""
     model_path: str | None = None        # a local HF directory; unused when a model is handed to InferenceEngine
-    cache_type: str = "paged"            # 'paged' | 'radix' (radix: not built yet)
+    cache_type: str = "paged"            # 'paged' (block-hash prefix cache) | 'radix' (radix tree, one-token blocks)
     block_size: int = 16                 # tokens per KV block
     num_blocks: int | None = None        # KV blocks in the pool; None = size from memory (see pool_size)
     max_batch_size: int = 256            # sequences in one step
@@ -67,8 +68,7 @@ class EngineConfig:
     weight_version: int = 0              # the version of the weights it starts with (a resumed trainer's)
 
     def __post_init__(self):
-        _require(self.cache_type != "radix", "cache_type='radix' is not implemented yet: use cache_type='paged'")
-        _require(self.cache_type == "paged", f"unknown cache_type {self.cache_type!r}: expected 'paged' or 'radix'")
+        _require(self.cache_type in ("paged", "radix"), f"unknown cache_type {self.cache_type!r}: expected 'paged' or 'radix'")
         for name in ("block_size", "max_batch_size", "max_num_batched_tokens", "num_blocks", "max_model_len"):
             value = getattr(self, name)
             _require(value is None and name in ("num_blocks", "max_model_len") or _is_int(value) and value >= 1,
@@ -252,9 +252,13 @@ class InferenceEngine:
         self._params = model.state_dict()         # name -> tensor sharing the parameter's storage (copy_ targets)
         self.max_model_len = config.max_model_len or model.config.max_position_embeddings
         num_blocks = config.num_blocks or pool_size(config, model.config, self.max_model_len, self.device, self.dtype)
-        self.kv = PagedKVCache(model.config, num_blocks, config.block_size, self.device, self.dtype)
-        self.cache = BlockAllocator(num_blocks, config.block_size)
-        self.scheduler_config = SchedulerConfig(config.max_batch_size, config.max_num_batched_tokens, config.block_size)
+        if config.cache_type == "radix":          # the same memory in one-token blocks: the tree shares any prefix
+            self.cache = RadixCache(num_blocks * config.block_size)
+        else:
+            self.cache = BlockAllocator(num_blocks, config.block_size)
+        self.kv = PagedKVCache(model.config, self.cache.num_blocks, self.cache.block_size, self.device, self.dtype)
+        self.scheduler_config = SchedulerConfig(config.max_batch_size, config.max_num_batched_tokens,
+                                                self.cache.block_size)
         self.backend = config.attention_backend
         if self.backend == "auto":
             self.backend = "flex" if self.device.type == "cuda" and config.compile else "sdpa"
@@ -346,7 +350,7 @@ class InferenceEngine:
 
     def _preempt(self, victims):
         for seq in victims:
-            self.cache.release(seq)
+            self.cache.release(seq, cache=seq.kv_version == self.version)
         gone = {s.uid for s in victims}
         self.running = [s for s in self.running if s.uid not in gone]
         self.waiting[:0] = victims[::-1]          # the newest was preempted first: the oldest goes in front
@@ -413,7 +417,7 @@ class InferenceEngine:
 
     def _finish(self, seq, reason):
         seq.finish_reason = reason
-        self.cache.release(seq)
+        self.cache.release(seq, cache=seq.kv_version == self.version)
         return TrainingSample(
             prompt_tokens=tuple(seq.tokens[:seq.num_prompt]), completion_tokens=tuple(seq.tokens[seq.num_prompt:]),
             logprobs=tuple(seq.logprobs), weight_version=min(seq.versions), finish_reason=reason,
@@ -428,7 +432,7 @@ class InferenceEngine:
             return s.seq_id == seq_id and (sample_index is None or s.sample_index == sample_index and s.num_samples == 1)
         gone = [s for s in self.waiting + self.running if hit(s)]
         for seq in gone:
-            self.cache.release(seq)
+            self.cache.release(seq, cache=seq.kv_version == self.version)
         self.waiting = [s for s in self.waiting if not hit(s)]
         self.running = [s for s in self.running if not hit(s)]
         self._undelivered = [s for s in self._undelivered if not hit(s)]
@@ -472,7 +476,7 @@ class InferenceEngine:
 
     def stats(self) -> dict:
         return dict(self._stats, num_blocks=self.cache.num_blocks, num_free_blocks=self.cache.num_free_blocks(),
-                    cached_blocks=len(self.cache.cached), waiting=len(self.waiting), running=len(self.running),
+                    cached_blocks=self.cache.num_cached_blocks(), waiting=len(self.waiting), running=len(self.running),
                     weight_version=self.version, attention_backend=self.backend)
 
     def shutdown(self):

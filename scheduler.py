@@ -97,6 +97,9 @@ class BlockAllocator:
     def num_free_blocks(self):
         return len(self.free_plain) + len(self.free_cached)
 
+    def num_cached_blocks(self):
+        return len(self.cached)
+
     # ---- one block
 
     def allocate(self):
@@ -198,8 +201,9 @@ class BlockAllocator:
         private = self.allocate()
         return shared + [private], (seq.block_table[-1], private)
 
-    def release(self, seq):
-        """Free a sequence's blocks (tail first, so LRU evicts suffixes before prefixes) and forget its KV."""
+    def release(self, seq, cache=False):
+        """Free a sequence's blocks (tail first, so LRU evicts suffixes before prefixes) and forget its KV. Its full
+        blocks were named as they were computed (name_computed), so `cache` (RadixCache's flag) changes nothing."""
         for b in reversed(seq.block_table):
             self.free(b)
         seq.block_table, seq.num_computed, seq.kv_version, seq.catching_up = [], 0, None, True

@@ -9,9 +9,8 @@ GET /health, GET /v1/models, POST /v1/completions and /v1/chat/completions (stre
 POST /update_weights_from_disk {"model_path": DIR} (off unless --enable_weight_updates=True). Extras on both
 generation endpoints: return_token_ids=true adds prompt_token_ids and each choice's token_ids (the exact ids
 sampled, a stop token included); each choice carries weight_version (the oldest weights that sampled a token of
-it); logprobs are log_softmax(logits / T) at the sampled token, the engine's own numbers. A chat prompt is the
-checkpoint's own chat template with the generation prompt. client.py turns a response into a TrainingSample and
-continues a conversation by token ids.
+it); logprobs are log_softmax(logits / T) at the sampled token, the engine's own numbers. client.py turns a
+response into a TrainingSample and continues a conversation by token ids (chat uses the checkpoint's template).
 
 A request's path: its handler checks the JSON (a bad field: 400, the OpenAI error body naming it, nothing queued),
 makes the prompt ids and hands them to the EngineLoop (engine_loop.py), whose one thread owns the engine and
@@ -55,6 +54,7 @@ max_num_batched_tokens = 2048
 max_model_len = 0            # prompt + completion; 0 = the model's max_position_embeddings
 num_blocks = 0               # KV blocks; 0 = sized from memory
 block_size = 16
+cache_type = "paged"         # 'paged' | 'radix' (token-granular: a chat's next turn reuses all of its history)
 seed = 0                     # seeds the sampling of requests without a seed
 max_logprobs = 20            # the most top_logprobs a request may ask for
 log_level = "warning"        # uvicorn's
@@ -489,7 +489,7 @@ def main():
     engine = InferenceEngine(EngineConfig(
         model_path=model_path, device=device, dtype=dtype, max_batch_size=max_batch_size, seed=seed,
         max_num_batched_tokens=max_num_batched_tokens, max_model_len=max_model_len or None,
-        num_blocks=num_blocks or None, block_size=block_size))
+        num_blocks=num_blocks or None, block_size=block_size, cache_type=cache_type))
     server = Server(engine, tokenizer, served_model_name or model_path, api_key, enable_weight_updates,
                     eos_ids_of(model_path) or generation_stop_ids(tokenizer), max_logprobs)
     print(f"serving {server.name!r} on http://{host}:{port}/v1 ({engine.cache.num_blocks} KV blocks)", flush=True)
