@@ -44,7 +44,7 @@ import transformers
 
 import training
 from engine import EngineConfig, InferenceEngine, SamplingParams, sample_with_logprobs
-from measure import available_bytes, cpu_name, mib, peak_of, sync, timed_pair
+from measure import available_bytes, cpu_name, measure_matmul_flops, mib, peak_of, sync, timed_pair
 from model import load_hf_checkpoint
 
 # -----------------------------------------------------------------------------
@@ -359,7 +359,7 @@ if __name__ == "__main__":
         ours = load_hf_checkpoint(d, device=args.device, dtype=torch.float32)
     hf_dtype = torch.bfloat16 if args.dtype == "bfloat16" else torch.float32
     prompts, stop = workload(g)
-    peak = training.measure_matmul_flops(args.device, hf_dtype)
+    peak = measure_matmul_flops(args.device, hf_dtype)
 
     (ours_tps, hf_tps, n_ours, n_hf, *roll_peaks), prefill, profiles = bench_rollout(ours, hf.to(hf_dtype), prompts,
                                                                                      stop)

@@ -158,6 +158,15 @@ def check_prompt(prompt, vocab_size, max_model_len, where="prompt"):
     return [int(t) for t in prompt]
 
 
+def check_prompts(prompts, vocab_size, max_model_len):
+    """A list of prompts (token-id lists), each checked by check_prompt; returns them as lists of ints."""
+    _require(hasattr(prompts, "__len__") and not isinstance(prompts, (str, bytes, torch.Tensor)),
+             f"prompts must be a list of token-id lists, got {type(prompts).__name__}", TypeError)
+    _require(not (len(prompts) and _is_int(prompts[0])),
+             "prompts must be a list of token-id lists, got a flat list of ints (wrap it: [prompt])", TypeError)
+    return [check_prompt(p, vocab_size, max_model_len, f"prompts[{i}]") for i, p in enumerate(prompts)]
+
+
 def check_state_dict(state_dict, params, dtype):
     """The tensors of state_dict in params' order, after checking names, shapes, dtypes and that every value is
     finite once cast to the engine's dtype; otherwise a ValueError / TypeError naming the tensor."""
@@ -216,6 +225,13 @@ def pool_size(config, model_config, max_model_len, device, dtype):
     return max(1, min(want, int(free_bytes * config.memory_fraction) // per_block))
 
 
+def make_cache(config, num_blocks):
+    """'paged': block hashes over blocks of block_size tokens; 'radix': a radix tree over one-token blocks."""
+    if config.cache_type == "radix":
+        return RadixCache(num_blocks * config.block_size)
+    return BlockAllocator(num_blocks, config.block_size)
+
+
 def own_copy(model, device, dtype):
     """The engine's own copy of a trainer's model, in its device and dtype: the trainer keeps stepping its
     parameters, and the engine must never alias them."""
@@ -251,11 +267,8 @@ class InferenceEngine:
         self.model = model.eval().requires_grad_(False)
         self._params = model.state_dict()         # name -> tensor sharing the parameter's storage (copy_ targets)
         self.max_model_len = config.max_model_len or model.config.max_position_embeddings
-        num_blocks = config.num_blocks or pool_size(config, model.config, self.max_model_len, self.device, self.dtype)
-        if config.cache_type == "radix":          # the same memory in one-token blocks: the tree shares any prefix
-            self.cache = RadixCache(num_blocks * config.block_size)
-        else:
-            self.cache = BlockAllocator(num_blocks, config.block_size)
+        self.cache = make_cache(config, config.num_blocks or pool_size(config, model.config, self.max_model_len,
+                                                                       self.device, self.dtype))
         self.kv = PagedKVCache(model.config, self.cache.num_blocks, self.cache.block_size, self.device, self.dtype)
         self.scheduler_config = SchedulerConfig(config.max_batch_size, config.max_num_batched_tokens,
                                                 self.cache.block_size)
@@ -282,19 +295,16 @@ class InferenceEngine:
         check_fits(prompt, params, num_samples, self.cache, self.max_model_len, "prompt")
         return self._add(prompt, params, num_samples)
 
-    def generate(self, prompts, params: SamplingParams, num_samples_per_prompt: int = 1) -> list:
+    def generate(self, prompts, params: SamplingParams, num_samples_per_prompt: int = 1, first_index: int = 0) -> list:
         """Samples for every prompt, in request order: prompt 0 samples 0..G-1, prompt 1 ... Each prompt is
-        prefilled once and its blocks shared by its G samples. Every input is checked before anything is queued."""
+        prefilled once and its blocks shared by its G samples. Every input is checked before anything is queued.
+        With params.seed, prompt i draws as prompt first_index + i of one big call would (a rank's slice of it)."""
         self._check_request(params, num_samples_per_prompt, "num_samples_per_prompt")
-        _require(hasattr(prompts, "__len__") and not isinstance(prompts, (str, bytes, torch.Tensor)),
-                 f"prompts must be a list of token-id lists, got {type(prompts).__name__}", TypeError)
-        _require(not (len(prompts) and _is_int(prompts[0])),
-                 "prompts must be a list of token-id lists, got a flat list of ints (wrap it: [prompt])", TypeError)
-        checked = [check_prompt(p, self.model.config.vocab_size, self.max_model_len, f"prompts[{i}]")
-                   for i, p in enumerate(prompts)]
+        _require(_is_int(first_index) and first_index >= 0, f"first_index must be an int >= 0, got {first_index!r}")
+        checked = check_prompts(prompts, self.model.config.vocab_size, self.max_model_len)
         for i, p in enumerate(checked):
             check_fits(p, params, num_samples_per_prompt, self.cache, self.max_model_len, f"prompts[{i}]")
-        ids = {self._add(p, params, num_samples_per_prompt, index=i) for i, p in enumerate(checked)}
+        ids = {self._add(p, params, num_samples_per_prompt, index=first_index + i) for i, p in enumerate(checked)}
         mine, others = [], []
         while any(s.seq_id in ids for s in self.waiting + self.running):
             for s in self.step():

@@ -13,6 +13,7 @@ A completion scores only if it stopped by itself: one cut off at max_new_tokens 
 
 import numpy as np
 
+import distributed
 import task
 from model import train_flops
 from engine import EngineConfig, InferenceEngine, SamplingParams
@@ -43,10 +44,17 @@ def task_engine(model, tokenizer, problems, max_new_tokens, block_size=16, dtype
         num_blocks=256 * blocks_per_seq, seed=seed, weight_version=weight_version), model=model)
 
 
+def generate_sharded(engine, prompts, params, num_samples=1):
+    """engine.generate over the prompts, each rank (torchrun) sampling its contiguous slice, gathered in order:
+    the same samples as one process sampling them all (a seeded draw depends on the prompt's index)."""
+    lo, hi = distributed.span(len(prompts))
+    return distributed.gather(engine.generate(prompts[lo:hi], params, num_samples, first_index=lo))
+
+
 def greedy_accuracy(engine, tokenizer, problems, max_new_tokens):
     """The share of problems whose greedy answer is right."""
     params = SamplingParams(temperature=0.0, max_tokens=max_new_tokens, stop_token_ids=frozenset({tokenizer.eos_token_id}))
-    greedy = engine.generate(prompt_ids(tokenizer, problems), params)
+    greedy = generate_sharded(engine, prompt_ids(tokenizer, problems), params)
     return float(np.mean([score(p, tokenizer, s) for p, s in zip(problems, greedy)]))
 
 
@@ -54,7 +62,7 @@ def evaluate(engine, tokenizer, problems, max_new_tokens, pass_k, temperature, s
     """Greedy accuracy of these problems, and pass@1 / pass@k over pass_k samples at temperature."""
     params = SamplingParams(temperature=temperature, max_tokens=max_new_tokens,
                             stop_token_ids=frozenset({tokenizer.eos_token_id}), seed=seed)
-    sampled = engine.generate(prompt_ids(tokenizer, problems), params, num_samples_per_prompt=pass_k)
+    sampled = generate_sharded(engine, prompt_ids(tokenizer, problems), params, pass_k)
     right = np.array([score(problems[i // pass_k], tokenizer, s) for i, s in enumerate(sampled)])
     right = right.reshape(len(problems), pass_k)
     return {"eval/accuracy": greedy_accuracy(engine, tokenizer, problems, max_new_tokens),

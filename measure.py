@@ -1,5 +1,6 @@
 """
-How bench.py measures: interleaved medians of two callables, the peak memory a call adds, the machine's name.
+How things are measured: interleaved medians of two callables, the peak memory a call adds, the machine's name
+(bench.py), and the machine's matmul rate (the MFU denominator of every trainer).
 
     t_a, t_b, (result_a, result_b) = timed_pair(fa, fb, repeats=5, device="cpu")
     peak_bytes = peak_of(fn, device="cpu")
@@ -113,3 +114,25 @@ def available_bytes(device="cpu"):
         return torch.cuda.mem_get_info()[0]
     with open("/proc/meminfo") as f:
         return next(int(line.split()[1]) * 1024 for line in f if line.startswith("MemAvailable"))
+
+
+_MATMUL_RATE = {}
+
+
+def measure_matmul_flops(device="cpu", dtype=torch.float32):
+    """FLOP/s of a square matmul on this machine, timed once per process (the MFU denominator).
+    Uses its own generator, so measuring never shifts the training RNG."""
+    key = (str(device), dtype)
+    if key not in _MATMUL_RATE:
+        n = 4096 if torch.device(device).type == "cuda" else 1024
+        g = torch.Generator().manual_seed(0)
+        a, b = (torch.randn(n, n, generator=g).to(device, dtype) for _ in range(2))
+        sync = torch.cuda.synchronize if torch.device(device).type == "cuda" else (lambda: None)
+        (a @ b, sync())
+        reps, t0 = 0, time.perf_counter()
+        while reps < 3 or time.perf_counter() - t0 < 0.2:
+            a @ b
+            reps += 1
+        sync()
+        _MATMUL_RATE[key] = 2 * n ** 3 * reps / (time.perf_counter() - t0)
+    return _MATMUL_RATE[key]

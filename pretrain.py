@@ -4,6 +4,7 @@ Pretraining: next-token prediction on packed documents, every token weighted 1.
     python pretrain.py config/qwen_small.py
     python pretrain.py config/qwen_small.py --max_iters=50 --out_dir=out/try
     python pretrain.py config/qwen_small.py --init_from=resume      # continue a killed run exactly
+    torchrun --standalone --nproc_per_node=2 pretrain.py config/qwen_small.py --grad_accum=2   # data-parallel
 
 The data is the embedded task's corpus (task.pretrain_corpus: digits and expressions with their values), each
 document tokenized and closed with <|endoftext|>. The tokenizer is saved into every checkpoint, so
@@ -11,6 +12,7 @@ document tokenized and closed with <|endoftext|>. The tokenizer is saved into ev
 """
 import sys
 
+import distributed
 import task
 import training
 from checkpoint import init_start
@@ -39,7 +41,8 @@ beta2 = 0.95
 grad_clip = 1.0
 aux_loss_coef = 0.01         # times the router's load-balancing loss
 batch_tokens = 2048          # tokens per micro-batch (whole documents, packed)
-grad_accum = 1               # micro-batches per optimizer step
+grad_accum = 1               # micro-batches per optimizer step, over all ranks (a multiple of them)
+dist_timeout_s = 300         # torchrun: a collective waiting longer than this ends the job
 # data
 n_docs = 20000               # training documents
 n_val_docs = 200             # held-out documents (another seed) for eval/loss
@@ -61,6 +64,7 @@ def documents(tokenizer, n, seed):
 
 
 if __name__ == "__main__":
+    device = config["device"] = distributed.setup(device, dist_timeout_s)
     start = init_start(config, build_tokenizer)
     tokenizer = start.tokenizer
     train_docs = documents(tokenizer, n_docs, seed)
@@ -73,3 +77,4 @@ if __name__ == "__main__":
         return {"eval/loss": training.evaluate_loss(model, val_batches, device)}
 
     training.train(config, start, loader, eval_fn=eval_fn)
+    distributed.teardown()

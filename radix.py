@@ -179,7 +179,7 @@ class RadixCache:
         return out[1:]
 
     def invalidate(self):
-        """Forget the tree (new weights: no old KV may be served again). Slots that running sequences hold stay theirs."""
+        """Forget the tree (new weights: no old KV may be served again); slots running sequences hold stay theirs."""
         for node in self._nodes():
             for slot in node.slots:
                 self.in_tree[slot] = False

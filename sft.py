@@ -4,6 +4,7 @@ Supervised fine-tuning on chat conversations: the loss is on the assistant reply
     python sft.py config/qwen_small.py
     python sft.py config/qwen_small.py --init_from=out/qwen_small/pretrain --max_iters=100
     python sft.py config/qwen_small.py --init_from=resume           # continue a killed run exactly
+    torchrun --standalone --nproc_per_node=2 sft.py config/qwen_small.py --grad_accum=2   # data-parallel
     python sft.py config/qwen_small.py --init_from=out/qwen_small/sft --out_dir=out/rft \
         --rft_samples=8 --rft_problems=2000 --max_flops=1e13 --keep_best=True --max_iters=1000000
 
@@ -25,6 +26,7 @@ import sys
 
 import torch
 
+import distributed
 import evaluate
 import task
 import training
@@ -60,7 +62,8 @@ beta2 = 0.95
 grad_clip = 1.0
 aux_loss_coef = 0.01         # times the router's load-balancing loss
 batch_tokens = 1024          # tokens per micro-batch (whole conversations, packed)
-grad_accum = 1               # micro-batches per optimizer step
+grad_accum = 1               # micro-batches per optimizer step, over all ranks (a multiple of them)
+dist_timeout_s = 300         # torchrun: a collective waiting longer than this ends the job
 # evaluation (validation split only)
 n_eval_problems = 500        # validation problems answered greedily every eval_interval (0 = all)
 eval_max_tokens = 16         # generation budget per answer
@@ -89,7 +92,7 @@ def rejection_samples(model, tokenizer, problems):
     prompts = evaluate.prompt_ids(tokenizer, problems)
     params = SamplingParams(temperature=rft_temperature, max_tokens=eval_max_tokens,
                             stop_token_ids=frozenset({tokenizer.eos_token_id}), seed=seed)
-    samples = engine.generate(prompts, params, num_samples_per_prompt=rft_samples)
+    samples = evaluate.generate_sharded(engine, prompts, params, rft_samples)
     engine.shutdown()
     kept = {}
     for i, s in enumerate(samples):
@@ -111,10 +114,12 @@ def rft_data(start, tokenizer):
     if start.meta is None:
         problems = training.EpochCursor(task.make_problems("train"), seed).take(rft_problems)
         examples, flops = rejection_samples(start.model, tokenizer, problems)
-        os.makedirs(out_dir, exist_ok=True)
-        with open(path + ".tmp", "w") as f:
-            json.dump({"examples": examples, "flops": flops}, f)
-        os.replace(path + ".tmp", path)
+        if distributed.is_main():
+            os.makedirs(out_dir, exist_ok=True)
+            with open(path + ".tmp", "w") as f:
+                json.dump({"examples": examples, "flops": flops}, f)
+            os.replace(path + ".tmp", path)
+        distributed.barrier()   # the file is there before any rank reads it
     with open(path) as f:
         data = json.load(f)
     return [tuple(e) for e in data["examples"]], data["flops"]
@@ -140,7 +145,8 @@ def make_eval_fn(tokenizer, val_problems, val_batches):
         engine.shutdown()
         if keep_best and accuracy > best["accuracy"]:
             best["accuracy"] = accuracy
-            save_best(model, tokenizer)
+            if distributed.is_main():
+                save_best(model, tokenizer)
         return {"eval/loss": training.evaluate_loss(model, val_batches, device), "eval/accuracy": accuracy}
     return eval_fn
 
@@ -159,11 +165,12 @@ def check_settings():
 
 
 if __name__ == "__main__":
+    device = config["device"] = distributed.setup(device, dist_timeout_s)
     check_settings()
     val_problems = task.make_problems("val", n_eval_problems or None)
     start = init_start(config, build_tokenizer)
     tokenizer = start.tokenizer
-    if start.meta is None:   # a fresh run: no best model or sampled data of an earlier run in out_dir
+    if start.meta is None and distributed.is_main():   # a fresh run: no best model of an earlier run in out_dir
         shutil.rmtree(os.path.join(out_dir, "best"), ignore_errors=True)
     examples, spent = [chat_example(tokenizer, m) for m in task.sft_examples(seed, demo_fraction)], 0.0
     if rft_samples > 0:
@@ -177,3 +184,4 @@ if __name__ == "__main__":
     final = training.train(config, start, loader, make_eval_fn(tokenizer, val_problems, val_batches), spent)
     if "eval/accuracy" in final:
         print0(f"validation accuracy (greedy, {len(val_problems)} problems): {final['eval/accuracy']:.3f}")
+    distributed.teardown()

@@ -5,6 +5,7 @@ them, and the shared loss pushes up the answers that beat their group's mean.
     python train_grpo.py config/qwen_small.py
     python train_grpo.py config/qwen_small.py --max_iters=20 --out_dir=out/try
     python train_grpo.py config/qwen_small.py --init_from=resume          # continue a killed run exactly
+    torchrun --standalone --nproc_per_node=2 train_grpo.py config/qwen_small.py   # data-parallel, one engine each
     python train_grpo.py config/qwen_small.py --max_iters=0 --out_dir=out/eval_sft --eval_split=test \
         --n_eval_problems=0                                                # only evaluate init_from, on test
 
@@ -42,6 +43,7 @@ import time
 import numpy as np
 import torch
 
+import distributed
 import evaluate
 import task
 import training
@@ -85,6 +87,7 @@ beta2 = 0.95
 grad_clip = 1.0
 aux_loss_coef = 0.01         # times the router's load-balancing loss
 batch_tokens = 4096          # tokens per micro-batch; a step is however many micro-batches its samples need
+dist_timeout_s = 300         # torchrun: a collective waiting longer than this ends the job
 # evaluation (with the engine; 'test' is for the final comparison only)
 eval_split = "val"           # 'val' | 'test'
 n_eval_problems = 500        # the first n of the split (0 = all of it)
@@ -147,8 +150,8 @@ def rollout(engine, tokenizer, stream, config, it):
         # the seed is a function of (run seed, iteration, attempt): a resumed run draws the same samples
         params = SamplingParams(temperature=config["temperature"], max_tokens=config["max_new_tokens"],
                                 stop_token_ids=stop, seed=config["seed"] * 1_000_003 + it * 101 + attempts)
-        t0 = time.perf_counter()
-        samples = engine.generate(prompts, params, num_samples_per_prompt=G)
+        t0 = time.perf_counter()   # under torchrun each rank samples its slice; all get every sample
+        samples = evaluate.generate_sharded(engine, prompts, params, G)
         gen_time += time.perf_counter() - t0
         attempts += 1
         rewards = [evaluate.score(problems[i // G], tokenizer, s) for i, s in enumerate(samples)]
@@ -232,7 +235,7 @@ def apply_corrections(batches, masks, model, reference, autocast, config):
     (the loss contract): with tis_cap > 0 the truncated importance ratio min(exp(trainer - engine), tis_cap)
     multiplies the advantage; with kl_coef > 0, kl_coef * (trainer - reference logprob) is subtracted."""
     out, diff, count = [], 0.0, 0
-    for b, mask in zip(batches, masks):
+    for b, mask in zip(batches, masks):   # this rank's share of the step's micro-batches
         lp = trainer_logprobs(model, b, autocast)
         diff += (lp - b.log_probs).abs()[mask].sum().item()
         count += int(mask.sum())
@@ -242,6 +245,7 @@ def apply_corrections(batches, masks, model, reference, autocast, config):
         if config["kl_coef"] > 0:
             w = w - config["kl_coef"] * torch.where(mask, lp - trainer_logprobs(reference, b, autocast), 0.0)
         out.append(training.PackedBatch(b.tokens, b.labels, b.position_ids, b.cu_seqlens, w, b.log_probs, b.rewards))
+    diff, count = distributed.all_sum([diff, count])
     return out, diff / max(count, 1)
 
 
@@ -256,14 +260,15 @@ def grpo_step(engine, run, reference, stream, config, it):
     else:
         forward = tempered(run.forward, config["temperature"])
         t1 = time.perf_counter()
-        batches = [b.to(config["device"]) for b in build_batches(groups, config)]
+        batches = build_batches(groups, config)   # every rank packs the whole step, then takes its share
         masks = completion_masks(groups, batches)
         normalizer = loss_normalizer(batches, masks, config)
+        mine = distributed.shard([(b.to(config["device"]), m.to(config["device"])) for b, m in zip(batches, masks)])
         ref = None if reference is None else tempered(reference, config["temperature"])
-        batches, metrics["train/logprob_mismatch"] = apply_corrections(batches, masks, forward, ref, run.autocast,
-                                                                       config)
+        mine, metrics["train/logprob_mismatch"] = apply_corrections([b for b, _ in mine], [m for _, m in mine],
+                                                                    forward, ref, run.autocast, config)
         t2 = time.perf_counter()   # the optimizer step alone from here: tokens/s and MFU measure it
-        metrics.update(training.train_step(forward, run.optimizer, batches, training.scheduled_lr(config, it),
+        metrics.update(training.train_step(forward, run.optimizer, mine, training.scheduled_lr(config, it),
                                            config["grad_clip"], config["aux_loss_coef"], run.autocast, normalizer))
         t3 = time.perf_counter()
         engine.update_weights(run.model.state_dict())
@@ -336,6 +341,7 @@ def log_iteration(logger, done, metrics):
 
 
 def main(config):
+    config["device"] = distributed.setup(config["device"], config["dist_timeout_s"])
     check_settings(config)
     start = init_start(config, build_tokenizer)
     reference = reference_model(config, start)
@@ -361,11 +367,14 @@ def main(config):
         if training.due(config, "eval_interval", done, last):
             final = evaluate_and_log(engine, run, eval_problems, config, done, meter)
         if training.due(config, "ckpt_interval", done, last):
-            save_checkpoint(config["out_dir"], run.model, run.optimizer, run.start.tokenizer, done, config,
-                            stream.state_dict(), extra={"weight_version": engine.get_weight_version(),
-                                                        "meter": meter.state_dict()})
+            distributed.check_in_sync(run.model)
+            if distributed.is_main():
+                save_checkpoint(config["out_dir"], run.model, run.optimizer, run.start.tokenizer, done, config,
+                                stream.state_dict(), extra={"weight_version": engine.get_weight_version(),
+                                                            "meter": meter.state_dict()})
     run.logger.close()
     engine.shutdown()
+    distributed.teardown()
     return final
 
 

@@ -22,7 +22,9 @@ import numpy as np
 import torch
 
 from checkpoint import Start, clear_checkpoints, save_checkpoint, set_rng_state
+import distributed
 from configurator import print0
+from measure import measure_matmul_flops
 from model import Transformer, train_flops  # noqa: F401 (train_flops: the trainers' FLOP count)
 
 
@@ -256,63 +258,50 @@ def scheduled_lr(config, it):
 def train_step(model, optimizer, batches, lr, grad_clip=1.0, aux_loss_coef=0.0, autocast=None, normalizer=None):
     """One optimizer step over one or more micro-batches (already on the model's device). They share one
     normalizer (by default the sum of |weights| over all of them), so the step is the same as one big batch;
-    the router's load-balancing loss (mean over micro-batches) is added with its coefficient. Returns metrics."""
+    the router's load-balancing loss (mean over micro-batches) is added with its coefficient. Returns metrics.
+    Under torchrun, batches are this rank's share and model is DDP-wrapped: normalizer, aux mean and metrics
+    are over every rank's micro-batches and the gradients summed (DDP averages: each loss is taken world() times),
+    so N ranks step as one process would on all of them. A rank with no micro-batch joins with a zero-weight one."""
     if isinstance(batches, PackedBatch):
         batches = [batches]
-    if normalizer is None:
-        normalizer = sum(b.token_weights.abs().sum() for b in batches).clamp(min=1)
+    device = next(p.device for g in optimizer.param_groups for p in g["params"])
+    weight_sum, count = distributed.all_sum([sum(b.token_weights.abs().sum().item() for b in batches),
+                                             len(batches)])
+    normalizer = max(weight_sum, 1.0) if normalizer is None else normalizer
     for group in optimizer.param_groups:
         group["lr"] = lr
+    passes = batches or [pack_sequences([[0, 0]], [[0.0, 0.0]]).to(device)]
     loss_sum, aux_sum = 0.0, 0.0
-    for b in batches:
-        with autocast or nullcontext():
-            logp, aux = model(b.tokens, b.position_ids, b.cu_seqlens, labels=b.labels)
-        loss = weighted_loss(logp, b, normalizer)
-        aux = aux.float() / len(batches)
-        (loss + aux_loss_coef * aux).backward()
+    for i, b in enumerate(passes):
+        with distributed.no_sync(last=i == len(passes) - 1):
+            with autocast or nullcontext():
+                logp, aux = model(b.tokens, b.position_ids, b.cu_seqlens, labels=b.labels)
+            loss = weighted_loss(logp, b, normalizer)
+            aux = aux.float() * (len(batches) > 0) / max(count, 1)
+            ((loss + aux_loss_coef * aux) * distributed.world()).backward()
         loss_sum += loss.item()
         aux_sum += aux.item()
     grad_norm = torch.nn.utils.clip_grad_norm_(
         [p for g in optimizer.param_groups for p in g["params"]], grad_clip if grad_clip > 0 else float("inf"))
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
+    loss_sum, aux_sum, tokens = distributed.all_sum([loss_sum, aux_sum, sum(b.num_tokens for b in batches)])
     return {"train/loss": loss_sum, "train/aux_loss": aux_sum, "train/grad_norm": float(grad_norm),
-            "train/lr": lr, "train/tokens": sum(b.num_tokens for b in batches),
-            "train/weight_sum": float(sum(b.token_weights.abs().sum() for b in batches))}
+            "train/lr": lr, "train/tokens": int(tokens), "train/weight_sum": weight_sum}
 
 
 @torch.no_grad()
 def evaluate_loss(model, batches, device):
-    """unified_loss over fixed batches, normalised over all of them together (run it under the autocast)."""
+    """unified_loss over fixed batches, normalised over all of them together (run it under the autocast);
+    under torchrun each rank scores its share of the batches and the sums are added up."""
     total, norm = 0.0, 0.0
-    for b in batches:
+    for b in distributed.shard(batches):
         b = b.to(device)
         logp, _ = model(b.tokens, b.position_ids, b.cu_seqlens, labels=b.labels)
         total += weighted_loss(logp, b, normalizer=1.0).item()
         norm += b.token_weights.abs().sum().item()
+    total, norm = distributed.all_sum([total, norm])
     return total / max(norm, 1.0)
-
-
-_MATMUL_RATE = {}
-
-
-def measure_matmul_flops(device="cpu", dtype=torch.float32):
-    """FLOP/s of a square matmul on this machine, timed once per process (the MFU denominator).
-    Uses its own generator, so measuring never shifts the training RNG."""
-    key = (str(device), dtype)
-    if key not in _MATMUL_RATE:
-        n = 4096 if torch.device(device).type == "cuda" else 1024
-        g = torch.Generator().manual_seed(0)
-        a, b = (torch.randn(n, n, generator=g).to(device, dtype) for _ in range(2))
-        sync = torch.cuda.synchronize if torch.device(device).type == "cuda" else (lambda: None)
-        (a @ b, sync())
-        reps, t0 = 0, time.perf_counter()
-        while reps < 3 or time.perf_counter() - t0 < 0.2:
-            a @ b
-            reps += 1
-        sync()
-        _MATMUL_RATE[key] = 2 * n ** 3 * reps / (time.perf_counter() - t0)
-    return _MATMUL_RATE[key]
 
 
 # -----------------------------------------------------------------------------
@@ -325,6 +314,9 @@ class Logger:
     it), so the file reads as one uninterrupted run; a fresh run (resume_iter None) starts an empty file."""
 
     def __init__(self, out_dir, config, resume_iter=None):
+        self.file = self.wandb = None
+        if not distributed.is_main():   # rank 0 alone writes
+            return
         os.makedirs(out_dir, exist_ok=True)
         self.path = os.path.join(out_dir, "metrics.jsonl")
         kept = []
@@ -341,13 +333,14 @@ class Logger:
             f.writelines(kept)
         os.replace(self.path + ".tmp", self.path)
         self.file = open(self.path, "a")
-        self.wandb = None
         if config.get("wandb_log"):
             import wandb  # only when asked: it is slow to import; offline unless WANDB_MODE says otherwise
             self.wandb = wandb.init(project=config["wandb_project"], name=config.get("wandb_run_name") or None,
                                     config=config, dir=out_dir, mode=os.environ.get("WANDB_MODE", "offline"))
 
     def log(self, iter_num, metrics):
+        if self.file is None:
+            return
         metrics = {k: float(v) for k, v in metrics.items()}
         self.file.write(json.dumps({"iter": iter_num, **metrics}) + "\n")
         self.file.flush()
@@ -355,7 +348,8 @@ class Logger:
             self.wandb.log(metrics, step=iter_num)
 
     def close(self):
-        self.file.close()
+        if self.file is not None:
+            self.file.close()
         if self.wandb is not None:
             self.wandb.finish()
 
@@ -395,14 +389,15 @@ def setup_run(config, start, data):
     torch.manual_seed(config["seed"])
     device_type, autocast = precision(config)
     model = start.model.to(config["device"])
-    forward = torch.compile(model) if config["compile"] else model
+    forward = distributed.wrap(model, config["device"])   # DDP under torchrun
+    forward = torch.compile(forward) if config["compile"] else forward
     optimizer = configure_optimizer(model, config["learning_rate"], config["weight_decay"],
                                     (config["beta1"], config["beta2"]), device_type)
     if start.meta is not None:
         optimizer.load_state_dict(start.trainer_state["optimizer"])
         data.load_state_dict(start.meta["data_state"])
         set_rng_state(start.trainer_state["rng"])
-    else:   # a later init_from='resume' must find this run's checkpoint or none, never an earlier run's
+    elif distributed.is_main():   # a later init_from='resume' must find this run's checkpoint, never an earlier's
         removed = clear_checkpoints(config["out_dir"])
         if removed:
             print0(f"fresh start in {config['out_dir']}: removed an earlier run's {', '.join(removed)}")
@@ -420,6 +415,8 @@ def check_loop_settings(config):
                       ("batch_tokens", 1), ("log_interval", 1), ("eval_interval", 1), ("ckpt_interval", 1)):
         _require(name not in config or type(config[name]) is int and config[name] >= low,
                  f"{name}={config.get(name)!r}: expected an int >= {low}")
+    _require(config.get("grad_accum", 0) % distributed.world() == 0, f"grad_accum={config.get('grad_accum')!r}: "
+             f"expected a multiple of the {distributed.world()} ranks (each takes its share of every step)")
     lr, min_lr = config["learning_rate"], config["min_lr"]
     _require(_is_number(lr) and lr > 0, f"learning_rate={lr!r}: expected a finite number > 0")
     _require(_is_number(min_lr) and 0 <= min_lr <= lr, f"min_lr={min_lr!r}: expected 0 <= min_lr <= {lr!r}")
@@ -462,8 +459,9 @@ def train(config, start, loader, eval_fn=None, spent_flops=0.0):
     meter, final = Meter(run.start, spent_flops), {}
     for it in range(run.start.iter_num, config["max_iters"]):
         t0 = time.perf_counter()
-        batches = [loader.next_batch().to(config["device"]) for _ in range(config["grad_accum"])]
-        metrics = train_step(run.forward, run.optimizer, batches, scheduled_lr(config, it), config["grad_clip"],
+        batches = [loader.next_batch() for _ in range(config["grad_accum"])]   # every rank reads the whole step
+        mine = [b.to(config["device"]) for b in distributed.shard(batches)]      # ... and trains on its share
+        metrics = train_step(run.forward, run.optimizer, mine, scheduled_lr(config, it), config["grad_clip"],
                              config["aux_loss_coef"], run.autocast)
         if run.device_type == "cuda":
             torch.cuda.synchronize()
@@ -481,8 +479,10 @@ def train(config, start, loader, eval_fn=None, spent_flops=0.0):
         if eval_fn is not None and due(config, "eval_interval", done, last):
             final = _evaluate(run, done, eval_fn, {"perf/elapsed_s": meter.seconds})
         if due(config, "ckpt_interval", done, last):
-            save_checkpoint(config["out_dir"], run.model, run.optimizer, run.start.tokenizer, done, config,
-                            loader.state_dict(), extra={"meter": meter.state_dict()})
+            distributed.check_in_sync(run.model)
+            if distributed.is_main():
+                save_checkpoint(config["out_dir"], run.model, run.optimizer, run.start.tokenizer, done, config,
+                                loader.state_dict(), extra={"meter": meter.state_dict()})
         if last:
             break
     run.logger.close()

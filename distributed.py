@@ -1,0 +1,124 @@
+"""
+Data parallelism on torch.distributed: one process per device, launched by torchrun; `python script.py` is the
+same code with one rank and no process group.
+
+    torchrun --standalone --nproc_per_node=2 pretrain.py config/qwen_small.py --grad_accum=2
+
+    device = distributed.setup(config["device"], timeout_s)   # gloo on CPU, NCCL on CUDA (cuda:LOCAL_RANK)
+    forward = distributed.wrap(model, device)                 # DDP over the ranks (the model itself on one)
+    mine = distributed.shard(micro_batches)                   # this rank's share: items rank, rank + N, ...
+    lo, hi = distributed.span(len(prompts))                   # or a contiguous slice (rollouts keep their order)
+    total, count = distributed.all_sum([total, count])        # sums over ranks
+    samples = distributed.gather(my_samples)                  # every rank's lists, joined in rank order
+
+Every rank runs the same script on the same data stream and takes the same decisions; what differs is the share
+of the work each one computes. DDP (not FSDP2): the models trained here fit on one device many times over, so
+sharding parameters would only add communication; DDP's bucketed gradient all-reduce overlaps the backward.
+A rank that dies makes the others' next collective fail (or time out after timeout_s), so the job ends.
+"""
+
+import datetime
+import os
+from contextlib import nullcontext
+
+import torch
+import torch.distributed as dist
+import xxhash
+from torch.nn.parallel import DistributedDataParallel
+
+_ddp = None   # the DDP-wrapped model of this process (no_sync reaches it through closures such as tempered())
+
+
+def setup(device, timeout_s=300):
+    """Join torchrun's process group (once per process); returns the device this rank uses."""
+    if int(os.environ.get("WORLD_SIZE", "1")) == 1:
+        return device
+    cuda = torch.device(device).type == "cuda"
+    if cuda:   # one device per local rank
+        device = f"cuda:{int(os.environ['LOCAL_RANK'])}"
+        torch.cuda.set_device(device)
+    if not dist.is_initialized():
+        dist.init_process_group("nccl" if cuda else "gloo", timeout=datetime.timedelta(seconds=timeout_s))
+    return device
+
+
+def rank():
+    return dist.get_rank() if dist.is_initialized() else 0
+
+
+def world():
+    return dist.get_world_size() if dist.is_initialized() else 1
+
+
+def is_main():
+    """Rank 0: the only one that writes checkpoints, metrics.jsonl and wandb."""
+    return rank() == 0
+
+
+def shard(items):
+    """This rank's share of a list, every world()-th item from rank()."""
+    return items[rank()::world()]
+
+
+def span(n):
+    """(lo, hi): this rank's contiguous slice of n items; e.g. n = 5 on 2 ranks -> (0, 2) and (2, 5)."""
+    return rank() * n // world(), (rank() + 1) * n // world()
+
+
+def all_sum(values):
+    """The sum over ranks of each number in values (float64), as a list of floats."""
+    if world() == 1:
+        return [float(v) for v in values]
+    device = torch.cuda.current_device() if dist.get_backend() == "nccl" else "cpu"   # NCCL reduces on the GPU
+    t = torch.tensor([float(v) for v in values], dtype=torch.float64, device=device)
+    dist.all_reduce(t)
+    return t.tolist()
+
+
+def gather(items):
+    """Every rank's list of (picklable) items, joined in rank order: the same list on every rank."""
+    if world() == 1:
+        return list(items)
+    out = [None] * world()
+    dist.all_gather_object(out, list(items))
+    return [x for part in out for x in part]
+
+
+def wrap(model, device):
+    """DDP over the ranks (gradients summed by the step, see training.train_step), or model itself on one."""
+    global _ddp
+    if world() == 1:
+        return model
+    cuda = torch.device(device).type == "cuda"
+    _ddp = DistributedDataParallel(model, device_ids=[torch.device(device).index] if cuda else None,
+                                   forward_sync_buffers=False)   # the buffers (RoPE) are constants
+    return _ddp
+
+
+def no_sync(last):
+    """DDP's no_sync for every micro-batch of a step but the last: one gradient all-reduce per step."""
+    return _ddp.no_sync() if _ddp is not None and not last else nullcontext()
+
+
+def check_in_sync(model):
+    """Raise unless every rank holds bitwise the same parameters (called before rank 0 writes a checkpoint)."""
+    if world() == 1:
+        return
+    h = xxhash.xxh64()
+    for name, p in model.state_dict().items():
+        h.update(name.encode())
+        h.update(p.detach().cpu().contiguous().view(-1).view(torch.uint8).numpy().tobytes())
+    digests = gather([h.hexdigest()])
+    if len(set(digests)) != 1:
+        raise RuntimeError(f"the ranks' parameters differ (digests by rank: {digests}): data parallelism broke")
+
+
+def barrier():
+    if world() > 1:
+        dist.barrier()
+
+
+def teardown():
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
