@@ -23,7 +23,10 @@ copy_). What it measures:
   5. utilisation: our training step's FLOP/s (training.train_flops) over the matmul FLOP/s measured in this run.
   6. decode: one engine step of every sample decoding, against the time its matmuls would take at the measured
      matmul rate (the machine's limit for this step), and the sampler's share of it.
-  7. multi-turn: P conversations that grow turn by turn (a turn's prompt is the last prompt + its reply + a new
+  7. weight sync: weight_sync.WeightSync's bucketed broadcast from rank 0 to rank 1 (two gloo processes on this
+     machine) against one raw broadcast of a flat buffer of the same bytes, GB/s, at the embedded size and at the
+     hot-swap row's larger model.
+  8. multi-turn: P conversations that grow turn by turn (a turn's prompt is the last prompt + its reply + a new
      user message), each turn one generate call for all of them: the prompt tokens computed and the completion
      tokens/s of the whole conversation, EngineConfig(cache_type='radix') against 'paged' in the same memory.
 Peak memory: the most resident memory (CPU; allocated memory on CUDA) each side added during one call. At a real
@@ -74,6 +77,7 @@ parser.add_argument("--mem_fraction", type=float, default=0.6, help="of the avai
                     "training step may be planned to use (its [B, L, V] logits and their gradients)")
 parser.add_argument("--swap_hidden", type=int, default=1024, help="hidden size of the second, larger hot-swap model "
                     "(where memory bandwidth, not per-tensor overhead, sets the cost); 0 = skip")
+parser.add_argument("--bucket_mb", type=float, default=64, help="weight-sync bucket size (weight_bucket_mb)")
 parser.add_argument("--turns", type=int, default=4, help="turns per conversation in the multi-turn row")
 parser.add_argument("--turn_tokens", type=int, default=24, help="new tokens per reply in the multi-turn row")
 args = parser.parse_args()
@@ -323,6 +327,44 @@ def bench_multiturn(ours, g, stop):
     return (t_radix, *radix[:2]), (t_paged, *paged[:2]), radix[2], radix[3] == paged[3]
 
 
+def sync_worker(rank, port, shapes, bucket_mb, repeats, results):
+    """One of two gloo processes: rank 0 sends random tensors of these shapes, rank 1 receives; each repeat times
+    a bucketed WeightSync transfer, then one raw broadcast of a flat buffer of the same bytes."""
+    import torch.distributed as dist
+    from weight_sync import WeightSync
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=2)
+    state = {f"t{i}": torch.randn(shape) for i, shape in enumerate(shapes)}
+    ws = WeightSync(state, src=0, bucket_mb=bucket_mb)
+    ws.connect()
+    flat = torch.empty(ws.total, dtype=torch.uint8)
+
+    def bucketed():
+        ws.send(state) if rank == 0 else ws.receive()
+
+    def raw():
+        dist.broadcast(flat, src=0)
+    t_ours, t_raw, _ = timed_pair(lambda: (bucketed(), dist.barrier()), lambda: (raw(), dist.barrier()), repeats)
+    if rank == 0:
+        results.put((t_ours, t_raw, ws.total))
+    dist.destroy_process_group()
+
+
+def bench_weight_sync(model):
+    """(bucketed s, raw s, bytes) for model's tensors between two processes"""
+    import socket
+    import torch.multiprocessing as mp
+    with socket.socket() as s:   # a free port for the two processes' rendezvous
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    results = mp.get_context("spawn").SimpleQueue()
+    shapes = [tuple(t.shape) for t in model.state_dict().values()]
+    mp.start_processes(sync_worker, args=(port, shapes, args.bucket_mb, max(args.repeats, 3), results), nprocs=2,
+                       start_method="spawn")
+    return results.get()
+
+
 def bench_swap(ours):
     engine = InferenceEngine(EngineConfig(device=args.device, dtype=args.dtype, max_model_len=256, num_blocks=64),
                              model=ours)
@@ -374,6 +416,7 @@ if __name__ == "__main__":
     decode = bench_decode(ours, prompts, peak)
     t_swap, t_bare, swap_floor = bench_swap(ours)
     radix, paged, turn_prompts, same_replies = bench_multiturn(ours, g, stop)
+    syncs = [(ours.num_params(), *bench_weight_sync(ours))]
     big_swap = None
     if args.swap_hidden:
         from model import ModelConfig, Transformer
@@ -382,6 +425,7 @@ if __name__ == "__main__":
                                          "moe_intermediate_size": h, "head_dim": h // MODEL["num_attention_heads"]},
                                       vocab_size=32768)).to(args.device)
         big_swap = (big.num_params(), *bench_swap(big))
+        syncs.append((big.num_params(), *bench_weight_sync(big)))
         del big
 
     for name, table in profiles:
@@ -414,6 +458,9 @@ if __name__ == "__main__":
             *([(f"hot-swap ms, a {big_swap[0] / 1e6:.0f}M-param model (hidden {args.swap_hidden})",
                  f"{big_swap[1] * 1e3:.1f}", f"{big_swap[2] * 1e3:.1f}", big_swap[1] / big_swap[2]),
                ("  (floor: read every byte, then copy; one flat buffer)", "", "", big_swap[3])] if big_swap else []),
+            *[(f"weight sync GB/s, {n / 1e6:.1f}M params, 2 gloo processes (ours: {args.bucket_mb:g} MB buckets, ref: "
+               f"one raw broadcast)", f"{b / t_b / 1e9:.2f}", f"{b / t_r / 1e9:.2f}", t_r / t_b)
+              for n, t_b, t_r, b in syncs],
             (f"multi-turn completion tok/s, {args.prompts} x {args.turns} turns (ours: radix, ref: paged)",
              f"{radix[1] / radix[0]:,.0f}", f"{paged[1] / paged[0]:,.0f}", radix[1] * paged[0] / (paged[1] * radix[0])),
             (f"  prompt tokens computed (no cache: {turn_prompts:,}; same replies: {same_replies})",
