@@ -31,6 +31,8 @@ _ddp = None   # the DDP-wrapped model of this process (no_sync reaches it throug
 
 def setup(device, timeout_s=300):
     """Join torchrun's process group (once per process); returns the device this rank uses."""
+    if not (type(timeout_s) in (int, float) and timeout_s > 0):
+        raise ValueError(f"dist_timeout_s={timeout_s!r}: expected a number of seconds > 0")
     if int(os.environ.get("WORLD_SIZE", "1")) == 1:
         return device
     cuda = torch.device(device).type == "cuda"

@@ -226,3 +226,10 @@ def test_ranks_whose_parameters_differ_are_caught(tmp_path):
                            str(script)], env=env, capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr[-2000:]
     assert done.stdout.count("caught: the ranks' parameters differ") == 2
+
+
+def test_a_bad_collective_timeout_is_refused():
+    import distributed
+    for bad in (0, -5, "300", None):
+        with pytest.raises(ValueError, match="dist_timeout_s"):
+            distributed.setup("cpu", bad)

@@ -21,8 +21,8 @@ from dataclasses import dataclass, fields
 import numpy as np
 import torch
 
-from checkpoint import Start, clear_checkpoints, save_checkpoint, set_rng_state
 import distributed
+from checkpoint import Start, clear_checkpoints, save_checkpoint, set_rng_state
 from configurator import print0
 from measure import measure_matmul_flops
 from model import Transformer, train_flops  # noqa: F401 (train_flops: the trainers' FLOP count)
