@@ -121,6 +121,9 @@ def barrier():
 
 
 def teardown():
+    """Leave the process group together: a rank that tears down while another still writes its checkpoint can
+    make gloo abort at exit."""
     if dist.is_initialized():
+        dist.barrier()
         dist.destroy_process_group()
 
