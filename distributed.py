@@ -10,6 +10,7 @@ same code with one rank and no process group.
     lo, hi = distributed.span(len(prompts))                   # or a contiguous slice (rollouts keep their order)
     total, count = distributed.all_sum([total, count])        # sums over ranks
     samples = distributed.gather(my_samples)                  # every rank's lists, joined in rank order
+    roles = distributed.split_roles(k)                        # the last k ranks only sample (train_grpo)
 
 Every rank runs the same script on the same data stream and takes the same decisions; what differs is the share
 of the work each one computes. DDP (not FSDP2): the models trained here fit on one device many times over, so
@@ -20,13 +21,15 @@ A rank that dies makes the others' next collective fail (or time out after timeo
 import datetime
 import os
 from contextlib import nullcontext
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 import xxhash
 from torch.nn.parallel import DistributedDataParallel
 
-_ddp = None   # the DDP-wrapped model of this process (no_sync reaches it through closures such as tempered())
+_ddp = None     # the DDP-wrapped model of this process (no_sync reaches it through closures such as tempered())
+_group = None   # this rank's data-parallel group when split_roles gave the world two roles (None: the whole world)
 
 
 def setup(device, timeout_s=300):
@@ -45,16 +48,43 @@ def setup(device, timeout_s=300):
 
 
 def rank():
-    return dist.get_rank() if dist.is_initialized() else 0
+    """This rank's index among the ranks that share its work (its role's group after split_roles)."""
+    return dist.get_rank(_group) if dist.is_initialized() else 0
 
 
 def world():
-    return dist.get_world_size() if dist.is_initialized() else 1
+    """How many ranks share this rank's work (the trainers, or the rollout workers, after split_roles)."""
+    return dist.get_world_size(_group) if dist.is_initialized() else 1
 
 
 def is_main():
-    """Rank 0: the only one that writes checkpoints, metrics.jsonl and wandb."""
-    return rank() == 0
+    """Global rank 0 (the first trainer): the only one that writes checkpoints, metrics.jsonl and wandb."""
+    return not dist.is_initialized() or dist.get_rank() == 0
+
+
+@dataclass
+class Roles:
+    """The world split in two: ranks 0 .. N-K-1 train, the last K sample. Each role is its own data-parallel
+    group (what rank(), world(), all_sum, gather and wrap mean from then on); sync is trainer 0 plus the workers
+    (the weight broadcast)."""
+    is_worker: bool
+    trainers: list
+    workers: list
+    sync: object
+
+
+def split_roles(rollout_ranks):
+    """Give the last rollout_ranks ranks to sampling (train_grpo --rollout_ranks); every rank must call it."""
+    global _group
+    n = world()
+    if not (type(rollout_ranks) is int and 0 < rollout_ranks < n):
+        raise ValueError(f"rollout_ranks={rollout_ranks!r}: expected an int from 1 to {n - 1}, leaving one rank or "
+                         f"more to train (this job has {n}; torchrun --nproc_per_node sets how many)")
+    trainers, workers = list(range(n - rollout_ranks)), list(range(n - rollout_ranks, n))
+    groups = [dist.new_group(trainers), dist.new_group(workers), dist.new_group([0] + workers)]   # same order on all
+    is_worker = dist.get_rank() in workers
+    _group = groups[1] if is_worker else groups[0]
+    return Roles(is_worker, trainers, workers, groups[2])
 
 
 def shard(items):
@@ -73,7 +103,7 @@ def all_sum(values):
         return [float(v) for v in values]
     device = torch.cuda.current_device() if dist.get_backend() == "nccl" else "cpu"   # NCCL reduces on the GPU
     t = torch.tensor([float(v) for v in values], dtype=torch.float64, device=device)
-    dist.all_reduce(t)
+    dist.all_reduce(t, group=_group)
     return t.tolist()
 
 
@@ -82,7 +112,7 @@ def gather(items):
     if world() == 1:
         return list(items)
     out = [None] * world()
-    dist.all_gather_object(out, list(items))
+    dist.all_gather_object(out, list(items), group=_group)
     return [x for part in out for x in part]
 
 
@@ -93,7 +123,7 @@ def wrap(model, device):
         return model
     cuda = torch.device(device).type == "cuda"
     _ddp = DistributedDataParallel(model, device_ids=[torch.device(device).index] if cuda else None,
-                                   forward_sync_buffers=False)   # the buffers (RoPE) are constants
+                                   forward_sync_buffers=False, process_group=_group)   # buffers: constants
     return _ddp
 
 
@@ -115,15 +145,23 @@ def check_in_sync(model):
         raise RuntimeError(f"the ranks' parameters differ (digests by rank: {digests}): data parallelism broke")
 
 
+def broadcast(tensor):
+    """The first rank's tensor (of this rank's group) into every rank's, in place."""
+    if world() > 1:
+        dist.broadcast(tensor, src=0 if _group is None else dist.get_global_rank(_group, 0), group=_group)
+
+
 def barrier():
     if world() > 1:
-        dist.barrier()
+        dist.barrier(group=_group)
 
 
 def teardown():
     """Leave the process group together: a rank that tears down while another still writes its checkpoint can
     make gloo abort at exit."""
+    global _ddp, _group
     if dist.is_initialized():
         dist.barrier()
         dist.destroy_process_group()
+    _ddp = _group = None
 

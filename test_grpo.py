@@ -153,7 +153,8 @@ def test_no_variance_refills_up_to_max_attempts_then_skips_the_step(tmp_path, mo
     assert [r["rollout/attempts_per_batch"] for r in rows] == [3, 3]
     assert [r["rollout/zero_var_groups"] for r in rows] == [12, 12]   # 4 prompts pulled per attempt, all flat
     assert all(r["rollout/valid_groups"] == 0 and "train/loss" not in r for r in rows)
-    assert [r["rollout/weight_version"] for r in rows] == [0, 0]       # no step, no swap
+    # no step, but a version per iteration (the same weights): rollout ranks count on one per iteration
+    assert [r["rollout/weight_version"] for r in rows] == [0, 1]
 
 
 def test_killed_run_resumes_exactly(tmp_path, monkeypatch):

@@ -6,6 +6,8 @@ them, and the shared loss pushes up the answers that beat their group's mean.
     python train_grpo.py config/qwen_small.py --max_iters=20 --out_dir=out/try
     python train_grpo.py config/qwen_small.py --init_from=resume          # continue a killed run exactly
     torchrun --standalone --nproc_per_node=2 train_grpo.py config/qwen_small.py   # data-parallel, one engine each
+    torchrun --standalone --nproc_per_node=2 train_grpo.py config/qwen_small.py --rollout_ranks=1 \
+        --max_staleness=1 --tis_cap=2       # rank 1 only samples, a step ahead of rank 0's training (rollout_ranks.py)
     python train_grpo.py config/qwen_small.py --max_iters=0 --out_dir=out/eval_sft --eval_split=test \
         --n_eval_problems=0                                                # only evaluate init_from, on test
 
@@ -22,7 +24,8 @@ One iteration:
   4. token_weights = advantage x completion mask, packed into PackedBatches; the loss normalizer is fixed now
      (loss_norm, below); then the per-token no-grad corrections fold into the weights: TIS (tis_cap > 0) and
      the KL to the starting policy (kl_coef > 0); the shared training.train_step (unified_loss) takes one step;
-  5. engine.update_weights(model.state_dict()): in place, version += 1, prefix cache flushed;
+  5. engine.update_weights(model.state_dict()): in place, version += 1, prefix cache flushed (a version per
+     iteration, even one without a step);
   then log, evaluate on the validation split (every eval_interval) and checkpoint (with the stream's position).
 
 loss_norm, the denominator of unified_loss: 'constant' (the default, Dr. GRPO: prompts_per_step x group_size
@@ -46,6 +49,7 @@ import torch
 import distributed
 import evaluate
 import task
+import rollout_ranks as ranks
 import training
 from checkpoint import init_start, load_model, model_dir_of, save_checkpoint
 from configurator import configure, print0
@@ -88,6 +92,10 @@ grad_clip = 1.0
 aux_loss_coef = 0.01         # times the router's load-balancing loss
 batch_tokens = 4096          # tokens per micro-batch; a step is however many micro-batches its samples need
 dist_timeout_s = 300         # torchrun: a collective waiting longer than this ends the job
+# rollout ranks (torchrun; see rollout_ranks.py)
+rollout_ranks = 0            # the last K ranks only sample, the others only train; 0 = every rank does both
+max_staleness = 0            # rollout j samples with the weights after iteration j - s; s >= 1 needs tis_cap > 0
+weight_bucket_mb = 64        # bucket size of the trainer-to-workers weight broadcast
 # evaluation (with the engine; 'test' is for the final comparison only)
 eval_split = "val"           # 'val' | 'test'
 n_eval_problems = 500        # the first n of the split (0 = all of it)
@@ -249,11 +257,34 @@ def apply_corrections(batches, masks, model, reference, autocast, config):
     return out, diff / max(count, 1)
 
 
-def grpo_step(engine, run, reference, stream, config, it):
-    """Iteration it: rollout, build batches, normalizer, corrections, one optimizer step, hot-swap into the
-    engine. Returns its metrics (no step and no swap when no group had reward variance)."""
+class Colocated:
+    """The engine in this process: it samples with the trainer's current weights, swapped in after each step
+    (train_grpo's rollout source; rollout_ranks.RolloutRanks is the other one, with the same interface)."""
+
+    def __init__(self, engine, tokenizer, stream, config):
+        self.engine, self.tokenizer, self.stream, self.config = engine, tokenizer, stream, config
+
+    @property
+    def version(self):
+        return self.engine.get_weight_version()
+
+    def groups(self, it):
+        return rollout(self.engine, self.tokenizer, self.stream, self.config, it)
+
+    def publish(self, model, it):
+        t0 = time.perf_counter()
+        self.engine.update_weights(model.state_dict())
+        return {"perf/update_weights_s": time.perf_counter() - t0}
+
+    def eval_engine(self, model):
+        return self.engine
+
+
+def grpo_step(source, run, reference, config, it):
+    """Iteration it: rollout (from source), build batches, normalizer, corrections, one optimizer step (none when
+    no group had reward variance), the new weights to source. Returns its metrics."""
     t0 = time.perf_counter()
-    groups, metrics = rollout(engine, run.start.tokenizer, stream, config, it)
+    groups, metrics = source.groups(it)
     flops = metrics.pop("perf/rollout_flops")
     if not groups:  # every group had zero variance max_attempts times: no gradient this step, the weights stay
         print0(f"iter {it + 1}: no group with reward variance in {metrics['rollout/attempts_per_batch']} attempts")
@@ -271,14 +302,16 @@ def grpo_step(engine, run, reference, stream, config, it):
         metrics.update(training.train_step(forward, run.optimizer, mine, training.scheduled_lr(config, it),
                                            config["grad_clip"], config["aux_loss_coef"], run.autocast, normalizer))
         t3 = time.perf_counter()
-        engine.update_weights(run.model.state_dict())
         step_flops = sum(train_flops(run.model.config, b.seqlens()) for b in batches)
         flops += step_flops * (4 + (reference is not None)) / 3     # + the logprob (and reference) passes
-        metrics.update({"perf/logprob_pass_s": t2 - t1, "perf/train_time_s": t3 - t2,
-                        "perf/update_weights_s": time.perf_counter() - t3, "train/normalizer": normalizer,
+        metrics.update({"perf/logprob_pass_s": t2 - t1, "perf/train_time_s": t3 - t2, "train/normalizer": normalizer,
                         "perf/tokens_per_sec": metrics["train/tokens"] / (t3 - t2),
                         "perf/mfu": step_flops / (t3 - t2) / run.peak_flops})
+    metrics.update(source.publish(run.model, it))
     metrics["perf/step_time_s"] = time.perf_counter() - t0
+    if "perf/rollout_wait_s" in metrics:   # rollout ranks: the share of the step the trainer waited on the workers
+        waited = metrics["perf/rollout_wait_s"] + metrics.get("perf/weight_sync_wait_s", 0.0)
+        metrics["perf/trainer_idle_frac"] = waited / metrics["perf/step_time_s"]
     return metrics, flops
 
 
@@ -299,6 +332,14 @@ def check_settings(config):
                                                                            f"number >= 0 (0 = off)")
     _require(config["loss_norm"] in ("constant", "tokens", "weights"),
              f"loss_norm={config['loss_norm']!r}: expected 'constant', 'tokens' or 'weights'")
+    for name in ("rollout_ranks", "max_staleness"):
+        _require(type(config[name]) is int and config[name] >= 0, f"{name}={config[name]!r}: expected an int >= 0")
+    _require(config["max_staleness"] == 0 or config["rollout_ranks"] > 0, f"max_staleness={config['max_staleness']}"
+             f": only rollout ranks sample ahead of the trainer; set rollout_ranks too (or max_staleness=0)")
+    _require(config["max_staleness"] == 0 or config["tis_cap"] > 0, f"max_staleness={config['max_staleness']} "
+             f"trains on samples of older weights: set tis_cap > 0 (e.g. 2) so that TIS corrects them")
+    _require(type(config["weight_bucket_mb"]) in (int, float) and config["weight_bucket_mb"] > 0,
+             f"weight_bucket_mb={config['weight_bucket_mb']!r}: expected a number > 0")
     _require(config["eval_split"] in ("val", "test"), f"eval_split={config['eval_split']!r}: expected 'val' or 'test'")
     SamplingParams(temperature=config["temperature"], top_p=config["top_p"])   # refuses a bad temperature / top_p
     _require(config["temperature"] != 0, "temperature=0: GRPO needs sampled groups (greedy samples of a prompt "
@@ -340,24 +381,43 @@ def log_iteration(logger, done, metrics):
            f"rollout {metrics['rollout/tokens_per_s']:.0f} tok/s")
 
 
+def make_engine(model, start, stream, eval_problems, config):
+    return evaluate.task_engine(model, start.tokenizer, stream.items + eval_problems, config["max_new_tokens"],
+                                config["engine_block_size"], config["engine_dtype"], config["device"], config["seed"],
+                                0 if start.meta is None else start.meta["extra"]["weight_version"])
+
+
+def rollout_worker(config, roles, start, stream, eval_problems):
+    """A rollout rank's job (rollout_ranks.run_worker): the trainers' engine, fed by the weight broadcast."""
+    if start.meta is not None:
+        stream.load_state_dict(start.meta["data_state"])
+    engine = make_engine(start.model.to(config["device"]), start, stream, eval_problems, config)
+    ranks.run_worker(config, roles, start, stream, engine, rollout)
+    engine.shutdown()
+    distributed.teardown()
+    return {}
+
+
 def main(config):
     config["device"] = distributed.setup(config["device"], config["dist_timeout_s"])
     check_settings(config)
+    roles = distributed.split_roles(config["rollout_ranks"]) if config["rollout_ranks"] else None
     start = init_start(config, build_tokenizer)
-    reference = reference_model(config, start)
     eval_problems = task.make_problems(config["eval_split"], config["n_eval_problems"] or None)   # refused before
     stream = PromptStream(task.make_problems("train"), config["seed"])                          # out_dir changes
+    if roles is not None and roles.is_worker:
+        return rollout_worker(config, roles, start, stream, eval_problems)
+    reference = reference_model(config, start)
     run = training.setup_run(config, start, stream)
-    engine = evaluate.task_engine(run.model, run.start.tokenizer, stream.items + eval_problems,
-                                  config["max_new_tokens"], config["engine_block_size"], config["engine_dtype"],
-                                  config["device"], config["seed"],
-                                  0 if start.meta is None else start.meta["extra"]["weight_version"])
+    engine = make_engine(run.model, start, stream, eval_problems, config)
+    source = Colocated(engine, start.tokenizer, stream, config) if roles is None else \
+        ranks.RolloutRanks(config, roles, run.model, stream, engine, engine.get_weight_version())
     meter = training.Meter(run.start)
     print0(f"{config['prompts_per_step']} prompts x {config['group_size']} samples per step, "
            f"{len(eval_problems)} {config['eval_split']} problems")
     final = {} if start.meta is not None else evaluate_and_log(engine, run, eval_problems, config, 0, meter)
     for it in range(start.iter_num, config["max_iters"]):
-        metrics, flops = grpo_step(engine, run, reference, stream, config, it)
+        metrics, flops = grpo_step(source, run, reference, config, it)
         metrics.update(meter.add(flops, metrics["perf/step_time_s"]))
         metrics["rollout/problems_total"] = stream.epoch * len(stream.items) + stream.cursor
         done = it + 1
@@ -365,12 +425,12 @@ def main(config):
         if training.due(config, "log_interval", done, last):
             log_iteration(run.logger, done, metrics)
         if training.due(config, "eval_interval", done, last):
-            final = evaluate_and_log(engine, run, eval_problems, config, done, meter)
+            final = evaluate_and_log(source.eval_engine(run.model), run, eval_problems, config, done, meter)
         if training.due(config, "ckpt_interval", done, last):
             distributed.check_in_sync(run.model)
             if distributed.is_main():
                 save_checkpoint(config["out_dir"], run.model, run.optimizer, run.start.tokenizer, done, config,
-                                stream.state_dict(), extra={"weight_version": engine.get_weight_version(),
+                                stream.state_dict(), extra={"weight_version": source.version,
                                                             "meter": meter.state_dict()})
     run.logger.close()
     engine.shutdown()
