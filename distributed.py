@@ -78,8 +78,8 @@ def split_roles(rollout_ranks):
     global _group
     n = world()
     if not (type(rollout_ranks) is int and 0 < rollout_ranks < n):
-        raise ValueError(f"rollout_ranks={rollout_ranks!r}: expected an int from 1 to {n - 1}, leaving one rank or "
-                         f"more to train (this job has {n}; torchrun --nproc_per_node sets how many)")
+        raise ValueError(f"rollout_ranks={rollout_ranks!r}: expected an int >= 1 that leaves at least one of the "
+                         f"job's {n} ranks to train (torchrun --nproc_per_node=N sets N)")
     trainers, workers = list(range(n - rollout_ranks)), list(range(n - rollout_ranks, n))
     groups = [dist.new_group(trainers), dist.new_group(workers), dist.new_group([0] + workers)]   # same order on all
     is_worker = dist.get_rank() in workers
@@ -97,12 +97,17 @@ def span(n):
     return rank() * n // world(), (rank() + 1) * n // world()
 
 
+def comm_device():
+    """Where a tensor must be to go over the process group: NCCL moves only CUDA tensors, gloo CPU ones."""
+    nccl = dist.is_initialized() and dist.get_backend() == "nccl"
+    return torch.device("cuda", torch.cuda.current_device()) if nccl else torch.device("cpu")
+
+
 def all_sum(values):
     """The sum over ranks of each number in values (float64), as a list of floats."""
     if world() == 1:
         return [float(v) for v in values]
-    device = torch.cuda.current_device() if dist.get_backend() == "nccl" else "cpu"   # NCCL reduces on the GPU
-    t = torch.tensor([float(v) for v in values], dtype=torch.float64, device=device)
+    t = torch.tensor([float(v) for v in values], dtype=torch.float64, device=comm_device())
     dist.all_reduce(t, group=_group)
     return t.tolist()
 

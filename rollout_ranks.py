@@ -89,10 +89,11 @@ def decode_rollout(data, names):
 
 
 def send_rollout(tensors, dst):
-    """Start sending (data, names) to global rank dst: a header of their lengths, then each. Returns the works."""
-    data, names = tensors
-    header = torch.tensor([data.numel(), names.numel()], dtype=torch.int64)
-    return [dist.isend(header, dst), dist.isend(data, dst), dist.isend(names, dst)], tensors + (header,)
+    """Start sending (data, names) to global rank dst: a header of their lengths, then each. Returns the works, and
+    the tensors on the wire (to keep alive until the works are done)."""
+    data, names = (t.to(distributed.comm_device()) for t in tensors)
+    header = torch.tensor([data.numel(), names.numel()], dtype=torch.int64, device=data.device)
+    return [dist.isend(header, dst), dist.isend(data, dst), dist.isend(names, dst)], (data, names, header)
 
 
 def recv_rollout(src):
@@ -104,8 +105,10 @@ def recv_rollout(src):
             dist.recv(t, src)
         distributed.broadcast(t)
         return t
-    header = fill(torch.zeros(2, dtype=torch.int64))
-    return fill(torch.empty(int(header[0]), dtype=torch.float64)), fill(torch.empty(int(header[1]), dtype=torch.uint8))
+    device = distributed.comm_device()
+    header = fill(torch.zeros(2, dtype=torch.int64, device=device)).tolist()
+    data = fill(torch.empty(header[0], dtype=torch.float64, device=device))
+    return data.cpu(), fill(torch.empty(header[1], dtype=torch.uint8, device=device)).cpu()
 
 
 # -----------------------------------------------------------------------------
@@ -117,7 +120,8 @@ def run_worker(config, roles, start, stream, engine, rollout):
     with rollout(engine, tokenizer, stream, config, it) and hand it to trainer 0 (the first worker does)."""
     sync = WeightSync(start.model.state_dict(), src=0, bucket_mb=config["weight_bucket_mb"], group=roles.sync)
     sync.connect()   # a model that does not match the trainer's is refused here, on every rank of the group
-    weights_of, in_flight, t_last = start.iter_num, ([], ()), time.perf_counter()
+    weights_of, t_last = start.iter_num, time.perf_counter()
+    works, _sent = [], None   # the last rollout's sends, and its tensors, kept alive until they have left
     for it in range(start.iter_num, config["max_iters"]):
         t0 = time.perf_counter()
         received = 0.0
@@ -129,15 +133,15 @@ def run_worker(config, roles, start, stream, engine, rollout):
         waited = time.perf_counter() - t0
         groups, metrics = rollout(engine, start.tokenizer, stream, config, it)
         t1 = time.perf_counter()
-        for work in in_flight[0]:
+        for work in works:
             work.wait()                       # the previous rollout has reached trainer 0
         waited += time.perf_counter() - t1
         now = time.perf_counter()
         metrics.update({"perf/worker_idle_frac": waited / (now - t_last), "perf/weight_receive_s": received})
         t_last = now
         if distributed.rank() == 0:   # every worker holds the same groups; the first one sends them
-            in_flight = send_rollout(encode_rollout(it, stream.state_dict(), groups, metrics), roles.trainers[0])
-    for work in in_flight[0]:
+            works, _sent = send_rollout(encode_rollout(it, stream.state_dict(), groups, metrics), roles.trainers[0])
+    for work in works:
         work.wait()
 
 

@@ -204,6 +204,20 @@ def test_bad_settings_are_refused(tmp_path):
             train_grpo.check_settings(tiny_config(tmp_path, bad))
 
 
+def test_bad_rollout_rank_settings_are_refused_before_any_work(tmp_path):
+    for bad, says in (("--rollout_ranks=-1", "rollout_ranks=-1"), ("--max_staleness=1", "set rollout_ranks"),
+                      ("--weight_bucket_mb=0", "weight_bucket_mb=0")):
+        with pytest.raises(ValueError, match=says):
+            train_grpo.check_settings(tiny_config(tmp_path, bad))
+    with pytest.raises(ValueError, match="max_staleness=2 trains on samples of older weights: set tis_cap"):
+        train_grpo.check_settings(tiny_config(tmp_path, "--rollout_ranks=1", "--max_staleness=2"))
+    # one process has no rank to spare for sampling: refused before out_dir exists
+    with pytest.raises(ValueError, match="rollout_ranks=1: expected an int >= 1 that leaves at least one of the "
+                                         "job's 1 ranks"):
+        train_grpo.main(tiny_config(tmp_path / "none", "--rollout_ranks=1"))
+    assert not (tmp_path / "none").exists()
+
+
 def test_prompt_stream_resumes_and_refuses_a_bad_state():
     problems = task.make_problems("train")[:10]
     a = train_grpo.PromptStream(problems, seed=3)

@@ -95,7 +95,7 @@ dist_timeout_s = 300         # torchrun: a collective waiting longer than this e
 # rollout ranks (torchrun; see rollout_ranks.py)
 rollout_ranks = 0            # the last K ranks only sample, the others only train; 0 = every rank does both
 max_staleness = 0            # rollout j samples with the weights after iteration j - s; s >= 1 needs tis_cap > 0
-weight_bucket_mb = 64        # bucket size of the trainer-to-workers weight broadcast
+weight_bucket_mb = 64.0      # bucket size of the trainer-to-workers weight broadcast
 # evaluation (with the engine; 'test' is for the final comparison only)
 eval_split = "val"           # 'val' | 'test'
 n_eval_problems = 500        # the first n of the split (0 = all of it)
