@@ -248,6 +248,16 @@ META = "checkpoint.json"
 TRAINER_STATE = "trainer_state.pt"
 
 
+def save_best(out_dir, model, tokenizer):
+    """{out_dir}/best: a transformers model directory (a later stage's init_from), swapped in by one rename."""
+    best, tmp = os.path.join(out_dir, "best"), os.path.join(out_dir, "best.tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    save_hf_checkpoint(model, tmp)
+    save_tokenizer(tokenizer, tmp)
+    shutil.rmtree(best, ignore_errors=True)
+    os.replace(tmp, best)
+
+
 def file_digest(path):
     h = xxhash.xxh64()
     with open(path, "rb") as f:

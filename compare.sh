@@ -22,7 +22,7 @@ ARMS=(sft sft_more rft grpo)
 # its best model on validation; GRPO then takes 64 prompts per step for 336 steps (the config's 16 x 450 is the
 # speedrun's, sized for 10 minutes)
 START=(--max_iters=2800 --learning_rate=3e-4 --min_lr=3e-4 --warmup_iters=0 --eval_interval=200 --keep_best=True)
-GRPO_RUN=(--prompts_per_step=64 --max_iters=336 --eval_interval=32 --ckpt_interval=32)
+GRPO_RUN=(--prompts_per_step=64 --max_iters=336 --eval_interval=32 --ckpt_interval=32 --keep_best=True)
 SEEDS=("$@")
 [ ${#SEEDS[@]} -gt 0 ] || SEEDS=(1 2 3 4 5)
 for s in "${SEEDS[@]}"; do
@@ -81,8 +81,8 @@ run_seed() {   # run_seed <seed>: the whole pipeline of one seed
     step rft $PY sft.py "$CONFIG" --seed=$s --init_from=$d/sft/best --out_dir=$d/rft "${baseline[@]}" \
         --rft_samples=$G --rft_problems=$N --rft_temperature=$T
     for arm in "${ARMS[@]}"; do   # one evaluation on the test split for all four
-        case $arm in grpo) init=$d/$arm ;; *) init=$d/$arm/best ;; esac
-        step test_$arm $PY train_grpo.py "$CONFIG" --seed=$s --init_from=$init --out_dir=$d/test_$arm \
+        # every arm is early-stopped on validation the same way: its best validation model is the one tested
+        step test_$arm $PY train_grpo.py "$CONFIG" --seed=$s --init_from=$d/$arm/best --out_dir=$d/test_$arm \
             --max_iters=0 --eval_split=test --n_eval_problems=0
     done
 }

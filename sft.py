@@ -30,10 +30,10 @@ import distributed
 import evaluate
 import task
 import training
-from checkpoint import init_start, save_hf_checkpoint
+from checkpoint import init_start, save_best
 from configurator import configure, print0
 from engine import SamplingParams
-from tokenizer import build_tokenizer, chat_example, save_tokenizer
+from tokenizer import build_tokenizer, chat_example
 
 # -----------------------------------------------------------------------------
 # settings (a config file, then --key=value, override these)
@@ -125,16 +125,6 @@ def rft_data(start, tokenizer):
     return [tuple(e) for e in data["examples"]], data["flops"]
 
 
-def save_best(model, tokenizer):
-    """{out_dir}/best: a transformers model directory (a later stage's init_from), swapped in by one rename."""
-    best, tmp = os.path.join(out_dir, "best"), os.path.join(out_dir, "best.tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
-    save_hf_checkpoint(model, tmp)
-    save_tokenizer(tokenizer, tmp)
-    shutil.rmtree(best, ignore_errors=True)
-    os.replace(tmp, best)
-
-
 def make_eval_fn(tokenizer, val_problems, val_batches):
     best = {"accuracy": -1.0}
 
@@ -146,7 +136,7 @@ def make_eval_fn(tokenizer, val_problems, val_batches):
         if keep_best and accuracy > best["accuracy"]:
             best["accuracy"] = accuracy
             if distributed.is_main():
-                save_best(model, tokenizer)
+                save_best(out_dir, model, tokenizer)
         return {"eval/loss": training.evaluate_loss(model, val_batches, device), "eval/accuracy": accuracy}
     return eval_fn
 

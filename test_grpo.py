@@ -359,3 +359,19 @@ def test_top_p_is_refused_in_grpo(tmp_path):
         train_grpo.check_settings(tiny_config(tmp_path, "--loss_norm=mean"))
     with pytest.raises(ValueError, match="kl_coef"):
         train_grpo.check_settings(tiny_config(tmp_path, "--kl_coef=0.1"))   # tiny_config starts from scratch
+
+
+def test_keep_best_saves_the_best_validation_model_and_survives_resume(tmp_path, monkeypatch):
+    monkeypatch.setattr(task, "reward", parity_reward)
+    out = tmp_path / "es"
+    train_grpo.main(tiny_config(out, "--max_iters=4", "--eval_interval=1", "--ckpt_interval=2", "--keep_best=True"))
+    evals = [r for r in metrics(out) if "eval/accuracy" in r]
+    top = max(r["eval/accuracy"] for r in evals)
+    meta = checkpoint.read_checkpoint_meta(checkpoint.find_checkpoint(str(out)))
+    assert meta["extra"]["best"] == {"accuracy": top, "iter": min(r["iter"] for r in evals if r["eval/accuracy"] == top)}
+    best = checkpoint.load_hf_checkpoint(str(out / "best"))
+    assert best.config.vocab_size > 0 and (out / "best" / "tokenizer.json").exists()
+    # the best model is the one of its iteration: scored again, it gets the logged accuracy
+    again = train_grpo.main(tiny_config(tmp_path / "again", f"--init_from={out / 'best'}", "--max_iters=0",
+                                        "--n_eval_problems=8"))
+    assert again["eval/accuracy"] == top

@@ -40,6 +40,8 @@ trainer scores log_softmax(logits / T), the distribution the engine samples at t
 would sample another, and are refused). train/logprob_mismatch is the mean |engine - trainer logprob| over the
 step's completion tokens, both of the same weights: fp32 rounding when both are fp32.
 """
+import os
+import shutil
 import sys
 import time
 
@@ -51,7 +53,7 @@ import evaluate
 import task
 import rollout_ranks as ranks
 import training
-from checkpoint import init_start, load_model, model_dir_of, save_checkpoint
+from checkpoint import init_start, load_model, model_dir_of, save_best, save_checkpoint
 from configurator import configure, print0
 from engine import EngineConfig, SamplingParams
 from model import train_flops
@@ -99,6 +101,7 @@ weight_bucket_mb = 64.0      # bucket size of the trainer-to-workers weight broa
 # evaluation (with the engine; 'test' is for the final comparison only)
 eval_split = "val"           # 'val' | 'test'
 n_eval_problems = 500        # the first n of the split (0 = all of it)
+keep_best = False            # keep the model of the best eval/accuracy in {out_dir}/best (early stopping)
 pass_k = 8                   # samples per problem for eval/pass@1 and eval/pass@{k} (at the rollout temperature)
 # logging and checkpoints
 log_interval = 1
@@ -362,11 +365,16 @@ def reference_model(config, start):
     return load_model(model_dir_of(source)).to(config["device"]).eval().requires_grad_(False)
 
 
-def evaluate_and_log(engine, run, problems, config, done, meter):
+def evaluate_and_log(engine, run, problems, config, done, meter, best):
+    """Evaluate, log, and with keep_best save the model to {out_dir}/best when its accuracy beats best["accuracy"]."""
     t0 = time.perf_counter()
     metrics = evaluate.evaluate(engine, run.start.tokenizer, problems, config["max_new_tokens"], config["pass_k"],
                                 config["temperature"], config["seed"])
     run.logger.log(done, {**metrics, "perf/elapsed_s": meter.seconds})
+    if config["keep_best"] and metrics["eval/accuracy"] > best["accuracy"]:
+        best.update(accuracy=metrics["eval/accuracy"], iter=done)
+        if distributed.is_main():
+            save_best(config["out_dir"], run.model, run.start.tokenizer)
     print0(f"eval iter {done} ({config['eval_split']}): " + ", ".join(f"{k} {v:.4f}" for k, v in metrics.items()) +
            f" ({time.perf_counter() - t0:.1f} s)")
     return metrics
@@ -413,9 +421,12 @@ def main(config):
     source = Colocated(engine, start.tokenizer, stream, config) if roles is None else \
         ranks.RolloutRanks(config, roles, run.model, stream, engine, engine.get_weight_version())
     meter = training.Meter(run.start)
+    best = {"accuracy": -1.0, "iter": None} if start.meta is None else start.meta["extra"].get("best")
+    if start.meta is None and distributed.is_main():   # a fresh run: no best model of an earlier run in out_dir
+        shutil.rmtree(os.path.join(config["out_dir"], "best"), ignore_errors=True)
     print0(f"{config['prompts_per_step']} prompts x {config['group_size']} samples per step, "
            f"{len(eval_problems)} {config['eval_split']} problems")
-    final = {} if start.meta is not None else evaluate_and_log(engine, run, eval_problems, config, 0, meter)
+    final = {} if start.meta is not None else evaluate_and_log(engine, run, eval_problems, config, 0, meter, best)
     for it in range(start.iter_num, config["max_iters"]):
         metrics, flops = grpo_step(source, run, reference, config, it)
         metrics.update(meter.add(flops, metrics["perf/step_time_s"]))
@@ -425,12 +436,12 @@ def main(config):
         if training.due(config, "log_interval", done, last):
             log_iteration(run.logger, done, metrics)
         if training.due(config, "eval_interval", done, last):
-            final = evaluate_and_log(source.eval_engine(run.model), run, eval_problems, config, done, meter)
+            final = evaluate_and_log(source.eval_engine(run.model), run, eval_problems, config, done, meter, best)
         if training.due(config, "ckpt_interval", done, last):
             distributed.check_in_sync(run.model)
             if distributed.is_main():
                 save_checkpoint(config["out_dir"], run.model, run.optimizer, run.start.tokenizer, done, config,
-                                stream.state_dict(), extra={"weight_version": source.version,
+                                stream.state_dict(), extra={"weight_version": source.version, "best": best,
                                                             "meter": meter.state_dict()})
     run.logger.close()
     engine.shutdown()
