@@ -35,9 +35,10 @@ class DocumentCausalAttention:
     FlexAttention runs eagerly (it materialises the T x T scores, and has no backward), the documents are laid
     into a padded [N, H, L, D] batch and SDPA runs causally on it: padding sits after each document's last
     token, so causality alone keeps every real query off it. That is N x L^2 work instead of T^2, same mask,
-    same numbers."""
+    same numbers. With branch (training.pack_groups: completions that share their prompt's rows), a row also
+    sees only branch 0 and its own branch: an explicit mask on CPU, one more condition in the mask_mod."""
 
-    def __init__(self, cu_seqlens, num_tokens, device, flex=None):
+    def __init__(self, cu_seqlens, num_tokens, device, flex=None, branch=None):
         lengths = (cu_seqlens[1:] - cu_seqlens[:-1]).long().to(device)
         self.flex = torch.device(device).type != "cpu" if flex is None else flex   # flex=True: the CUDA path on CPU too
         self.doc = torch.repeat_interleave(torch.arange(len(lengths), device=device), lengths)
@@ -46,12 +47,25 @@ class DocumentCausalAttention:
         self.num_tokens, self.device = num_tokens, device
         self.num_docs, self.max_len = len(lengths), int(lengths.max()) if len(lengths) else 0
         self.pos = torch.arange(num_tokens, device=device) - cu_seqlens[:-1].long().to(device)[self.doc]
-        self._block_mask = None
+        self._block_mask = self._mask = None
+        self.branch = branch = None if branch is None else branch.to(device).long()
         doc = self.doc
 
         def mask_mod(b, h, q_idx, kv_idx):   # flex wants a plain function of four indices
-            return (doc[q_idx] == doc[kv_idx]) & (kv_idx <= q_idx)
+            same = (doc[q_idx] == doc[kv_idx]) & (kv_idx <= q_idx)
+            if branch is None:
+                return same
+            return same & ((branch[kv_idx] == 0) | (branch[kv_idx] == branch[q_idx]))
         self.mask_mod = mask_mod
+
+    def _branch_mask(self):
+        """[N, 1, L, L] bool for the padded layout: causal, and a row sees branch 0 and its own branch. Padding
+        is branch 0 after each document's last row: no real row sees it, and a padding row always sees a row."""
+        br = self.branch.new_zeros(self.num_docs, self.max_len)
+        br[self.doc, self.pos] = self.branch
+        i = torch.arange(self.max_len, device=br.device)
+        causal = i[None, :] <= i[:, None]
+        return (causal & ((br[:, None, :] == 0) | (br[:, None, :] == br[:, :, None])))[:, None]
 
     def __call__(self, layer_idx, q, k, v):
         # q [T, Hq, D], k/v [T, Hkv, D] -> [T, Hq, D]
@@ -60,7 +74,12 @@ class DocumentCausalAttention:
                 out = t.new_zeros(self.num_docs, self.max_len, *t.shape[1:])
                 out[self.doc, self.pos] = t
                 return out.transpose(1, 2)
-            y = F.scaled_dot_product_attention(pad(q), pad(k), pad(v), is_causal=True, enable_gqa=True)
+            if self.branch is None:
+                y = F.scaled_dot_product_attention(pad(q), pad(k), pad(v), is_causal=True, enable_gqa=True)
+            else:
+                if self._mask is None:   # one mask for every layer
+                    self._mask = self._branch_mask()
+                y = F.scaled_dot_product_attention(pad(q), pad(k), pad(v), attn_mask=self._mask, enable_gqa=True)
             return y.transpose(1, 2)[self.doc, self.pos]
         q, k, v = (t.transpose(0, 1).unsqueeze(0) for t in (q, k, v))   # [1, H, T, D]
         if self._block_mask is None:

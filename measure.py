@@ -1,10 +1,13 @@
 """
 How things are measured: interleaved medians of two callables, the peak memory a call adds, the machine's name
-(bench.py), and the machine's matmul rate (the MFU denominator of every trainer).
+(bench.py), the machine's matmul rate (the MFU denominator of every trainer), what a run has spent (Meter) and
+where its metrics go (Logger: metrics.jsonl, and wandb when asked).
 
     t_a, t_b, (result_a, result_b) = timed_pair(fa, fb, repeats=5, device="cpu")
     peak_bytes = peak_of(fn, device="cpu")
 """
+import json
+import math
 import os
 import platform
 import statistics
@@ -12,6 +15,8 @@ import threading
 import time
 
 import torch
+
+import distributed
 
 
 def cpu_name():
@@ -136,3 +141,65 @@ def measure_matmul_flops(device="cpu", dtype=torch.float32):
         sync()
         _MATMUL_RATE[key] = 2 * n ** 3 * reps / (time.perf_counter() - t0)
     return _MATMUL_RATE[key]
+
+
+class Logger:
+    """One JSON object per log call in {out_dir}/metrics.jsonl ({"iter": ..., metrics}), and wandb when asked.
+    A resumed run first drops the lines after its checkpoint's iteration (the killed run may have logged past
+    it), so the file reads as one uninterrupted run; a fresh run (resume_iter None) starts an empty file."""
+
+    def __init__(self, out_dir, config, resume_iter=None):
+        self.file = self.wandb = None
+        if not distributed.is_main():   # rank 0 alone writes
+            return
+        os.makedirs(out_dir, exist_ok=True)
+        self.path = os.path.join(out_dir, "metrics.jsonl")
+        kept = []
+        if resume_iter is not None and os.path.exists(self.path):
+            with open(self.path) as f:
+                for line in f:
+                    try:
+                        row = json.loads(line)
+                    except json.JSONDecodeError:
+                        continue  # a line cut short by the kill
+                    if row.get("iter", math.inf) <= resume_iter:
+                        kept.append(line if line.endswith("\n") else line + "\n")
+        with open(self.path + ".tmp", "w") as f:
+            f.writelines(kept)
+        os.replace(self.path + ".tmp", self.path)
+        self.file = open(self.path, "a")
+        if config.get("wandb_log"):
+            import wandb  # only when asked: it is slow to import; offline unless WANDB_MODE says otherwise
+            self.wandb = wandb.init(project=config["wandb_project"], name=config.get("wandb_run_name") or None,
+                                    config=config, dir=out_dir, mode=os.environ.get("WANDB_MODE", "offline"))
+
+    def log(self, iter_num, metrics):
+        if self.file is None:
+            return
+        metrics = {k: float(v) for k, v in metrics.items()}
+        self.file.write(json.dumps({"iter": iter_num, **metrics}) + "\n")
+        self.file.flush()
+        if self.wandb is not None:
+            self.wandb.log(metrics, step=iter_num)
+
+    def close(self):
+        if self.file is not None:
+            self.file.close()
+        if self.wandb is not None:
+            self.wandb.finish()
+
+
+class Meter:
+    """What a run has spent: FLOPs (training steps, plus any sampling the caller adds) and seconds of training
+    (evaluation excluded), kept in every checkpoint; max_flops > 0 ends a run once spent (compute-matched arms)."""
+
+    def __init__(self, start, flops=0.0):
+        state = ((start.meta or {}).get("extra") or {}).get("meter", {"flops": flops, "seconds": 0.0})
+        self.flops, self.seconds = float(state["flops"]), float(state["seconds"])
+
+    def add(self, flops, seconds):
+        self.flops, self.seconds = self.flops + flops, self.seconds + seconds
+        return {"perf/flops_total": self.flops, "perf/elapsed_s": self.seconds}
+
+    def state_dict(self):
+        return {"flops": self.flops, "seconds": self.seconds}

@@ -294,9 +294,10 @@ class Transformer(nn.Module):
         return int(n) - self.embed_tokens.weight.numel() * (0 if cfg.tie_word_embeddings else 1)
 
     def forward(self, tokens, position_ids, cu_seqlens=None, attention=None, logits_indices=None, aux_loss=True,
-                labels=None, temperature=1.0):
+                labels=None, temperature=1.0, branch=None):
         """tokens, position_ids: [T] (a packed batch); cu_seqlens: int32 [N+1] document boundaries.
-        attention: how to attend (default: causal within each document of cu_seqlens).
+        attention: how to attend (default: causal within each document of cu_seqlens; with branch [T], documents
+        whose completions share a prompt, training.pack_groups: a row sees its own branch and branch 0).
         logits_indices: compute logits only at these rows (the engine wants one per sequence).
         Returns (logits / temperature [T or len(logits_indices), V], aux_loss): aux_loss is the load-balancing
         loss over all MoE layers (transformers' load_balancing_loss_func), a 0-dim tensor, 0 for a dense model;
@@ -310,7 +311,7 @@ class Transformer(nn.Module):
         if attention is None:
             if cu_seqlens is None:
                 cu_seqlens = torch.tensor([0, T], dtype=torch.int32)
-            attention = DocumentCausalAttention(cu_seqlens, T, tokens.device)
+            attention = DocumentCausalAttention(cu_seqlens, T, tokens.device, branch=branch)
         x = self.embed_tokens(tokens)
         cos, sin = rope_cos_sin(position_ids, self.config.head_dim, self.config.rope_theta, x.dtype)
         router_logits = []
@@ -394,10 +395,11 @@ def load_balancing_loss(router_logits, num_experts, top_k, like):
     return num_experts * torch.sum(routed * probs.float().mean(dim=0))
 
 
-def train_flops(config: ModelConfig, seqlens):
+def train_flops(config: ModelConfig, seqlens, pairs=None):
     """FLOPs of one forward+backward over packed sequences of these lengths (a forward alone is a third): 6 per
     active matmul weight per token (experts count top_k of E, the router and the head count, the embedding
-    lookup doesn't) plus attention's QK^T and AV over the causal pairs within each sequence."""
+    lookup doesn't) plus attention's QK^T and AV over the causal pairs within each sequence (or over `pairs`
+    query-key pairs: a batch's sum of position_ids + 1, which also holds where completions share a prompt)."""
     H, D = config.hidden_size, config.head_dim
     per_token = config.vocab_size * H
     for i in range(config.num_hidden_layers):
@@ -406,7 +408,7 @@ def train_flops(config: ModelConfig, seqlens):
             per_token += config.num_experts * H + config.num_experts_per_tok * 3 * H * config.moe_intermediate_size
         else:
             per_token += 3 * H * config.intermediate_size
-    pairs = sum(n * (n + 1) // 2 for n in seqlens)
+    pairs = sum(n * (n + 1) // 2 for n in seqlens) if pairs is None else pairs
     return 6 * per_token * sum(seqlens) + 12 * config.num_hidden_layers * config.num_attention_heads * D * pairs
 
 

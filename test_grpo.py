@@ -6,6 +6,7 @@ the refill-then-skip path when no group has variance, and a run killed mid-way t
 The tiny model starts from scratch, so the task's real reward would be 0 everywhere; these tests swap in a
 reward with variance (completion length parity), which exercises the same loop.
 """
+import dataclasses
 import json
 import math
 
@@ -65,14 +66,22 @@ def test_batch_weights_are_advantage_on_completion_only():
         return TrainingSample(prompt_tokens=(1, 5, 6), completion_tokens=comp, logprobs=lps)
     prompt = [1, 5, 6]
     groups = [(None, prompt, [sample((7, 2), (-0.1, -0.2)), sample((8, 9, 2), (-0.3, -0.4, -0.5))], [1.0, 0.0])]
-    c = {"group_size": 2, "scale_rewards": False, "batch_tokens": 64}
+    c = {"group_size": 2, "scale_rewards": False, "share_prompt": False, "batch_tokens": 64}
     (b,) = build_batches(groups, c)
     assert b.tokens.tolist() == [1, 5, 6, 7, 2, 1, 5, 6, 8, 9, 2]
     # row j is scored on labels[j]: the prompt's last row predicts the first completion token
     assert b.token_weights.tolist() == [0, 0, 0.5, 0.5, 0, 0, 0, -0.5, -0.5, -0.5, 0]
     assert b.labels.tolist() == [5, 6, 7, 2, 0, 5, 6, 8, 9, 2, 0]
     assert torch.allclose(b.log_probs, torch.tensor([0, 0, -0.1, -0.2, 0, 0, 0, -0.3, -0.4, -0.5, 0]))
-    assert b.rewards.tolist() == [1.0, 0.0]
+    assert b.position_ids.tolist() == [0, 1, 2, 3, 4, 0, 1, 2, 3, 4, 5] and b.seqlens() == [5, 6]
+    # share_prompt: the prompt's rows once (but its last token, which starts each sample's branch)
+    (b,) = build_batches(groups, {**c, "share_prompt": True})
+    assert b.tokens.tolist() == [1, 5, 6, 7, 2, 6, 8, 9, 2]
+    assert b.branch.tolist() == [0, 0, 1, 1, 1, 2, 2, 2, 2]
+    assert b.position_ids.tolist() == [0, 1, 2, 3, 4, 2, 3, 4, 5] and b.seqlens() == [9]
+    assert b.labels.tolist() == [5, 6, 7, 2, 6, 8, 9, 2, 0]      # a branch's last row: a placeholder, weight 0
+    assert b.token_weights.tolist() == [0, 0, 0.5, 0.5, 0, -0.5, -0.5, -0.5, 0]
+    assert torch.allclose(b.log_probs, torch.tensor([0, 0, -0.1, -0.2, 0, -0.3, -0.4, -0.5, 0]))
 
 
 # -----------------------------------------------------------------------------
@@ -260,17 +269,18 @@ def two_groups(engine_logprob=None):
 
 def test_loss_normalizers_on_hand_made_batches():
     groups = two_groups()
-    c = {"group_size": 2, "scale_rewards": False, "batch_tokens": 8, "prompts_per_step": 4, "max_new_tokens": 16}
+    c = {"group_size": 2, "scale_rewards": False, "share_prompt": True, "batch_tokens": 8, "prompts_per_step": 4,
+         "max_new_tokens": 16}
     batches = build_batches(groups, c)
     assert len(batches) > 1                                      # the normalizer spans micro-batches
-    masks = train_grpo.completion_masks(groups, batches)
+    masks = train_grpo.completion_masks(groups, c)
     assert sum(int(m.sum()) for m in masks) == 2 + 3 + 1 + 2      # the completion tokens
     assert train_grpo.loss_normalizer(batches, masks, {**c, "loss_norm": "constant"}) == 4 * 2 * 16
     assert train_grpo.loss_normalizer(batches, masks, {**c, "loss_norm": "tokens"}) == 8
     assert train_grpo.loss_normalizer(batches, masks, {**c, "loss_norm": "weights"}) == pytest.approx(8 * 0.5)
     # the constant normalizer does not move with the batch: a step with fewer samples keeps the same denominator
     one = build_batches(groups[:1], c)
-    assert train_grpo.loss_normalizer(one, train_grpo.completion_masks(groups[:1], one),
+    assert train_grpo.loss_normalizer(one, train_grpo.completion_masks(groups[:1], c),
                                       {**c, "loss_norm": "constant"}) == 4 * 2 * 16
 
 
@@ -283,7 +293,7 @@ class FixedLogits:
     def with_labels(self, batch_labels):
         # row t puts logprob_of_label[t] on its label and spreads the rest of the mass evenly; with labels=
         # (the trainers' path) it returns the label logprobs, as Transformer.forward does
-        def forward(tokens, position_ids, cu_seqlens, labels=None):
+        def forward(tokens, position_ids, cu_seqlens, labels=None, branch=None):
             T = tokens.numel()
             p = torch.exp(self.logprob_of_label)
             rest = ((1 - p) / 15).clamp(min=1e-12).log()
@@ -295,10 +305,11 @@ class FixedLogits:
 
 def test_tis_is_the_papers_estimator_outside_the_normalizer():
     groups = two_groups(engine_logprob=-2.0)
-    c = {"group_size": 2, "scale_rewards": False, "batch_tokens": 64, "prompts_per_step": 2, "max_new_tokens": 4,
+    c = {"group_size": 2, "scale_rewards": False, "share_prompt": True, "batch_tokens": 64, "prompts_per_step": 2,
+         "max_new_tokens": 4,
          "loss_norm": "weights", "tis_cap": 2.0, "kl_coef": 0.0}
     (b,) = build_batches(groups, c)
-    masks = train_grpo.completion_masks(groups, [b])
+    masks = train_grpo.completion_masks(groups, c)
     normalizer = train_grpo.loss_normalizer([b], masks, c)
     # the trainer's logprob of each label: the engine's + log(3) on the first completion row (ratio 3, capped
     # at 2), - log(2) on every other completion row (ratio 0.5)
@@ -307,13 +318,38 @@ def test_tis_is_the_papers_estimator_outside_the_normalizer():
     trainer[rows] += torch.log(torch.tensor(0.5))
     trainer[rows[0]] = b.log_probs[rows[0]] + torch.log(torch.tensor(3.0))
     model = FixedLogits(trainer).with_labels(b.labels)
-    (out,), mismatch = train_grpo.apply_corrections([b], masks, model, None, torch.autocast("cpu", enabled=False), c)
+    (out,) = train_grpo.apply_corrections([b], masks, model, None, torch.autocast("cpu", enabled=False), c)
     ratio = torch.where(masks[0], torch.full_like(trainer, 0.5), torch.ones_like(trainer))
     ratio[rows[0]] = 2.0
     assert torch.allclose(out.token_weights, b.token_weights * ratio, atol=1e-5)
     assert normalizer == pytest.approx(8 * 0.5)          # computed before: the ratios are not in it
-    assert mismatch == pytest.approx((float(torch.log(torch.tensor(3.0))) + 7 * float(torch.log(torch.tensor(2.0))))
-                                     / 8, rel=1e-4)
+
+
+def test_the_steps_own_forward_measures_the_mismatch_and_no_logprob_pass_runs_without_corrections():
+    torch.manual_seed(0)
+    cfg = ModelConfig(vocab_size=16, hidden_size=32, intermediate_size=64, moe_intermediate_size=16,
+                      num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1, head_dim=16, num_experts=4)
+    model = Transformer(cfg)
+    groups = two_groups()
+    c = {"group_size": 2, "scale_rewards": False, "share_prompt": True, "batch_tokens": 64, "prompts_per_step": 2,
+         "max_new_tokens": 4,
+         "loss_norm": "constant", "tis_cap": 0.0, "kl_coef": 0.0}
+    (b,) = build_batches(groups, c)
+    masks = train_grpo.completion_masks(groups, c)
+
+    def no_pass(*args, **kwargs):
+        raise AssertionError("a logprob pass ran with nothing to fold")
+    assert train_grpo.apply_corrections([b], masks, no_pass, None, None, c) == [b]
+    # the sampler's logprobs: the model's own, off by 0.3 on the first completion row and by 0.1 on the others
+    off = torch.where(masks[0], torch.full_like(b.log_probs, 0.1), torch.zeros_like(b.log_probs))
+    off[masks[0].nonzero().flatten()[0]] = 0.3
+    own = train_grpo.trainer_logprobs(model, b, torch.autocast("cpu", enabled=False))
+    b = dataclasses.replace(b, log_probs=own + off)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    metrics = training.train_step(model, optimizer, [b], 1e-3, normalizer=16.0)
+    assert metrics["train/logprob_mismatch"] == pytest.approx((0.3 + 7 * 0.1) / 8, rel=1e-4)
+    sft_like = dataclasses.replace(b, log_probs=None)
+    assert "train/logprob_mismatch" not in training.train_step(model, optimizer, [sft_like], 1e-3)
 
 
 def test_kl_coef_pulls_the_policy_back_toward_the_reference():
@@ -327,12 +363,12 @@ def test_kl_coef_pulls_the_policy_back_toward_the_reference():
         for p in policy.parameters():
             p.add_(0.05 * torch.randn_like(p))
     groups = two_groups()
-    c = {"group_size": 2, "scale_rewards": False, "batch_tokens": 64, "prompts_per_step": 2, "max_new_tokens": 4,
+    c = {"group_size": 2, "scale_rewards": False, "share_prompt": True, "batch_tokens": 64, "prompts_per_step": 2,
+         "max_new_tokens": 4,
          "loss_norm": "tokens", "tis_cap": 0.0, "kl_coef": 1.0}
     (b,) = build_batches(groups, c)
-    b = training.PackedBatch(b.tokens, b.labels, b.position_ids, b.cu_seqlens, torch.zeros_like(b.token_weights),
-                             b.log_probs, b.rewards)            # no advantage: the KL term alone
-    masks = train_grpo.completion_masks(groups, [b])
+    b = dataclasses.replace(b, token_weights=torch.zeros_like(b.token_weights))   # no advantage: the KL term alone
+    masks = train_grpo.completion_masks(groups, c)
     off = torch.autocast("cpu", enabled=False)
 
     def gap():
@@ -343,7 +379,7 @@ def test_kl_coef_pulls_the_policy_back_toward_the_reference():
 
     before = gap()
     assert before > 0
-    (weighted,), _ = train_grpo.apply_corrections([b], masks, policy, reference, off, c)
+    (weighted,) = train_grpo.apply_corrections([b], masks, policy, reference, off, c)
     lp = train_grpo.trainer_logprobs(policy, b, off)
     ref = train_grpo.trainer_logprobs(reference, b, off)
     assert torch.allclose(weighted.token_weights, torch.where(masks[0], -(lp - ref), 0.0), atol=1e-6)

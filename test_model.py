@@ -15,7 +15,8 @@ from transformers import AutoModelForCausalLM, Qwen3Config, Qwen3MoeConfig, Qwen
 from attention import DocumentCausalAttention
 from conftest import randomise, write_hf_checkpoint
 from checkpoint import config_from_hf, config_to_hf
-from model import ModelConfig, Transformer, head_logprobs, load_hf_checkpoint, save_hf_checkpoint
+import training
+from model import ModelConfig, Transformer, head_logprobs, load_hf_checkpoint, save_hf_checkpoint, train_flops
 
 VOCAB = 96
 
@@ -97,6 +98,41 @@ def test_packed_batch_equals_each_sequence_alone(checkpoint):
         alone, _ = ours(s, torch.arange(len(s)))
         assert (together[start:start + len(s)] - alone).abs().max().item() < 1e-5
         assert (alone - hf(s[None]).logits[0]).abs().max().item() < 1e-4
+
+
+def test_completions_sharing_their_prompt_score_as_transformers_does_alone(checkpoint):
+    # training.pack_groups: each prompt's rows once, its completions on branches that attend to them; every
+    # completion token's logprob must be what transformers gives the prompt + completion alone, on the CPU path
+    # and on flex's mask, and the weighted loss's gradient must equal the one of the plain packing
+    _, hf, path = checkpoint
+    ours = load_hf_checkpoint(path)
+    g = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(0, VOCAB, (n,), generator=g).tolist() for n in (6, 1, 9)]
+    comps = [[torch.randint(0, VOCAB, (n,), generator=g).tolist() for n in lens] for lens in ((3, 1, 5), (2, 2), (4,))]
+    weights = [[[0.5 + j] * len(c) for j, c in enumerate(cs)] for cs in comps]
+    shared = training.pack_groups(prompts, comps, weights)
+    plain = training.pack_sequences([p + c for p, cs in zip(prompts, comps) for c in cs],
+                                    [[0.0] * len(p) + w for p, ws in zip(prompts, weights) for w in ws])
+    with torch.no_grad():
+        want = torch.cat([torch.log_softmax(hf(torch.tensor(p + c)[None]).logits[0], -1)[len(p) - 1:-1]
+                          .gather(-1, torch.tensor(c)[:, None])[:, 0] for p, cs in zip(prompts, comps) for c in cs])
+        flex = DocumentCausalAttention(shared.cu_seqlens, shared.num_tokens, "cpu", flex=True, branch=shared.branch)
+        logits, _ = ours(shared.tokens, shared.position_ids, shared.cu_seqlens, attention=flex)
+        got_flex = torch.log_softmax(logits, -1).gather(-1, shared.labels[:, None])[:, 0]
+    got, _ = training.batch_logprobs(ours, shared)
+    scored = shared.token_weights != 0
+    assert (got[scored] - want).abs().max().item() < 1e-4 and (got_flex[scored] - want).abs().max().item() < 1e-4
+    assert shared.num_tokens == (5 + 4 + 2 + 6) + (0 + 3 + 3) + (8 + 5) < plain.num_tokens == (9 + 7 + 11) + 6 + 13
+    grads = []
+    for batch in (shared, plain):
+        ours.zero_grad()
+        training.weighted_loss(training.batch_logprobs(ours, batch)[0], batch, normalizer=10.0).backward()
+        grads.append(torch.cat([p.grad.flatten() for p in ours.parameters() if p.grad is not None]))
+    assert (grads[0] - grads[1]).abs().max().item() < 1e-5
+    # FLOPs: the causal query-key pairs of the shared layout are the position_ids + 1 of its rows
+    cfg = ours.config
+    assert train_flops(cfg, [shared.num_tokens], pairs=int((shared.position_ids + 1).sum())) < train_flops(
+        cfg, plain.seqlens()) == train_flops(cfg, [plain.num_tokens], pairs=int((plain.position_ids + 1).sum()))
 
 
 @torch.no_grad()

@@ -23,7 +23,8 @@ One iteration:
      consumes prompts_per_step problems or more (rollout/problems);
   4. token_weights = advantage x completion mask, packed into PackedBatches; the loss normalizer is fixed now
      (loss_norm, below); then the per-token no-grad corrections fold into the weights: TIS (tis_cap > 0) and
-     the KL to the starting policy (kl_coef > 0); the shared training.train_step (unified_loss) takes one step;
+     the KL to the starting policy (kl_coef > 0), from a logprob pass that runs only for them; the shared
+     training.train_step (unified_loss) takes one step;
   5. engine.update_weights(model.state_dict()): in place, version += 1, prefix cache flushed (a version per
      iteration, even one without a step);
   then log, evaluate on the validation split (every eval_interval) and checkpoint (with the stream's position).
@@ -38,8 +39,10 @@ penalty in the weights, as in KL-in-reward.
 The trainer keeps fp32 master weights; the engine holds its own copy (its dtype) and never aliases them. The
 trainer scores log_softmax(logits / T), the distribution the engine samples at temperature T (top-p / top-k
 would sample another, and are refused). train/logprob_mismatch is the mean |engine - trainer logprob| over the
-step's completion tokens, both of the same weights: fp32 rounding when both are fp32.
+step's completion tokens, measured by the step's own forward (before the update): fp32 rounding when both
+hold the same fp32 weights, and the staleness too with rollout ranks.
 """
+import dataclasses
 import os
 import shutil
 import sys
@@ -75,6 +78,7 @@ max_attempts = 4             # rollouts per step at most while refilling dropped
 temperature = 1.0            # of the rollouts; the trainer scores softmax(logits / T) too (on-policy)
 top_p = 1.0                  # only 1.0: the trainer scores the whole distribution, never a nucleus
 max_new_tokens = 16          # completion budget; a completion that reaches it without stopping scores 0
+share_prompt = True          # train on a group's prompt once, its samples attending to it (training.pack_groups)
 scale_rewards = False        # divide advantages by the group std (GRPO) instead of only centring (Dr. GRPO)
 loss_norm = "constant"       # 'constant' | 'tokens' | 'weights' (see the top of this file)
 tis_cap = 0.0                # > 0: weights *= min(exp(trainer - engine logprob), tis_cap), detached (TIS)
@@ -184,32 +188,30 @@ def rollout(engine, tokenizer, stream, config, it):
     return kept, metrics
 
 
-def build_batches(groups, config):
-    """Packed batches of prompt + completion with token_weights = advantage on completion tokens, 0 on the
-    prompt; log_probs = the engine's logprob of each completion token. Split under batch_tokens."""
-    seqs, weights, logps, rewards = [], [], [], []
+def build_batches(groups, config, completion_weight=None):
+    """Packed batches, token_weights = the sample's advantage on its completion tokens (or completion_weight,
+    for completion_masks), 0 on the prompt; log_probs = the engine's logprob of each completion token. A document
+    is a whole group whose samples share its prompt's rows (share_prompt, training.pack_groups) or one sample.
+    Whole documents are split under batch_tokens."""
+    docs = []   # (prompt, completions, weights, logprobs) of each document
     for _, prompt, samples, group_rewards in groups:
-        adv = group_advantages(group_rewards, config["group_size"], config["scale_rewards"]).tolist()
-        for s, a, r in zip(samples, adv, group_rewards):
-            seqs.append(list(prompt) + list(s.completion_tokens))
-            weights.append([0.0] * len(prompt) + [a] * len(s.completion_tokens))
-            logps.append([0.0] * len(prompt) + list(s.logprobs))
-            rewards.append(r)
-    return [training.pack_sequences([seqs[i] for i in g], [weights[i] for i in g], [logps[i] for i in g],
-                                    [rewards[i] for i in g])
-            for g in training.budget_groups([len(s) for s in seqs], config["batch_tokens"])]
+        adv = group_advantages(group_rewards, config["group_size"], config["scale_rewards"]).tolist() \
+            if completion_weight is None else [completion_weight] * len(samples)
+        rows = [(list(s.completion_tokens), [a] * len(s.completion_tokens), list(s.logprobs))
+                for s, a in zip(samples, adv)]
+        # share_prompt: the group is one document (or as few as fit in batch_tokens); else each sample is one
+        parts = training.budget_groups([len(c) + 1 for c, _, _ in rows], config["batch_tokens"] - len(prompt) + 1) \
+            if config["share_prompt"] else [[i] for i in range(len(rows))]
+        for part in parts:
+            docs.append((list(prompt), *([rows[i][k] for i in part] for k in range(3))))
+    sizes = [len(prompt) - 1 + sum(len(c) + 1 for c in comps) for prompt, comps, _, _ in docs]
+    return [training.pack_groups(*zip(*(docs[i] for i in g)))
+            for g in training.budget_groups(sizes, config["batch_tokens"])]
 
 
-def completion_masks(groups, batches):
-    """[T] bool per batch: the rows scored on a completion token (the same packing as build_batches)."""
-    rows = [([0.0] * len(prompt) + [1.0] * len(s.completion_tokens)) for _, prompt, samples, _ in groups
-            for s in samples]
-    masks, i = [], 0
-    for b in batches:
-        packed = training.pack_sequences([[0] * len(r) for r in rows[i:i + b.num_seqs]], rows[i:i + b.num_seqs])
-        masks.append(packed.token_weights.to(b.token_weights.device) > 0)
-        i += b.num_seqs
-    return masks
+def completion_masks(groups, config):
+    """[T] bool per batch of build_batches(groups, config): the rows scored on a completion token."""
+    return [b.token_weights > 0 for b in build_batches(groups, config, completion_weight=1.0)]
 
 
 def loss_normalizer(batches, masks, config):
@@ -238,26 +240,26 @@ def tempered(model, temperature):
 def trainer_logprobs(model, batch, autocast):
     """log p(label) of every row under the trainer's current weights (before the step)."""
     with autocast:
-        return model(batch.tokens, batch.position_ids, batch.cu_seqlens, labels=batch.labels)[0]
+        return training.batch_logprobs(model, batch)[0]
 
 
 def apply_corrections(batches, masks, model, reference, autocast, config):
-    """train/logprob_mismatch over completion tokens, and the per-token no-grad factors folded into the weights
-    (the loss contract): with tis_cap > 0 the truncated importance ratio min(exp(trainer - engine), tis_cap)
-    multiplies the advantage; with kl_coef > 0, kl_coef * (trainer - reference logprob) is subtracted."""
-    out, diff, count = [], 0.0, 0
+    """The per-token no-grad factors folded into the weights (the loss contract), from a logprob pass of the
+    trainer's current weights: with tis_cap > 0 the truncated importance ratio min(exp(trainer - engine), tis_cap)
+    multiplies the advantage; with kl_coef > 0, kl_coef * (trainer - reference logprob) is subtracted. Without
+    either there is nothing to fold and no pass: on-policy, the step's own forward measures the mismatch."""
+    if config["tis_cap"] <= 0 and config["kl_coef"] <= 0:
+        return batches
+    out = []
     for b, mask in zip(batches, masks):   # this rank's share of the step's micro-batches
         lp = trainer_logprobs(model, b, autocast)
-        diff += (lp - b.log_probs).abs()[mask].sum().item()
-        count += int(mask.sum())
         w = b.token_weights
         if config["tis_cap"] > 0:
             w = w * torch.where(mask, torch.exp(lp - b.log_probs).clamp(max=config["tis_cap"]), 1.0)
         if config["kl_coef"] > 0:
             w = w - config["kl_coef"] * torch.where(mask, lp - trainer_logprobs(reference, b, autocast), 0.0)
-        out.append(training.PackedBatch(b.tokens, b.labels, b.position_ids, b.cu_seqlens, w, b.log_probs, b.rewards))
-    diff, count = distributed.all_sum([diff, count])
-    return out, diff / max(count, 1)
+        out.append(dataclasses.replace(b, token_weights=w))
+    return out
 
 
 class Colocated:
@@ -295,18 +297,19 @@ def grpo_step(source, run, reference, config, it):
         forward = tempered(run.forward, config["temperature"])
         t1 = time.perf_counter()
         batches = build_batches(groups, config)   # every rank packs the whole step, then takes its share
-        masks = completion_masks(groups, batches)
+        masks = completion_masks(groups, config)
         normalizer = loss_normalizer(batches, masks, config)
         mine = distributed.shard([(b.to(config["device"]), m.to(config["device"])) for b, m in zip(batches, masks)])
         ref = None if reference is None else tempered(reference, config["temperature"])
-        mine, metrics["train/logprob_mismatch"] = apply_corrections([b for b, _ in mine], [m for _, m in mine],
-                                                                    forward, ref, run.autocast, config)
+        mine = apply_corrections([b for b, _ in mine], [m for _, m in mine], forward, ref, run.autocast, config)
         t2 = time.perf_counter()   # the optimizer step alone from here: tokens/s and MFU measure it
         metrics.update(training.train_step(forward, run.optimizer, mine, training.scheduled_lr(config, it),
                                            config["grad_clip"], config["aux_loss_coef"], run.autocast, normalizer))
         t3 = time.perf_counter()
-        step_flops = sum(train_flops(run.model.config, b.seqlens()) for b in batches)
-        flops += step_flops * (4 + (reference is not None)) / 3     # + the logprob (and reference) passes
+        step_flops = sum(train_flops(run.model.config, [b.num_tokens], pairs=int((b.position_ids + 1).sum()))
+                         for b in batches)
+        passes = (config["tis_cap"] > 0 or config["kl_coef"] > 0) + (reference is not None)
+        flops += step_flops * (3 + passes) / 3     # + the logprob pass (and the reference's) when one ran
         metrics.update({"perf/logprob_pass_s": t2 - t1, "perf/train_time_s": t3 - t2, "train/normalizer": normalizer,
                         "perf/tokens_per_sec": metrics["train/tokens"] / (t3 - t2),
                         "perf/mfu": step_flops / (t3 - t2) / run.peak_flops})

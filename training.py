@@ -10,13 +10,11 @@ schedule, one optimizer step, logging, one run setup, and the loop of a fixed da
 The data sources differ only in the per-token weights they hand to pack_sequences, never in the step (see
 unified_loss). train_grpo.py writes its own loop over these parts."""
 
-import json
 import math
-import os
 import random
 import time
 from contextlib import nullcontext
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, replace
 
 import numpy as np
 import torch
@@ -24,7 +22,7 @@ import torch
 import distributed
 from checkpoint import Start, clear_checkpoints, save_checkpoint, set_rng_state
 from configurator import print0
-from measure import measure_matmul_flops
+from measure import Logger, Meter, measure_matmul_flops  # noqa: F401 (training.Meter: train_grpo's)
 from model import Transformer, train_flops  # noqa: F401 (train_flops: the trainers' FLOP count)
 
 
@@ -48,7 +46,8 @@ class PackedBatch:
     cu_seqlens: torch.Tensor      # [N+1] int32, sequence i is rows cu_seqlens[i]:cu_seqlens[i+1]
     token_weights: torch.Tensor   # [T] float32, the weight of each row's log-likelihood (0 on last rows)
     log_probs: torch.Tensor | None = None   # [T] float32, the sampler's logprob of each label (GRPO)
-    rewards: torch.Tensor | None = None     # [N] float32, one per sequence (GRPO)
+    rewards: torch.Tensor | None = None     # [N] float32, one per sequence (optional)
+    branch: torch.Tensor | None = None      # [T] int64: documents that share a prefix (pack_groups), else None
 
     @property
     def num_tokens(self):
@@ -85,6 +84,12 @@ def unified_loss(logits, batch, normalizer=None):
     the whole step's sum over micro-batches. The weights are constants (no gradient flows into them).
     The trainers call weighted_loss on model(..., labels=batch.labels): the same numbers, no [T, V] tensor."""
     return weighted_loss(token_logprobs(logits, batch.labels), batch, normalizer)
+
+
+def batch_logprobs(model, batch):
+    """(log p(label) per row [T], aux loss) of model on a packed batch, its shared prefixes included."""
+    shared = {} if batch.branch is None else {"branch": batch.branch}
+    return model(batch.tokens, batch.position_ids, batch.cu_seqlens, labels=batch.labels, **shared)
 
 
 def weighted_loss(logp, batch, normalizer=None):
@@ -140,6 +145,46 @@ def pack_sequences(sequences, weights, log_probs=None, rewards=None):
         return out.masked_fill(last, 0)
     return PackedBatch(tokens=ids, labels=shift(ids), position_ids=position_ids, cu_seqlens=cu,
                        token_weights=shift(w), log_probs=None if lp is None else shift(lp), rewards=r)
+
+
+def pack_groups(prompts, completions, weights, log_probs=None):
+    """Pack groups of completions that share a prompt (GRPO's G samples of one prompt) with each prompt once:
+    the prompt's rows are computed once and every completion attends to them, so a group costs
+    P - 1 + sum(len(completion) + 1) rows instead of sum(P + len(completion)), for the same logprobs.
+
+    prompts[i]: token ids; completions[i]: its completions' ids; weights[i] and log_probs[i]: one list per
+    completion, aligned with its tokens. Document i is branch 0, the prompt but its last token, then for every
+    completion b = 1, 2, ... branch b: the prompt's last token again and the completion, at the positions it
+    has after the prompt. A row attends to the rows before it in its document on branch 0 or on its own branch
+    (model.py). The router's balancing loss sees each prompt once. Prompt [5, 6, 7], completions [8, 9], [4]:
+        tokens    5  6 | 7  8  9 | 7  4
+        branch    0  0 | 1  1  1 | 2  2
+        position  0  1 | 2  3  4 | 2  3
+        labels    6* 7*| 8  9  7*| 4  0*     (* weight 0: a prompt token, or a placeholder)"""
+    _require(len(prompts) == len(completions) == len(weights) and len(log_probs or prompts) == len(prompts),
+             f"pack_groups: {len(prompts)} prompts, {len(completions)} completion lists, {len(weights)} weight lists")
+    docs, doc_weights, doc_logprobs, positions, branch = [], [], [], [], []
+    for i, (prompt, comps) in enumerate(zip(prompts, completions)):
+        lps = [[0.0] * len(c) for c in comps] if log_probs is None else log_probs[i]
+        _require(len(prompt) > 0, f"pack_groups: prompt {i} is empty")
+        _require(len(weights[i]) == len(lps) == len(comps), f"pack_groups: group {i} has {len(comps)} "
+                 f"completions but {len(weights[i])} weight and {len(lps)} logprob lists")
+        n = len(prompt) - 1
+        docs.append(list(prompt[:-1]))
+        doc_weights.append([0.0] * n)
+        doc_logprobs.append([0.0] * n)
+        positions += range(n)
+        branch += [0] * n
+        for b, (comp, w, lp) in enumerate(zip(comps, weights[i], lps), start=1):
+            _require(len(w) == len(comp) == len(lp), f"pack_groups: group {i} completion {b - 1} has {len(comp)} "
+                                                     f"tokens but {len(w)} weights and {len(lp)} log_probs")
+            docs[-1] += [prompt[-1], *comp]
+            doc_weights[-1] += [0.0, *w]
+            doc_logprobs[-1] += [0.0, *lp]
+            positions += range(n, n + len(comp) + 1)
+            branch += [b] * (len(comp) + 1)
+    packed = pack_sequences(docs, doc_weights, None if log_probs is None else doc_logprobs)
+    return replace(packed, position_ids=torch.tensor(positions), branch=torch.tensor(branch))
 
 
 def _finite(values, name):
@@ -261,7 +306,9 @@ def train_step(model, optimizer, batches, lr, grad_clip=1.0, aux_loss_coef=0.0, 
     the router's load-balancing loss (mean over micro-batches) is added with its coefficient. Returns metrics.
     Under torchrun, batches are this rank's share and model is DDP-wrapped: normalizer, aux mean and metrics
     are over every rank's micro-batches and the gradients summed (DDP averages: each loss is taken world() times),
-    so N ranks step as one process would on all of them. A rank with no micro-batch joins with a zero-weight one."""
+    so N ranks step as one process would on all of them. A rank with no micro-batch joins with a zero-weight one.
+    Batches that carry the sampler's log_probs (GRPO) also give train/logprob_mismatch: the mean |sampler -
+    trainer logprob| over the rows with a weight, from this forward, on the weights before the step."""
     if isinstance(batches, PackedBatch):
         batches = [batches]
     device = next(p.device for g in optimizer.param_groups for p in g["params"])
@@ -271,23 +318,31 @@ def train_step(model, optimizer, batches, lr, grad_clip=1.0, aux_loss_coef=0.0, 
     for group in optimizer.param_groups:
         group["lr"] = lr
     passes = batches or [pack_sequences([[0, 0]], [[0.0, 0.0]]).to(device)]
-    loss_sum, aux_sum = 0.0, 0.0
+    loss_sum, aux_sum, diff, scored = 0.0, 0.0, 0.0, 0
     for i, b in enumerate(passes):
         with distributed.no_sync(last=i == len(passes) - 1):
             with autocast or nullcontext():
-                logp, aux = model(b.tokens, b.position_ids, b.cu_seqlens, labels=b.labels)
+                logp, aux = batch_logprobs(model, b)
             loss = weighted_loss(logp, b, normalizer)
             aux = aux.float() * (len(batches) > 0) / max(count, 1)
             ((loss + aux_loss_coef * aux) * distributed.world()).backward()
         loss_sum += loss.item()
         aux_sum += aux.item()
+        if b.log_probs is not None:   # the sampler's logprobs against these, on the rows the loss weighs
+            weighed = b.token_weights != 0
+            diff += (logp.detach().float() - b.log_probs).abs()[weighed].sum().item()
+            scored += int(weighed.sum())
     grad_norm = torch.nn.utils.clip_grad_norm_(
         [p for g in optimizer.param_groups for p in g["params"]], grad_clip if grad_clip > 0 else float("inf"))
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
-    loss_sum, aux_sum, tokens = distributed.all_sum([loss_sum, aux_sum, sum(b.num_tokens for b in batches)])
-    return {"train/loss": loss_sum, "train/aux_loss": aux_sum, "train/grad_norm": float(grad_norm),
-            "train/lr": lr, "train/tokens": int(tokens), "train/weight_sum": weight_sum}
+    loss_sum, aux_sum, tokens, diff, scored = distributed.all_sum(
+        [loss_sum, aux_sum, sum(b.num_tokens for b in batches), diff, scored])
+    metrics = {"train/loss": loss_sum, "train/aux_loss": aux_sum, "train/grad_norm": float(grad_norm),
+               "train/lr": lr, "train/tokens": int(tokens), "train/weight_sum": weight_sum}
+    if scored:
+        metrics["train/logprob_mismatch"] = diff / scored
+    return metrics
 
 
 @torch.no_grad()
@@ -297,7 +352,7 @@ def evaluate_loss(model, batches, device):
     total, norm = 0.0, 0.0
     for b in distributed.shard(batches):
         b = b.to(device)
-        logp, _ = model(b.tokens, b.position_ids, b.cu_seqlens, labels=b.labels)
+        logp, _ = batch_logprobs(model, b)
         total += weighted_loss(logp, b, normalizer=1.0).item()
         norm += b.token_weights.abs().sum().item()
     total, norm = distributed.all_sum([total, norm])
@@ -306,52 +361,6 @@ def evaluate_loss(model, batches, device):
 
 # -----------------------------------------------------------------------------
 # the run: its log, the one setup every trainer shares, and the loop of a fixed dataset (pretrain, sft)
-
-
-class Logger:
-    """One JSON object per log call in {out_dir}/metrics.jsonl ({"iter": ..., metrics}), and wandb when asked.
-    A resumed run first drops the lines after its checkpoint's iteration (the killed run may have logged past
-    it), so the file reads as one uninterrupted run; a fresh run (resume_iter None) starts an empty file."""
-
-    def __init__(self, out_dir, config, resume_iter=None):
-        self.file = self.wandb = None
-        if not distributed.is_main():   # rank 0 alone writes
-            return
-        os.makedirs(out_dir, exist_ok=True)
-        self.path = os.path.join(out_dir, "metrics.jsonl")
-        kept = []
-        if resume_iter is not None and os.path.exists(self.path):
-            with open(self.path) as f:
-                for line in f:
-                    try:
-                        row = json.loads(line)
-                    except json.JSONDecodeError:
-                        continue  # a line cut short by the kill
-                    if row.get("iter", math.inf) <= resume_iter:
-                        kept.append(line if line.endswith("\n") else line + "\n")
-        with open(self.path + ".tmp", "w") as f:
-            f.writelines(kept)
-        os.replace(self.path + ".tmp", self.path)
-        self.file = open(self.path, "a")
-        if config.get("wandb_log"):
-            import wandb  # only when asked: it is slow to import; offline unless WANDB_MODE says otherwise
-            self.wandb = wandb.init(project=config["wandb_project"], name=config.get("wandb_run_name") or None,
-                                    config=config, dir=out_dir, mode=os.environ.get("WANDB_MODE", "offline"))
-
-    def log(self, iter_num, metrics):
-        if self.file is None:
-            return
-        metrics = {k: float(v) for k, v in metrics.items()}
-        self.file.write(json.dumps({"iter": iter_num, **metrics}) + "\n")
-        self.file.flush()
-        if self.wandb is not None:
-            self.wandb.log(metrics, step=iter_num)
-
-    def close(self):
-        if self.file is not None:
-            self.file.close()
-        if self.wandb is not None:
-            self.wandb.finish()
 
 
 def precision(config):
@@ -432,22 +441,6 @@ def _is_number(v):
 def due(config, interval, done, last):
     """Whether the iteration that makes `done` logs / evaluates / checkpoints: every config[interval], and last."""
     return done % config[interval] == 0 or last
-
-
-class Meter:
-    """What a run has spent: FLOPs (training steps, plus any sampling the caller adds) and seconds of training
-    (evaluation excluded), kept in every checkpoint; max_flops > 0 ends a run once spent (compute-matched arms)."""
-
-    def __init__(self, start, flops=0.0):
-        state = ((start.meta or {}).get("extra") or {}).get("meter", {"flops": flops, "seconds": 0.0})
-        self.flops, self.seconds = float(state["flops"]), float(state["seconds"])
-
-    def add(self, flops, seconds):
-        self.flops, self.seconds = self.flops + flops, self.seconds + seconds
-        return {"perf/flops_total": self.flops, "perf/elapsed_s": self.seconds}
-
-    def state_dict(self):
-        return {"flops": self.flops, "seconds": self.seconds}
 
 
 def train(config, start, loader, eval_fn=None, spent_flops=0.0):
