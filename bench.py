@@ -17,6 +17,8 @@ copy_). What it measures:
   3. training step: tokens/s of our packed forward + backward + AdamW step (training.train_step) vs a
      transformers Qwen3MoeForCausalLM step on the same sequences padded into a batch (labels -100 on padding,
      the same router aux-loss coefficient), both fp32 master weights.
+     And GRPO's own packing, each group's prompt trained on once (training.pack_groups), against a sequence
+     per sample (what the transformers step does too): step time on the same samples.
   4. hot-swap: engine.update_weights(policy.state_dict()) (names/shapes/dtypes/finiteness checked, in-place
      copy, version bump, prefix cache flush) vs a bare copy_ of the same tensors; and the floor of any update
      that checks before it copies: one read of every byte, then the copy, on one flat buffer.
@@ -253,6 +255,21 @@ def bench_train(ours, hf, seqs):
     return tokens / t_ours, tokens / t_hf, flops / t_ours, tokens, *peaks
 
 
+def bench_shared_prompt(ours, prompts, comps):
+    """Step times of GRPO's packing, each group's prompt once (pack_groups) vs a sequence per sample."""
+    device_type, autocast = training.precision({"device": args.device, "dtype": args.dtype})
+    groups = [comps[i * args.samples:(i + 1) * args.samples] for i in range(len(prompts))]
+    shared = training.pack_groups(prompts, groups, [[[1.0] * len(c) for c in g] for g in groups]).to(args.device)
+    plain = training.pack_sequences([p + c for p, g in zip(prompts, groups) for c in g],
+                                    [[0.0] * len(p) + [1.0] * len(c) for p, g in zip(prompts, groups) for c in g])
+    opt = training.configure_optimizer(ours, 1e-5, 0.0, (0.9, 0.95), device_type)
+    t_shared, t_plain, _ = timed_pair(
+        lambda: training.train_step(ours, opt, [shared], 1e-5, 1.0, AUX_COEF, autocast),
+        lambda: training.train_step(ours, opt, [plain.to(args.device)], 1e-5, 1.0, AUX_COEF, autocast),
+        args.train_steps, args.device)
+    return t_shared, t_plain, shared.num_tokens, plain.num_tokens
+
+
 # -----------------------------------------------------------------------------
 # 6: one decode step against the machine's limit
 
@@ -408,11 +425,12 @@ if __name__ == "__main__":
     hf = hf.float()
     # train on GRPO-shaped sequences: each prompt with completions of the rollout's length spread
     lens = torch.randint(5, args.max_new_tokens + 1, (len(prompts) * args.samples,), generator=g).tolist()
-    seqs = [prompts[i // args.samples] + torch.randint(3, args.vocab, (n,), generator=g).tolist()
-            for i, n in enumerate(lens)]
+    comps = [torch.randint(3, args.vocab, (n,), generator=g).tolist() for n in lens]
+    seqs = [prompts[i // args.samples] + c for i, c in enumerate(comps)]
     fit = transformers_fit(seqs)
     ours_train, hf_train, ours_flops, train_tokens, *train_peaks = bench_train(ours, hf, seqs[:fit])
     alone = bench_ours_alone(ours, seqs) if fit < len(seqs) else None
+    shared = bench_shared_prompt(ours, prompts, comps)
     decode = bench_decode(ours, prompts, peak)
     t_swap, t_bare, swap_floor = bench_swap(ours)
     radix, paged, turn_prompts, same_replies = bench_multiturn(ours, g, stop)
@@ -448,6 +466,8 @@ if __name__ == "__main__":
             ("training step peak memory MiB", mib(train_peaks[0]), mib(train_peaks[1]), None),
             *([(f"  ours alone on all {len(seqs)} sequences ({sum(map(len, seqs)):,} tokens): tok/s, peak MiB",
                 f"{alone[0]:,.0f}, {mib(alone[1])}", f"too big: {fit} of {len(seqs)} fit", None)] if alone else []),
+            (f"GRPO training step ms, ours: each prompt once ({shared[2]:,} tokens), ref: a sequence per sample "
+             f"({shared[3]:,})", f"{shared[0] * 1e3:.0f}", f"{shared[1] * 1e3:.0f}", shared[0] / shared[1]),
             (f"decode step ms, {decode[3]} samples (ref: its FLOPs at the measured matmul rate)",
              f"{decode[0] * 1e3:.1f}", f"{decode[1] * 1e3:.1f}", decode[0] / decode[1]),
             ("  sampler on the step's [N, V] logits, ms (share of the step)", f"{decode[2] * 1e3:.2f}",
