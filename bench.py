@@ -261,11 +261,12 @@ def bench_shared_prompt(ours, prompts, comps):
     groups = [comps[i * args.samples:(i + 1) * args.samples] for i in range(len(prompts))]
     shared = training.pack_groups(prompts, groups, [[[1.0] * len(c) for c in g] for g in groups]).to(args.device)
     plain = training.pack_sequences([p + c for p, g in zip(prompts, groups) for c in g],
-                                    [[0.0] * len(p) + [1.0] * len(c) for p, g in zip(prompts, groups) for c in g])
+                                    [[0.0] * len(p) + [1.0] * len(c) for p, g in zip(prompts, groups) for c in g]
+                                    ).to(args.device)
     opt = training.configure_optimizer(ours, 1e-5, 0.0, (0.9, 0.95), device_type)
     t_shared, t_plain, _ = timed_pair(
         lambda: training.train_step(ours, opt, [shared], 1e-5, 1.0, AUX_COEF, autocast),
-        lambda: training.train_step(ours, opt, [plain.to(args.device)], 1e-5, 1.0, AUX_COEF, autocast),
+        lambda: training.train_step(ours, opt, [plain], 1e-5, 1.0, AUX_COEF, autocast),
         args.train_steps, args.device)
     return t_shared, t_plain, shared.num_tokens, plain.num_tokens
 

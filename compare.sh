@@ -19,10 +19,10 @@ PY=.venv/bin/python
 OUT="${OUT:-out/compare}"
 ARMS=(sft sft_more rft grpo)
 # the start: the config's SFT stops well before validation accuracy does, so it goes on at a constant 3e-4 and keeps
-# its best model on validation; GRPO then takes 64 prompts per step for 336 steps (the config's 16 x 450 is the
+# its best model on validation; GRPO then takes 64 prompts per step for 672 steps (the config's 16 x 450 is the
 # speedrun's, sized for 10 minutes)
 START=(--max_iters=2800 --learning_rate=3e-4 --min_lr=3e-4 --warmup_iters=0 --eval_interval=200 --keep_best=True)
-GRPO_RUN=(--prompts_per_step=64 --max_iters=336 --eval_interval=32 --ckpt_interval=32 --keep_best=True)
+GRPO_RUN=(--prompts_per_step=64 --max_iters=672 --eval_interval=32 --ckpt_interval=32 --keep_best=True)
 SEEDS=("$@")
 [ ${#SEEDS[@]} -gt 0 ] || SEEDS=(1 2 3 4 5)
 for s in "${SEEDS[@]}"; do

@@ -39,7 +39,7 @@ penalty in the weights, as in KL-in-reward.
 The trainer keeps fp32 master weights; the engine holds its own copy (its dtype) and never aliases them. The
 trainer scores log_softmax(logits / T), the distribution the engine samples at temperature T (top-p / top-k
 would sample another, and are refused). train/logprob_mismatch is the mean |engine - trainer logprob| over the
-step's completion tokens, measured by the step's own forward (before the update): fp32 rounding when both
+step's weighted completion tokens, measured by the step's own forward (before the update): fp32 rounding when both
 hold the same fp32 weights, and the staleness too with rollout ranks.
 """
 import dataclasses

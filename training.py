@@ -156,7 +156,8 @@ def pack_groups(prompts, completions, weights, log_probs=None):
     completion, aligned with its tokens. Document i is branch 0, the prompt but its last token, then for every
     completion b = 1, 2, ... branch b: the prompt's last token again and the completion, at the positions it
     has after the prompt. A row attends to the rows before it in its document on branch 0 or on its own branch
-    (model.py). The router's balancing loss sees each prompt once. Prompt [5, 6, 7], completions [8, 9], [4]:
+    (model.py). The router's balancing loss sees each prompt once. On CPU a document's mask is dense (its L^2
+    scores), so with long completions plain packing may be faster. Prompt [5, 6, 7], completions [8, 9], [4]:
         tokens    5  6 | 7  8  9 | 7  4
         branch    0  0 | 1  1  1 | 2  2
         position  0  1 | 2  3  4 | 2  3
