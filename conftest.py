@@ -3,6 +3,11 @@ Shared test fixtures. The reference for correctness is always transformers: test
 with transformers itself (its own classes, its own save_pretrained) and compare our code against them.
 """
 
+import os
+import subprocess
+import tempfile
+import warnings
+
 import pytest
 import torch
 from transformers import Qwen3ForCausalLM, Qwen3MoeForCausalLM
@@ -41,3 +46,25 @@ def one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(n)
+
+
+# gloo's exit race (torch 2.13 on CPU, once in about 150 two-rank runs here): a rank can abort at the very end,
+# "terminate called without an active exception", after the script's last output. A run counts as passed when
+# every rank had written its finish marker (FINISHED, the last line of each script, after destroy_process_group)
+# before one died that way: nothing of the job's work was left. Any other failure, or that abort before a marker,
+# still fails.
+GLOO_EXIT_ABORT = "terminate called without an active exception"
+FINISHED = ("import os as _os; "
+            "open(_os.path.join(_os.environ['FINISH_DIR'], 'finished.' + _os.environ.get('RANK', '0')), 'w').close()\n")
+
+
+def run_ranks(cmd, nproc, env, **kwargs):
+    """subprocess.run(cmd, capture_output=True, text=True) of a job whose script ends with FINISHED on each of its
+    nproc ranks; a run that failed only by gloo's exit race is returned with returncode 0 (and a warning)."""
+    with tempfile.TemporaryDirectory() as finish_dir:
+        done = subprocess.run(cmd, env=dict(env, FINISH_DIR=finish_dir), capture_output=True, text=True, **kwargs)
+        finished = all(os.path.exists(os.path.join(finish_dir, f"finished.{r}")) for r in range(nproc))
+    if done.returncode != 0 and finished and GLOO_EXIT_ABORT in done.stdout + done.stderr:
+        warnings.warn(f"every rank finished, then one aborted at exit (gloo's exit race): {' '.join(map(str, cmd))}")
+        done.returncode = 0
+    return done

@@ -7,12 +7,12 @@ weights exactly; buckets smaller than a tensor; a mismatched model refused at co
 
 import json
 import os
-import subprocess
 import sys
 
 import pytest
 import torch
 
+from conftest import FINISHED, run_ranks
 from weight_sync import ByteStream, first_difference, manifest, spans
 
 ROOT = os.path.dirname(os.path.abspath(__file__))
@@ -42,6 +42,7 @@ except ValueError as e:
     print(f"refused: {e}", flush=True)
     dist.barrier()
     dist.destroy_process_group()
+    FINISHED
     sys.exit(0)
 params = SamplingParams(temperature=0, max_tokens=12)
 prompts = [[1, 2, 3, 4, 5], [9, 8, 7]]
@@ -56,7 +57,8 @@ with open(f"{out}.{rank}.json", "w") as f:
     json.dump({"tokens": [s.completion_tokens for s in samples], "logprobs": [s.logprobs for s in samples],
                "version": engine.get_weight_version(), "bytes": nbytes}, f)
 dist.destroy_process_group()
-'''
+FINISHED
+'''.replace("FINISHED", FINISHED.strip())
 
 
 def run(tmp_path, bucket_mb, hidden_on_1=32):
@@ -64,9 +66,8 @@ def run(tmp_path, bucket_mb, hidden_on_1=32):
     script.write_text(SCRIPT)
     out = tmp_path / "out"
     env = dict(os.environ, PYTHONPATH=ROOT, OMP_NUM_THREADS="1")
-    done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-                           str(script), str(bucket_mb), str(hidden_on_1), str(out)],
-                          env=env, capture_output=True, text=True, timeout=180)
+    done = run_ranks([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+                      str(script), str(bucket_mb), str(hidden_on_1), str(out)], 2, env, timeout=180)
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
     return done.stdout, out
 
