@@ -5,6 +5,7 @@ with transformers itself (its own classes, its own save_pretrained) and compare 
 
 import os
 import subprocess
+import sys
 import tempfile
 import warnings
 
@@ -58,13 +59,15 @@ FINISHED = ("import os as _os; "
             "open(_os.path.join(_os.environ['FINISH_DIR'], 'finished.' + _os.environ.get('RANK', '0')), 'w').close()\n")
 
 
-def run_ranks(cmd, nproc, env, **kwargs):
-    """subprocess.run(cmd, capture_output=True, text=True) of a job whose script ends with FINISHED on each of its
-    nproc ranks; a run that failed only by gloo's exit race is returned with returncode 0 (and a warning)."""
+def run_ranks(argv, nproc, env, **kwargs):
+    """Run `python argv` (under torchrun --standalone when nproc > 1; the script ends with FINISHED) with
+    capture_output=True, text=True; a run that failed only by gloo's exit race comes back with returncode 0."""
+    cmd = [sys.executable] + (["-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"]
+                              if nproc > 1 else []) + [str(a) for a in argv]
     with tempfile.TemporaryDirectory() as finish_dir:
         done = subprocess.run(cmd, env=dict(env, FINISH_DIR=finish_dir), capture_output=True, text=True, **kwargs)
         finished = all(os.path.exists(os.path.join(finish_dir, f"finished.{r}")) for r in range(nproc))
     if done.returncode != 0 and finished and GLOO_EXIT_ABORT in done.stdout + done.stderr:
-        warnings.warn(f"every rank finished, then one aborted at exit (gloo's exit race): {' '.join(map(str, cmd))}")
+        warnings.warn(f"every rank finished, then one aborted at exit (gloo's exit race): {' '.join(cmd)}")
         done.returncode = 0
     return done

@@ -76,12 +76,13 @@ def launch(tmp, script, out_dir, args, nproc=1, wait=True, timeout=300):
     launcher.write_text(LAUNCHER)
     env = dict(os.environ, ROOT=ROOT, OUT_DIR=str(out_dir), SAMPLES_OUT=str(out_dir) + ".samples",
                OMP_NUM_THREADS="1", WANDB_MODE="disabled", PYTHONPATH=ROOT)
-    run = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"] \
-        if nproc > 1 else [sys.executable]
-    cmd = run + [str(launcher), os.path.join(ROOT, script), CONFIG, f"--out_dir={out_dir}", *args]
+    argv = [launcher, os.path.join(ROOT, script), CONFIG, f"--out_dir={out_dir}", *args]
     if not wait:
-        return subprocess.Popen(cmd, env=env, cwd=tmp, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    done = run_ranks(cmd, nproc, env, cwd=tmp, timeout=timeout)
+        run = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"] \
+            if nproc > 1 else [sys.executable]
+        return subprocess.Popen(run + [str(a) for a in argv], env=env, cwd=tmp, stdout=subprocess.PIPE,
+                                stderr=subprocess.STDOUT, text=True)
+    done = run_ranks(argv, nproc, env, cwd=tmp, timeout=timeout)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     return done
 
@@ -223,8 +224,7 @@ def test_ranks_whose_parameters_differ_are_caught(tmp_path):
         "    print(f'caught: {e}', flush=True)\n"   # one write per rank: the two do not interleave
         "distributed.teardown()\n" + FINISHED)
     env = dict(os.environ, PYTHONPATH=ROOT, OMP_NUM_THREADS="1")
-    done = run_ranks([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-                      str(script)], 2, env, timeout=120)
+    done = run_ranks([script], 2, env, timeout=120)
     assert done.returncode == 0, done.stderr[-2000:]
     assert done.stdout.count("caught: the ranks' parameters differ") == 2
 
@@ -244,6 +244,5 @@ def test_only_an_abort_after_every_rank_finished_is_forgiven(tmp_path, finish_fi
             "sys.stderr.flush()", "os.abort() if os.environ['RANK'] == '1' else None"]
     script.write_text("\n".join([FINISHED.strip()] + body if finish_first else body + [FINISHED.strip()]) + "\n")
     env = dict(os.environ, OMP_NUM_THREADS="1")
-    done = run_ranks([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-                      str(script)], 2, env, timeout=120)
+    done = run_ranks([script], 2, env, timeout=120)
     assert (done.returncode == 0) == finish_first, done.stderr[-2000:]

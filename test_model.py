@@ -365,5 +365,5 @@ def test_model_labels_path_equals_logits_path():
     logp, _ = model(tokens, position_ids, cu, labels=labels, temperature=0.5)
     got = torch.autograd.grad(logp.sum(), list(model.parameters()), allow_unused=True)
     assert torch.allclose(logp, whole, atol=1e-6, rtol=1e-6)
-    for a, b in zip(got, want):   # fp32 rounding: the embedding's gradient sums rows in another order (~2e-7 relative)
+    for a, b in zip(got, want):   # fp32 rounding: up to ~5e-7 relative on an AMD EPYC CPU
         assert (a is None and b is None) or torch.allclose(a, b, atol=1e-5, rtol=1e-5)
