@@ -152,6 +152,18 @@ def test_pack_sequences_bad_input(args, match):
         pack_sequences(*args)
 
 
+@pytest.mark.parametrize("args, match", [
+    (([[1, 2]], [[[3]]], [[[1.0]]], []), "1 prompts but 0 log_probs lists"),
+    (([[1, 2]], [[[3]]], [[[1.0]], [[1.0]]]), "2 weight lists"),
+    (([[]], [[[3]]], [[[1.0]]]), "prompt 0 is empty"),
+    (([[1, 2]], [[[3], [4]]], [[[1.0]]]), "group 0 has 2 completions but 1 weight"),
+    (([[1, 2]], [[[3, 4]]], [[[1.0]]]), "completion 0 has 2 tokens but 1 weights"),
+])
+def test_pack_groups_bad_input(args, match):
+    with pytest.raises(ValueError, match=match):
+        training.pack_groups(*args)
+
+
 def test_budget_groups():
     assert training.budget_groups([3, 4, 2, 5, 1], 7) == [[0, 1], [2, 3], [4]]
     with pytest.raises(ValueError, match="sequence 1 has 9 tokens"):

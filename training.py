@@ -162,8 +162,10 @@ def pack_groups(prompts, completions, weights, log_probs=None):
         branch    0  0 | 1  1  1 | 2  2
         position  0  1 | 2  3  4 | 2  3
         labels    6* 7*| 8  9  7*| 4  0*     (* weight 0: a prompt token, or a placeholder)"""
-    _require(len(prompts) == len(completions) == len(weights) and len(log_probs or prompts) == len(prompts),
-             f"pack_groups: {len(prompts)} prompts, {len(completions)} completion lists, {len(weights)} weight lists")
+    _require(len(prompts) == len(completions) == len(weights), f"pack_groups: {len(prompts)} prompts, "
+             f"{len(completions)} completion lists, {len(weights)} weight lists")
+    _require(log_probs is None or len(log_probs) == len(prompts),
+             f"pack_groups: {len(prompts)} prompts but {len(log_probs or [])} log_probs lists")
     docs, doc_weights, doc_logprobs, positions, branch = [], [], [], [], []
     for i, (prompt, comps) in enumerate(zip(prompts, completions)):
         lps = [[0.0] * len(c) for c in comps] if log_probs is None else log_probs[i]
