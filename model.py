@@ -307,6 +307,8 @@ class Transformer(nn.Module):
         _require(tokens.dim() == 1 and position_ids.shape == tokens.shape,
                  f"tokens and position_ids must be 1-D and equal in shape, got {tuple(tokens.shape)} and "
                  f"{tuple(position_ids.shape)}")
+        _require(attention is None or branch is None, "pass branch or attention, not both: an attention already "
+                                                      "holds its mask (DocumentCausalAttention(..., branch=...))")
         T = tokens.shape[0]
         if attention is None:
             if cu_seqlens is None:

@@ -212,6 +212,10 @@ def test_embedded_default_shape_builds():
     # inference skips the aux loss: same logits, no loss
     same, none = model(torch.tensor([1, 2, 3]), torch.arange(3), aux_loss=False)
     assert none is None and torch.equal(same, logits)
+    # a branch beside a ready attention would be silently ignored: refused
+    attention = DocumentCausalAttention(torch.tensor([0, 3], dtype=torch.int32), 3, "cpu")
+    with pytest.raises(ValueError, match="branch or attention, not both"):
+        model(torch.tensor([1, 2, 3]), torch.arange(3), attention=attention, branch=torch.zeros(3, dtype=torch.long))
 
 
 # -----------------------------------------------------------------------------
