@@ -8,7 +8,7 @@ compare.sh trains, for each seed, three arms from one SFT checkpoint and scores 
 This script reads those evaluations (OUT_DIR/seed<S>/test_<arm>/metrics.jsonl, the last row), writes
 OUT_DIR/results.json, prints two markdown tables (each arm's test metrics, mean ± std over seeds; the paired
 differences of greedy accuracy with their 95% intervals) and plots validation accuracy against wall-clock time
-(OUT_DIR/val_accuracy.png, when matplotlib is installed).
+and against FLOPs spent (OUT_DIR/val_accuracy.png, when matplotlib is installed).
 
     python report.py out/compare 1 2 3 4 5      # the seeds to read (none given: every seed<S> directory there)
 
@@ -153,7 +153,7 @@ def tables(results):
 
 
 # -----------------------------------------------------------------------------
-# the plot: validation accuracy against wall-clock time
+# the plot: validation accuracy against wall-clock time, and against the FLOPs the budgets match
 
 
 def val_curve(path):
@@ -165,8 +165,29 @@ def val_curve(path):
     return [r["perf/elapsed_s"] for r in rows], [r["eval/accuracy"] for r in rows]
 
 
+def flops_curve(path):
+    """(FLOPs spent, accuracies) of a run's validation evaluations: the budget the arms are matched on, RFT's
+    sampling and GRPO's rollouts included. An evaluation row has no perf/flops_total, so an evaluation at
+    iteration k is placed on the line through the training rows' (iter, perf/flops_total), extended back
+    from the first two before the first log: rows (10, 5.0) and (20, 6.0) put iteration 0 at 4.0 (RFT's
+    sampling, spent before its first step). Empty lists when the file is missing or logs no FLOPs."""
+    if not os.path.exists(path):
+        return [], []
+    rows = read_rows(path)
+    spent = [(r["iter"], r["perf/flops_total"]) for r in rows if "perf/flops_total" in r]
+    evals = [r for r in rows if "eval/accuracy" in r]
+    if len(spent) < 2 or not evals:
+        return [], []
+    (i0, f0), (i1, f1) = spent[:2]
+    iters, flops = [i for i, _ in spent], [f for _, f in spent]
+    slope = (f1 - f0) / (i1 - i0)
+    x = [float(np.interp(r["iter"], iters, flops)) if r["iter"] >= i0 else f0 - (i0 - r["iter"]) * slope
+         for r in evals]
+    return x, [r["eval/accuracy"] for r in evals]
+
+
 def mean_curve(curves, points=200):
-    """(grid, mean) of piecewise-linear curves over seeds, on the time range that every one of them covers;
+    """(grid, mean) of piecewise-linear curves over seeds, on the range of x that every one of them covers;
     None when there is no such range (no curves, or one eval point each)."""
     curves = [(t, a) for t, a in curves if len(t) > 0]
     if not curves:
@@ -178,20 +199,12 @@ def mean_curve(curves, points=200):
     return grid, np.mean([np.interp(grid, t, a) for t, a in curves], axis=0)
 
 
-def plot(out_dir, seeds, path):
-    """Validation accuracy against seconds since each arm started from the SFT checkpoint: one thin line per
-    seed, the mean over seeds in bold, and the SFT checkpoint's own validation accuracy (the GRPO run's first
-    evaluation, at iteration 0) as a dashed line. Returns the path written, or None without matplotlib."""
-    try:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print("matplotlib is not installed (.venv/bin/pip install matplotlib): no plot")
-        return None
-    fig, ax = plt.subplots(figsize=(8, 5))
+def draw(ax, out_dir, seeds, curve, xlabel):
+    """One panel: curve(metrics path) -> (x, accuracies) for each trained arm and seed, a thin line per seed,
+    the mean over seeds in bold, and the SFT checkpoint's own validation accuracy (the GRPO run's first
+    evaluation, at iteration 0) as a dashed line."""
     for arm, color in zip(CURVE_ARMS, ("C3", "C0", "C2")):
-        curves = [val_curve(os.path.join(out_dir, f"seed{s}", arm, "metrics.jsonl")) for s in seeds]
+        curves = [curve(os.path.join(out_dir, f"seed{s}", arm, "metrics.jsonl")) for s in seeds]
         for t, a in curves:
             ax.plot(t, a, color=color, lw=0.8, alpha=0.35, marker=".", ms=3)
         n = sum(1 for t, _ in curves if t)
@@ -204,12 +217,27 @@ def plot(out_dir, seeds, path):
                                for s in seeds) if a]
     if start:
         ax.axhline(np.mean(start), color="gray", ls="--", lw=1.5, label=f"sft (the start): mean of {len(start)} seeds")
-    ax.set_xlabel("wall-clock seconds since the arm started from the SFT checkpoint")
+    ax.set_xlabel(xlabel)
     ax.set_ylabel("validation greedy accuracy")
-    ax.set_title(f"validation accuracy against time, seeds {', '.join(map(str, seeds))}")
     ax.set_xlim(left=0)
     ax.grid(alpha=0.3)
-    ax.legend(loc="best")
+    ax.legend(loc="best", fontsize=8)
+
+
+def plot(out_dir, seeds, path):
+    """Validation accuracy of each arm from the SFT checkpoint on, against its own training seconds (left) and
+    against the FLOPs it has spent (right). Returns the path written, or None without matplotlib."""
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib is not installed (.venv/bin/pip install matplotlib): no plot")
+        return None
+    fig, (left, right) = plt.subplots(1, 2, figsize=(13, 5), sharey=True)
+    draw(left, out_dir, seeds, val_curve, "wall-clock seconds of training since the SFT checkpoint")
+    draw(right, out_dir, seeds, flops_curve, "FLOPs spent since the SFT checkpoint (RFT's sampling included)")
+    fig.suptitle(f"validation accuracy against time and compute, seeds {', '.join(map(str, seeds))}")
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)

@@ -131,11 +131,24 @@ def test_mean_curve_on_the_common_range():
     assert report.mean_curve([([5], [0.3])]) is None
 
 
+def test_flops_curve_places_evaluations_on_the_logged_flops(tmp_path):
+    # training rows log (iter, FLOPs) every 10 steps; evaluations at 0, 15 and 30 fall before, between and on
+    # them: 0 on the line extended back from the first two rows (RFT's sampling spent before step 1)
+    path = str(tmp_path / "rft" / "metrics.jsonl")
+    write_rows(path, [{"iter": 0, "eval/accuracy": 0.1}, {"iter": 10, "perf/flops_total": 5.0},
+                      {"iter": 20, "perf/flops_total": 6.0}, {"iter": 15, "eval/accuracy": 0.2},
+                      {"iter": 30, "perf/flops_total": 8.0, "eval/accuracy": 0.3}])
+    assert report.flops_curve(path) == ([4.0, 5.5, 8.0], [0.1, 0.2, 0.3])
+    write_rows(path, [{"iter": 0, "eval/accuracy": 0.1}])  # no FLOPs logged: no curve rather than a guess
+    assert report.flops_curve(path) == ([], [])
+
+
 def test_plot_writes_a_png(tmp_path):
     pytest.importorskip("matplotlib")
     fake_tree(str(tmp_path))
     t, a = report.val_curve(str(tmp_path / "seed1" / "grpo" / "metrics.jsonl"))
     assert t == [5.0, 35.0, 65.0, 95.0, 125.0] and a[0] == pytest.approx(0.1)  # eval rows only
+    assert report.flops_curve(str(tmp_path / "seed1" / "missing.jsonl")) == ([], [])
     path = plot(str(tmp_path), ["1", "2", "3"], str(tmp_path / "val_accuracy.png"))
     with open(path, "rb") as f:
         assert f.read(8) == b"\x89PNG\r\n\x1a\n"
