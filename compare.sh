@@ -3,8 +3,7 @@
 # from the start GRPO and two baselines matched to it (sft_more: more SFT at GRPO's FLOPs; rft: rejection-sampling
 # fine-tuning on GRPO's problem count and group size, same FLOPs; both early-stopped on val), every arm scored
 # once on the test split; then report.py. The recipe below (START, GRPO_RUN) was chosen on validation (README
-# "Results"); it is bigger than the speedrun's and takes about an hour per seed on one core (5 seeds, two at a
-# time on 2 cores: about 3 hours).
+# "Results"); it is much bigger than the speedrun's: README "Results" says how long it takes.
 #
 #   bash compare.sh                 # seeds 1 2 3 4 5, JOBS=2 seeds at a time, the cores shared out among them
 #   bash compare.sh 1 2             # these seeds; JOBS=1 one at a time; FORCE=1 redoes finished seeds
