@@ -20,9 +20,9 @@ the same samples. With s = 1 the worker samples rollout j + 1 while the trainer 
 
 The trainer corrects a stale sample's weight with TIS (train_grpo.apply_corrections: the ratio of the trainer's
 to the engine's probability, capped at tis_cap). Nothing is dropped for being stale: admission is the wait for
-the weights above. Every rollout carries its iteration and the prompt stream's position after it: the trainer
-refuses a rollout of another iteration, and checkpoints the position of the last one it trained on, so a resumed
-run samples the next prompts and never trains on a sample twice. A resumed run restarts the schedule from its
+the weights above. Every rollout carries its iteration and its problems' outcomes (the sampler's draw): the
+trainer refuses a rollout of another iteration and follows the draw with its own copy of the sampler, whose
+state it checkpoints, so a resumed run draws what the killed one would have and never trains on a sample twice. A resumed run restarts the schedule from its
 checkpoint's weights (with s >= 1 its first s rollouts are fresher than the killed run's were).
 """
 
@@ -42,13 +42,15 @@ from weight_sync import WeightSync
 # a float32 logprob), and its metric names as utf-8 bytes
 
 
-def encode_rollout(iteration, position, groups, metrics):
-    """(data float64, names uint8). data, e.g. for one group of 2 samples of a 3-token prompt:
-        [iteration, epoch, cursor, num_metrics, *metric values, num_groups,
+def encode_rollout(iteration, draw, groups, metrics):
+    """(data float64, names uint8); draw is the sampler's (problem indices, successes). data, e.g. for a draw of
+    n problems and one kept group of 2 samples of a 3-token prompt:
+        [iteration, n, *indices, *successes, num_metrics, *metric values, num_groups,
          3, p0, p1, p2, 2,                                          prompt length, prompt ids, group size
          r, stopped, n, *n token ids, *n logprobs, *n versions,     sample 0 (reward, finish reason 'stop' = 1)
          r, stopped, n, ...]                                        sample 1"""
-    data = [iteration, position["epoch"], position["cursor"], len(metrics), *metrics.values(), len(groups)]
+    indices, successes = draw
+    data = [iteration, len(indices), *indices, *successes, len(metrics), *metrics.values(), len(groups)]
     for _, prompt, samples, rewards in groups:
         data += [len(prompt), *prompt, len(samples)]
         for s, r in zip(samples, rewards):
@@ -59,8 +61,8 @@ def encode_rollout(iteration, position, groups, metrics):
 
 
 def decode_rollout(data, names):
-    """(iteration, position, groups, metrics) from encode_rollout's tensors; a group's problem is None (the
-    trainer needs only the prompt, the samples and their rewards)."""
+    """(iteration, draw, groups, metrics) from encode_rollout's tensors; a group's problem is None (the trainer
+    needs only the prompt, the samples and their rewards)."""
     values, at = data.tolist(), 0
 
     def take(n):
@@ -68,7 +70,9 @@ def decode_rollout(data, names):
         at += n
         return values[at - n:at]
 
-    iteration, epoch, cursor, num_metrics = (int(v) for v in take(4))
+    iteration, n = (int(v) for v in take(2))
+    draw = ([int(v) for v in take(n)], [int(v) for v in take(n)])
+    num_metrics = int(take(1)[0])
     keys = bytes(names.tolist()).decode().split("\n") if num_metrics else []
     metrics = {k: int(v) if v.is_integer() else v for k, v in zip(keys, take(num_metrics))}   # counts stay ints
     groups = []
@@ -85,7 +89,7 @@ def decode_rollout(data, names):
                                           token_versions=tuple(int(v) for v in versions)))
             rewards.append(reward)
         groups.append((None, prompt, samples, rewards))
-    return iteration, {"epoch": epoch, "cursor": cursor}, groups, metrics
+    return iteration, draw, groups, metrics
 
 
 def send_rollout(tensors, dst):
@@ -115,9 +119,9 @@ def recv_rollout(src):
 # the worker's side
 
 
-def run_worker(config, roles, start, stream, engine, rollout):
+def run_worker(config, roles, start, sampler, engine, rollout):
     """A rollout rank's whole job: for each iteration, take the weights its rollout is due (admission), sample it
-    with rollout(engine, tokenizer, stream, config, it) and hand it to trainer 0 (the first worker does)."""
+    with rollout(engine, tokenizer, sampler, config, it) and hand it to trainer 0 (the first worker does)."""
     sync = WeightSync(start.model.state_dict(), src=0, bucket_mb=config["weight_bucket_mb"], group=roles.sync)
     sync.connect()   # a model that does not match the trainer's is refused here, on every rank of the group
     weights_of, t_last = start.iter_num, time.perf_counter()
@@ -131,7 +135,7 @@ def run_worker(config, roles, start, stream, engine, rollout):
             engine.update_weights(dict(zip(sync.names, tensors)))
             weights_of, received = weights_of + 1, received + seconds
         waited = time.perf_counter() - t0
-        groups, metrics = rollout(engine, start.tokenizer, stream, config, it)
+        groups, draw, metrics = rollout(engine, start.tokenizer, sampler, config, it)
         t1 = time.perf_counter()
         for work in works:
             work.wait()                       # the previous rollout has reached trainer 0
@@ -140,7 +144,7 @@ def run_worker(config, roles, start, stream, engine, rollout):
         metrics.update({"perf/worker_idle_frac": waited / (now - t_last), "perf/weight_receive_s": received})
         t_last = now
         if distributed.rank() == 0:   # every worker holds the same groups; the first one sends them
-            works, _sent = send_rollout(encode_rollout(it, stream.state_dict(), groups, metrics), roles.trainers[0])
+            works, _sent = send_rollout(encode_rollout(it, draw, groups, metrics), roles.trainers[0])
     for work in works:
         work.wait()
 
@@ -153,21 +157,21 @@ class RolloutRanks:
     """train_grpo's rollout source when rollout ranks sample: groups(it) receives rollout it, publish(model)
     broadcasts the new weights (trainer 0). The same interface as train_grpo.Colocated."""
 
-    def __init__(self, config, roles, model, stream, engine, version):
-        self.config, self.roles, self.stream, self.engine, self.version = config, roles, stream, engine, version
+    def __init__(self, config, roles, model, sampler, engine, version):
+        self.config, self.roles, self.sampler, self.engine, self.version = config, roles, sampler, engine, version
         self.sync, self._evaluated = None, version
         if dist.get_rank() == roles.trainers[0]:
             self.sync = WeightSync(model.state_dict(), src=0, bucket_mb=config["weight_bucket_mb"], group=roles.sync)
             self.sync.connect()
 
     def groups(self, it):
-        """Rollout it from the workers (the trainer waits for it), its staleness, and the stream's position."""
+        """Rollout it from the workers (the trainer waits for it), its staleness; the sampler follows its draw."""
         t0 = time.perf_counter()
-        iteration, position, groups, metrics = decode_rollout(*recv_rollout(self.roles.workers[0]))
+        iteration, draw, groups, metrics = decode_rollout(*recv_rollout(self.roles.workers[0]))
         if iteration != it:
             raise RuntimeError(f"iteration {it} received the rollout of iteration {iteration}: the trainer and the "
                                f"workers disagree on where the run is (resumed from different checkpoints?)")
-        self.stream.load_state_dict(position)   # what a checkpoint records: the prompts trained on so far
+        self.sampler.follow(*draw, self.config["group_size"])   # what a checkpoint records
         lags = [self.version - v for _, _, samples, _ in groups for s in samples for v in s.token_versions] or [0]
         metrics.update({"rollout/staleness_mean": float(np.mean(lags)), "rollout/staleness_max": max(lags),
                         "perf/rollout_wait_s": time.perf_counter() - t0})

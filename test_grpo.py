@@ -10,6 +10,7 @@ import dataclasses
 import json
 import math
 
+import numpy as np
 import pytest
 import torch
 
@@ -114,10 +115,10 @@ def test_tiny_run_versions_advance_and_loss_is_finite(tmp_path, monkeypatch):
     seen = []
     real_rollout = train_grpo.rollout
 
-    def spy(engine, tok, stream, c, it):
-        groups, m = real_rollout(engine, tok, stream, c, it)
+    def spy(engine, tok, sampler, c, it):
+        groups, draw, m = real_rollout(engine, tok, sampler, c, it)
         seen.append((it, engine.get_weight_version(), [s for g in groups for s in g[2]]))
-        return groups, m
+        return groups, draw, m
 
     monkeypatch.setattr(train_grpo, "rollout", spy)
     out = tmp_path / "run"
@@ -132,7 +133,7 @@ def test_tiny_run_versions_advance_and_loss_is_finite(tmp_path, monkeypatch):
     for r in rows:
         assert math.isfinite(r["train/loss"]) and math.isfinite(r["train/grad_norm"])
         assert r["train/logprob_mismatch"] < 1e-4      # fp32 engine and trainer hold the same weights
-        assert r["rollout/valid_groups"] + r["rollout/zero_var_groups"] >= 4
+        assert r["rollout/valid_groups"] + r["rollout/zero_var_groups"] == 4 == r["rollout/problems"]
         assert 0 <= r["rollout/reward_mean"] <= 1
     assert [r["rollout/weight_version"] for r in rows] == [0, 1, 2]
     evals = [r for r in metrics(out) if "eval/accuracy" in r]
@@ -154,14 +155,18 @@ def test_rollouts_at_another_temperature_are_trained_on_policy(tmp_path, monkeyp
     assert all(math.isfinite(r["train/loss"]) for r in rows)
 
 
-def test_no_variance_refills_up_to_max_attempts_then_skips_the_step(tmp_path, monkeypatch):
+def test_no_variance_skips_the_step_and_the_sampler_turns_away(tmp_path, monkeypatch):
     monkeypatch.setattr(evaluate, "score", lambda problem, tokenizer, sample: 1.0)
     out = tmp_path / "flat"
-    train_grpo.main(tiny_config(out, "--max_iters=2", "--max_attempts=3", "--ckpt_interval=100"))
+    train_grpo.main(tiny_config(out, "--max_iters=2", "--ckpt_interval=1"))
     rows = [r for r in metrics(out) if "rollout/reward_mean" in r]
-    assert [r["rollout/attempts_per_batch"] for r in rows] == [3, 3]
-    assert [r["rollout/zero_var_groups"] for r in rows] == [12, 12]   # 4 prompts pulled per attempt, all flat
+    assert [r["rollout/zero_var_groups"] for r in rows] == [4, 4]   # one rollout call of 4 prompts, all flat
     assert all(r["rollout/valid_groups"] == 0 and "train/loss" not in r for r in rows)
+    state = checkpoint.read_checkpoint_meta(checkpoint.find_checkpoint(str(out)))["data_state"]
+    sampler = train_grpo.ProblemSampler(task.make_problems("train"), seed=0)
+    sampler.load_state_dict(state)     # 8 problems solved 4 of 4 times: weight (5/6)(1/6), the rest 1/4
+    assert state["taken"] == 8 and sum(state["samples"]) == 32 and state["successes"] == state["samples"]
+    assert sorted(set(sampler.weights().round(4).tolist())) == [round(5 / 36, 4), 0.25]
     # no step, but a version per iteration (the same weights): rollout ranks count on one per iteration
     assert [r["rollout/weight_version"] for r in rows] == [0, 1]
 
@@ -178,10 +183,10 @@ def test_killed_run_resumes_exactly(tmp_path, monkeypatch):
     class Killed(Exception):
         pass
 
-    def dies_at_3(engine, tok, stream, c, it):
+    def dies_at_3(engine, tok, sampler, c, it):
         if it == 3:
             raise Killed
-        return real_rollout(engine, tok, stream, c, it)
+        return real_rollout(engine, tok, sampler, c, it)
 
     killed = tmp_path / "killed"
     monkeypatch.setattr(train_grpo, "rollout", dies_at_3)
@@ -207,7 +212,7 @@ def test_bad_settings_are_refused(tmp_path):
         tiny_config(tmp_path, "--prompts_per_stepp=3")
     with pytest.raises((TypeError, ValueError), match="group_size"):
         tiny_config(tmp_path, "--group_size=abc")
-    for bad in ("--group_size=1", "--max_attempts=0", "--max_attempts=102", "--tis_cap=-1", "--temperature=-0.5", "--temperature=0",
+    for bad in ("--group_size=1", "--prompts_per_step=0", "--tis_cap=-1", "--temperature=-0.5", "--temperature=0",
                 "--eval_interval=0", "--ckpt_interval=0", "--min_lr=-0.5"):
         with pytest.raises(ValueError, match=bad[2:].split("=")[0]):
             train_grpo.check_settings(tiny_config(tmp_path, bad))
@@ -227,18 +232,34 @@ def test_bad_rollout_rank_settings_are_refused_before_any_work(tmp_path):
     assert not (tmp_path / "none").exists()
 
 
-def test_prompt_stream_resumes_and_refuses_a_bad_state():
-    problems = task.make_problems("train")[:10]
-    a = train_grpo.PromptStream(problems, seed=3)
-    first = a.take(7)
-    b = train_grpo.PromptStream(problems, seed=3)
-    b.load_state_dict(a.state_dict())
-    assert a.take(8) == b.take(8)                      # crosses into the next epoch identically
-    epoch = train_grpo.PromptStream(problems, seed=3).take(10)
-    assert epoch[:7] == first and sorted(map(str, epoch)) == sorted(map(str, problems))   # an epoch is a permutation
-    for bad in ({"epoch": -1, "cursor": 0}, {"epoch": 0, "cursor": 11}, {"epoch": 0.5, "cursor": 0}, {"cursor": 0}):
+def test_problem_sampler_weighs_a_hand_made_record_by_p_times_1_minus_p():
+    problems = task.make_problems("train")[:4]
+    sampler = train_grpo.ProblemSampler(problems, seed=3)
+    # problem 0: never sampled; 1: 4 of 8 right; 2: 8 of 8; 3: 0 of 8
+    sampler.record([1, 2, 3], [4, 8, 0], 8)
+    assert sampler.weights().tolist() == pytest.approx([0.25, 0.25, 0.09, 0.09])
+    counts = np.zeros(4)
+    for _ in range(4000):
+        counts[sampler.take(1)] += 1
+    assert counts / counts.sum() == pytest.approx(np.array([0.25, 0.25, 0.09, 0.09]) / 0.68, abs=0.02)
+    assert sampler.draws == 4000 and sampler.taken == 4000
+    pair = sampler.take(4)
+    assert sorted(pair) == [0, 1, 2, 3]               # a step's problems are distinct
+    # the state is the record and the draw count: a copy draws the same problems
+    copy = train_grpo.ProblemSampler(problems, seed=3)
+    copy.load_state_dict(json.loads(json.dumps(sampler.state_dict())))
+    assert [copy.take(2) for _ in range(5)] == [sampler.take(2) for _ in range(5)]
+    # a trainer that follows a worker's draws holds the worker's state
+    follower = train_grpo.ProblemSampler(problems, seed=3)
+    follower.load_state_dict(sampler.state_dict())
+    drawn = sampler.take(2)
+    sampler.record(drawn, [1, 2], 8)
+    follower.follow(drawn, [1, 2], 8)
+    assert follower.state_dict() == sampler.state_dict()
+    for bad in ({"draws": -1}, {**sampler.state_dict(), "samples": [0] * 3},
+                {**sampler.state_dict(), "successes": [9, 0, 0, 0], "samples": [8, 0, 0, 0]}):
         with pytest.raises(ValueError, match="bad data state"):
-            b.load_state_dict(bad)
+            copy.load_state_dict(bad)
 
 
 # -----------------------------------------------------------------------------
@@ -248,7 +269,7 @@ def test_prompt_stream_resumes_and_refuses_a_bad_state():
 def test_a_truncated_completion_scores_zero():
     tok = build_tokenizer()
     p = task.Problem((3, 5, 7), 22)
-    ids = tok.encode("3*5+7", add_special_tokens=False)
+    ids = tok.encode("5*3=15 (7 15) 15+7=22", add_special_tokens=False)
     stopped = TrainingSample(prompt_tokens=(1,), completion_tokens=tuple(ids + [tok.eos_token_id]),
                              logprobs=(0.0,) * (len(ids) + 1), finish_reason="stop")
     cut = TrainingSample(prompt_tokens=(1,), completion_tokens=tuple(ids), logprobs=(0.0,) * len(ids),

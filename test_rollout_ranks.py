@@ -102,9 +102,9 @@ def test_a_rollout_crosses_as_tensors_and_comes_back_whole():
                TrainingSample(prompt, (4,), (-2.0,), weight_version=4, finish_reason="length", token_versions=(4,))]
     groups = [("problem", prompt, samples, [1.0, 0.0])]
     metrics = {"rollout/reward_mean": 0.5, "rollout/valid_groups": 1, "perf/rollout_time_s": 0.25}
-    data, names = rollout_ranks.encode_rollout(7, {"epoch": 2, "cursor": 11}, groups, metrics)
-    it, position, back, got = rollout_ranks.decode_rollout(data, names)
-    assert (it, position, got) == (7, {"epoch": 2, "cursor": 11}, metrics)
+    data, names = rollout_ranks.encode_rollout(7, ([12, 3, 17464], [8, 0, 5]), groups, metrics)
+    it, draw, back, got = rollout_ranks.decode_rollout(data, names)
+    assert (it, draw, got) == (7, ([12, 3, 17464], [8, 0, 5]), metrics)
     assert type(got["rollout/valid_groups"]) is int
     assert back == [(None, prompt, samples, [1.0, 0.0])]
-    assert rollout_ranks.decode_rollout(*rollout_ranks.encode_rollout(0, {"epoch": 0, "cursor": 0}, [], {}))[2] == []
+    assert rollout_ranks.decode_rollout(*rollout_ranks.encode_rollout(0, ([], []), [], {}))[1:3] == (([], []), [])

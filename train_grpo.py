@@ -74,7 +74,6 @@ compile = False
 # rollouts
 prompts_per_step = 16        # groups per optimizer step (more problems are consumed when groups are dropped)
 group_size = 8               # samples per prompt (G)
-max_attempts = 4             # rollouts per step at most while refilling dropped zero-variance groups
 temperature = 1.0            # of the rollouts; the trainer scores softmax(logits / T) too (on-policy)
 top_p = 1.0                  # only 1.0: the trainer scores the whole distribution, never a nucleus
 max_new_tokens = 16          # completion budget; a completion that reaches it without stopping scores 0
@@ -146,46 +145,96 @@ def zero_variance_groups(rewards, group_size):
     return (g == g[:, :1]).all(dim=1)
 
 
-# the training problems, reshuffled every epoch; the position (epoch, cursor) goes into every checkpoint
-PromptStream = training.EpochCursor
+class ProblemSampler:
+    """The training problems, drawn in proportion to how much each can teach now: p(1 - p), where p is the
+    problem's success rate so far under a uniform prior, (successes + 1) / (samples + 2). An unseen problem
+    weighs the most (1/4); one always or never solved sinks toward 0 as its samples grow, so the rollouts go
+    to problems whose groups have reward variance. A step's problems are distinct.
+
+    Worked example: a problem solved 4 of 8 times has p = 5/10 and weight 0.25, as an unseen one; 8 of 8 gives
+    p = 9/10 and weight 0.09; 0 of 8 gives p = 1/10 and weight 0.09, so it is drawn 0.09 / 0.25 as often.
+
+    The record (successes and samples per problem) and the number of draws are the whole state: draw d is
+    fixed by (seed, d), so a resumed run draws what the killed one would have."""
+
+    def __init__(self, items, seed):
+        self.items, self.seed = items, seed
+        self.successes = np.zeros(len(items), dtype=np.int64)
+        self.samples = np.zeros(len(items), dtype=np.int64)
+        self.draws, self.taken = 0, 0
+
+    def weights(self):
+        p = (self.successes + 1) / (self.samples + 2)
+        return p * (1 - p)
+
+    def take(self, n):
+        """n distinct problem indices, drawn by weight."""
+        w = self.weights()
+        rng = np.random.default_rng([self.seed, self.draws])
+        self.draws, self.taken = self.draws + 1, self.taken + n
+        return rng.choice(len(self.items), size=n, replace=False, p=w / w.sum()).tolist()
+
+    def record(self, indices, successes, group_size):
+        """Add a rollout's outcome: successes[i] of group_size samples right for problem indices[i]."""
+        np.add.at(self.successes, indices, successes)
+        np.add.at(self.samples, indices, group_size)
+
+    def follow(self, indices, successes, group_size):
+        """A trainer's copy of a rollout rank's sampler: the draw it made and its outcome, so both hold the same
+        state (the trainer's is what a checkpoint records)."""
+        self.draws, self.taken = self.draws + 1, self.taken + len(indices)
+        self.record(indices, successes, group_size)
+
+    def state_dict(self):
+        return {"draws": self.draws, "taken": self.taken, "successes": self.successes.tolist(),
+                "samples": self.samples.tolist()}
+
+    def load_state_dict(self, state):
+        n = len(self.items)
+        _require(isinstance(state, dict) and set(state) == {"draws", "taken", "successes", "samples"}
+                 and all(type(state[k]) is int and state[k] >= 0 for k in ("draws", "taken"))
+                 and all(isinstance(state[k], list) and len(state[k]) == n for k in ("successes", "samples")),
+                 f"ProblemSampler: bad data state for {n} problems (keys {sorted(state) if isinstance(state, dict) else state!r})")
+        successes, samples = np.array(state["successes"], dtype=np.int64), np.array(state["samples"], dtype=np.int64)
+        _require(bool((successes >= 0).all() and (successes <= samples).all()),
+                 "ProblemSampler: bad data state: successes must be in [0, samples]")
+        self.draws, self.taken, self.successes, self.samples = state["draws"], state["taken"], successes, samples
 
 
 # -----------------------------------------------------------------------------
 # one iteration: rollout, build batches, normalizer, corrections, train step, hot-swap
 
 
-def rollout(engine, tokenizer, stream, config, it):
-    """Sample groups until prompts_per_step of them have reward variance (or max_attempts rollouts ran).
-    Returns (the kept groups as (problem, prompt_ids, samples, rewards), rollout metrics)."""
-    G, stop = config["group_size"], frozenset({tokenizer.eos_token_id})
-    kept, samples_all, rewards_all, zero_var, attempts, gen_time = [], [], [], 0, 0, 0.0
-    while len(kept) < config["prompts_per_step"] and attempts < config["max_attempts"]:
-        problems = stream.take(config["prompts_per_step"] - len(kept))
-        prompts = evaluate.prompt_ids(tokenizer, problems)
-        # the seed is a function of (run seed, iteration, attempt): a resumed run draws the same samples
-        params = SamplingParams(temperature=config["temperature"], max_tokens=config["max_new_tokens"],
-                                stop_token_ids=stop, seed=config["seed"] * 1_000_003 + it * 101 + attempts)
-        t0 = time.perf_counter()   # under torchrun each rank samples its slice; all get every sample
-        samples = evaluate.generate_sharded(engine, prompts, params, G)
-        gen_time += time.perf_counter() - t0
-        attempts += 1
-        rewards = [evaluate.score(problems[i // G], tokenizer, s) for i, s in enumerate(samples)]
-        for j, flat in enumerate(zero_variance_groups(rewards, G).tolist()):
-            if flat:
-                zero_var += 1
-            else:
-                kept.append((problems[j], prompts[j], samples[j * G:(j + 1) * G], rewards[j * G:(j + 1) * G]))
-        samples_all += samples
-        rewards_all += rewards
-    lengths = [len(s.completion_tokens) for s in samples_all]
-    metrics = {"rollout/reward_mean": float(np.mean(rewards_all)), "rollout/zero_var_groups": zero_var,
-               "rollout/valid_groups": len(kept), "rollout/attempts_per_batch": attempts,
-               "rollout/problems": len(samples_all) // G, "rollout/completion_len": float(np.mean(lengths)),
-               "rollout/truncated": float(np.mean([s.finish_reason != "stop" for s in samples_all])),
+def rollout(engine, tokenizer, sampler, config, it):
+    """One rollout call: prompts_per_step problems drawn by the sampler, group_size samples each, scored, and
+    the outcome added to the sampler's record. A group whose rewards are all equal teaches nothing and is
+    dropped (counted). Returns (the kept groups as (problem, prompt_ids, samples, rewards), the record's
+    update as (indices, successes), rollout metrics)."""
+    G = config["group_size"]
+    indices = sampler.take(config["prompts_per_step"])
+    problems = [sampler.items[i] for i in indices]
+    prompts = evaluate.prompt_ids(tokenizer, problems)
+    # the seed is a function of (run seed, iteration): a resumed run draws the same samples
+    params = SamplingParams(temperature=config["temperature"], max_tokens=config["max_new_tokens"],
+                            stop_token_ids=frozenset({tokenizer.eos_token_id}), seed=config["seed"] * 1_000_003 + it)
+    t0 = time.perf_counter()   # under torchrun each rank samples its slice; all get every sample
+    samples = evaluate.generate_sharded(engine, prompts, params, G)
+    gen_time = time.perf_counter() - t0
+    rewards = [evaluate.score(problems[i // G], tokenizer, s) for i, s in enumerate(samples)]
+    successes = [int(sum(rewards[j * G:(j + 1) * G])) for j in range(len(problems))]
+    sampler.record(indices, successes, G)
+    flat = zero_variance_groups(rewards, G).tolist()
+    kept = [(problems[j], prompts[j], samples[j * G:(j + 1) * G], rewards[j * G:(j + 1) * G])
+            for j in range(len(problems)) if not flat[j]]
+    lengths = [len(s.completion_tokens) for s in samples]
+    metrics = {"rollout/reward_mean": float(np.mean(rewards)), "rollout/zero_var_groups": sum(flat),
+               "rollout/valid_groups": len(kept), "rollout/problems": len(problems),
+               "rollout/completion_len": float(np.mean(lengths)),
+               "rollout/truncated": float(np.mean([s.finish_reason != "stop" for s in samples])),
                "rollout/tokens_per_s": sum(lengths) / gen_time, "perf/rollout_time_s": gen_time,
                "rollout/weight_version": engine.get_weight_version(),
-               "perf/rollout_flops": evaluate.sampling_flops(engine.model.config, samples_all, G)}
-    return kept, metrics
+               "perf/rollout_flops": evaluate.sampling_flops(engine.model.config, samples, G)}
+    return kept, (indices, successes), metrics
 
 
 def build_batches(groups, config, completion_weight=None):
@@ -266,15 +315,16 @@ class Colocated:
     """The engine in this process: it samples with the trainer's current weights, swapped in after each step
     (train_grpo's rollout source; rollout_ranks.RolloutRanks is the other one, with the same interface)."""
 
-    def __init__(self, engine, tokenizer, stream, config):
-        self.engine, self.tokenizer, self.stream, self.config = engine, tokenizer, stream, config
+    def __init__(self, engine, tokenizer, sampler, config):
+        self.engine, self.tokenizer, self.sampler, self.config = engine, tokenizer, sampler, config
 
     @property
     def version(self):
         return self.engine.get_weight_version()
 
     def groups(self, it):
-        return rollout(self.engine, self.tokenizer, self.stream, self.config, it)
+        groups, _, metrics = rollout(self.engine, self.tokenizer, self.sampler, self.config, it)
+        return groups, metrics
 
     def publish(self, model, it):
         t0 = time.perf_counter()
@@ -291,8 +341,8 @@ def grpo_step(source, run, reference, config, it):
     t0 = time.perf_counter()
     groups, metrics = source.groups(it)
     flops = metrics.pop("perf/rollout_flops")
-    if not groups:  # every group had zero variance max_attempts times: no gradient this step, the weights stay
-        print0(f"iter {it + 1}: no group with reward variance in {metrics['rollout/attempts_per_batch']} attempts")
+    if not groups:  # every group had zero variance: no gradient this step, the weights stay
+        print0(f"iter {it + 1}: no group with reward variance")
     else:
         forward = tempered(run.forward, config["temperature"])
         t1 = time.perf_counter()
@@ -327,12 +377,10 @@ def grpo_step(source, run, reference, config, it):
 
 def check_settings(config):
     """GRPO's own settings, then the loop's, each refused with a ValueError naming it before any work."""
-    for name, low in (("prompts_per_step", 1), ("group_size", 2), ("max_attempts", 1), ("max_new_tokens", 1),
+    for name, low in (("prompts_per_step", 1), ("group_size", 2), ("max_new_tokens", 1),
                       ("pass_k", 1), ("n_eval_problems", 0)):
         _require(type(config[name]) is int and config[name] >= low, f"{name}={config[name]!r}: expected an int "
                                                                      f">= {low}")
-    # attempt a of iteration i samples with seed * 1_000_003 + i * 101 + a: more attempts would repeat seeds
-    _require(config["max_attempts"] <= 101, f"max_attempts={config['max_attempts']!r}: expected at most 101")
     for name in ("tis_cap", "kl_coef"):
         _require(type(config[name]) in (int, float) and config[name] >= 0, f"{name}={config[name]!r}: expected a "
                                                                            f"number >= 0 (0 = off)")
@@ -392,18 +440,18 @@ def log_iteration(logger, done, metrics):
            f"rollout {metrics['rollout/tokens_per_s']:.0f} tok/s")
 
 
-def make_engine(model, start, stream, eval_problems, config):
-    return evaluate.task_engine(model, start.tokenizer, stream.items + eval_problems, config["max_new_tokens"],
+def make_engine(model, start, sampler, eval_problems, config):
+    return evaluate.task_engine(model, start.tokenizer, sampler.items + eval_problems, config["max_new_tokens"],
                                 config["engine_block_size"], config["engine_dtype"], config["device"], config["seed"],
                                 0 if start.meta is None else start.meta["extra"]["weight_version"])
 
 
-def rollout_worker(config, roles, start, stream, eval_problems):
+def rollout_worker(config, roles, start, sampler, eval_problems):
     """A rollout rank's job (rollout_ranks.run_worker): the trainers' engine, fed by the weight broadcast."""
     if start.meta is not None:
-        stream.load_state_dict(start.meta["data_state"])
-    engine = make_engine(start.model.to(config["device"]), start, stream, eval_problems, config)
-    ranks.run_worker(config, roles, start, stream, engine, rollout)
+        sampler.load_state_dict(start.meta["data_state"])
+    engine = make_engine(start.model.to(config["device"]), start, sampler, eval_problems, config)
+    ranks.run_worker(config, roles, start, sampler, engine, rollout)
     engine.shutdown()
     distributed.teardown()
     return {}
@@ -415,14 +463,14 @@ def main(config):
     roles = distributed.split_roles(config["rollout_ranks"]) if config["rollout_ranks"] else None
     start = init_start(config, build_tokenizer)
     eval_problems = task.make_problems(config["eval_split"], config["n_eval_problems"] or None)   # refused before
-    stream = PromptStream(task.make_problems("train"), config["seed"])                          # out_dir changes
+    sampler = ProblemSampler(task.make_problems("train"), config["seed"])                       # out_dir changes
     if roles is not None and roles.is_worker:
-        return rollout_worker(config, roles, start, stream, eval_problems)
+        return rollout_worker(config, roles, start, sampler, eval_problems)
     reference = reference_model(config, start)
-    run = training.setup_run(config, start, stream)
-    engine = make_engine(run.model, start, stream, eval_problems, config)
-    source = Colocated(engine, start.tokenizer, stream, config) if roles is None else \
-        ranks.RolloutRanks(config, roles, run.model, stream, engine, engine.get_weight_version())
+    run = training.setup_run(config, start, sampler)
+    engine = make_engine(run.model, start, sampler, eval_problems, config)
+    source = Colocated(engine, start.tokenizer, sampler, config) if roles is None else \
+        ranks.RolloutRanks(config, roles, run.model, sampler, engine, engine.get_weight_version())
     meter = training.Meter(run.start)
     best = {"accuracy": -1.0, "iter": None} if start.meta is None else start.meta["extra"].get("best")
     if start.meta is None and distributed.is_main():   # a fresh run: no best model of an earlier run in out_dir
@@ -433,7 +481,7 @@ def main(config):
     for it in range(start.iter_num, config["max_iters"]):
         metrics, flops = grpo_step(source, run, reference, config, it)
         metrics.update(meter.add(flops, metrics["perf/step_time_s"]))
-        metrics["rollout/problems_total"] = stream.epoch * len(stream.items) + stream.cursor
+        metrics["rollout/problems_total"] = sampler.taken
         done = it + 1
         last = done == config["max_iters"]
         if training.due(config, "log_interval", done, last):
@@ -444,7 +492,7 @@ def main(config):
             distributed.check_in_sync(run.model)
             if distributed.is_main():
                 save_checkpoint(config["out_dir"], run.model, run.optimizer, run.start.tokenizer, done, config,
-                                stream.state_dict(), extra={"weight_version": source.version, "best": best,
+                                sampler.state_dict(), extra={"weight_version": source.version, "best": best,
                                                             "meter": meter.state_dict()})
     run.logger.close()
     engine.shutdown()
