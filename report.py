@@ -11,6 +11,7 @@ differences of greedy accuracy with their 95% intervals) and plots validation ac
 and against FLOPs spent (OUT_DIR/val_accuracy.png, when matplotlib is installed).
 
     python report.py out/compare 1 2 3 4 5      # the seeds to read (none given: every seed<S> directory there)
+    python report.py --run out/qwen_small/grpo out/qwen_small/grpo.png   # one GRPO run: accuracy, length
 
 A difference is paired by seed (both arms start from the same pretrain and SFT checkpoint): with d_s = a_s - b_s
 over n seeds, the interval is mean(d) ± t_{0.975, n-1} * std(d, ddof=1) / sqrt(n) (Student's t). It covers the
@@ -244,6 +245,35 @@ def plot(out_dir, seeds, path):
     return path
 
 
+def plot_run(run_dir, path):
+    """One GRPO run's validation accuracy and mean completion length (of its rollouts) against its steps, two
+    panels: what speedrun.sh shows. Returns the path written, or None without matplotlib."""
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib is not installed (.venv/bin/pip install matplotlib): no plot")
+        return None
+    rows = read_rows(os.path.join(run_dir, "metrics.jsonl"))
+    evals = [(r["iter"], r["eval/accuracy"]) for r in rows if "eval/accuracy" in r]
+    lengths = [(r["iter"], r["rollout/completion_len"]) for r in rows if "rollout/completion_len" in r]
+    fig, (top, bottom) = plt.subplots(2, 1, figsize=(7, 6), sharex=True)
+    top.plot(*zip(*evals), marker="o", color="C3")
+    top.set_ylabel("validation greedy accuracy")
+    if lengths:
+        bottom.plot(*zip(*lengths), color="C0")
+    bottom.set_ylabel("mean completion length (tokens)")
+    bottom.set_xlabel("GRPO step")
+    for ax in (top, bottom):
+        ax.grid(alpha=0.3)
+    fig.suptitle(f"GRPO from its SFT start: {run_dir}")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
 # -----------------------------------------------------------------------------
 # main
 
@@ -255,10 +285,16 @@ def find_seeds(out_dir):
 
 
 def main(argv):
-    """report.py OUT_DIR [SEED ...]: load, summarize, print the tables, write results.json and the plot."""
+    """report.py OUT_DIR [SEED ...]: load, summarize, print the tables, write results.json and the plot.
+    report.py --run RUN_DIR PNG: plot one GRPO run (plot_run)."""
     if not argv or argv[0] in ("-h", "--help"):
         print(__doc__)
         return 0 if argv else 2
+    if argv[0] == "--run":
+        if len(argv) != 3:
+            raise SystemExit("usage: python report.py --run RUN_DIR PNG")
+        print(f"wrote {plot_run(argv[1], argv[2])}")
+        return 0
     out_dir, seeds = argv[0], [str(s) for s in argv[1:]] or find_seeds(argv[0])
     if not seeds:
         raise SystemExit(f"no seed<S> directories under {out_dir}: run bash compare.sh first")

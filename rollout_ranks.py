@@ -20,10 +20,11 @@ the same samples. With s = 1 the worker samples rollout j + 1 while the trainer 
 
 The trainer corrects a stale sample's weight with TIS (train_grpo.apply_corrections: the ratio of the trainer's
 to the engine's probability, capped at tis_cap). Nothing is dropped for being stale: admission is the wait for
-the weights above. Every rollout carries its iteration and its problems' outcomes (the sampler's draw): the
-trainer refuses a rollout of another iteration and follows the draw with its own copy of the sampler, whose
-state it checkpoints, so a resumed run draws what the killed one would have and never trains on a sample twice. A resumed run restarts the schedule from its
-checkpoint's weights (with s >= 1 its first s rollouts are fresher than the killed run's were).
+the weights above. Every rollout carries its iteration and its problems' outcomes (the sampler's draw):
+the trainer refuses a rollout of another iteration and follows the draw with its own copy of the sampler,
+whose state it checkpoints, so a resumed run draws what the killed one would have and never trains on a
+sample twice. A resumed run restarts the schedule from its checkpoint's weights (with s >= 1 its first s
+rollouts are fresher than the killed run's were).
 """
 
 import time

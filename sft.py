@@ -80,8 +80,9 @@ config = configure(globals(), sys.argv[1:], stage="sft")
 
 
 def demonstrations(tokenizer, problems):
-    """chat examples (ids, loss mask) of problems answered with the solver's trace"""
-    return [chat_example(tokenizer, task.demonstration(p)) for p in problems]
+    """chat examples (ids, loss mask) of problems answered with their preferred solution"""
+    return [chat_example(tokenizer, task.prompt_messages(p) + [{"role": "assistant", "content": task.solutions(p)[0]}])
+            for p in problems]
 
 
 def rejection_samples(model, tokenizer, problems):

@@ -50,9 +50,9 @@ if script.endswith("train_grpo.py"):
     task.reward = lambda problem, text: float(len(text) % 2 == 0)
     seen, real = [], train_grpo.rollout
     def rollout(*a):
-        groups, metrics = real(*a)
+        groups, draw, metrics = real(*a)
         seen.append([[list(s.completion_tokens), list(s.logprobs)] for g in groups for s in g[2]])
-        return groups, metrics
+        return groups, draw, metrics
     train_grpo.rollout = rollout
     settings = {k: v for k, v in vars(train_grpo).items() if not k.startswith("_")}
     train_grpo.main(configure(settings, argv, stage="grpo"))

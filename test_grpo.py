@@ -138,7 +138,8 @@ def test_tiny_run_versions_advance_and_loss_is_finite(tmp_path, monkeypatch):
     assert [r["rollout/weight_version"] for r in rows] == [0, 1, 2]
     evals = [r for r in metrics(out) if "eval/accuracy" in r]
     assert [r["iter"] for r in evals] == [0, 3]
-    assert set(final) == {"eval/accuracy", "eval/pass@1", "eval/pass@2"}
+    assert set(final) == {"eval/accuracy", "eval/accuracy_3digits", "eval/accuracy_4digits", "eval/pass@1",
+                          "eval/pass@2"}
     assert all(0 <= v <= 1 for v in final.values())
     meta = checkpoint.read_checkpoint_meta(checkpoint.find_checkpoint(str(out)))
     assert meta["iter"] == 3 and meta["extra"]["weight_version"] == 3
@@ -269,7 +270,7 @@ def test_problem_sampler_weighs_a_hand_made_record_by_p_times_1_minus_p():
 def test_a_truncated_completion_scores_zero():
     tok = build_tokenizer()
     p = task.Problem((3, 5, 7), 22)
-    ids = tok.encode("5*3=15 (7 15) 15+7=22", add_special_tokens=False)
+    ids = tok.encode("3*5+7", add_special_tokens=False)
     stopped = TrainingSample(prompt_tokens=(1,), completion_tokens=tuple(ids + [tok.eos_token_id]),
                              logprobs=(0.0,) * (len(ids) + 1), finish_reason="stop")
     cut = TrainingSample(prompt_tokens=(1,), completion_tokens=tuple(ids), logprobs=(0.0,) * len(ids),

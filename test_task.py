@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 from transformers import AutoTokenizer
 
 import task
-from task import Problem, make_problems, pretrain_corpus, prompt_messages, reward, sft_examples
+from task import Problem, make_problems, parse_answer, pretrain_corpus, prompt_messages, reward, sft_examples, solutions
 from tokenizer import (
     ENDOFTEXT,
     IM_END,
@@ -48,73 +48,69 @@ def _trusted_eval(text: str) -> int:
 
 
 # -----------------------------------------------------------------------------
-# reward: a trace of attempts, checked exactly
+# reward
 
 
-P = Problem((3, 5, 7), 22)   # the tokenizer tests' prompt
-P4 = Problem((2, 4, 6, 9), 30)
-RIGHT = "6*4=24 (2 9 24) 24-9=15 (2 15) 15*2=30"
-MISS = "9+6=15 (2 4 15) 15*4=60 (2 60) 60-2=58"
+P = Problem((3, 5, 7), 22)
 
 
 @pytest.mark.parametrize(
     "text, expected",
     [
-        (RIGHT, 1.0),
-        (MISS + "\n" + RIGHT, 1.0),                       # a failed attempt, then the answer
-        (MISS + "\n" + MISS + "\n" + RIGHT, 1.0),          # the same failed attempt twice is still true
-        (RIGHT + "<|im_end|>", 1.0),                      # decoded with special tokens
-        ("4*6=24 (2 9 24) 24-9=15 (2 15) 2*15=30", 1.0),  # the smaller number first, where the value allows
-        ("6*4=24 (24 9 2) 24-9=15 (15 2) 15*2=30", 1.0),  # a pool is a multiset: any order
-        ("9-2=7 (4 6 7) 7*6=42 (4 42) 42-4=38\n" + RIGHT, 1.0),
-        (MISS, 0.0),                                      # the last attempt is the answer: 58, not 30
-        (RIGHT + "\n" + MISS, 0.0),
-        ("6*4=25 (2 9 25) 25-9=16 (2 16) 16*2=32\n" + RIGHT, 0.0),   # wrong arithmetic in a failed attempt
-        ("6*4=24 (2 9 24) 24-9=16 (2 16) 16*2=30", 0.0),   # wrong arithmetic that claims the target
-        ("6*4=24 (2 9 24) 24-9=15 (2 15) 15*2=32", 0.0),   # right arithmetic, wrong claim of nothing: not 30
-        ("9-24=15 (2 15) 15*2=30", 0.0),                  # takes 24 that the pool lacks
-        ("6*4=24 (2 9 24) 24*4=96 (2 9 96) 96-9=87", 0.0),  # uses 4 twice
-        ("6*4=24 (2 24) 24+2=26", 0.0),                   # the written pool drops the 9
-        ("6*4=24 (2 9 24) 24-9=15 (2 16) 15*2=30", 0.0),   # the written pool is not the pool left
-        ("6*4=24 24-9=15 (2 15) 15*2=30", 0.0),           # a pool is missing
-        ("6*4=24 (2 9 24) 24-9=15 (2 15) 15*2=30 (30)", 0.0),   # the last step leaves one number, unwritten
-        ("6*4=24 (2 9 24) 24+9=33 (2 33)", 0.0),          # does not use every number
-        ("6*5=30 (2 4 9 30)", 0.0),                       # 5 is not a digit of the problem
-        ("6*4=24 (2 9 24) 24-9=15 (2 15) 15*2=30\n", 0.0),   # an empty line
-        ("6*4=24 (2 9 24) 24-9=15 (2", 0.0),              # truncated
-        ("6 * 4 = 24 (2 9 24) 24-9=15 (2 15) 15*2=30", 0.0),   # spaces inside a step
-        ("6*4=24  (2 9 24) 24-9=15 (2 15) 15*2=30", 0.0),  # two spaces
-        ("6*4=024 (2 9 24) 24-9=15 (2 15) 15*2=30", 0.0),  # a leading zero
-        ("9-24=-15 (2 4 6 -15)", 0.0),                    # no signs
-        ("(6*4-9)*2", 0.0),                               # an expression is not a trace
-        ("30", 0.0),
-        ("answer: " + RIGHT, 0.0),
-        (RIGHT + "<|im_end|>3", 0.0),                     # text after the end of turn
-        (RIGHT + "<|im_end|><|im_end|>", 0.0),
+        ("3*5+7", 1.0),
+        ("7+5*3", 1.0),
+        ("(3*5)+7", 1.0),  # redundant parentheses are fine
+        ("((3*5)+(7))", 1.0),
+        (" 3 * 5 + 7 \n", 1.0),  # surrounding and inner spaces
+        ("3*5+7<|im_end|>", 1.0),  # decoded with special tokens
+        ("3*5+7\n<|im_end|>", 1.0),
+        ("3*(5+7)", 0.0),  # wrong value (36)
+        ("3+5+7", 0.0),  # wrong value (15)
+        ("3*5+8", 0.0),  # wrong digit
+        ("3*5+7-0", 0.0),  # extra digit (and 0 is not a digit of the task)
+        ("5*5-3", 0.0),  # reused digit, missing 7 (value 22!)
+        ("3*5", 0.0),  # missing digit
+        ("35-13", 0.0),  # multi-digit numbers
+        ("-3*5+37", 0.0),
+        ("3*5+7=22", 0.0),  # extra text
+        ("3*5+7 is the answer", 0.0),
+        ("answer: 3*5+7", 0.0),
+        ("3*5+7<|im_end|>3", 0.0),  # text after the end of turn
+        ("3*5+7<|im_end|><|im_end|>", 0.0),
+        ("3**5+7", 0.0),
+        ("3*5++7", 0.0),
+        ("(3*5+7", 0.0),
+        ("3*5+7)", 0.0),
+        ("()", 0.0),
         ("", 0.0),
+        ("   ", 0.0),
         ("<|im_end|>", 0.0),
-        ("\n".join([MISS] * 60 + [RIGHT]), 0.0),         # longer than MAX_TRACE_CHARS
+        ("3/5+7", 0.0),
+        ("3×5+7", 0.0),
+        ("(" * 5000 + "3*5+7" + ")" * 5000, 0.0),  # too long: no recursion error
     ],
 )
 def test_reward_hand_cases(text, expected):
-    assert reward(P4, text) == expected
+    assert reward(P, text) == expected
 
 
-def test_reward_three_digits_zero_and_large_numbers():
-    assert reward(Problem((3, 5, 7), 22), "5*3=15 (7 15) 15+7=22") == 1.0
-    assert reward(Problem((3, 5, 7), 22), "7*5=35 (3 35) 35-3=32\n5*3=15 (7 15) 15+7=22") == 1.0
-    assert reward(Problem((2, 2, 7), 7), "2-2=0 (7 0) 7+0=7") == 1.0      # 0 is a number like any other
-    assert reward(Problem((7, 8, 9), 1), "9*8=72 (7 72) 72*7=504\n9-8=1 (7 1) 7*1=7\n8-7=1 (9 1) 9-1=8") == 0.0
-    assert reward(Problem((7, 8, 9), 504), "9*8=72 (7 72) 72*7=504") == 1.0
+def test_reward_negative_and_large_targets():
+    assert reward(Problem((1, 8, 9), -71), "1-8*9") == 1.0
+    assert reward(Problem((1, 8, 9), -71), "1-(8*9)") == 1.0
+    assert reward(Problem((1, 8, 9), -71), "1-8-9") == 0.0
+    assert reward(Problem((9, 9, 9), 729), "9*9*9") == 1.0
+    assert reward(Problem((2, 3, 4), 2), "4-(3-2)") == 0.0  # 3, not 2: '-' is left-associative
+    assert reward(Problem((2, 3, 4), 3), "4-(3-2)") == 1.0
+    assert reward(Problem((2, 3, 4), -1), "4-3-2") == 1.0
 
 
 def test_reward_bad_types():
     with pytest.raises(TypeError):
-        reward(P4, None)
+        reward(P, None)
     with pytest.raises(TypeError):
-        reward(P4, RIGHT.encode())
+        reward(P, b"3*5+7")
     with pytest.raises(TypeError):
-        reward((2, 4, 6, 9), RIGHT)
+        reward((3, 5, 7), "3*5+7")
 
 
 def test_problem_validation():
@@ -127,37 +123,40 @@ def test_problem_validation():
 
 
 @settings(max_examples=300, deadline=None)
-@given(st.text(alphabet="0123456789+-*=() \n<|>imend_xé", max_size=80))
+@given(st.text(alphabet="0123456789+-*() \n<|>imend_xé", max_size=80))
 def test_reward_never_raises_on_text(text):
-    assert reward(P4, text) in (0.0, 1.0)
+    assert reward(P, text) in (0.0, 1.0)
 
 
 @st.composite
-def attempts(draw):
-    # a random attempt, by an independent simulation: a multiset of digits, steps on random pairs of the pool
-    digits = draw(st.lists(st.integers(1, 9), min_size=2, max_size=4))
-    pool, steps = list(digits), []
-    while len(pool) > 1:
-        i, j = draw(st.permutations(range(len(pool))))[:2]
-        a, b = max(pool[i], pool[j]), min(pool[i], pool[j])
-        op = draw(st.sampled_from("+-*"))
-        c = {"+": a + b, "-": a - b, "*": a * b}[op]
-        pool = [n for k, n in enumerate(pool) if k not in (i, j)] + [c]
-        steps.append(f"{a}{op}{b}={c}" + (f" ({' '.join(map(str, pool))})" if len(pool) > 1 else ""))
-    return tuple(sorted(digits)), " ".join(steps), pool[0]
+def expressions(draw, depth=3):
+    # random expressions with random (often redundant) parentheses, for the differential test
+    if depth == 0 or draw(st.booleans()):
+        return str(draw(st.integers(1, 9)))
+    left = draw(expressions(depth=depth - 1))
+    right = draw(expressions(depth=depth - 1))
+    text = f"{left}{draw(st.sampled_from('+-*'))}{right}"
+    return f"({text})" if draw(st.booleans()) else text
 
 
 @settings(max_examples=300, deadline=None)
-@given(attempts(), st.integers(-5, 5))
-def test_reward_matches_an_independent_simulation(attempt, off):
-    digits, text, value = attempt
-    assert task.attempt_result(digits, task.parse_trace(text)[0]) == value
-    assert reward(Problem(digits, value + off), text) == float(off == 0)
-    assert task.format_trace(task.parse_trace(text)) == text
+@given(expressions())
+def test_parser_matches_python(text):
+    value, used = parse_answer(text)
+    assert value == _trusted_eval(text)
+    assert used == [int(c) for c in text if c.isdigit()]
 
 
 # -----------------------------------------------------------------------------
 # problem space, solutions, split
+
+
+def _shape(text):
+    # identifies an expression up to redundant parentheses: its digit order, and its value with the k-th digit
+    # replaced by a large distinct number (so a coincidence like 5-7*1 == (5-7)*1 cannot hide a difference)
+    big = iter([1009, 10007, 100003, 1000003])
+    generic = re.sub(r"\d", lambda m: str(next(big)), text)
+    return re.sub(r"\D", "", text), _trusted_eval(generic)
 
 
 def _brute_force(digits):
@@ -202,34 +201,52 @@ def test_problem_space_is_every_reachable_target():
     assert set(map(len, by_digits)) == {3, 4} and len(space) == 22251
 
 
-def test_every_problem_has_a_trace_and_the_solver_writes_a_right_one():
-    problems = make_problems("train") + make_problems("val") + make_problems("test")
-    assert all(p.target in task._reach(p.digits) for p in problems)   # subtraction never needs a sign
+def test_every_solution_is_rewarded_and_complete():
     rng = random.Random(0)
-    for p in rng.sample(problems, 400) + [p for p in problems if p.target not in task._reach(p.digits, task.SMALL)]:
-        text = task.solver_trace(p, random.Random(str(p)))
-        assert text == task.solver_trace(p, random.Random(str(p)))     # fixed by its rng
-        assert reward(p, text) == 1.0, (p, text)
-        attempts = task.parse_trace(text)
-        assert len(attempts) <= task.MAX_FAILED + 1
-        results = [task.attempt_result(p.digits, a) for a in attempts]
-        assert all(r != p.target for r in results[:-1]) and results[-1] == p.target
-    # how often a demonstration fails first: a fair coin per failed attempt
-    failed = [len(task.parse_trace(task.solver_trace(p, rng))) - 1 for p in rng.sample(problems, 2000)]
-    assert 0.85 < sum(failed) / len(failed) < 1.1 and max(failed) == task.MAX_FAILED
+    problems = [p for p in make_problems("train") + make_problems("val") + make_problems("test") if len(p.digits) == 3]
+    four = rng.sample([p for p in make_problems("train") if len(p.digits) == 4], 200)
+    for p in problems + four:
+        sols = solutions(p)
+        assert sols, p
+        assert len(set(sols)) == len(sols)
+        assert all(reward(p, s) == 1.0 for s in sols), p
+    # every brute-force hit is accepted too, and the same expression (up to parentheses) is listed
+    for p in rng.sample(problems, 100):
+        sols = solutions(p)
+        listed = {_shape(s) for s in sols}
+        for text in _brute_force(p.digits)[p.target]:
+            assert reward(p, text) == 1.0
+            assert _shape(text) in listed, (p, text)
+        # solutions are minimal: removing any pair of parentheses changes the expression
+        for s in sols:
+            for i, c in enumerate(s):
+                if c == "(":
+                    depth, j = 0, i
+                    while True:
+                        depth += {"(": 1, ")": -1}.get(s[j], 0)
+                        if depth == 0:
+                            break
+                        j += 1
+                    stripped = s[:i] + s[i + 1 : j] + s[j + 1 :]
+                    assert _shape(stripped) != _shape(s), (s, stripped)
+    assert solutions(Problem((3, 5, 7), 1000)) == []
+    assert solutions(P)[0] == "3*5+7"  # the preferred answer (what SFT demonstrates)
 
 
-def test_heuristic_is_the_greedy_closest_step_rule():
+def test_heuristic_is_the_greedy_closest_pair_rule():
     p = Problem((2, 4, 6, 9), 30)
-    # 6*4=24 is closest to 30 of all first steps; then 24+9=33 (3 away); then 33-2=31
-    assert task.heuristic_trace(p) == "6*4=24 (2 9 24) 24+9=33 (2 33) 33-2=31"
-    assert reward(p, task.heuristic_trace(p)) == 0.0
-    assert task.heuristic_trace(Problem((3, 5, 7), 22)) == "7*3=21 (5 21) 21+5=26"   # 4 away beats 6
+    # 4*6=24 and 4*9=36 are both 6 away: the first pair in order wins; then 9+24=33, then 33-2=31
+    assert task.heuristic_answer(p) == "9+4*6-2" and reward(p, task.heuristic_answer(p)) == 0.0
+    assert task.heuristic_answer(Problem((3, 5, 7), 22)) == "5+3*7"          # 21 first (1 away), then 26
     q = Problem((2, 3, 9), 29)
-    assert task.heuristic_trace(q) == "9*3=27 (2 27) 27+2=29" and reward(q, task.heuristic_trace(q)) == 1.0
+    assert task.heuristic_answer(q) == "2+3*9" and reward(q, task.heuristic_answer(q)) == 1.0
+    # 7-4=3 hits the target at once, and the last number must still be used: 8-3=5 is the closest then
+    assert task.heuristic_answer(Problem((4, 7, 8), 3)) == "8-(7-4)"
     test = make_problems("test")
-    accuracy = sum(reward(p, task.heuristic_trace(p)) for p in test) / len(test)
-    assert 0.20 < accuracy < 0.22     # the rule the README quotes, on the whole test split
+    by_size = {k: [reward(p, task.heuristic_answer(p)) for p in test if len(p.digits) == k] for k in (3, 4)}
+    accuracy = sum(map(sum, by_size.values())) / len(test)
+    assert 0.20 < accuracy < 0.22                      # the README's numbers, on the whole test split
+    assert 0.44 < sum(by_size[3]) / len(by_size[3]) < 0.48 and 0.17 < sum(by_size[4]) / len(by_size[4]) < 0.19
 
 
 TEST_HEAD = [Problem((3, 5, 6), 27), Problem((1, 3, 8, 9), 49), Problem((3, 3, 5), 18)]
@@ -274,11 +291,12 @@ def test_pretrain_corpus_is_deterministic_and_correct():
     assert pretrain_corpus(0, seed=0) == []
     for doc in docs:
         header, *lines = doc.split("\n")
-        assert header.startswith("digits ") and "target" not in doc and 4 <= len(lines) <= 8
-        digits = tuple(int(d) for d in header.split()[1:])
-        for attempt in task.parse_trace("\n".join(lines)):
-            assert task.attempt_result(digits, attempt) is not None, doc
-            assert all(s.c <= task.SMALL for s in attempt)
+        assert header.startswith("digits ") and lines
+        digits = sorted(int(d) for d in header.split()[1:])
+        for line in lines:
+            text, value = line.split("=")
+            assert _trusted_eval(text) == int(value)
+            assert sorted(parse_answer(text)[1]) == digits
     with pytest.raises(ValueError):
         pretrain_corpus(-1, seed=0)
 
@@ -288,12 +306,12 @@ def test_pretrain_corpus_holds_no_validation_or_test_answer():
     sizes = set()
     for seed in (0, 1, 2, 1337):
         for doc in pretrain_corpus(2000, seed):
-            header, *lines = doc.split("\n")
-            digits = tuple(int(d) for d in header.split()[1:])
-            sizes.add(len(digits))
-            assert len(digits) == 2 or task.split_of(digits) == "train", (seed, doc)
-            for attempt in task.parse_trace("\n".join(lines)):
-                assert (digits, task.attempt_result(digits, attempt)) not in held_out, (seed, doc)
+            for line in doc.split("\n")[1:]:
+                text, value = line.split("=")
+                digits = tuple(sorted(parse_answer(text)[1]))
+                sizes.add(len(digits))
+                assert (digits, int(value)) not in held_out, (seed, line)
+                assert len(digits) == 2 or task.split_of(digits) == "train", (seed, line)
     assert sizes == {2, 3, 4}
 
 
@@ -312,7 +330,6 @@ def test_sft_examples_are_a_fixed_minority_of_train():
     for conv in a:
         assert [m["role"] for m in conv] == ["user", "assistant"]
         assert conv[0]["content"] not in held_out
-        assert conv == task.demonstration(by_prompt[conv[0]["content"]])
         assert reward(by_prompt[conv[0]["content"]], conv[1]["content"]) == 1.0
     for bad in (0, 1.5, -0.1, "0.2"):
         with pytest.raises(ValueError):

@@ -12,22 +12,23 @@ them, and the shared loss pushes up the answers that beat their group's mean.
         --n_eval_problems=0                                                # only evaluate init_from, on test
 
 One iteration:
-  1. take prompts from the prompt stream (the training problems, reshuffled every epoch); their chat-template
+  1. draw prompts_per_step training problems with the sampler (ProblemSampler: in proportion to p(1 - p), p a
+     problem's success rate so far, so rollouts go where groups can have reward variance); their chat-template
      ids are made once and those exact ids go to the engine and into the training batch;
   2. engine.generate(prompt_ids, num_samples_per_prompt=group_size): each prompt is prefilled once, its G
      samples share its KV blocks; every sample carries the weight version that produced it;
   3. rewards: the task's exact reward, 0 for a completion that did not stop by itself (truncated);
      advantages = reward - group mean (divided by the group std only when scale_rewards=True: Dr. GRPO shows
      the division biases toward easy/hard groups); a group whose rewards are all equal teaches nothing: it is
-     dropped and counted, and more prompts are pulled, at most max_attempts rollouts per step, so a step
-     consumes prompts_per_step problems or more (rollout/problems);
+     dropped and counted (rollout/zero_var_groups), and the sampler's record makes its problem rarer; one
+     rollout call per step, never a refill;
   4. token_weights = advantage x completion mask, packed into PackedBatches; the loss normalizer is fixed now
      (loss_norm, below); then the per-token no-grad corrections fold into the weights: TIS (tis_cap > 0) and
      the KL to the starting policy (kl_coef > 0), from a logprob pass that runs only for them; the shared
      training.train_step (unified_loss) takes one step;
   5. engine.update_weights(model.state_dict()): in place, version += 1, prefix cache flushed (a version per
      iteration, even one without a step);
-  then log, evaluate on the validation split (every eval_interval) and checkpoint (with the stream's position).
+  then log, evaluate on the validation split (every eval_interval) and checkpoint (with the sampler's record).
 
 loss_norm, the denominator of unified_loss: 'constant' (the default, Dr. GRPO: prompts_per_step x group_size
 x max_new_tokens, the same every step, so a step's size follows how much its samples have to teach and not how
@@ -72,7 +73,7 @@ device = "cpu"
 dtype = "float32"            # the trainer's autocast: 'float32' | 'bfloat16' (master weights stay fp32)
 compile = False
 # rollouts
-prompts_per_step = 16        # groups per optimizer step (more problems are consumed when groups are dropped)
+prompts_per_step = 16        # problems drawn per step, one group each (the zero-variance ones are dropped)
 group_size = 8               # samples per prompt (G)
 temperature = 1.0            # of the rollouts; the trainer scores softmax(logits / T) too (on-policy)
 top_p = 1.0                  # only 1.0: the trainer scores the whole distribution, never a nucleus
@@ -105,7 +106,7 @@ weight_bucket_mb = 64.0      # bucket size of the trainer-to-workers weight broa
 eval_split = "val"           # 'val' | 'test'
 n_eval_problems = 500        # the first n of the split (0 = all of it)
 keep_best = False            # keep the model of the best eval/accuracy in {out_dir}/best (early stopping)
-pass_k = 8                   # samples per problem for eval/pass@1 and eval/pass@{k} (at the rollout temperature)
+pass_k = 8                   # samples per problem for eval/pass@1 and eval/pass@{k} (rollout temperature; 0 = none)
 # logging and checkpoints
 log_interval = 1
 eval_interval = 25
@@ -190,12 +191,14 @@ class ProblemSampler:
                 "samples": self.samples.tolist()}
 
     def load_state_dict(self, state):
-        n = len(self.items)
-        _require(isinstance(state, dict) and set(state) == {"draws", "taken", "successes", "samples"}
+        n, keys = len(self.items), {"draws", "taken", "successes", "samples"}
+        _require(isinstance(state, dict) and set(state) == keys
                  and all(type(state[k]) is int and state[k] >= 0 for k in ("draws", "taken"))
                  and all(isinstance(state[k], list) and len(state[k]) == n for k in ("successes", "samples")),
-                 f"ProblemSampler: bad data state for {n} problems (keys {sorted(state) if isinstance(state, dict) else state!r})")
-        successes, samples = np.array(state["successes"], dtype=np.int64), np.array(state["samples"], dtype=np.int64)
+                 f"ProblemSampler: bad data state for {n} problems: expected {sorted(keys)} with a count "
+                 f"per problem, got {sorted(state) if isinstance(state, dict) else state!r}")
+        successes = np.array(state["successes"], dtype=np.int64)
+        samples = np.array(state["samples"], dtype=np.int64)
         _require(bool((successes >= 0).all() and (successes <= samples).all()),
                  "ProblemSampler: bad data state: successes must be in [0, samples]")
         self.draws, self.taken, self.successes, self.samples = state["draws"], state["taken"], successes, samples
@@ -378,7 +381,7 @@ def grpo_step(source, run, reference, config, it):
 def check_settings(config):
     """GRPO's own settings, then the loop's, each refused with a ValueError naming it before any work."""
     for name, low in (("prompts_per_step", 1), ("group_size", 2), ("max_new_tokens", 1),
-                      ("pass_k", 1), ("n_eval_problems", 0)):
+                      ("pass_k", 0), ("n_eval_problems", 0)):
         _require(type(config[name]) is int and config[name] >= low, f"{name}={config[name]!r}: expected an int "
                                                                      f">= {low}")
     for name in ("tis_cap", "kl_coef"):
@@ -417,11 +420,14 @@ def reference_model(config, start):
 
 
 def evaluate_and_log(engine, run, problems, config, done, meter, best):
-    """Evaluate, log, and with keep_best save the model to {out_dir}/best when its accuracy beats best["accuracy"]."""
+    """Evaluate, log, and with keep_best save the model to {out_dir}/best when its accuracy beats best["accuracy"].
+    On the test split, each problem's outcome goes to {out_dir}/outcomes.jsonl too."""
     t0 = time.perf_counter()
-    metrics = evaluate.evaluate(engine, run.start.tokenizer, problems, config["max_new_tokens"], config["pass_k"],
-                                config["temperature"], config["seed"])
+    metrics, outcomes = evaluate.evaluate(engine, run.start.tokenizer, problems, config["max_new_tokens"],
+                                          config["pass_k"], config["temperature"], config["seed"])
     run.logger.log(done, {**metrics, "perf/elapsed_s": meter.seconds})
+    if config["eval_split"] == "test" and distributed.is_main():
+        evaluate.write_outcomes(config["out_dir"], outcomes)
     if config["keep_best"] and metrics["eval/accuracy"] > best["accuracy"]:
         best.update(accuracy=metrics["eval/accuracy"], iter=done)
         if distributed.is_main():

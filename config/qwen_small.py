@@ -22,7 +22,7 @@ wandb_project = "nano-rl"
 pretrain = dict(
     out_dir="out/qwen_small/pretrain",
     init_from="scratch",
-    max_iters=600,
+    max_iters=900,
     learning_rate=3e-3, min_lr=3e-4, warmup_iters=20,
     batch_tokens=2048,
     log_interval=10, eval_interval=100, ckpt_interval=100,
@@ -31,7 +31,7 @@ pretrain = dict(
 sft = dict(
     out_dir="out/qwen_small/sft",
     init_from="out/qwen_small/pretrain",
-    max_iters=400,
+    max_iters=1000,
     demo_fraction=0.3,
     learning_rate=1e-3, min_lr=1e-4, warmup_iters=10,
     batch_tokens=1024,
@@ -39,12 +39,12 @@ sft = dict(
 )
 
 # temperature, learning rate and steps chosen on the validation split (README, Results); the loss normalizer is
-# the constant one (Dr. GRPO); no KL term
+# the constant one (Dr. GRPO); no KL term. One rollout call of 64 problems per step, drawn by p(1 - p)
 grpo = dict(
     out_dir="out/qwen_small/grpo",
     init_from="out/qwen_small/sft",
-    max_iters=450,
-    prompts_per_step=16, group_size=8, max_attempts=4, max_new_tokens=16, temperature=0.7,
+    max_iters=400,
+    prompts_per_step=64, group_size=8, max_new_tokens=16, temperature=0.7,
     loss_norm="constant", kl_coef=0.0,
     learning_rate=2e-4, min_lr=2e-5, warmup_iters=5,
     n_eval_problems=500,
