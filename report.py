@@ -1,14 +1,18 @@
-"""The fair comparison (compare.sh) read back from disk: two tables with paired 95% intervals, and a plot.
+"""The fair comparison (compare.sh) read back from disk: tables with paired 95% intervals, and a plot.
 
-compare.sh trains, for each seed, three arms from one SFT checkpoint and scores all four once on the test split:
+compare.sh trains, for each seed, arms from one SFT checkpoint and scores each once on the test split:
+  heuristic the closest-pair rule, no learning (task.heuristic_answer)
   sft       the SFT checkpoint itself (the start)
   sft_more  more SFT on the demonstrations, matched to GRPO's FLOPs, early-stopped on validation
   rft       rejection-sampling fine-tuning on GRPO's problems and group size, same FLOPs, early-stopped on validation
   grpo      GRPO
-This script reads those evaluations (OUT_DIR/seed<S>/test_<arm>/metrics.jsonl, the last row), writes
-OUT_DIR/results.json, prints two markdown tables (each arm's test metrics, mean ± std over seeds; the paired
-differences of greedy accuracy with their 95% intervals) and plots validation accuracy against wall-clock time
-and against FLOPs spent (OUT_DIR/val_accuracy.png, when matplotlib is installed).
+  sft_all   SFT with a demonstration for every training problem (a reference: what a full solver gives)
+An arm missing from every seed is left out (older comparisons have no heuristic or sft_all). This script
+reads those evaluations (OUT_DIR/seed<S>/test_<arm>/metrics.jsonl, the last row, and outcomes.jsonl beside it),
+writes OUT_DIR/results.json, prints markdown tables (each arm's test metrics, mean ± std over seeds; accuracy
+by problem size; the paired differences of greedy accuracy with their 95% intervals, by seed and by a cluster
+bootstrap over digit multisets) and plots validation accuracy against wall-clock time and against FLOPs spent
+(OUT_DIR/val_accuracy.png, when matplotlib is installed).
 
     python report.py out/compare 1 2 3 4 5      # the seeds to read (none given: every seed<S> directory there)
     python report.py --run out/qwen_small/grpo out/qwen_small/grpo.png   # one GRPO run: accuracy, length
@@ -16,6 +20,9 @@ and against FLOPs spent (OUT_DIR/val_accuracy.png, when matplotlib is installed)
 A difference is paired by seed (both arms start from the same pretrain and SFT checkpoint): with d_s = a_s - b_s
 over n seeds, the interval is mean(d) ± t_{0.975, n-1} * std(d, ddof=1) / sqrt(n) (Student's t). It covers the
 seed-to-seed variation of everything after the shared checkpoint, test-split noise included in each d_s.
+The cluster bootstrap covers the other source, which problems the test split happens to hold: each problem's
+difference is averaged over seeds, digit multisets (a split's unit) are resampled with replacement, and the
+interval is the 2.5th and 97.5th percentile of the mean difference over 2,000 resamples.
 """
 import json
 import math
@@ -25,8 +32,11 @@ import sys
 
 import numpy as np
 
-ARMS = ("sft", "sft_more", "rft", "grpo")
-COMPARISONS = (("grpo", "sft"), ("grpo", "sft_more"), ("grpo", "rft"), ("sft_more", "sft"), ("rft", "sft"))
+ARMS = ("heuristic", "sft", "sft_more", "rft", "grpo", "sft_all")
+COMPARISONS = (("grpo", "heuristic"), ("grpo", "sft"), ("grpo", "sft_more"), ("grpo", "rft"), ("grpo", "sft_all"),
+               ("sft_more", "sft"), ("rft", "sft"))
+SIZES = ("3digits", "4digits")
+BOOTSTRAP = 2000
 CURVE_ARMS = ("grpo", "sft_more", "rft")  # the arms that train from the SFT checkpoint: the plot's curves
 
 # t_{0.975, df}, the two-sided 95% quantile of Student's t for df = 1..30 (standard tables, 3 decimals)
@@ -75,13 +85,21 @@ def read_rows(path):
         return [json.loads(line) for line in f if line.strip()]
 
 
+def arms_present(out_dir, seeds):
+    """The arms with a test evaluation directory in some seed; each must then have one in every seed."""
+    present = [a for a in ARMS if any(os.path.isdir(os.path.join(out_dir, f"seed{s}", f"test_{a}")) for s in seeds)]
+    if "grpo" not in present:
+        raise FileNotFoundError(f"{out_dir}: no seed has test_grpo: run `bash compare.sh` first")
+    return present
+
+
 def load(out_dir, seeds):
-    """Each seed's test evaluation of each arm: {"per_seed": {seed: {arm: greedy accuracy}}, "pass@1": {...},
-    "pass@<k>": {...}}, seeds as strings, the pass@ names as the evaluation logged them. A missing or unfinished
-    evaluation is an error that names its file."""
-    results = {"per_seed": {}}
+    """Each seed's test evaluation of each arm: {"arms": [...], "per_seed": {seed: {arm: greedy accuracy}},
+    "pass@1": {...}, "pass@<k>": {...}, "accuracy_3digits": {...}, "accuracy_4digits": {...}}, seeds as strings.
+    A missing or unfinished evaluation of a present arm is an error that names its file."""
+    results = {"arms": arms_present(out_dir, seeds), "per_seed": {}}
     for seed in map(str, seeds):
-        for arm in ARMS:
+        for arm in results["arms"]:
             path = os.path.join(out_dir, f"seed{seed}", f"test_{arm}", "metrics.jsonl")
             if not os.path.exists(path):
                 raise FileNotFoundError(f"{path} is missing: run `bash compare.sh {seed}` first")
@@ -91,9 +109,34 @@ def load(out_dir, seeds):
             row = rows[-1]
             results["per_seed"].setdefault(seed, {})[arm] = row["eval/accuracy"]
             for key in row:
-                if key.startswith("eval/pass@"):
+                if key.startswith("eval/pass@") or key.startswith("eval/accuracy_"):
                     results.setdefault(key[len("eval/"):], {}).setdefault(seed, {})[arm] = row[key]
     return results
+
+
+def read_outcomes(out_dir, seeds, arm):
+    """[seed][problem] rewards of an arm's test evaluation, problems in file order (the split's), or None when
+    a seed has no outcomes.jsonl (an evaluation older than them)."""
+    per_seed = []
+    for seed in map(str, seeds):
+        path = os.path.join(out_dir, f"seed{seed}", f"test_{arm}", "outcomes.jsonl")
+        if not os.path.exists(path):
+            return None
+        per_seed.append(read_rows(path))
+    return per_seed
+
+
+def cluster_bootstrap(diff, clusters, resamples=BOOTSTRAP, seed=0):
+    """(lo, hi), the 95% percentile interval of mean(diff) when whole clusters are resampled with replacement.
+    diff: one value per problem; clusters: one hashable label per problem (its digit multiset)."""
+    diff = np.asarray(diff, dtype=float)
+    labels = {c: i for i, c in enumerate(dict.fromkeys(clusters))}
+    index = np.array([labels[c] for c in clusters])
+    sums, counts = np.bincount(index, weights=diff), np.bincount(index)
+    rng = np.random.default_rng(seed)
+    picks = rng.integers(0, len(sums), size=(resamples, len(sums)))
+    means = sums[picks].sum(axis=1) / counts[picks].sum(axis=1)
+    return float(np.percentile(means, 2.5)), float(np.percentile(means, 97.5))
 
 
 def pass_keys(results):
@@ -101,17 +144,35 @@ def pass_keys(results):
     return sorted((k for k in results if k.startswith("pass@")), key=lambda k: int(k.split("@")[1]))
 
 
-def summarize(results):
-    """results plus "summary" (each arm's greedy accuracy: mean, std with ddof=1) and "paired" (each comparison
-    a - b: mean difference, ci95 = [lo, hi], n seeds). None where one seed leaves a value undefined."""
-    seeds = list(results["per_seed"])
-    acc = {arm: [results["per_seed"][s][arm] for s in seeds] for arm in ARMS}
+def summarize(results, out_dir=None):
+    """results plus "summary" (each arm's greedy accuracy: mean, std with ddof=1), "paired" (each comparison
+    a - b of present arms: mean difference, ci95 = [lo, hi] over seeds, n seeds, and with out_dir and
+    outcomes on disk bootstrap95, the cluster bootstrap interval). None where one seed leaves a value
+    undefined."""
+    seeds, arms = list(results["per_seed"]), results.get("arms", ARMS)
+    acc = {arm: [results["per_seed"][s][arm] for s in seeds] for arm in arms}
     summary = {arm: {"mean": float(np.mean(v)), "std": std(v)} for arm, v in acc.items()}
     paired = {}
     for a, b in COMPARISONS:
+        if a not in arms or b not in arms:
+            continue
         mean, lo, hi = paired_ci(acc[a], acc[b])
-        paired[f"{a}-{b}"] = {"mean": mean, "ci95": None if math.isnan(lo) else [lo, hi], "n": len(seeds)}
+        paired[f"{a}-{b}"] = {"mean": mean, "ci95": None if math.isnan(lo) else [lo, hi], "n": len(seeds),
+                              "bootstrap95": bootstrap_pair(out_dir, seeds, a, b) if out_dir else None}
     return {**results, "summary": summary, "paired": paired}
+
+
+def bootstrap_pair(out_dir, seeds, a, b):
+    """The cluster bootstrap interval of a - b over digit multisets, or None without outcomes for both."""
+    oa, ob = read_outcomes(out_dir, seeds, a), read_outcomes(out_dir, seeds, b)
+    if oa is None or ob is None:
+        return None
+    problems = [(tuple(o["digits"]), o["target"]) for o in oa[0]]
+    for rows in oa + ob:
+        if [(tuple(o["digits"]), o["target"]) for o in rows] != problems:
+            raise ValueError(f"{out_dir}: the outcomes of {a} and {b} are not over the same problems")
+    diff = np.mean([[x["reward"] - y["reward"] for x, y in zip(ra, rb)] for ra, rb in zip(oa, ob)], axis=0)
+    return list(cluster_bootstrap(diff, [tuple(sorted(d)) for d, _ in problems]))
 
 
 # -----------------------------------------------------------------------------
@@ -136,20 +197,35 @@ def verdict(ci95):
 
 
 def tables(results):
-    """The two markdown tables, as text: each arm's test metrics over seeds, and the paired differences."""
-    seeds = list(results["per_seed"])
+    """The markdown tables, as text: each arm's test metrics over seeds, accuracy by problem size, and the
+    paired differences."""
+    seeds, arms = list(results["per_seed"]), results.get("arms", ARMS)
     metrics = [("greedy accuracy", "per_seed")] + [(k, k) for k in pass_keys(results)]
     lines = [f"test split, mean ± std (ddof=1) over seeds {', '.join(seeds)} (per-seed values):", "",
              "| arm | " + " | ".join(name for name, _ in metrics) + " |",
              "|" + " --- |" * (len(metrics) + 1)]
-    for arm in ARMS:
+    for arm in arms:
         cells = [cell([results[key].get(s, {}).get(arm) for s in seeds]) for _, key in metrics]
         lines.append(f"| {arm} | " + " | ".join(cells) + " |")
-    lines += ["", f"paired differences of greedy test accuracy, 95% Student-t interval over {len(seeds)} seeds:", "",
-              "| comparison | mean difference | 95% CI | excludes 0? |", "| --- | --- | --- | --- |"]
+    sized = [k for k in SIZES if f"accuracy_{k}" in results]
+    if sized:
+        lines += ["", "greedy test accuracy by problem size, mean over seeds:", "",
+                  "| arm | " + " | ".join(k.replace("digits", " digits") for k in sized) + " |",
+                  "|" + " --- |" * (len(sized) + 1)]
+        for arm in arms:
+            values = [[results[f"accuracy_{k}"].get(s, {}).get(arm) for s in seeds] for k in sized]
+            lines.append(f"| {arm} | " + " | ".join("n/a" if None in v else f"{np.mean(v):.3f}" for v in values)
+                         + " |")
+    lines += ["", f"paired differences of greedy test accuracy: 95% Student-t interval over {len(seeds)} seeds, "
+              f"and a cluster bootstrap over digit multisets:", "",
+              "| comparison | mean difference | 95% CI (seeds) | excludes 0? | 95% CI (bootstrap) | excludes 0? |",
+              "| --- | --- | --- | --- | --- | --- |"]
     for name, p in results["paired"].items():
         ci = "n/a" if p["ci95"] is None else "[{:+.3f}, {:+.3f}]".format(*p["ci95"])
-        lines.append(f"| {name.replace('-', ' - ')} | {p['mean']:+.3f} | {ci} | {verdict(p['ci95'])} |")
+        boot = p.get("bootstrap95")
+        bci = "n/a" if boot is None else "[{:+.3f}, {:+.3f}]".format(*boot)
+        lines.append(f"| {name.replace('-', ' - ')} | {p['mean']:+.3f} | {ci} | {verdict(p['ci95'])} | {bci} | "
+                     f"{verdict(boot)} |")
     return "\n".join(lines)
 
 
@@ -299,7 +375,7 @@ def main(argv):
     if not seeds:
         raise SystemExit(f"no seed<S> directories under {out_dir}: run bash compare.sh first")
     try:
-        results = summarize(load(out_dir, seeds))
+        results = summarize(load(out_dir, seeds), out_dir)
     except (FileNotFoundError, ValueError) as e:
         raise SystemExit(f"report.py: {e}") from None
     path = os.path.join(out_dir, "results.json")
