@@ -66,7 +66,7 @@ grad_accum = 1               # micro-batches per optimizer step, over all ranks 
 dist_timeout_s = 300         # torchrun: a collective waiting longer than this ends the job
 # evaluation (validation split only)
 n_eval_problems = 500        # validation problems answered greedily every eval_interval (0 = all)
-eval_max_tokens = 128        # generation budget per answer
+eval_max_tokens = 16         # generation budget per answer
 keep_best = False            # keep the model of the best eval/accuracy in {out_dir}/best
 # logging and checkpoints
 log_interval = 10
@@ -80,8 +80,9 @@ config = configure(globals(), sys.argv[1:], stage="sft")
 
 
 def demonstrations(tokenizer, problems):
-    """chat examples (ids, loss mask) of problems answered as the task demonstrates (task.demonstration)"""
-    return [chat_example(tokenizer, task.demonstration(p)) for p in problems]
+    """chat examples (ids, loss mask) of problems answered with their preferred solution"""
+    return [chat_example(tokenizer, task.prompt_messages(p) + [{"role": "assistant", "content": task.solutions(p)[0]}])
+            for p in problems]
 
 
 def rejection_samples(model, tokenizer, problems):

@@ -2,27 +2,21 @@
 The embedded default's task: mini-countdown, a verifiable synthetic task a tiny model can learn on a laptop CPU.
 
 Given three or four digits (1-9, repeats allowed) and a target in 1..99, write an arithmetic expression that uses
-exactly those digits, each once, in any order, with + - * and parentheses, and evaluates to the target.
+exactly those digits, each once, in any order, with + - * and parentheses, and evaluates to the target:
 
-The model has room to think: it answers with attempts, one per line, each an expression followed by its
-evaluation one operation at a time, until an attempt reaches the target. The last attempt is the answer:
-
+    user:      digits 3 5 7 target 22
+    assistant: 3*5+7                      (7+3*5, 5*3+7 are right too)
     user:      digits 2 4 6 9 target 30
-    assistant: 9+4*6-2: 4*6=24 9+24=33 33-2=31
-               (4*6-9)*2: 4*6=24 24-9=15 15*2=30
-
-The reward checks the whole completion exactly: every line is an expression over exactly the problem's digits,
-written with the evaluation steps the parser makes (arithmetic that does not hold is wrong), and the last one
-equals the target; and the completion stopped by itself (evaluate.score). Anything else scores 0.
+    assistant: (4*6-9)*2
 
 The problem space is every (digit multiset, reachable target) pair, split by digit multiset into train, val
 and test: a multiset and every problem over it belong to one split only, picked by a hash of the multiset (never
 by RNG state), so every run, machine and Python version agrees, and no validation or test multiset is ever seen
-in training. The pretraining corpus only evaluates expressions over training multisets (and over pairs of
-digits, which are never problems), with no target: it contains no validation or test answer. SFT demos cover
-a fixed minority of the training problems; the reward is an exact checker, so GRPO can learn on the rest.
+in training. The pretraining corpus only writes expressions over training multisets (and over pairs of digits,
+which are never problems): it contains no validation or test answer. SFT demos cover a fixed minority of the
+training problems; the reward is an exact checker, so GRPO can learn on the rest without demonstrations.
 
-Expressions are parsed by a small recursive-descent parser (no eval): single digits, + - *, parentheses.
+Answers are parsed by a small recursive-descent parser (no eval): single digits, + - *, parentheses, spaces.
 No unary minus, no multi-digit numbers (that would be concatenating digits).
 """
 
@@ -41,10 +35,7 @@ TARGETS = range(1, 100)
 OPS = "+-*"
 SPLITS = {"val": 0.1, "test": 0.1}  # share of the digit multisets held out for each; the rest is 'train'
 SFT_FRACTION = 0.1  # share of the training problems that get a demonstration
-MAX_ANSWER_CHARS = 64  # longer expressions are wrong without parsing (bounds the parser's recursion)
-MAX_COMPLETION_CHARS = 1024  # longer completions are wrong without parsing
-MAX_FAILED = 3  # wrong attempts a demonstration writes at most before the right one
-NEAR = 8  # a demonstration's wrong attempts reach one of the NEAR values nearest the target
+MAX_ANSWER_CHARS = 64  # longer completions are wrong without parsing (bounds the parser's recursion)
 END_OF_TURN = "<|im_end|>"  # may close a completion decoded with special tokens; ignored by the reward
 
 
@@ -171,8 +162,7 @@ def solutions(problem: Problem) -> list[str]:
 
 def heuristic_answer(problem: Problem) -> str:
     """The no-learning baseline: combine the two numbers whose result lands closest to the target, repeat until
-    one number is left; that expression, as one attempt line, is the answer. Ties go to the first pair and
-    operator in order."""
+    one number is left; that expression is the answer. Ties go to the first pair and operator in order."""
     if not isinstance(problem, Problem):
         raise TypeError(f"expected a Problem, got {problem!r}")
     terms = [(str(d), d, _ATOM) for d in problem.digits]   # (text, value, precedence), as _expressions builds
@@ -181,7 +171,7 @@ def heuristic_answer(problem: Problem) -> str:
                        key=lambda c: abs(_apply(c[2], terms[c[0]][1], terms[c[1]][1]) - problem.target))
         combined = _combine(terms[i], op, terms[j])
         terms = [t for k, t in enumerate(terms) if k not in (i, j)] + [combined]
-    return attempt(terms[0][0])
+    return terms[0][0]
 
 
 # -----------------------------------------------------------------------------
@@ -193,15 +183,9 @@ def heuristic_answer(problem: Problem) -> str:
 
 class _Parser:
     def __init__(self, text: str):
-        self.text = text
+        self.text = text.replace(" ", "")
         self.pos = 0
         self.digits = []
-        self.steps = []   # "a op b=c" for every operation, in the order the parser evaluates them
-
-    def combine(self, op, a, b):
-        c = _apply(op, a, b)
-        self.steps.append(f"{a}{op}{b}={c}")
-        return c
 
     def peek(self):
         return self.text[self.pos] if self.pos < len(self.text) else None
@@ -216,7 +200,7 @@ class _Parser:
             op = self.text[self.pos]
             self.pos += 1
             right = self.term()
-            value = None if right is None else self.combine(op, value, right)
+            value = None if right is None else _apply(op, value, right)
         return value
 
     def term(self):
@@ -224,7 +208,7 @@ class _Parser:
         while value is not None and self.peek() == "*":
             self.pos += 1
             right = self.factor()
-            value = None if right is None else self.combine("*", value, right)
+            value = None if right is None else value * right
         return value
 
     def factor(self):
@@ -243,47 +227,29 @@ class _Parser:
         return None  # end of text, an operator, '0', a letter...
 
 
-def parse_answer(text: str) -> tuple[int, list[int], list[str]] | None:
-    """(value, digits used, evaluation steps) of an expression, or None if it is not one. Never raises on a str.
-    The steps are "a op b=c" in the order the parser evaluates: "9+4*6-2" -> 4*6=24, 9+24=33, 33-2=31."""
+def parse_answer(text: str) -> tuple[int, list[int]] | None:
+    """(value, digits used) of an answer expression, or None if it is not one. Never raises on a str."""
     if not isinstance(text, str):
         raise TypeError(f"answer must be a str, got {type(text).__name__}")
+    text = text.strip()
+    if text.endswith(END_OF_TURN):
+        text = text[: -len(END_OF_TURN)].strip()
     if not text or len(text) > MAX_ANSWER_CHARS:
         return None
     parser = _Parser(text)
     value = parser.parse()
-    return None if value is None else (value, parser.digits, parser.steps)
-
-
-def attempt(expression: str) -> str:
-    """The line the model writes for an expression: the expression, then its evaluation steps."""
-    parsed = parse_answer(expression)
-    assert parsed is not None and parsed[2], f"not an expression of two digits or more: {expression!r}"
-    return f"{expression}: {' '.join(parsed[2])}"
-
-
-def attempt_value(digits: tuple[int, ...], line: str) -> int | None:
-    """The value of one attempt line, or None unless it is an expression over exactly these digits followed by
-    ': ' and exactly its evaluation steps (so every step's arithmetic holds)."""
-    expression, sep, steps = line.partition(": ")
-    parsed = parse_answer(expression)
-    if not sep or parsed is None or sorted(parsed[1]) != sorted(digits) or steps != " ".join(parsed[2]):
-        return None
-    return parsed[0]
+    return None if value is None else (value, parser.digits)
 
 
 def reward(problem: Problem, completion_text: str) -> float:
-    """1.0 iff every line of the completion is a right attempt over the problem's digits and the last one
-    equals the target; 0.0 otherwise. A closing <|im_end|> (decoded with special tokens) is dropped first."""
+    """1.0 iff the completion is an expression using exactly the problem's digits that equals its target."""
     if not isinstance(problem, Problem):
         raise TypeError(f"expected a Problem, got {problem!r}")
-    if not isinstance(completion_text, str):
-        raise TypeError(f"completion must be a str, got {type(completion_text).__name__}")
-    text = completion_text.removesuffix(END_OF_TURN)
-    if not text or len(text) > MAX_COMPLETION_CHARS:
+    parsed = parse_answer(completion_text)
+    if parsed is None:
         return 0.0
-    values = [attempt_value(problem.digits, line) for line in text.split("\n")]
-    return 1.0 if None not in values and values[-1] == problem.target else 0.0
+    value, used = parsed
+    return 1.0 if value == problem.target and sorted(used) == sorted(problem.digits) else 0.0
 
 
 # -----------------------------------------------------------------------------
@@ -298,24 +264,8 @@ def prompt_messages(problem: Problem) -> list[dict]:
     return [{"role": "user", "content": f"digits {digits} target {problem.target}"}]
 
 
-def demonstration(problem: Problem) -> list[dict]:
-    """The conversation SFT learns from, fixed per problem: as many wrong attempts as a fair coin takes to come
-    up heads (at most MAX_FAILED), each an expression that reaches one of the NEAR values nearest the target,
-    then the preferred solution. The count says nothing about the problem, so the model must learn to stop on
-    reaching the target, not after some number of lines."""
-    rng = random.Random(_problem_key(problem, "demo"))
-    by_value = _values(tuple(sorted(problem.digits)))
-    near = sorted((v for v in by_value if v != problem.target), key=lambda v: (abs(v - problem.target), v))[:NEAR]
-    n_failed = 0
-    while n_failed < MAX_FAILED and rng.random() < 0.5:
-        n_failed += 1
-    lines = [attempt(by_value[v][0]) for v in rng.sample(near, min(n_failed, len(near)))]
-    lines.append(attempt(solutions(problem)[0]))
-    return prompt_messages(problem) + [{"role": "assistant", "content": "\n".join(lines)}]
-
-
 def sft_examples(seed: int, fraction: float = SFT_FRACTION) -> list[list[dict]]:
-    """Demonstrations for a fixed subset of the training problems, shuffled by seed.
+    """Conversations (prompt + preferred answer) for a fixed subset of the training problems, shuffled by seed.
 
     The subset is picked by the problem's hash, not by seed: seeds change the order only, and a smaller
     fraction gives a subset of a larger one. The rest of the training problems are GRPO's to learn.
@@ -324,7 +274,7 @@ def sft_examples(seed: int, fraction: float = SFT_FRACTION) -> list[list[dict]]:
         raise ValueError(f"fraction must be in (0, 1], got {fraction!r}")
     chosen = [p for p in make_problems("train") if _unit(_problem_key(p, "sft")) < fraction]
     random.Random(seed).shuffle(chosen)
-    return [demonstration(p) for p in chosen]
+    return [prompt_messages(p) + [{"role": "assistant", "content": solutions(p)[0]}] for p in chosen]
 
 
 def _random_expression(rng: random.Random, digits: tuple[int, ...]) -> tuple[str, int]:
@@ -343,14 +293,13 @@ def _training_multisets() -> dict:
 
 
 def pretrain_corpus(n_docs: int, seed: int) -> list[str]:
-    """n_docs documents that teach the evaluation of attempts, deterministic by seed.
+    """n_docs documents that teach arithmetic on the task's digits, deterministic by seed.
 
-    A document names a few digits and lists random expressions using exactly those digits, each evaluated
-    one operation at a time as an attempt line:
+    A document names a few digits and lists random expressions using exactly those digits with their values:
 
         digits 3 5 7
-        3*5+7: 3*5=15 15+7=22
-        7-(3+5): 3+5=8 7-8=-1
+        3*5+7=22
+        7-(3+5)=-1
         ...
 
     It teaches evaluation and the "use exactly these digits" rule, never the task's inverse direction (which
@@ -366,7 +315,7 @@ def pretrain_corpus(n_docs: int, seed: int) -> list[str]:
         digits = rng.choice(multisets[k])
         lines = [f"digits {' '.join(map(str, digits))}"]
         for _ in range(rng.randint(4, 8)):
-            text, _ = _random_expression(rng, digits)
-            lines.append(attempt(text))
+            text, value = _random_expression(rng, digits)
+            lines.append(f"{text}={value}")
         docs.append("\n".join(lines))
     return docs

@@ -270,7 +270,7 @@ def test_problem_sampler_weighs_a_hand_made_record_by_p_times_1_minus_p():
 def test_a_truncated_completion_scores_zero():
     tok = build_tokenizer()
     p = task.Problem((3, 5, 7), 22)
-    ids = tok.encode("3*5+7: 3*5=15 15+7=22", add_special_tokens=False)
+    ids = tok.encode("3*5+7", add_special_tokens=False)
     stopped = TrainingSample(prompt_tokens=(1,), completion_tokens=tuple(ids + [tok.eos_token_id]),
                              logprobs=(0.0,) * (len(ids) + 1), finish_reason="stop")
     cut = TrainingSample(prompt_tokens=(1,), completion_tokens=tuple(ids), logprobs=(0.0,) * len(ids),

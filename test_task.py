@@ -54,51 +54,40 @@ def _trusted_eval(text: str) -> int:
 P = Problem((3, 5, 7), 22)
 
 
-RIGHT = "3*5+7: 3*5=15 15+7=22"
-MISS = "3+5+7: 3+5=8 8+7=15"
-
-
 @pytest.mark.parametrize(
     "text, expected",
     [
-        (RIGHT, 1.0),
-        ("7+5*3: 5*3=15 7+15=22", 1.0),                    # the steps follow the parser's order
-        ("(3*5)+7: 3*5=15 15+7=22", 1.0),                  # redundant parentheses are fine
-        (RIGHT + "<|im_end|>", 1.0),                        # decoded with special tokens
-        (MISS + "\n" + RIGHT, 1.0),                         # a wrong attempt, then the answer
-        ("7-(3+5): 3+5=8 7-8=-1\n" + MISS + "\n" + RIGHT, 1.0),   # negative values are written with a sign
-        (MISS, 0.0),                                        # the last attempt is the answer: 15, not 22
-        (RIGHT + "\n" + MISS, 0.0),
-        ("3+5+7: 3+5=8 8+7=16\n" + RIGHT, 0.0),             # wrong arithmetic in a wrong attempt
-        ("3*5+7: 3*5=15 15+7=23", 0.0),                     # wrong arithmetic that claims the right value
-        ("3*5+7: 3*5=14 14+8=22", 0.0),                     # wrong steps that end at the target
-        ("3*5+7: 15+7=22 3*5=15", 0.0),                     # steps out of the parser's order
-        ("3*5+7: 3*5=15", 0.0),                             # a step missing
-        ("3*5+7", 0.0),                                     # no evaluation: not an attempt
-        ("3*5+7: ", 0.0),
-        ("3*5+7:3*5=15 15+7=22", 0.0),                      # the separator is ': '
-        ("3*5+7: 3*5=15  15+7=22", 0.0),                    # two spaces
-        ("3*5+7 : 3*5=15 15+7=22", 0.0),
-        (" 3*5+7: 3*5=15 15+7=22", 0.0),                    # spaces the model does not write are wrong
-        ("3*5+8: 3*5=15 15+8=23\n" + RIGHT, 0.0),           # a wrong attempt over other digits
-        ("5*5-3: 5*5=25 25-3=22", 0.0),                     # reused digit, missing 7 (value 22!)
-        ("3*5: 3*5=15", 0.0),                               # missing digit
-        ("3*5+7-0: 3*5=15 15+7=22 22-0=22", 0.0),           # 0 is not a digit of the task
-        ("35-13: 35-13=22", 0.0),                           # multi-digit numbers
-        (RIGHT + "\n", 0.0),                                # an empty line
-        ("\n" + RIGHT, 0.0),
-        ("3*5+7: 3*5=15 15+7=2", 0.0),                      # truncated
+        ("3*5+7", 1.0),
+        ("7+5*3", 1.0),
+        ("(3*5)+7", 1.0),  # redundant parentheses are fine
+        ("((3*5)+(7))", 1.0),
+        (" 3 * 5 + 7 \n", 1.0),  # surrounding and inner spaces
+        ("3*5+7<|im_end|>", 1.0),  # decoded with special tokens
+        ("3*5+7\n<|im_end|>", 1.0),
+        ("3*(5+7)", 0.0),  # wrong value (36)
+        ("3+5+7", 0.0),  # wrong value (15)
+        ("3*5+8", 0.0),  # wrong digit
+        ("3*5+7-0", 0.0),  # extra digit (and 0 is not a digit of the task)
+        ("5*5-3", 0.0),  # reused digit, missing 7 (value 22!)
+        ("3*5", 0.0),  # missing digit
+        ("35-13", 0.0),  # multi-digit numbers
+        ("-3*5+37", 0.0),
+        ("3*5+7=22", 0.0),  # extra text
         ("3*5+7 is the answer", 0.0),
-        ("answer: " + RIGHT, 0.0),
-        (RIGHT + "<|im_end|>3", 0.0),                       # text after the end of turn
-        (RIGHT + "<|im_end|><|im_end|>", 0.0),
-        ("3**5+7: 3*5=15 15+7=22", 0.0),
-        ("(3*5+7: 3*5=15 15+7=22", 0.0),
+        ("answer: 3*5+7", 0.0),
+        ("3*5+7<|im_end|>3", 0.0),  # text after the end of turn
+        ("3*5+7<|im_end|><|im_end|>", 0.0),
+        ("3**5+7", 0.0),
+        ("3*5++7", 0.0),
+        ("(3*5+7", 0.0),
+        ("3*5+7)", 0.0),
+        ("()", 0.0),
         ("", 0.0),
+        ("   ", 0.0),
         ("<|im_end|>", 0.0),
-        ("3/5+7: 3/5=0 0+7=7", 0.0),
-        ("(" * 5000 + "3*5+7" + ")" * 5000 + ": 3*5=15 15+7=22", 0.0),   # too long: no recursion error
-        ("\n".join([MISS] * 60 + [RIGHT]), 0.0),                       # longer than MAX_COMPLETION_CHARS
+        ("3/5+7", 0.0),
+        ("3×5+7", 0.0),
+        ("(" * 5000 + "3*5+7" + ")" * 5000, 0.0),  # too long: no recursion error
     ],
 )
 def test_reward_hand_cases(text, expected):
@@ -106,20 +95,22 @@ def test_reward_hand_cases(text, expected):
 
 
 def test_reward_negative_and_large_targets():
-    assert reward(Problem((1, 8, 9), -71), "1-8*9: 8*9=72 1-72=-71") == 1.0
-    assert reward(Problem((1, 8, 9), -71), "1-8-9: 1-8=-7 -7-9=-16") == 0.0
-    assert reward(Problem((9, 9, 9), 729), "9*9*9: 9*9=81 81*9=729") == 1.0
-    assert reward(Problem((2, 3, 4), 3), "4-(3-2): 3-2=1 4-1=3") == 1.0   # '-' is left-associative
-    assert reward(Problem((2, 3, 4), -1), "4-3-2: 4-3=1 1-2=-1") == 1.0
+    assert reward(Problem((1, 8, 9), -71), "1-8*9") == 1.0
+    assert reward(Problem((1, 8, 9), -71), "1-(8*9)") == 1.0
+    assert reward(Problem((1, 8, 9), -71), "1-8-9") == 0.0
+    assert reward(Problem((9, 9, 9), 729), "9*9*9") == 1.0
+    assert reward(Problem((2, 3, 4), 2), "4-(3-2)") == 0.0  # 3, not 2: '-' is left-associative
+    assert reward(Problem((2, 3, 4), 3), "4-(3-2)") == 1.0
+    assert reward(Problem((2, 3, 4), -1), "4-3-2") == 1.0
 
 
 def test_reward_bad_types():
     with pytest.raises(TypeError):
         reward(P, None)
     with pytest.raises(TypeError):
-        reward(P, RIGHT.encode())
+        reward(P, b"3*5+7")
     with pytest.raises(TypeError):
-        reward((3, 5, 7), RIGHT)
+        reward((3, 5, 7), "3*5+7")
 
 
 def test_problem_validation():
@@ -132,7 +123,7 @@ def test_problem_validation():
 
 
 @settings(max_examples=300, deadline=None)
-@given(st.text(alphabet="0123456789+-*=:() \n<|>imend_xé", max_size=80))
+@given(st.text(alphabet="0123456789+-*() \n<|>imend_xé", max_size=80))
 def test_reward_never_raises_on_text(text):
     assert reward(P, text) in (0.0, 1.0)
 
@@ -151,20 +142,9 @@ def expressions(draw, depth=3):
 @settings(max_examples=300, deadline=None)
 @given(expressions())
 def test_parser_matches_python(text):
-    value, used, steps = parse_answer(text)
+    value, used = parse_answer(text)
     assert value == _trusted_eval(text)
     assert used == [int(c) for c in text if c.isdigit()]
-    # the steps are each operation once, true arithmetic, the last one giving the value
-    assert len(steps) == len(used) - 1
-    for step in steps:
-        a, op, b, c = re.fullmatch(r"(-?\d+)([-+*])(-?\d+)=(-?\d+)", step).groups()
-        assert {"+": operator.add, "-": operator.sub, "*": operator.mul}[op](int(a), int(b)) == int(c), step
-    assert not steps or int(steps[-1].rsplit("=", 1)[1]) == value
-    # an attempt line is exactly the expression and those steps, and scores by its value
-    if steps:
-        line = task.attempt(text)
-        assert line == f"{text}: {' '.join(steps)}"
-        assert reward(Problem(tuple(sorted(used)), value), line) == 1.0
 
 
 # -----------------------------------------------------------------------------
@@ -229,13 +209,13 @@ def test_every_solution_is_rewarded_and_complete():
         sols = solutions(p)
         assert sols, p
         assert len(set(sols)) == len(sols)
-        assert all(reward(p, task.attempt(s)) == 1.0 for s in sols), p
+        assert all(reward(p, s) == 1.0 for s in sols), p
     # every brute-force hit is accepted too, and the same expression (up to parentheses) is listed
     for p in rng.sample(problems, 100):
         sols = solutions(p)
         listed = {_shape(s) for s in sols}
         for text in _brute_force(p.digits)[p.target]:
-            assert reward(p, task.attempt(text)) == 1.0
+            assert reward(p, text) == 1.0
             assert _shape(text) in listed, (p, text)
         # solutions are minimal: removing any pair of parentheses changes the expression
         for s in sols:
@@ -256,12 +236,12 @@ def test_every_solution_is_rewarded_and_complete():
 def test_heuristic_is_the_greedy_closest_pair_rule():
     p = Problem((2, 4, 6, 9), 30)
     # 4*6=24 and 4*9=36 are both 6 away: the first pair in order wins; then 9+24=33, then 33-2=31
-    assert task.heuristic_answer(p) == "9+4*6-2: 4*6=24 9+24=33 33-2=31" and reward(p, task.heuristic_answer(p)) == 0
-    assert task.heuristic_answer(Problem((3, 5, 7), 22)) == "5+3*7: 3*7=21 5+21=26"   # 21 first (1 away)
+    assert task.heuristic_answer(p) == "9+4*6-2" and reward(p, task.heuristic_answer(p)) == 0.0
+    assert task.heuristic_answer(Problem((3, 5, 7), 22)) == "5+3*7"          # 21 first (1 away), then 26
     q = Problem((2, 3, 9), 29)
-    assert task.heuristic_answer(q) == "2+3*9: 3*9=27 2+27=29" and reward(q, task.heuristic_answer(q)) == 1.0
+    assert task.heuristic_answer(q) == "2+3*9" and reward(q, task.heuristic_answer(q)) == 1.0
     # 7-4=3 hits the target at once, and the last number must still be used: 8-3=5 is the closest then
-    assert task.heuristic_answer(Problem((4, 7, 8), 3)) == "8-(7-4): 7-4=3 8-3=5"
+    assert task.heuristic_answer(Problem((4, 7, 8), 3)) == "8-(7-4)"
     test = make_problems("test")
     by_size = {k: [reward(p, task.heuristic_answer(p)) for p in test if len(p.digits) == k] for k in (3, 4)}
     accuracy = sum(map(sum, by_size.values())) / len(test)
@@ -311,11 +291,12 @@ def test_pretrain_corpus_is_deterministic_and_correct():
     assert pretrain_corpus(0, seed=0) == []
     for doc in docs:
         header, *lines = doc.split("\n")
-        assert header.startswith("digits ") and lines and "target" not in doc
-        digits = tuple(sorted(int(d) for d in header.split()[1:]))
+        assert header.startswith("digits ") and lines
+        digits = sorted(int(d) for d in header.split()[1:])
         for line in lines:
-            expression = line.partition(": ")[0]
-            assert task.attempt_value(digits, line) == _trusted_eval(expression), line   # a right attempt
+            text, value = line.split("=")
+            assert _trusted_eval(text) == int(value)
+            assert sorted(parse_answer(text)[1]) == digits
     with pytest.raises(ValueError):
         pretrain_corpus(-1, seed=0)
 
@@ -326,10 +307,10 @@ def test_pretrain_corpus_holds_no_validation_or_test_answer():
     for seed in (0, 1, 2, 1337):
         for doc in pretrain_corpus(2000, seed):
             for line in doc.split("\n")[1:]:
-                value, used, _ = parse_answer(line.partition(": ")[0])
-                digits = tuple(sorted(used))
+                text, value = line.split("=")
+                digits = tuple(sorted(parse_answer(text)[1]))
                 sizes.add(len(digits))
-                assert (digits, value) not in held_out, (seed, line)
+                assert (digits, int(value)) not in held_out, (seed, line)
                 assert len(digits) == 2 or task.split_of(digits) == "train", (seed, line)
     assert sizes == {2, 3, 4}
 
@@ -346,22 +327,10 @@ def test_sft_examples_are_a_fixed_minority_of_train():
     assert set(map(key, small)) < set(map(key, a))  # nested
     by_prompt = {prompt_messages(p)[0]["content"]: p for p in make_problems("train")}
     held_out = {prompt_messages(p)[0]["content"] for s in ("val", "test") for p in make_problems(s)}
-    failed = []
     for conv in a:
-        p = by_prompt[conv[0]["content"]]
-        assert [m["role"] for m in conv] == ["user", "assistant"] and conv == task.demonstration(p)
+        assert [m["role"] for m in conv] == ["user", "assistant"]
         assert conv[0]["content"] not in held_out
-        assert reward(p, conv[1]["content"]) == 1.0
-        *wrong, right = conv[1]["content"].split("\n")
-        assert right == task.attempt(solutions(p)[0])      # the preferred answer, last
-        values = [task.attempt_value(p.digits, line) for line in wrong]
-        assert len(set(values)) == len(values) and p.target not in values and None not in values
-        nearest = sorted({v for v in task._values(p.digits) if v != p.target}, key=lambda v: (abs(v - p.target), v))
-        assert set(values) <= set(nearest[:task.NEAR])     # near misses
-        failed.append(len(wrong))
-    # a fair coin per wrong attempt: the count of lines says nothing about when to stop
-    assert 0.8 < sum(failed) / len(failed) < 1.0 and max(failed) == task.MAX_FAILED
-    assert 0.45 < failed.count(0) / len(failed) < 0.55
+        assert reward(by_prompt[conv[0]["content"]], conv[1]["content"]) == 1.0
     for bad in (0, 1.5, -0.1, "0.2"):
         with pytest.raises(ValueError):
             sft_examples(seed=0, fraction=bad)

@@ -32,10 +32,8 @@ One iteration:
 
 loss_norm, the denominator of unified_loss: 'constant' (the default, Dr. GRPO: prompts_per_step x group_size
 x max_new_tokens, the same every step, so a step's size follows how much its samples have to teach and not how
-many of them there are), 'sequence' (GRPO's: each sample's advantage spread evenly over its own tokens, over
-prompts_per_step x group_size, so a long sample pushes no harder than a short one), 'tokens' (the completion
-tokens of the step: a per-token mean, DAPO) or 'weights' (sum |advantage| over completion tokens: a weighted mean
-whose scale ignores how many groups succeed).
+many of them there are), 'tokens' (the completion tokens of the step: a per-token mean, DAPO) or 'weights'
+(sum |advantage| over completion tokens: a weighted mean whose scale ignores how many groups succeed).
 No KL term unless kl_coef > 0: it is the k1 estimate log p - log p_start per completion token, a per-token
 penalty in the weights, as in KL-in-reward.
 
@@ -82,7 +80,7 @@ top_p = 1.0                  # only 1.0: the trainer scores the whole distributi
 max_new_tokens = 16          # completion budget; a completion that reaches it without stopping scores 0
 share_prompt = True          # train on a group's prompt once, its samples attending to it (training.pack_groups)
 scale_rewards = False        # divide advantages by the group std (GRPO) instead of only centring (Dr. GRPO)
-loss_norm = "constant"       # 'constant' | 'sequence' | 'tokens' | 'weights' (see the top of this file)
+loss_norm = "constant"       # 'constant' | 'tokens' | 'weights' (see the top of this file)
 tis_cap = 0.0                # > 0: weights *= min(exp(trainer - engine logprob), tis_cap), detached (TIS)
 kl_coef = 0.0                # > 0: weights -= kl_coef * (log p - log p_start) on completion tokens
 engine_dtype = "float32"     # the engine's copy of the weights ('bfloat16' on a GPU)
@@ -251,11 +249,8 @@ def build_batches(groups, config, completion_weight=None):
     for _, prompt, samples, group_rewards in groups:
         adv = group_advantages(group_rewards, config["group_size"], config["scale_rewards"]).tolist() \
             if completion_weight is None else [completion_weight] * len(samples)
-        # loss_norm='sequence': each sample's advantage spread over its tokens (GRPO's mean per sequence)
-        per_token = [1 / len(s.completion_tokens) if config["loss_norm"] == "sequence" and completion_weight is None
-                     else 1.0 for s in samples]
-        rows = [(list(s.completion_tokens), [a * k] * len(s.completion_tokens), list(s.logprobs))
-                for s, a, k in zip(samples, adv, per_token)]
+        rows = [(list(s.completion_tokens), [a] * len(s.completion_tokens), list(s.logprobs))
+                for s, a in zip(samples, adv)]
         # share_prompt: the group is one document (or as few as fit in batch_tokens); else each sample is one
         parts = training.budget_groups([len(c) + 1 for c, _, _ in rows], config["batch_tokens"] - len(prompt) + 1) \
             if config["share_prompt"] else [[i] for i in range(len(rows))]
@@ -276,8 +271,6 @@ def loss_normalizer(batches, masks, config):
     the paper's estimator, its ratio outside the normalizer): see loss_norm at the top of this file."""
     if config["loss_norm"] == "constant":
         return float(config["prompts_per_step"] * config["group_size"] * config["max_new_tokens"])
-    if config["loss_norm"] == "sequence":
-        return float(config["prompts_per_step"] * config["group_size"])
     if config["loss_norm"] == "tokens":
         return float(max(sum(int(m.sum()) for m in masks), 1))
     return float(max(sum(b.token_weights.abs().sum().item() for b in batches), 1.0))
@@ -394,8 +387,8 @@ def check_settings(config):
     for name in ("tis_cap", "kl_coef"):
         _require(type(config[name]) in (int, float) and config[name] >= 0, f"{name}={config[name]!r}: expected a "
                                                                            f"number >= 0 (0 = off)")
-    _require(config["loss_norm"] in ("constant", "sequence", "tokens", "weights"),
-             f"loss_norm={config['loss_norm']!r}: expected 'constant', 'sequence', 'tokens' or 'weights'")
+    _require(config["loss_norm"] in ("constant", "tokens", "weights"),
+             f"loss_norm={config['loss_norm']!r}: expected 'constant', 'tokens' or 'weights'")
     for name in ("rollout_ranks", "max_staleness"):
         _require(type(config[name]) is int and config[name] >= 0, f"{name}={config[name]!r}: expected an int >= 0")
     _require(config["max_staleness"] == 0 or config["rollout_ranks"] > 0, f"max_staleness={config['max_staleness']}"
