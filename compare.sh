@@ -1,18 +1,21 @@
 #!/usr/bin/env bash
-# The fair comparison: per seed, pretrain -> sft -> the start (SFT continued until validation stops improving), then
-# from the start GRPO and two baselines matched to it (sft_more: more SFT at GRPO's FLOPs; rft: rejection-sampling
-# fine-tuning that samples every training problem once, group-size samples each, then trains on the right ones
-# until GRPO's FLOPs are spent; both early-stopped on val), the no-learning heuristic, and sft_all as a reference
-# (SFT from the pretrained model on a demonstration for every training problem, early-stopped on val); every arm
-# scored once on the test split; then report.py. The recipe below (START, GRPO_RUN) was chosen on validation (README
-# "Results"); it is much bigger than the speedrun's: README "Results" says how long it takes.
+# The fair comparison: per seed, pretrain -> sft -> the start (SFT continued until validation stops
+# improving), then from the start GRPO and two baselines matched to it (sft_more: more SFT at GRPO's
+# FLOPs; rft: rejection-sampling fine-tuning that samples every training problem once, group-size
+# samples each, then trains on the right ones until GRPO's FLOPs are spent; both early-stopped on
+# val), the no-learning heuristic, and sft_all as a reference (the same two SFT stages as the
+# start, on a demonstration for every training problem); every arm scored once on the test split;
+# then report.py.
+# The recipe below (START, GRPO_RUN) was chosen on validation (README "Results"); it is much bigger
+# than the speedrun's: README "Results" says how long it takes.
 #
-#   bash compare.sh                 # seeds 1 2 3 4 5, JOBS=2 seeds at a time, the cores shared out among them
-#   bash compare.sh 1 2             # these seeds; JOBS=1 one at a time; FORCE=1 redoes finished seeds
+#   bash compare.sh        # seeds 1 2 3 4 5, JOBS=2 seeds at a time, the cores shared among them
+#   bash compare.sh 1 2    # these seeds; JOBS=1 one at a time; FORCE=1 redoes finished seeds
 #   CONFIG=config/other.py bash compare.sh
 #
-# Writes out/compare/seed<S>/ (log.txt, pretrain, sft0, sft, grpo, sft_more, rft, sft_all, test_<arm>), then
-# out/compare/results.json and out/compare/val_accuracy.png (report.py). Needs .venv (bash speedrun.sh makes it).
+# Writes out/compare/seed<S>/ (log.txt, pretrain, sft0, sft, grpo, sft_more, rft, sft_all0, sft_all,
+# test_<arm>), then out/compare/results.json and out/compare/val_accuracy.png (report.py). Needs
+# .venv (bash speedrun.sh makes it).
 set -euo pipefail
 cd "$(dirname "$0")"
 CONFIG="${CONFIG:-config/qwen_small.py}"
@@ -21,9 +24,9 @@ PY=.venv/bin/python
 OUT="${OUT:-out/compare}"
 ARMS=(heuristic sft sft_more rft grpo sft_all)
 TRAINED=(sft sft_more rft grpo sft_all)   # the arms with a model; the heuristic has none
-# the start: the config's SFT stops well before validation accuracy does, so it goes on at a constant 3e-4 and keeps
-# its best model on validation; GRPO then takes 64 prompts per step for 672 steps (the config's 16 x 450 is the
-# speedrun's, sized for 10 minutes)
+# the start: the config's SFT stops well before validation accuracy does, so it goes on at a
+# constant 3e-4 and keeps its best model on validation; GRPO then takes 64 prompts per step for 672
+# steps (the config's 650 steps are the speedrun's, sized for 10 minutes)
 START=(--max_iters=2800 --learning_rate=3e-4 --min_lr=3e-4 --warmup_iters=0 --eval_interval=200 --keep_best=True)
 GRPO_RUN=(--prompts_per_step=64 --max_iters=672 --eval_interval=32 --ckpt_interval=32 --keep_best=True)
 SEEDS=("$@")
@@ -76,17 +79,19 @@ run_seed() {   # run_seed <seed>: the whole pipeline of one seed
     step grpo $PY train_grpo.py "$CONFIG" --seed=$s --init_from=$d/sft/best --out_dir=$d/grpo "${GRPO_RUN[@]}"
     budget=$(grpo_budget $d/grpo/metrics.jsonl)
     read -r F N <<< "$budget"
-    echo "== GRPO used F=$F FLOPs on N=$N training problems drawn, G=$G samples each: the baselines' budget"
+    echo "== GRPO used F=$F FLOPs on N=$N problems drawn, G=$G samples each: the baselines' budget"
     # the baselines continue from the start at a constant learning rate (chosen on validation, README),
     # until they have spent GRPO's FLOPs; each keeps its best model on validation
     local baseline=(--max_iters=1000000 --max_flops=$F --keep_best=True --learning_rate=3e-4 --min_lr=3e-4 --eval_interval=200
                     --warmup_iters=0)
     step sft_more $PY sft.py "$CONFIG" --seed=$s --init_from=$d/sft/best --out_dir=$d/sft_more "${baseline[@]}"
-    # RFT samples each training problem once (not GRPO's N visits), then trains for the rest of GRPO's FLOPs
+    # RFT samples each training problem once (not GRPO's N draws), then trains for the rest of F
     step rft $PY sft.py "$CONFIG" --seed=$s --init_from=$d/sft/best --out_dir=$d/rft "${baseline[@]}" \
         --rft_samples=$G --rft_problems=$N_TRAIN --rft_temperature=$T
-    step sft_all $PY sft.py "$CONFIG" --seed=$s --init_from=$d/pretrain --out_dir=$d/sft_all --demo_fraction=1.0 \
-        "${START[@]}"
+    step sft_all0 $PY sft.py "$CONFIG" --seed=$s --init_from=$d/pretrain --out_dir=$d/sft_all0 \
+        --demo_fraction=1.0
+    step sft_all $PY sft.py "$CONFIG" --seed=$s --init_from=$d/sft_all0 --out_dir=$d/sft_all \
+        --demo_fraction=1.0 "${START[@]}"
     step test_heuristic $PY evaluate.py heuristic test $d/test_heuristic
     for arm in "${TRAINED[@]}"; do   # one evaluation on the test split for each model
         # every arm is early-stopped on validation the same way: its best validation model is the one tested
@@ -102,6 +107,12 @@ for s in "${SEEDS[@]}"; do
     if [ -z "${FORCE:-}" ] && finished "$s"; then
         echo "seed $s: finished before, skipped (FORCE=1 redoes it)"
         continue
+    fi
+    # a seed of an earlier protocol (fewer arms) is never deleted unasked
+    if [ -z "${FORCE:-}" ] && [ -d "$d/test_grpo" ]; then
+        echo "compare.sh: $d holds a finished GRPO run but not every arm of this protocol;" \
+             "move it away or set FORCE=1 to redo the seed" >&2
+        exit 2
     fi
     while [ "$(jobs -rp | wc -l)" -ge "$JOBS" ]; do
         wait -n || true   # a failed seed is found below, by its missing evaluations

@@ -66,8 +66,13 @@ def greedy_outcomes(engine, tokenizer, problems, max_new_tokens):
     """Each problem's greedy answer and its reward, as dicts (digits, target, reward, completion)."""
     params = SamplingParams(temperature=0.0, max_tokens=max_new_tokens, stop_token_ids=frozenset({tokenizer.eos_token_id}))
     greedy = generate_sharded(engine, prompt_ids(tokenizer, problems), params)
-    return [{"digits": list(p.digits), "target": p.target, "reward": score(p, tokenizer, s),
-             "completion": completion_text(tokenizer, s.completion_tokens)} for p, s in zip(problems, greedy)]
+    return [outcome(p, score(p, tokenizer, s), completion_text(tokenizer, s.completion_tokens))
+            for p, s in zip(problems, greedy)]
+
+
+def outcome(problem, reward, completion):
+    """One line of outcomes.jsonl: what report.py's per-problem analysis reads."""
+    return {"digits": list(problem.digits), "target": problem.target, "reward": reward, "completion": completion}
 
 
 def accuracy_metrics(outcomes):
@@ -112,8 +117,7 @@ def write_outcomes(out_dir, outcomes):
 def heuristic_outcomes(problems):
     """The no-learning baseline's answers (task.heuristic_answer), scored by the same reward."""
     answers = [task.heuristic_answer(p) for p in problems]
-    return [{"digits": list(p.digits), "target": p.target, "reward": task.reward(p, a), "completion": a}
-            for p, a in zip(problems, answers)]
+    return [outcome(p, task.reward(p, a), a) for p, a in zip(problems, answers)]
 
 
 def sampling_flops(model_config, samples, num_samples_per_prompt):

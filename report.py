@@ -335,7 +335,8 @@ def plot_run(run_dir, path):
     evals = [(r["iter"], r["eval/accuracy"]) for r in rows if "eval/accuracy" in r]
     lengths = [(r["iter"], r["rollout/completion_len"]) for r in rows if "rollout/completion_len" in r]
     fig, (top, bottom) = plt.subplots(2, 1, figsize=(7, 6), sharex=True)
-    top.plot(*zip(*evals), marker="o", color="C3")
+    if evals:
+        top.plot(*zip(*evals), marker="o", color="C3")
     top.set_ylabel("validation greedy accuracy")
     if lengths:
         bottom.plot(*zip(*lengths), color="C0")
@@ -369,7 +370,9 @@ def main(argv):
     if argv[0] == "--run":
         if len(argv) != 3:
             raise SystemExit("usage: python report.py --run RUN_DIR PNG")
-        print(f"wrote {plot_run(argv[1], argv[2])}")
+        png = plot_run(argv[1], argv[2])
+        if png is not None:
+            print(f"wrote {png}")
         return 0
     out_dir, seeds = argv[0], [str(s) for s in argv[1:]] or find_seeds(argv[0])
     if not seeds:

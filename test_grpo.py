@@ -1,7 +1,7 @@
 """
 train_grpo.py: advantages and zero-variance filtering on hand-made groups, the batch it trains on, a few-iteration
 run on a tiny model (weight versions advance, samples carry them, the loss is finite, engine == trainer logprobs),
-the refill-then-skip path when no group has variance, and a run killed mid-way that resumes exactly.
+the skip-the-step path when no group has variance, and a run killed mid-way that resumes exactly.
 
 The tiny model starts from scratch, so the task's real reward would be 0 everywhere; these tests swap in a
 reward with variance (completion length parity), which exercises the same loop.
@@ -257,6 +257,8 @@ def test_problem_sampler_weighs_a_hand_made_record_by_p_times_1_minus_p():
     sampler.record(drawn, [1, 2], 8)
     follower.follow(drawn, [1, 2], 8)
     assert follower.state_dict() == sampler.state_dict()
+    with pytest.raises(RuntimeError, match="records differ"):     # a draw this record would not make
+        follower.follow([3, 2] if sampler.take(2) != [3, 2] else [2, 3], [0, 0], 8)
     for bad in ({"draws": -1}, {**sampler.state_dict(), "samples": [0] * 3},
                 {**sampler.state_dict(), "successes": [9, 0, 0, 0], "samples": [8, 0, 0, 0]}):
         with pytest.raises(ValueError, match="bad data state"):

@@ -181,9 +181,13 @@ class ProblemSampler:
         np.add.at(self.samples, indices, group_size)
 
     def follow(self, indices, successes, group_size):
-        """A trainer's copy of a rollout rank's sampler: the draw it made and its outcome, so both hold the same
-        state (the trainer's is what a checkpoint records)."""
-        self.draws, self.taken = self.draws + 1, self.taken + len(indices)
+        """A trainer's copy of a rollout rank's sampler: it makes the same draw (checked: a trainer and a worker
+        that disagree on the record stop here) and adds its outcome, so both hold the same state (the
+        trainer's is what a checkpoint records)."""
+        mine = self.take(len(indices))
+        if mine != list(indices):
+            raise RuntimeError(f"draw {self.draws - 1}: the rollout ranks drew problems {list(indices)[:4]}..., "
+                               f"this trainer's sampler {mine[:4]}...: their records differ")
         self.record(indices, successes, group_size)
 
     def state_dict(self):
@@ -470,6 +474,8 @@ def main(config):
     start = init_start(config, build_tokenizer)
     eval_problems = task.make_problems(config["eval_split"], config["n_eval_problems"] or None)   # refused before
     sampler = ProblemSampler(task.make_problems("train"), config["seed"])                       # out_dir changes
+    _require(config["prompts_per_step"] <= len(sampler.items), f"prompts_per_step={config['prompts_per_step']}: "
+             f"a step's problems are distinct, and there are {len(sampler.items)} training problems")
     if roles is not None and roles.is_worker:
         return rollout_worker(config, roles, start, sampler, eval_problems)
     reference = reference_model(config, start)
