@@ -3,15 +3,15 @@ How well a model solves the embedded task, measured the same way for every stage
 the inference engine:
 
     engine = task_engine(model, tokenizer, problems, max_new_tokens=16)
-    metrics, outcomes = evaluate(engine, tokenizer, problems, max_new_tokens=16, pass_k=8, temperature=1.0,
-                                 seed=0)
-    # {"eval/accuracy": greedy accuracy, "eval/accuracy_3digits" and "_4digits": the same by problem size,
-    #  "eval/pass@1": mean of k sampled answers, "eval/pass@8": any of k right (pass_k=0: greedy only)}
-    # outcomes: one dict per problem (digits, target, greedy reward and completion), for per-problem analysis
+    metrics, outcomes = evaluate(engine, tokenizer, problems, max_new_tokens=16, pass_k=8,
+                                 temperature=1.0, seed=0)
+    # {"eval/accuracy": greedy accuracy, "eval/accuracy_3digits" and "_4digits": the same by size,
+    #  "eval/pass@1": mean of k sampled answers, "eval/pass@8": any of k right (pass_k=0: none)}
+    # outcomes: one dict per problem (digits, target, greedy reward and completion)
 
 The hand-written baseline is scored by the same reward, with no model:
 
-    python evaluate.py heuristic test out/heuristic     # -> out/heuristic/metrics.jsonl and outcomes.jsonl
+    python evaluate.py heuristic test out/heuristic    # -> out/heuristic/{metrics,outcomes}.jsonl
 
 A completion scores only if it stopped by itself: one cut off at max_new_tokens scores 0 whatever its text
 (score), in training and in evaluation alike. pass@k is sampled at the temperature the policy is trained at
@@ -63,7 +63,7 @@ def generate_sharded(engine, prompts, params, num_samples=1):
 
 
 def greedy_outcomes(engine, tokenizer, problems, max_new_tokens):
-    """Each problem's greedy answer and its reward, as dicts (digits, target, reward, completion)."""
+    """Each problem's greedy answer and its reward, as outcome dicts."""
     params = SamplingParams(temperature=0.0, max_tokens=max_new_tokens, stop_token_ids=frozenset({tokenizer.eos_token_id}))
     greedy = generate_sharded(engine, prompt_ids(tokenizer, problems), params)
     return [outcome(p, score(p, tokenizer, s), completion_text(tokenizer, s.completion_tokens))
@@ -72,11 +72,12 @@ def greedy_outcomes(engine, tokenizer, problems, max_new_tokens):
 
 def outcome(problem, reward, completion):
     """One line of outcomes.jsonl: what report.py's per-problem analysis reads."""
-    return {"digits": list(problem.digits), "target": problem.target, "reward": reward, "completion": completion}
+    return {"digits": list(problem.digits), "target": problem.target, "reward": reward,
+            "completion": completion}
 
 
 def accuracy_metrics(outcomes):
-    """eval/accuracy over the outcomes, and by problem size (eval/accuracy_3digits, eval/accuracy_4digits)."""
+    """eval/accuracy over the outcomes, and by problem size (eval/accuracy_3digits, _4digits)."""
     metrics = {"eval/accuracy": float(np.mean([o["reward"] for o in outcomes]))}
     for k in sorted({len(o["digits"]) for o in outcomes}):
         sized = [o["reward"] for o in outcomes if len(o["digits"]) == k]
@@ -86,19 +87,21 @@ def accuracy_metrics(outcomes):
 
 def greedy_accuracy(engine, tokenizer, problems, max_new_tokens):
     """The share of problems whose greedy answer is right."""
-    return accuracy_metrics(greedy_outcomes(engine, tokenizer, problems, max_new_tokens))["eval/accuracy"]
+    outcomes = greedy_outcomes(engine, tokenizer, problems, max_new_tokens)
+    return accuracy_metrics(outcomes)["eval/accuracy"]
 
 
 def evaluate(engine, tokenizer, problems, max_new_tokens, pass_k, temperature, seed):
-    """(metrics, outcomes): greedy accuracy (overall and by size) and, with pass_k > 0, pass@1 / pass@k over
-    pass_k samples at temperature; the per-problem greedy outcomes."""
+    """(metrics, outcomes): greedy accuracy (overall and by size) and, with pass_k > 0, pass@1 and
+    pass@k over pass_k samples at temperature; the per-problem greedy outcomes."""
     outcomes = greedy_outcomes(engine, tokenizer, problems, max_new_tokens)
     metrics = accuracy_metrics(outcomes)
     if pass_k > 0:
         params = SamplingParams(temperature=temperature, max_tokens=max_new_tokens,
                                 stop_token_ids=frozenset({tokenizer.eos_token_id}), seed=seed)
         sampled = generate_sharded(engine, prompt_ids(tokenizer, problems), params, pass_k)
-        right = np.array([score(problems[i // pass_k], tokenizer, s) for i, s in enumerate(sampled)])
+        right = np.array([score(problems[i // pass_k], tokenizer, s)
+                          for i, s in enumerate(sampled)])
         right = right.reshape(len(problems), pass_k)
         metrics["eval/pass@1"] = float(right.mean())
         metrics[f"eval/pass@{pass_k}"] = float(right.max(axis=1).mean())

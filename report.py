@@ -1,28 +1,30 @@
-"""The fair comparison (compare.sh) read back from disk: tables with paired 95% intervals, and a plot.
+"""The fair comparison (compare.sh) read back from disk: tables with paired 95% intervals, plots.
 
-compare.sh trains, for each seed, arms from one SFT checkpoint and scores each once on the test split:
+compare.sh trains, per seed, arms from one SFT checkpoint and scores each once on the test split:
   heuristic the closest-pair rule, no learning (task.heuristic_answer)
   sft       the SFT checkpoint itself (the start)
   sft_more  more SFT on the demonstrations, matched to GRPO's FLOPs, early-stopped on validation
-  rft       rejection-sampling fine-tuning on GRPO's problems and group size, same FLOPs, early-stopped on validation
+  rft       rejection-sampling fine-tuning, same FLOPs, early-stopped on validation
   grpo      GRPO
-  sft_all   SFT with a demonstration for every training problem (a reference: what a full solver gives)
-An arm missing from every seed is left out (older comparisons have no heuristic or sft_all). This script
-reads those evaluations (OUT_DIR/seed<S>/test_<arm>/metrics.jsonl, the last row, and outcomes.jsonl beside it),
-writes OUT_DIR/results.json, prints markdown tables (each arm's test metrics, mean ± std over seeds; accuracy
-by problem size; the paired differences of greedy accuracy with their 95% intervals, by seed and by a cluster
-bootstrap over digit multisets) and plots validation accuracy against wall-clock time and against FLOPs spent
-(OUT_DIR/val_accuracy.png, when matplotlib is installed).
+  sft_all   SFT on a demonstration for every training problem (a reference: a full solver's worth)
+An arm missing from every seed is left out (older comparisons have no heuristic or sft_all). This
+script reads those evaluations (OUT_DIR/seed<S>/test_<arm>/metrics.jsonl, the last row, and
+outcomes.jsonl beside it), writes OUT_DIR/results.json, prints markdown tables (each arm's test
+metrics, mean ± std over seeds; accuracy by problem size; the paired differences of greedy accuracy
+with their 95% intervals, by seed and by a cluster bootstrap over digit multisets) and plots
+validation accuracy against wall-clock time and against FLOPs spent (OUT_DIR/val_accuracy.png, when
+matplotlib is installed).
 
-    python report.py out/compare 1 2 3 4 5      # the seeds to read (none given: every seed<S> directory there)
-    python report.py --run out/qwen_small/grpo out/qwen_small/grpo.png   # one GRPO run: accuracy, length
+    python report.py out/compare 1 2 3 4 5    # the seeds to read (none given: every seed<S> there)
+    python report.py --run out/qwen_small/grpo out/qwen_small/grpo.png   # one GRPO run, by step
 
 A difference is paired by seed (both arms start from the same pretrain and SFT checkpoint): with d_s = a_s - b_s
 over n seeds, the interval is mean(d) ± t_{0.975, n-1} * std(d, ddof=1) / sqrt(n) (Student's t). It covers the
 seed-to-seed variation of everything after the shared checkpoint, test-split noise included in each d_s.
-The cluster bootstrap covers the other source, which problems the test split happens to hold: each problem's
-difference is averaged over seeds, digit multisets (a split's unit) are resampled with replacement, and the
-interval is the 2.5th and 97.5th percentile of the mean difference over 2,000 resamples.
+The cluster bootstrap covers the other source, which problems the test split happens to hold: each
+problem's difference is averaged over seeds, digit multisets (a split's unit) are resampled with
+replacement, and the interval is the 2.5th and 97.5th percentile of the mean difference over 2,000
+resamples.
 """
 import json
 import math
@@ -33,8 +35,8 @@ import sys
 import numpy as np
 
 ARMS = ("heuristic", "sft", "sft_more", "rft", "grpo", "sft_all")
-COMPARISONS = (("grpo", "heuristic"), ("grpo", "sft"), ("grpo", "sft_more"), ("grpo", "rft"), ("grpo", "sft_all"),
-               ("sft_more", "sft"), ("rft", "sft"))
+COMPARISONS = (("grpo", "heuristic"), ("grpo", "sft"), ("grpo", "sft_more"), ("grpo", "rft"),
+               ("grpo", "sft_all"), ("sft_more", "sft"), ("rft", "sft"))
 SIZES = ("3digits", "4digits")
 BOOTSTRAP = 2000
 CURVE_ARMS = ("grpo", "sft_more", "rft")  # the arms that train from the SFT checkpoint: the plot's curves
@@ -86,16 +88,19 @@ def read_rows(path):
 
 
 def arms_present(out_dir, seeds):
-    """The arms with a test evaluation directory in some seed; each must then have one in every seed."""
-    present = [a for a in ARMS if any(os.path.isdir(os.path.join(out_dir, f"seed{s}", f"test_{a}")) for s in seeds)]
+    """The arms with a test evaluation in some seed; each must then have one in every seed."""
+    def evaluated(arm, seed):
+        return os.path.isdir(os.path.join(out_dir, f"seed{seed}", f"test_{arm}"))
+    present = [a for a in ARMS if any(evaluated(a, s) for s in seeds)]
     if "grpo" not in present:
         raise FileNotFoundError(f"{out_dir}: no seed has test_grpo: run `bash compare.sh` first")
     return present
 
 
 def load(out_dir, seeds):
-    """Each seed's test evaluation of each arm: {"arms": [...], "per_seed": {seed: {arm: greedy accuracy}},
-    "pass@1": {...}, "pass@<k>": {...}, "accuracy_3digits": {...}, "accuracy_4digits": {...}}, seeds as strings.
+    """Each seed's test evaluation of each arm: {"arms": [...], "per_seed": {seed: {arm: greedy
+    accuracy}}, "pass@1": {...}, "pass@<k>": {...}, "accuracy_3digits": {...}, "accuracy_4digits":
+    {...}}, seeds as strings.
     A missing or unfinished evaluation of a present arm is an error that names its file."""
     results = {"arms": arms_present(out_dir, seeds), "per_seed": {}}
     for seed in map(str, seeds):
@@ -115,8 +120,8 @@ def load(out_dir, seeds):
 
 
 def read_outcomes(out_dir, seeds, arm):
-    """[seed][problem] rewards of an arm's test evaluation, problems in file order (the split's), or None when
-    a seed has no outcomes.jsonl (an evaluation older than them)."""
+    """[seed][problem] outcomes of an arm's test evaluation, problems in file order (the split's),
+    or None when a seed has no outcomes.jsonl (an evaluation older than them)."""
     per_seed = []
     for seed in map(str, seeds):
         path = os.path.join(out_dir, f"seed{seed}", f"test_{arm}", "outcomes.jsonl")
@@ -127,8 +132,9 @@ def read_outcomes(out_dir, seeds, arm):
 
 
 def cluster_bootstrap(diff, clusters, resamples=BOOTSTRAP, seed=0):
-    """(lo, hi), the 95% percentile interval of mean(diff) when whole clusters are resampled with replacement.
-    diff: one value per problem; clusters: one hashable label per problem (its digit multiset)."""
+    """(lo, hi), the 95% percentile interval of mean(diff) when whole clusters are resampled with
+    replacement. diff: one value per problem; clusters: one hashable label per problem (its digit
+    multiset)."""
     diff = np.asarray(diff, dtype=float)
     labels = {c: i for i, c in enumerate(dict.fromkeys(clusters))}
     index = np.array([labels[c] for c in clusters])
@@ -145,10 +151,10 @@ def pass_keys(results):
 
 
 def summarize(results, out_dir=None):
-    """results plus "summary" (each arm's greedy accuracy: mean, std with ddof=1), "paired" (each comparison
-    a - b of present arms: mean difference, ci95 = [lo, hi] over seeds, n seeds, and with out_dir and
-    outcomes on disk bootstrap95, the cluster bootstrap interval). None where one seed leaves a value
-    undefined."""
+    """results plus "summary" (each arm's greedy accuracy: mean, std with ddof=1) and "paired" (each
+    comparison a - b of present arms: mean difference, ci95 = [lo, hi] over seeds, n seeds, and,
+    with out_dir and outcomes on disk, bootstrap95, the cluster bootstrap interval). None where one
+    seed leaves a value undefined."""
     seeds, arms = list(results["per_seed"]), results.get("arms", ARMS)
     acc = {arm: [results["per_seed"][s][arm] for s in seeds] for arm in arms}
     summary = {arm: {"mean": float(np.mean(v)), "std": std(v)} for arm, v in acc.items()}
@@ -157,21 +163,24 @@ def summarize(results, out_dir=None):
         if a not in arms or b not in arms:
             continue
         mean, lo, hi = paired_ci(acc[a], acc[b])
-        paired[f"{a}-{b}"] = {"mean": mean, "ci95": None if math.isnan(lo) else [lo, hi], "n": len(seeds),
-                              "bootstrap95": bootstrap_pair(out_dir, seeds, a, b) if out_dir else None}
+        paired[f"{a}-{b}"] = {
+            "mean": mean, "ci95": None if math.isnan(lo) else [lo, hi], "n": len(seeds),
+            "bootstrap95": bootstrap_pair(out_dir, seeds, a, b) if out_dir else None}
     return {**results, "summary": summary, "paired": paired}
 
 
 def bootstrap_pair(out_dir, seeds, a, b):
-    """The cluster bootstrap interval of a - b over digit multisets, or None without outcomes for both."""
+    """The cluster bootstrap interval of a - b over digit multisets; None without both outcomes."""
     oa, ob = read_outcomes(out_dir, seeds, a), read_outcomes(out_dir, seeds, b)
     if oa is None or ob is None:
         return None
     problems = [(tuple(o["digits"]), o["target"]) for o in oa[0]]
     for rows in oa + ob:
         if [(tuple(o["digits"]), o["target"]) for o in rows] != problems:
-            raise ValueError(f"{out_dir}: the outcomes of {a} and {b} are not over the same problems")
-    diff = np.mean([[x["reward"] - y["reward"] for x, y in zip(ra, rb)] for ra, rb in zip(oa, ob)], axis=0)
+            raise ValueError(f"{out_dir}: the outcomes of {a} and {b} are not over the same "
+                             f"problems")
+    per_seed = [[x["reward"] - y["reward"] for x, y in zip(ra, rb)] for ra, rb in zip(oa, ob)]
+    diff = np.mean(per_seed, axis=0)
     return list(cluster_bootstrap(diff, [tuple(sorted(d)) for d, _ in problems]))
 
 
@@ -197,8 +206,8 @@ def verdict(ci95):
 
 
 def tables(results):
-    """The markdown tables, as text: each arm's test metrics over seeds, accuracy by problem size, and the
-    paired differences."""
+    """The markdown tables, as text: each arm's test metrics over seeds, accuracy by problem size,
+    and the paired differences."""
     seeds, arms = list(results["per_seed"]), results.get("arms", ARMS)
     metrics = [("greedy accuracy", "per_seed")] + [(k, k) for k in pass_keys(results)]
     lines = [f"test split, mean ± std (ddof=1) over seeds {', '.join(seeds)} (per-seed values):", "",
@@ -214,18 +223,18 @@ def tables(results):
                   "|" + " --- |" * (len(sized) + 1)]
         for arm in arms:
             values = [[results[f"accuracy_{k}"].get(s, {}).get(arm) for s in seeds] for k in sized]
-            lines.append(f"| {arm} | " + " | ".join("n/a" if None in v else f"{np.mean(v):.3f}" for v in values)
-                         + " |")
-    lines += ["", f"paired differences of greedy test accuracy: 95% Student-t interval over {len(seeds)} seeds, "
-              f"and a cluster bootstrap over digit multisets:", "",
-              "| comparison | mean difference | 95% CI (seeds) | excludes 0? | 95% CI (bootstrap) | excludes 0? |",
-              "| --- | --- | --- | --- | --- | --- |"]
+            cells = ["n/a" if None in v else f"{np.mean(v):.3f}" for v in values]
+            lines.append(f"| {arm} | " + " | ".join(cells) + " |")
+    lines += ["", f"paired differences of greedy test accuracy: 95% Student-t interval over "
+              f"{len(seeds)} seeds, and a cluster bootstrap over digit multisets:", "",
+              "| comparison | mean difference | 95% CI (seeds) | excludes 0? | 95% CI (bootstrap) "
+              "| excludes 0? |", "| --- | --- | --- | --- | --- | --- |"]
     for name, p in results["paired"].items():
         ci = "n/a" if p["ci95"] is None else "[{:+.3f}, {:+.3f}]".format(*p["ci95"])
         boot = p.get("bootstrap95")
         bci = "n/a" if boot is None else "[{:+.3f}, {:+.3f}]".format(*boot)
-        lines.append(f"| {name.replace('-', ' - ')} | {p['mean']:+.3f} | {ci} | {verdict(p['ci95'])} | {bci} | "
-                     f"{verdict(boot)} |")
+        lines.append(f"| {name.replace('-', ' - ')} | {p['mean']:+.3f} | {ci} | "
+                     f"{verdict(p['ci95'])} | {bci} | {verdict(boot)} |")
     return "\n".join(lines)
 
 
@@ -301,15 +310,23 @@ def draw(ax, out_dir, seeds, curve, xlabel):
     ax.legend(loc="best", fontsize=8)
 
 
-def plot(out_dir, seeds, path):
-    """Validation accuracy of each arm from the SFT checkpoint on, against its own training seconds (left) and
-    against the FLOPs it has spent (right). Returns the path written, or None without matplotlib."""
+def pyplot():
+    """matplotlib.pyplot on a file backend, or None (said once) when matplotlib is not installed."""
     try:
         import matplotlib
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
         print("matplotlib is not installed (.venv/bin/pip install matplotlib): no plot")
+        return None
+    return plt
+
+
+def plot(out_dir, seeds, path):
+    """Validation accuracy of each arm from the SFT checkpoint on, against its own training seconds (left) and
+    against the FLOPs it has spent (right). Returns the path written, or None without matplotlib."""
+    plt = pyplot()
+    if plt is None:
         return None
     fig, (left, right) = plt.subplots(1, 2, figsize=(13, 5), sharey=True)
     draw(left, out_dir, seeds, val_curve, "wall-clock seconds of training since the SFT checkpoint")
@@ -322,18 +339,16 @@ def plot(out_dir, seeds, path):
 
 
 def plot_run(run_dir, path):
-    """One GRPO run's validation accuracy and mean completion length (of its rollouts) against its steps, two
-    panels: what speedrun.sh shows. Returns the path written, or None without matplotlib."""
-    try:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print("matplotlib is not installed (.venv/bin/pip install matplotlib): no plot")
+    """One GRPO run's validation accuracy and mean completion length (of its rollouts) against its
+    steps, two panels: what speedrun.sh shows. Returns the path written (None without
+    matplotlib)."""
+    plt = pyplot()
+    if plt is None:
         return None
     rows = read_rows(os.path.join(run_dir, "metrics.jsonl"))
     evals = [(r["iter"], r["eval/accuracy"]) for r in rows if "eval/accuracy" in r]
-    lengths = [(r["iter"], r["rollout/completion_len"]) for r in rows if "rollout/completion_len" in r]
+    lengths = [(r["iter"], r["rollout/completion_len"]) for r in rows
+               if "rollout/completion_len" in r]
     fig, (top, bottom) = plt.subplots(2, 1, figsize=(7, 6), sharex=True)
     if evals:
         top.plot(*zip(*evals), marker="o", color="C3")
@@ -362,7 +377,7 @@ def find_seeds(out_dir):
 
 
 def main(argv):
-    """report.py OUT_DIR [SEED ...]: load, summarize, print the tables, write results.json and the plot.
+    """report.py OUT_DIR [SEED ...]: load, summarize, print the tables, write results.json, plot.
     report.py --run RUN_DIR PNG: plot one GRPO run (plot_run)."""
     if not argv or argv[0] in ("-h", "--help"):
         print(__doc__)

@@ -20,11 +20,11 @@ the same samples. With s = 1 the worker samples rollout j + 1 while the trainer 
 
 The trainer corrects a stale sample's weight with TIS (train_grpo.apply_corrections: the ratio of the trainer's
 to the engine's probability, capped at tis_cap). Nothing is dropped for being stale: admission is the wait for
-the weights above. Every rollout carries its iteration and its problems' outcomes (the sampler's draw):
-the trainer refuses a rollout of another iteration and follows the draw with its own copy of the sampler,
-whose state it checkpoints, so a resumed run draws what the killed one would have and never trains on a
-sample twice. A resumed run restarts the schedule from its checkpoint's weights (with s >= 1 its first s
-rollouts are fresher than the killed run's were).
+the weights above. Every rollout carries its iteration and its problems' outcomes (the sampler's
+draw): the trainer refuses a rollout of another iteration and follows the draw with its own copy of
+the sampler, whose state it checkpoints, so a resumed run draws what the killed one would have and
+never trains on a sample twice. A resumed run restarts the schedule from its checkpoint's weights
+(with s >= 1 its first s rollouts are fresher than the killed run's were).
 """
 
 import time
@@ -44,14 +44,15 @@ from weight_sync import WeightSync
 
 
 def encode_rollout(iteration, draw, groups, metrics):
-    """(data float64, names uint8); draw is the sampler's (problem indices, successes). data, e.g. for a draw of
-    n problems and one kept group of 2 samples of a 3-token prompt:
+    """(data float64, names uint8); draw is the sampler's (problem indices, successes). data, e.g.
+    for a draw of n problems and one kept group of 2 samples of a 3-token prompt:
         [iteration, n, *indices, *successes, num_metrics, *metric values, num_groups,
          3, p0, p1, p2, 2,                                          prompt length, prompt ids, group size
          r, stopped, n, *n token ids, *n logprobs, *n versions,     sample 0 (reward, finish reason 'stop' = 1)
          r, stopped, n, ...]                                        sample 1"""
     indices, successes = draw
-    data = [iteration, len(indices), *indices, *successes, len(metrics), *metrics.values(), len(groups)]
+    data = [iteration, len(indices), *indices, *successes, len(metrics), *metrics.values(),
+            len(groups)]
     for _, prompt, samples, rewards in groups:
         data += [len(prompt), *prompt, len(samples)]
         for s, r in zip(samples, rewards):
@@ -62,8 +63,8 @@ def encode_rollout(iteration, draw, groups, metrics):
 
 
 def decode_rollout(data, names):
-    """(iteration, draw, groups, metrics) from encode_rollout's tensors; a group's problem is None (the trainer
-    needs only the prompt, the samples and their rewards)."""
+    """(iteration, draw, groups, metrics) from encode_rollout's tensors; a group's problem is None
+    (the trainer needs only the prompt, the samples and their rewards)."""
     values, at = data.tolist(), 0
 
     def take(n):
@@ -122,7 +123,8 @@ def recv_rollout(src):
 
 def run_worker(config, roles, start, sampler, engine, rollout):
     """A rollout rank's whole job: for each iteration, take the weights its rollout is due (admission), sample it
-    with rollout(engine, tokenizer, sampler, config, it) and hand it to trainer 0 (the first worker does)."""
+    with rollout(engine, tokenizer, sampler, config, it) and hand it to trainer 0 (the first worker
+    does)."""
     sync = WeightSync(start.model.state_dict(), src=0, bucket_mb=config["weight_bucket_mb"], group=roles.sync)
     sync.connect()   # a model that does not match the trainer's is refused here, on every rank of the group
     weights_of, t_last = start.iter_num, time.perf_counter()
@@ -145,7 +147,8 @@ def run_worker(config, roles, start, sampler, engine, rollout):
         metrics.update({"perf/worker_idle_frac": waited / (now - t_last), "perf/weight_receive_s": received})
         t_last = now
         if distributed.rank() == 0:   # every worker holds the same groups; the first one sends them
-            works, _sent = send_rollout(encode_rollout(it, draw, groups, metrics), roles.trainers[0])
+            tensors = encode_rollout(it, draw, groups, metrics)
+            works, _sent = send_rollout(tensors, roles.trainers[0])
     for work in works:
         work.wait()
 
@@ -159,14 +162,16 @@ class RolloutRanks:
     broadcasts the new weights (trainer 0). The same interface as train_grpo.Colocated."""
 
     def __init__(self, config, roles, model, sampler, engine, version):
-        self.config, self.roles, self.sampler, self.engine, self.version = config, roles, sampler, engine, version
+        self.config, self.roles, self.sampler = config, roles, sampler
+        self.engine, self.version = engine, version
         self.sync, self._evaluated = None, version
         if dist.get_rank() == roles.trainers[0]:
             self.sync = WeightSync(model.state_dict(), src=0, bucket_mb=config["weight_bucket_mb"], group=roles.sync)
             self.sync.connect()
 
     def groups(self, it):
-        """Rollout it from the workers (the trainer waits for it), its staleness; the sampler follows its draw."""
+        """Rollout it from the workers (the trainer waits for it) and its staleness; the sampler
+        follows its draw."""
         t0 = time.perf_counter()
         iteration, draw, groups, metrics = decode_rollout(*recv_rollout(self.roles.workers[0]))
         if iteration != it:

@@ -7,8 +7,9 @@
 #   bash speedrun.sh config/qwen_small.py     # or another experiment file (each stage reads its section)
 #
 # Outputs: out/qwen_small/{pretrain,sft,grpo}/ckpt (transformers model dirs) and metrics.jsonl beside each;
-# out/qwen_small/test_{sft,grpo,heuristic}/ (the test evaluations: metrics.jsonl, and outcomes.jsonl with each
-# problem's answer and reward); out/qwen_small/grpo.png (validation accuracy and completion length by step).
+# out/qwen_small/test_{sft,grpo,heuristic}/ (the test evaluations: metrics.jsonl, and outcomes.jsonl
+# with each problem's answer and reward); out/qwen_small/grpo.png (validation accuracy and
+# completion length by step).
 set -euo pipefail
 cd "$(dirname "$0")"
 CONFIG="${1:-config/qwen_small.py}"
@@ -35,7 +36,7 @@ stage train_grpo.py
 read -r SFT GRPO <<< "$($PY -c "exec(open('$CONFIG').read()); print(sft['out_dir'], grpo['out_dir'])")"
 stage train_grpo.py --init_from="$SFT" --out_dir="$SFT/../test_sft" --max_iters=0 --eval_split=test --n_eval_problems=0
 stage train_grpo.py --init_from="$GRPO" --out_dir="$GRPO/../test_grpo" --max_iters=0 --eval_split=test --n_eval_problems=0
-$PY evaluate.py heuristic test "$GRPO/../test_heuristic"   # the no-learning baseline, the same reward
+$PY evaluate.py heuristic test "$GRPO/../test_heuristic"   # no learning, the same reward
 $PY report.py --run "$GRPO" "$GRPO/../grpo.png"
 $PY - "$SFT" "$GRPO" <<'PY'
 import json, os, sys
@@ -43,7 +44,8 @@ def last_eval(path):
     rows = [json.loads(line) for line in open(os.path.join(path, "metrics.jsonl"))]
     return [r for r in rows if "eval/accuracy" in r][-1]
 def by_size(row):
-    return f"3 digits {row['eval/accuracy_3digits']:.3f}, 4 digits {row['eval/accuracy_4digits']:.3f}"
+    three, four = row["eval/accuracy_3digits"], row["eval/accuracy_4digits"]
+    return f"3 digits {three:.3f}, 4 digits {four:.3f}"
 sft, grpo = sys.argv[1:]
 tests = {}
 for name, run in (("SFT", sft), ("GRPO", grpo)):

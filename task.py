@@ -161,14 +161,20 @@ def solutions(problem: Problem) -> list[str]:
 
 
 def heuristic_answer(problem: Problem) -> str:
-    """The no-learning baseline: combine the two numbers whose result lands closest to the target, repeat until
-    one number is left; that expression is the answer. Ties go to the first pair and operator in order."""
+    """The no-learning baseline: combine the two numbers whose result lands closest to the target,
+    repeat until one number is left; that expression is the answer. Ties go to the first pair and
+    operator in order."""
     if not isinstance(problem, Problem):
         raise TypeError(f"expected a Problem, got {problem!r}")
-    terms = [(str(d), d, _ATOM) for d in problem.digits]   # (text, value, precedence), as _expressions builds
+    terms = [(str(d), d, _ATOM) for d in problem.digits]   # (text, value, precedence)
+
+    def miss(choice):   # how far combining terms i and j with op lands from the target
+        i, j, op = choice
+        return abs(_apply(op, terms[i][1], terms[j][1]) - problem.target)
+
     while len(terms) > 1:
-        i, j, op = min(((i, j, op) for i, j in itertools.permutations(range(len(terms)), 2) for op in OPS),
-                       key=lambda c: abs(_apply(c[2], terms[c[0]][1], terms[c[1]][1]) - problem.target))
+        pairs = itertools.permutations(range(len(terms)), 2)
+        i, j, op = min(((i, j, op) for i, j in pairs for op in OPS), key=miss)
         combined = _combine(terms[i], op, terms[j])
         terms = [t for k, t in enumerate(terms) if k not in (i, j)] + [combined]
     return terms[0][0]

@@ -133,13 +133,14 @@ def test_tiny_run_versions_advance_and_loss_is_finite(tmp_path, monkeypatch):
     for r in rows:
         assert math.isfinite(r["train/loss"]) and math.isfinite(r["train/grad_norm"])
         assert r["train/logprob_mismatch"] < 1e-4      # fp32 engine and trainer hold the same weights
-        assert r["rollout/valid_groups"] + r["rollout/zero_var_groups"] == 4 == r["rollout/problems"]
+        drawn = r["rollout/valid_groups"] + r["rollout/zero_var_groups"]
+        assert drawn == 4 == r["rollout/problems"]
         assert 0 <= r["rollout/reward_mean"] <= 1
     assert [r["rollout/weight_version"] for r in rows] == [0, 1, 2]
     evals = [r for r in metrics(out) if "eval/accuracy" in r]
     assert [r["iter"] for r in evals] == [0, 3]
-    assert set(final) == {"eval/accuracy", "eval/accuracy_3digits", "eval/accuracy_4digits", "eval/pass@1",
-                          "eval/pass@2"}
+    assert set(final) == {"eval/accuracy", "eval/accuracy_3digits", "eval/accuracy_4digits",
+                          "eval/pass@1", "eval/pass@2"}
     assert all(0 <= v <= 1 for v in final.values())
     meta = checkpoint.read_checkpoint_meta(checkpoint.find_checkpoint(str(out)))
     assert meta["iter"] == 3 and meta["extra"]["weight_version"] == 3
@@ -161,12 +162,14 @@ def test_no_variance_skips_the_step_and_the_sampler_turns_away(tmp_path, monkeyp
     out = tmp_path / "flat"
     train_grpo.main(tiny_config(out, "--max_iters=2", "--ckpt_interval=1"))
     rows = [r for r in metrics(out) if "rollout/reward_mean" in r]
-    assert [r["rollout/zero_var_groups"] for r in rows] == [4, 4]   # one rollout call of 4 prompts, all flat
+    # one rollout call of 4 prompts a step, all flat
+    assert [r["rollout/zero_var_groups"] for r in rows] == [4, 4]
     assert all(r["rollout/valid_groups"] == 0 and "train/loss" not in r for r in rows)
     state = checkpoint.read_checkpoint_meta(checkpoint.find_checkpoint(str(out)))["data_state"]
     sampler = train_grpo.ProblemSampler(task.make_problems("train"), seed=0)
-    sampler.load_state_dict(state)     # 8 problems solved 4 of 4 times: weight (5/6)(1/6), the rest 1/4
-    assert state["taken"] == 8 and sum(state["samples"]) == 32 and state["successes"] == state["samples"]
+    sampler.load_state_dict(state)   # 8 problems solved 4 of 4 times: weight (5/6)(1/6), others 1/4
+    assert state["taken"] == 8 and sum(state["samples"]) == 32
+    assert state["successes"] == state["samples"]
     assert sorted(set(sampler.weights().round(4).tolist())) == [round(5 / 36, 4), 0.25]
     # no step, but a version per iteration (the same weights): rollout ranks count on one per iteration
     assert [r["rollout/weight_version"] for r in rows] == [0, 1]
@@ -213,7 +216,8 @@ def test_bad_settings_are_refused(tmp_path):
         tiny_config(tmp_path, "--prompts_per_stepp=3")
     with pytest.raises((TypeError, ValueError), match="group_size"):
         tiny_config(tmp_path, "--group_size=abc")
-    for bad in ("--group_size=1", "--prompts_per_step=0", "--tis_cap=-1", "--temperature=-0.5", "--temperature=0",
+    for bad in ("--group_size=1", "--prompts_per_step=0", "--tis_cap=-1", "--temperature=-0.5",
+                "--temperature=0",
                 "--eval_interval=0", "--ckpt_interval=0", "--min_lr=-0.5"):
         with pytest.raises(ValueError, match=bad[2:].split("=")[0]):
             train_grpo.check_settings(tiny_config(tmp_path, bad))
@@ -242,7 +246,8 @@ def test_problem_sampler_weighs_a_hand_made_record_by_p_times_1_minus_p():
     counts = np.zeros(4)
     for _ in range(4000):
         counts[sampler.take(1)] += 1
-    assert counts / counts.sum() == pytest.approx(np.array([0.25, 0.25, 0.09, 0.09]) / 0.68, abs=0.02)
+    expected = np.array([0.25, 0.25, 0.09, 0.09]) / 0.68
+    assert counts / counts.sum() == pytest.approx(expected, abs=0.02)
     assert sampler.draws == 4000 and sampler.taken == 4000
     pair = sampler.take(4)
     assert sorted(pair) == [0, 1, 2, 3]               # a step's problems are distinct
@@ -257,10 +262,11 @@ def test_problem_sampler_weighs_a_hand_made_record_by_p_times_1_minus_p():
     sampler.record(drawn, [1, 2], 8)
     follower.follow(drawn, [1, 2], 8)
     assert follower.state_dict() == sampler.state_dict()
-    with pytest.raises(RuntimeError, match="records differ"):     # a draw this record would not make
+    with pytest.raises(RuntimeError, match="records differ"):   # a draw this record never makes
         follower.follow([3, 2] if sampler.take(2) != [3, 2] else [2, 3], [0, 0], 8)
     for bad in ({"draws": -1}, {**sampler.state_dict(), "samples": [0] * 3},
-                {**sampler.state_dict(), "successes": [9, 0, 0, 0], "samples": [8, 0, 0, 0]}):
+                {**sampler.state_dict(), "successes": [9, 0, 0, 0], "samples": [8, 0, 0, 0]},
+                {**sampler.state_dict(), "samples": [8.5, 0, 0, 0]}):
         with pytest.raises(ValueError, match="bad data state"):
             copy.load_state_dict(bad)
 

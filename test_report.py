@@ -79,7 +79,7 @@ def test_load_and_summarize_fake_tree(tmp_path):
     fake_tree(str(tmp_path))
     results = summarize(load(str(tmp_path), [1, 2, 3]))
     assert list(results) == ["arms", "per_seed", "pass@1", "pass@8", "summary", "paired"]
-    assert results["arms"] == ["sft", "sft_more", "rft", "grpo"]     # no heuristic or sft_all here: left out
+    assert results["arms"] == ["sft", "sft_more", "rft", "grpo"]   # no heuristic, sft_all: left out
     assert results["per_seed"] == ACC  # the last row of each evaluation, seeds as strings
     assert results["pass@1"]["2"]["grpo"] == 0.25 and results["pass@8"]["3"]["sft"] == 0.75
     grpo = [ACC[s]["grpo"] for s in "123"]
@@ -98,9 +98,11 @@ def test_one_seed_leaves_spread_undefined(tmp_path):
     fake_tree(str(tmp_path), {"7": ACC["1"]})
     results = summarize(load(str(tmp_path), ["7"]))
     assert results["summary"]["sft"] == {"mean": 0.25, "std": None}
-    assert results["paired"]["grpo-sft"] == {"mean": 0.25, "ci95": None, "n": 1, "bootstrap95": None}
+    assert results["paired"]["grpo-sft"] == {"mean": 0.25, "ci95": None, "n": 1,
+                                             "bootstrap95": None}
     text = report.tables(results)
-    assert "| grpo | 0.500 ± n/a (0.500) |" in text and "| grpo - sft | +0.250 | n/a | n/a | n/a | n/a |" in text
+    assert "| grpo | 0.500 ± n/a (0.500) |" in text
+    assert "| grpo - sft | +0.250 | n/a | n/a | n/a | n/a |" in text
 
 
 def test_missing_evaluation_names_its_file(tmp_path):
@@ -131,7 +133,7 @@ def write_outcomes(path, digits_targets, rewards):
 
 
 def test_by_size_table_and_cluster_bootstrap_on_hand_made_outcomes(tmp_path):
-    # 2 seeds, arms heuristic and grpo; 4 problems over 2 digit multisets (a: 2 problems, b: 2 problems)
+    # 2 seeds, arms heuristic and grpo; 4 problems over 2 digit multisets, a and b, 2 problems each
     problems = [((1, 2, 3), 6), ((1, 2, 3), 5), ((2, 3, 4, 5), 14), ((2, 3, 4, 5), 30)]
     rewards = {"heuristic": [[1, 0, 0, 0], [1, 0, 0, 0]], "grpo": [[1, 1, 1, 0], [1, 1, 0, 1]]}
     for seed in ("1", "2"):
@@ -143,18 +145,22 @@ def test_by_size_table_and_cluster_bootstrap_on_hand_made_outcomes(tmp_path):
                                                    "eval/accuracy_4digits": sum(r[2:]) / 2}])
             write_outcomes(str(d / "outcomes.jsonl"), problems, r)
     results = summarize(load(str(tmp_path), ["1", "2"]), str(tmp_path))
-    assert results["arms"] == ["heuristic", "grpo"] and list(results["paired"]) == ["grpo-heuristic"]
-    # per problem, the difference averaged over seeds: 0, 1, 0.5, 0.5; by multiset: a = (0, 1), b = (0.5, 0.5).
+    assert results["arms"] == ["heuristic", "grpo"]
+    assert list(results["paired"]) == ["grpo-heuristic"]
+    # per problem, the difference averaged over seeds: 0, 1, 0.5, 0.5; by multiset: a = (0, 1),
+    # b = (0.5, 0.5).
     # Resampling the two multisets: the mean is 0.5 whichever is drawn (both clusters average 0.5)
     assert results["paired"]["grpo-heuristic"]["bootstrap95"] == pytest.approx([0.5, 0.5])
     text = report.tables(results)
     assert "| heuristic | 0.500 | 0.000 |" in text and "| grpo | 1.000 | 0.500 |" in text
-    assert "| grpo - heuristic | +0.500 | [+0.500, +0.500] | yes, above 0 | [+0.500, +0.500] | yes, above 0 |" in text
+    assert ("| grpo - heuristic | +0.500 | [+0.500, +0.500] | yes, above 0 | [+0.500, +0.500] "
+            "| yes, above 0 |") in text
 
 
 def test_cluster_bootstrap_resamples_whole_clusters():
-    # two clusters, a: 10 problems of difference 1, b: 2 of difference 0. Drawing 2 clusters gives (a, a) -> 1,
-    # (a, b) -> 10/12, (b, b) -> 0, each a quarter of the time but the middle one: the interval is [0, 1]
+    # two clusters, a: 10 problems of difference 1, b: 2 of difference 0. Drawing 2 clusters gives
+    # (a, a) -> 1, (a, b) -> 10/12, (b, b) -> 0, each a quarter of the time but the middle one: the
+    # interval is [0, 1]
     # (resampling problems instead would put it near [0.6, 1])
     lo, hi = report.cluster_bootstrap([1.0] * 10 + [0.0] * 2, ["a"] * 10 + ["b"] * 2)
     assert (lo, hi) == (0.0, 1.0)

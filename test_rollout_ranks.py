@@ -70,7 +70,7 @@ def test_a_resumed_rollout_ranks_run_trains_no_sample_twice(synchronous):
     first = ["--max_iters=3", "--lr_decay_iters=5", "--ckpt_interval=3", "--eval_interval=5"]
     td.launch(tmp, "train_grpo.py", half, args[:-2] + first + split, nproc=2)
     td.launch(tmp, "train_grpo.py", half, args + ["--init_from=resume", "--lr_decay_iters=5"] + split, nproc=2)
-    # iterations 4 and 5 draw from the checkpoint's sampler record and step exactly as the uninterrupted run
+    # iterations 4 and 5 draw from the checkpoint's sampler record and step as the uninterrupted run
     full, resumed = steps(tmp / "one"), steps(half)
     assert [r["iter"] for r in resumed] == [1, 2, 3, 4, 5]
     for a, b in zip(full, resumed):
@@ -107,4 +107,5 @@ def test_a_rollout_crosses_as_tensors_and_comes_back_whole():
     assert (it, draw, got) == (7, ([12, 3, 17464], [8, 0, 5]), metrics)
     assert type(got["rollout/valid_groups"]) is int
     assert back == [(None, prompt, samples, [1.0, 0.0])]
-    assert rollout_ranks.decode_rollout(*rollout_ranks.encode_rollout(0, ([], []), [], {}))[1:3] == (([], []), [])
+    empty = rollout_ranks.encode_rollout(0, ([], []), [], {})
+    assert rollout_ranks.decode_rollout(*empty)[1:3] == (([], []), [])

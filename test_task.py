@@ -237,16 +237,18 @@ def test_heuristic_is_the_greedy_closest_pair_rule():
     p = Problem((2, 4, 6, 9), 30)
     # 4*6=24 and 4*9=36 are both 6 away: the first pair in order wins; then 9+24=33, then 33-2=31
     assert task.heuristic_answer(p) == "9+4*6-2" and reward(p, task.heuristic_answer(p)) == 0.0
-    assert task.heuristic_answer(Problem((3, 5, 7), 22)) == "5+3*7"          # 21 first (1 away), then 26
+    assert task.heuristic_answer(Problem((3, 5, 7), 22)) == "5+3*7"   # 21 first (1 away), then 26
     q = Problem((2, 3, 9), 29)
     assert task.heuristic_answer(q) == "2+3*9" and reward(q, task.heuristic_answer(q)) == 1.0
-    # 7-4=3 hits the target at once, and the last number must still be used: 8-3=5 is the closest then
+    # 7-4=3 hits the target at once, and the last number must still be used: 8-3=5 is closest then
     assert task.heuristic_answer(Problem((4, 7, 8), 3)) == "8-(7-4)"
     test = make_problems("test")
-    by_size = {k: [reward(p, task.heuristic_answer(p)) for p in test if len(p.digits) == k] for k in (3, 4)}
+    by_size = {k: [reward(p, task.heuristic_answer(p)) for p in test if len(p.digits) == k]
+               for k in (3, 4)}
     accuracy = sum(map(sum, by_size.values())) / len(test)
-    assert 0.20 < accuracy < 0.22                      # the README's numbers, on the whole test split
-    assert 0.44 < sum(by_size[3]) / len(by_size[3]) < 0.48 and 0.17 < sum(by_size[4]) / len(by_size[4]) < 0.19
+    assert 0.20 < accuracy < 0.22   # the README's numbers, on the whole test split
+    assert 0.44 < sum(by_size[3]) / len(by_size[3]) < 0.48
+    assert 0.17 < sum(by_size[4]) / len(by_size[4]) < 0.19
 
 
 TEST_HEAD = [Problem((3, 5, 6), 27), Problem((1, 3, 8, 9), 49), Problem((3, 3, 5), 18)]

@@ -12,23 +12,25 @@ them, and the shared loss pushes up the answers that beat their group's mean.
         --n_eval_problems=0                                                # only evaluate init_from, on test
 
 One iteration:
-  1. draw prompts_per_step training problems with the sampler (ProblemSampler: in proportion to p(1 - p), p a
-     problem's success rate so far, so rollouts go where groups can have reward variance); their chat-template
-     ids are made once and those exact ids go to the engine and into the training batch;
+  1. draw prompts_per_step training problems with the sampler (ProblemSampler: in proportion to
+     p(1 - p), p a problem's success rate so far, so rollouts go where groups can have reward
+     variance); their chat-template ids are made once and those exact ids go to the engine and into
+     the training batch;
   2. engine.generate(prompt_ids, num_samples_per_prompt=group_size): each prompt is prefilled once, its G
      samples share its KV blocks; every sample carries the weight version that produced it;
   3. rewards: the task's exact reward, 0 for a completion that did not stop by itself (truncated);
-     advantages = reward - group mean (divided by the group std only when scale_rewards=True: Dr. GRPO shows
-     the division biases toward easy/hard groups); a group whose rewards are all equal teaches nothing: it is
-     dropped and counted (rollout/zero_var_groups), and the sampler's record makes its problem rarer; one
-     rollout call per step, never a refill;
-  4. token_weights = advantage x completion mask, packed into PackedBatches; the loss normalizer is fixed now
-     (loss_norm, below); then the per-token no-grad corrections fold into the weights: TIS (tis_cap > 0) and
-     the KL to the starting policy (kl_coef > 0), from a logprob pass that runs only for them; the shared
-     training.train_step (unified_loss) takes one step;
+     advantages = reward - group mean (divided by the group std only when scale_rewards=True: Dr.
+     GRPO shows the division biases toward easy/hard groups); a group whose rewards are all equal
+     teaches nothing: it is dropped and counted (rollout/zero_var_groups), and the sampler's record
+     makes its problem rarer; one rollout call per step, never a refill;
+  4. token_weights = advantage x completion mask, packed into PackedBatches; the loss normalizer is
+     fixed now (loss_norm, below); then the per-token no-grad corrections fold into the weights: TIS
+     (tis_cap > 0) and the KL to the starting policy (kl_coef > 0), from a logprob pass that runs
+     only for them; the shared training.train_step (unified_loss) takes one step;
   5. engine.update_weights(model.state_dict()): in place, version += 1, prefix cache flushed (a version per
      iteration, even one without a step);
-  then log, evaluate on the validation split (every eval_interval) and checkpoint (with the sampler's record).
+  then log, evaluate on the validation split (every eval_interval) and checkpoint (with the
+  sampler's record).
 
 loss_norm, the denominator of unified_loss: 'constant' (the default, Dr. GRPO: prompts_per_step x group_size
 x max_new_tokens, the same every step, so a step's size follows how much its samples have to teach and not how
@@ -73,7 +75,7 @@ device = "cpu"
 dtype = "float32"            # the trainer's autocast: 'float32' | 'bfloat16' (master weights stay fp32)
 compile = False
 # rollouts
-prompts_per_step = 16        # problems drawn per step, one group each (the zero-variance ones are dropped)
+prompts_per_step = 16        # problems drawn per step, a group each (zero-variance ones dropped)
 group_size = 8               # samples per prompt (G)
 temperature = 1.0            # of the rollouts; the trainer scores softmax(logits / T) too (on-policy)
 top_p = 1.0                  # only 1.0: the trainer scores the whole distribution, never a nucleus
@@ -106,7 +108,7 @@ weight_bucket_mb = 64.0      # bucket size of the trainer-to-workers weight broa
 eval_split = "val"           # 'val' | 'test'
 n_eval_problems = 500        # the first n of the split (0 = all of it)
 keep_best = False            # keep the model of the best eval/accuracy in {out_dir}/best (early stopping)
-pass_k = 8                   # samples per problem for eval/pass@1 and eval/pass@{k} (rollout temperature; 0 = none)
+pass_k = 8                   # samples per problem for eval/pass@1 and pass@k at T (0 = none)
 # logging and checkpoints
 log_interval = 1
 eval_interval = 25
@@ -147,16 +149,18 @@ def zero_variance_groups(rewards, group_size):
 
 
 class ProblemSampler:
-    """The training problems, drawn in proportion to how much each can teach now: p(1 - p), where p is the
-    problem's success rate so far under a uniform prior, (successes + 1) / (samples + 2). An unseen problem
-    weighs the most (1/4); one always or never solved sinks toward 0 as its samples grow, so the rollouts go
-    to problems whose groups have reward variance. A step's problems are distinct.
+    """The training problems, drawn in proportion to how much each can teach now: p(1 - p), where p
+    is the problem's success rate so far under a uniform prior, (successes + 1) / (samples + 2). An
+    unseen problem weighs the most (1/4); one always or never solved sinks toward 0 as its samples
+    grow, so the rollouts go to problems whose groups have reward variance. A step's problems are
+    distinct.
 
-    Worked example: a problem solved 4 of 8 times has p = 5/10 and weight 0.25, as an unseen one; 8 of 8 gives
-    p = 9/10 and weight 0.09; 0 of 8 gives p = 1/10 and weight 0.09, so it is drawn 0.09 / 0.25 as often.
+    Worked example: a problem solved 4 of 8 times has p = 5/10 and weight 0.25, as an unseen one;
+    8 of 8 gives p = 9/10 and weight 0.09; 0 of 8 gives p = 1/10 and weight 0.09, so it is drawn
+    0.09 / 0.25 as often.
 
-    The record (successes and samples per problem) and the number of draws are the whole state: draw d is
-    fixed by (seed, d), so a resumed run draws what the killed one would have."""
+    The record (successes and samples per problem) and the number of draws are the whole state: draw
+    d is fixed by (seed, d), so a resumed run draws what the killed one would have."""
 
     def __init__(self, items, seed):
         self.items, self.seed = items, seed
@@ -176,18 +180,20 @@ class ProblemSampler:
         return rng.choice(len(self.items), size=n, replace=False, p=w / w.sum()).tolist()
 
     def record(self, indices, successes, group_size):
-        """Add a rollout's outcome: successes[i] of group_size samples right for problem indices[i]."""
+        """Add a rollout's outcome: successes[i] of group_size samples right for problem
+        indices[i].."""
         np.add.at(self.successes, indices, successes)
         np.add.at(self.samples, indices, group_size)
 
     def follow(self, indices, successes, group_size):
-        """A trainer's copy of a rollout rank's sampler: it makes the same draw (checked: a trainer and a worker
-        that disagree on the record stop here) and adds its outcome, so both hold the same state (the
-        trainer's is what a checkpoint records)."""
+        """A trainer's copy of a rollout rank's sampler: it makes the same draw (checked: a trainer
+        and a worker that disagree on the record stop here) and adds its outcome, so both hold the
+        same state (the trainer's is what a checkpoint records)."""
         mine = self.take(len(indices))
         if mine != list(indices):
-            raise RuntimeError(f"draw {self.draws - 1}: the rollout ranks drew problems {list(indices)[:4]}..., "
-                               f"this trainer's sampler {mine[:4]}...: their records differ")
+            raise RuntimeError(f"draw {self.draws - 1}: the rollout ranks drew problems "
+                               f"{list(indices)[:4]}..., this trainer's sampler {mine[:4]}...: "
+                               f"their records differ")
         self.record(indices, successes, group_size)
 
     def state_dict(self):
@@ -196,16 +202,19 @@ class ProblemSampler:
 
     def load_state_dict(self, state):
         n, keys = len(self.items), {"draws", "taken", "successes", "samples"}
+        counts = ("successes", "samples")
         _require(isinstance(state, dict) and set(state) == keys
                  and all(type(state[k]) is int and state[k] >= 0 for k in ("draws", "taken"))
-                 and all(isinstance(state[k], list) and len(state[k]) == n for k in ("successes", "samples")),
-                 f"ProblemSampler: bad data state for {n} problems: expected {sorted(keys)} with a count "
-                 f"per problem, got {sorted(state) if isinstance(state, dict) else state!r}")
+                 and all(isinstance(state[k], list) and len(state[k]) == n for k in counts)
+                 and all(type(v) is int for k in counts for v in state[k]),
+                 f"ProblemSampler: bad data state for {n} problems: expected {sorted(keys)} with a "
+                 f"count per problem, got {sorted(state) if isinstance(state, dict) else state!r}")
         successes = np.array(state["successes"], dtype=np.int64)
         samples = np.array(state["samples"], dtype=np.int64)
         _require(bool((successes >= 0).all() and (successes <= samples).all()),
                  "ProblemSampler: bad data state: successes must be in [0, samples]")
-        self.draws, self.taken, self.successes, self.samples = state["draws"], state["taken"], successes, samples
+        self.draws, self.taken = state["draws"], state["taken"]
+        self.successes, self.samples = successes, samples
 
 
 # -----------------------------------------------------------------------------
@@ -213,17 +222,18 @@ class ProblemSampler:
 
 
 def rollout(engine, tokenizer, sampler, config, it):
-    """One rollout call: prompts_per_step problems drawn by the sampler, group_size samples each, scored, and
-    the outcome added to the sampler's record. A group whose rewards are all equal teaches nothing and is
-    dropped (counted). Returns (the kept groups as (problem, prompt_ids, samples, rewards), the record's
-    update as (indices, successes), rollout metrics)."""
+    """One rollout call: prompts_per_step problems drawn by the sampler, group_size samples each,
+    scored, and the outcome added to the sampler's record. A group whose rewards are all equal
+    teaches nothing and is dropped (counted). Returns (the kept groups as (problem, prompt_ids,
+    samples, rewards), the draw as (indices, successes), rollout metrics)."""
     G = config["group_size"]
     indices = sampler.take(config["prompts_per_step"])
     problems = [sampler.items[i] for i in indices]
     prompts = evaluate.prompt_ids(tokenizer, problems)
     # the seed is a function of (run seed, iteration): a resumed run draws the same samples
     params = SamplingParams(temperature=config["temperature"], max_tokens=config["max_new_tokens"],
-                            stop_token_ids=frozenset({tokenizer.eos_token_id}), seed=config["seed"] * 1_000_003 + it)
+                            stop_token_ids=frozenset({tokenizer.eos_token_id}),
+                            seed=config["seed"] * 1_000_003 + it)
     t0 = time.perf_counter()   # under torchrun each rank samples its slice; all get every sample
     samples = evaluate.generate_sharded(engine, prompts, params, G)
     gen_time = time.perf_counter() - t0
@@ -424,11 +434,12 @@ def reference_model(config, start):
 
 
 def evaluate_and_log(engine, run, problems, config, done, meter, best):
-    """Evaluate, log, and with keep_best save the model to {out_dir}/best when its accuracy beats best["accuracy"].
-    On the test split, each problem's outcome goes to {out_dir}/outcomes.jsonl too."""
+    """Evaluate, log, and with keep_best save the model to {out_dir}/best when its accuracy beats
+    best["accuracy"]. On the test split each problem's outcome goes to {out_dir}/outcomes.jsonl."""
     t0 = time.perf_counter()
-    metrics, outcomes = evaluate.evaluate(engine, run.start.tokenizer, problems, config["max_new_tokens"],
-                                          config["pass_k"], config["temperature"], config["seed"])
+    metrics, outcomes = evaluate.evaluate(engine, run.start.tokenizer, problems,
+                                          config["max_new_tokens"], config["pass_k"],
+                                          config["temperature"], config["seed"])
     run.logger.log(done, {**metrics, "perf/elapsed_s": meter.seconds})
     if config["eval_split"] == "test" and distributed.is_main():
         evaluate.write_outcomes(config["out_dir"], outcomes)
@@ -451,8 +462,9 @@ def log_iteration(logger, done, metrics):
 
 
 def make_engine(model, start, sampler, eval_problems, config):
-    return evaluate.task_engine(model, start.tokenizer, sampler.items + eval_problems, config["max_new_tokens"],
-                                config["engine_block_size"], config["engine_dtype"], config["device"], config["seed"],
+    return evaluate.task_engine(model, start.tokenizer, sampler.items + eval_problems,
+                                config["max_new_tokens"], config["engine_block_size"],
+                                config["engine_dtype"], config["device"], config["seed"],
                                 0 if start.meta is None else start.meta["extra"]["weight_version"])
 
 
@@ -473,9 +485,10 @@ def main(config):
     roles = distributed.split_roles(config["rollout_ranks"]) if config["rollout_ranks"] else None
     start = init_start(config, build_tokenizer)
     eval_problems = task.make_problems(config["eval_split"], config["n_eval_problems"] or None)   # refused before
-    sampler = ProblemSampler(task.make_problems("train"), config["seed"])                       # out_dir changes
-    _require(config["prompts_per_step"] <= len(sampler.items), f"prompts_per_step={config['prompts_per_step']}: "
-             f"a step's problems are distinct, and there are {len(sampler.items)} training problems")
+    sampler = ProblemSampler(task.make_problems("train"), config["seed"])   # before out_dir changes
+    _require(config["prompts_per_step"] <= len(sampler.items),
+             f"prompts_per_step={config['prompts_per_step']}: a step's problems are distinct, and "
+             f"there are {len(sampler.items)} training problems")
     if roles is not None and roles.is_worker:
         return rollout_worker(config, roles, start, sampler, eval_problems)
     reference = reference_model(config, start)
@@ -504,8 +517,9 @@ def main(config):
             distributed.check_in_sync(run.model)
             if distributed.is_main():
                 save_checkpoint(config["out_dir"], run.model, run.optimizer, run.start.tokenizer, done, config,
-                                sampler.state_dict(), extra={"weight_version": source.version, "best": best,
-                                                            "meter": meter.state_dict()})
+                                sampler.state_dict(),
+                                extra={"weight_version": source.version, "best": best,
+                                       "meter": meter.state_dict()})
     run.logger.close()
     engine.shutdown()
     distributed.teardown()

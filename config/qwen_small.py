@@ -38,9 +38,9 @@ sft = dict(
     log_interval=10, eval_interval=100, ckpt_interval=100,
 )
 
-# temperature and learning rate chosen on the validation split (README, Results); 64 problems per step, drawn
-# by p(1 - p) in one rollout call, and 650 steps, sized to fill the speedrun's 10 minutes; the loss normalizer
-# is the constant one (Dr. GRPO); no KL term
+# temperature and learning rate chosen on the validation split (README, Results); 64 problems per
+# step, drawn by p(1 - p) in one rollout call, and 650 steps, sized to fill the speedrun's 10
+# minutes; the loss normalizer is the constant one (Dr. GRPO); no KL term
 grpo = dict(
     out_dir="out/qwen_small/grpo",
     init_from="out/qwen_small/sft",
