@@ -71,3 +71,22 @@ def run_ranks(argv, nproc, env, **kwargs):
         warnings.warn(f"every rank finished, then one aborted at exit (gloo's exit race): {' '.join(cmd)}")
         done.returncode = 0
     return done
+
+
+PARITY_TASK = '''"""Countdown's problems, scored by the parity of the reply's length: a tiny
+random model gets both rewards, so its groups have variance (the real one would be 0 everywhere)."""
+from task import describe, kind, make_problems, prompt_messages
+
+
+def reward(problem, completion_text):
+    return float(len(completion_text) % 2 == 0)
+'''
+
+
+def write_task(directory, source=PARITY_TASK, name="parity_task.py"):
+    """A task file (environment.py's interface) in directory; returns its path, for --task=."""
+    path = os.path.join(directory, name)
+    with open(path, "w") as f:
+        f.write(source)
+    return path
+

@@ -132,6 +132,13 @@ class TrainingSample:
     seq_id: int = -1                     # what add_request returned
     sample_index: int = 0                # 0..num_samples-1 within its request
     top_logprobs: tuple = ()             # per completion token: ((token, logprob), ...) most likely first, if asked
+    loss_mask: tuple = ()                # per completion token: 1 sampled, 0 a multi-turn
+                                         # episode's environment id; () = all sampled
+
+
+def sampled_mask(sample):
+    """1 on the completion ids the engine sampled, 0 on a multi-turn episode's environment ids."""
+    return sample.loss_mask or (1,) * len(sample.completion_tokens)
 
 
 # -----------------------------------------------------------------------------

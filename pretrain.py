@@ -6,22 +6,24 @@ Pretraining: next-token prediction on packed documents, every token weighted 1.
     python pretrain.py config/qwen_small.py --init_from=resume      # continue a killed run exactly
     torchrun --standalone --nproc_per_node=2 pretrain.py config/qwen_small.py --grad_accum=2   # data-parallel
 
-The data is the embedded task's corpus (task.pretrain_corpus: digits and expressions with their values), each
-document tokenized and closed with <|endoftext|>. The tokenizer is saved into every checkpoint, so
-{out_dir}/ckpt is a self-contained transformers directory and sft.py can start from --init_from={out_dir}.
+The data is the task's corpus (its pretrain_corpus; the embedded countdown's: digits and expressions
+with their values), each document tokenized and closed with <|endoftext|>. The tokenizer is saved
+into every checkpoint, so {out_dir}/ckpt is a self-contained transformers directory and sft.py can
+start from --init_from={out_dir}.
 """
 import sys
 
 import distributed
-import task
 import training
 from checkpoint import init_start
 from configurator import configure, print0
+from environment import load_task, offers
 from tokenizer import ENDOFTEXT, build_tokenizer
 
 # -----------------------------------------------------------------------------
 # settings (a config file, then --key=value, override these)
 out_dir = "out/pretrain"
+task = "task"                # the task whose corpus to learn (environment.py); 'task' = countdown
 init_from = "scratch"        # 'scratch' | 'resume' | a previous run's out_dir | a transformers model dir
 model = dict()               # ModelConfig fields for init_from='scratch' (vocab_size comes from the tokenizer)
 seed = 1337
@@ -57,18 +59,23 @@ wandb_run_name = ""
 config = configure(globals(), sys.argv[1:], stage="pretrain")
 
 
-def documents(tokenizer, n, seed):
+def documents(tokenizer, the_task, n, seed):
     """token ids of n corpus documents, each closed with <|endoftext|> so the model learns where one ends"""
     eot = tokenizer.convert_tokens_to_ids(ENDOFTEXT)
-    return [tokenizer.encode(d, add_special_tokens=False) + [eot] for d in task.pretrain_corpus(n, seed)]
+    return [tokenizer.encode(d, add_special_tokens=False) + [eot]
+            for d in the_task.pretrain_corpus(n, seed)]
 
 
 if __name__ == "__main__":
     device = config["device"] = distributed.setup(device, dist_timeout_s)
+    the_task = load_task(task)
+    if not offers(the_task, "pretrain_corpus"):
+        raise ValueError(f"task={task!r} offers no pretrain_corpus(n_docs, seed): nothing to "
+                         f"pretrain on")
     start = init_start(config, build_tokenizer)
     tokenizer = start.tokenizer
-    train_docs = documents(tokenizer, n_docs, seed)
-    val_docs = documents(tokenizer, n_val_docs, seed + 1)
+    train_docs = documents(tokenizer, the_task, n_docs, seed)
+    val_docs = documents(tokenizer, the_task, n_val_docs, seed + 1)
     print0(f"{len(train_docs)} documents, {sum(map(len, train_docs))} tokens")
     loader = training.PackedLoader(train_docs, [[1.0] * len(d) for d in train_docs], batch_tokens, seed)
     val_batches = training.fixed_batches(val_docs, [[1.0] * len(d) for d in val_docs], batch_tokens)

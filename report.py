@@ -339,23 +339,30 @@ def plot(out_dir, seeds, path):
 
 
 def plot_run(run_dir, path):
-    """One GRPO run's validation accuracy and mean completion length (of its rollouts) against its
-    steps, two panels: what speedrun.sh shows. Returns the path written (None without
+    """One GRPO run's validation accuracy (of a multi-turn run: right within 1, 2, ... turns) and
+    mean completion length (of its rollouts) against its steps, two panels: what speedrun.sh shows. Returns the path written (None without
     matplotlib)."""
     plt = pyplot()
     if plt is None:
         return None
     rows = read_rows(os.path.join(run_dir, "metrics.jsonl"))
-    evals = [(r["iter"], r["eval/accuracy"]) for r in rows if "eval/accuracy" in r]
+    evals = [r for r in rows if "eval/accuracy" in r]
+    # multi-turn runs: success within each number of turns, turn 1 first (eval/success_by_turn_k)
+    turns = sorted((k for k in (evals[0] if evals else {}) if k.startswith("eval/success_by_turn_")),
+                   key=lambda k: int(k.rsplit("_", 1)[1]))
     lengths = [(r["iter"], r["rollout/completion_len"]) for r in rows
                if "rollout/completion_len" in r]
     fig, (top, bottom) = plt.subplots(2, 1, figsize=(7, 6), sharex=True)
-    if evals:
-        top.plot(*zip(*evals), marker="o", color="C3")
+    for i, key in enumerate(turns or ["eval/accuracy"]):
+        label = f"right within {key.rsplit('_', 1)[1]} turn(s)" if turns else None
+        top.plot([r["iter"] for r in evals], [r[key] for r in evals], marker="o",
+                 color=f"C{3 + i}", label=label)
+    if turns:
+        top.legend()
     top.set_ylabel("validation greedy accuracy")
     if lengths:
         bottom.plot(*zip(*lengths), color="C0")
-    bottom.set_ylabel("mean completion length (tokens)")
+    bottom.set_ylabel("mean sampled tokens per episode")
     bottom.set_xlabel("GRPO step")
     for ax in (top, bottom):
         ax.grid(alpha=0.3)

@@ -4,7 +4,8 @@ Rollout ranks: the last K ranks of a torchrun job only sample, the others only t
     torchrun --standalone --nproc_per_node=2 train_grpo.py config/qwen_small.py --rollout_ranks=1 --max_staleness=1
 
 Who talks to whom (distributed.split_roles makes the groups):
-  - the workers share every rollout among themselves (each samples its slice, evaluate.generate_sharded) and
+  - the workers share every rollout among themselves (each samples its slice,
+    environment.generate_sharded) and
     all compute the same kept groups; the first worker sends them to trainer 0 as three tensors (encode_rollout),
     and trainer 0 broadcasts them to the other trainers;
   - after every iteration trainer 0 broadcasts the new weights to the workers in buckets (weight_sync.WeightSync);
@@ -34,7 +35,7 @@ import torch
 import torch.distributed as dist
 
 import distributed
-from engine import TrainingSample
+from engine import TrainingSample, sampled_mask
 from weight_sync import WeightSync
 
 
@@ -48,16 +49,17 @@ def encode_rollout(iteration, draw, groups, metrics):
     for a draw of n problems and one kept group of 2 samples of a 3-token prompt:
         [iteration, n, *indices, *successes, num_metrics, *metric values, num_groups,
          3, p0, p1, p2, 2,                                          prompt length, prompt ids, group size
-         r, stopped, n, *n token ids, *n logprobs, *n versions,     sample 0 (reward, finish reason 'stop' = 1)
-         r, stopped, n, ...]                                        sample 1"""
+         r, stopped, n, *n token ids, *n logprobs, *n versions, *n mask,   sample 0 (reward,
+         r, stopped, n, ...]                                   finish reason 'stop' = 1), sample 1
+    (the mask is 1 on sampled ids, 0 on a multi-turn episode's environment ids)"""
     indices, successes = draw
     data = [iteration, len(indices), *indices, *successes, len(metrics), *metrics.values(),
             len(groups)]
     for _, prompt, samples, rewards in groups:
         data += [len(prompt), *prompt, len(samples)]
         for s, r in zip(samples, rewards):
-            data += [r, s.finish_reason == "stop", len(s.completion_tokens), *s.completion_tokens, *s.logprobs,
-                     *s.token_versions]
+            data += [r, s.finish_reason == "stop", len(s.completion_tokens), *s.completion_tokens,
+                     *s.logprobs, *s.token_versions, *sampled_mask(s)]
     names = np.frombuffer("\n".join(metrics).encode(), dtype=np.uint8).copy()
     return torch.tensor(data, dtype=torch.float64), torch.from_numpy(names)
 
@@ -84,11 +86,12 @@ def decode_rollout(data, names):
         for _ in range(int(take(1)[0])):
             reward, stopped, n = take(3)
             n = int(n)
-            tokens, logprobs, versions = take(n), take(n), take(n)
+            tokens, logprobs, versions, mask = take(n), take(n), take(n), take(n)
             samples.append(TrainingSample(prompt, tuple(int(t) for t in tokens), tuple(logprobs),
                                           weight_version=int(min(versions, default=0)),
                                           finish_reason="stop" if stopped else "length",
-                                          token_versions=tuple(int(v) for v in versions)))
+                                          token_versions=tuple(int(v) for v in versions),
+                                          loss_mask=() if all(mask) else tuple(map(int, mask))))
             rewards.append(reward)
         groups.append((None, prompt, samples, rewards))
     return iteration, draw, groups, metrics
@@ -121,9 +124,9 @@ def recv_rollout(src):
 # the worker's side
 
 
-def run_worker(config, roles, start, sampler, engine, rollout):
+def run_worker(config, roles, start, env, sampler, engine, rollout):
     """A rollout rank's whole job: for each iteration, take the weights its rollout is due (admission), sample it
-    with rollout(engine, tokenizer, sampler, config, it) and hand it to trainer 0 (the first worker
+    with rollout(engine, env, sampler, config, it) and hand it to trainer 0 (the first worker
     does)."""
     sync = WeightSync(start.model.state_dict(), src=0, bucket_mb=config["weight_bucket_mb"], group=roles.sync)
     sync.connect()   # a model that does not match the trainer's is refused here, on every rank of the group
@@ -138,7 +141,7 @@ def run_worker(config, roles, start, sampler, engine, rollout):
             engine.update_weights(dict(zip(sync.names, tensors)))
             weights_of, received = weights_of + 1, received + seconds
         waited = time.perf_counter() - t0
-        groups, draw, metrics = rollout(engine, start.tokenizer, sampler, config, it)
+        groups, draw, metrics = rollout(engine, env, sampler, config, it)
         t1 = time.perf_counter()
         for work in works:
             work.wait()                       # the previous rollout has reached trainer 0
@@ -178,7 +181,8 @@ class RolloutRanks:
             raise RuntimeError(f"iteration {it} received the rollout of iteration {iteration}: the trainer and the "
                                f"workers disagree on where the run is (resumed from different checkpoints?)")
         self.sampler.follow(*draw, self.config["group_size"])   # what a checkpoint records
-        lags = [self.version - v for _, _, samples, _ in groups for s in samples for v in s.token_versions] or [0]
+        lags = [self.version - v for _, _, samples, _ in groups for s in samples
+                for v, m in zip(s.token_versions, sampled_mask(s)) if m] or [0]
         metrics.update({"rollout/staleness_mean": float(np.mean(lags)), "rollout/staleness_max": max(lags),
                         "perf/rollout_wait_s": time.perf_counter() - t0})
         return groups, metrics

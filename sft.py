@@ -8,8 +8,9 @@ Supervised fine-tuning on chat conversations: the loss is on the assistant reply
     python sft.py config/qwen_small.py --init_from=out/qwen_small/sft --out_dir=out/rft \
         --rft_samples=8 --rft_problems=2000 --max_flops=1e13 --keep_best=True --max_iters=1000000
 
-The data is the embedded task's demonstrations (task.sft_examples: a minority of the training problems with
-their preferred answer), each made by tokenizer.chat_example, the same chat template the engine's prompts use.
+The data is the task's demonstrations (its sft_examples: for the embedded countdown a minority of
+the training problems with their preferred answer), each made by tokenizer.chat_example, the same
+chat template the engine's prompts use.
 With rft_samples > 0 it is rejection-sampling fine-tuning instead: the starting model answers rft_problems
 training problems (the ones GRPO's prompt stream would take first, same seed) rft_samples times each at
 rft_temperature, and the distinct correct answers, token for token as sampled, are the data.
@@ -28,16 +29,17 @@ import torch
 
 import distributed
 import evaluate
-import task
 import training
 from checkpoint import init_start, save_best
 from configurator import configure, print0
-from engine import SamplingParams
+from engine import sampled_mask
+from environment import Environment, load_task, offers
 from tokenizer import build_tokenizer, chat_example
 
 # -----------------------------------------------------------------------------
 # settings (a config file, then --key=value, override these)
 out_dir = "out/sft"
+task = "task"                # a module name or a .py path (environment.py); 'task' = countdown
 init_from = "out/pretrain"   # 'scratch' | 'resume' | a previous run's out_dir | a transformers model dir
 model = dict()               # ModelConfig fields, used only with init_from='scratch'
 seed = 1337
@@ -79,41 +81,38 @@ wandb_run_name = ""
 config = configure(globals(), sys.argv[1:], stage="sft")
 
 
-def demonstrations(tokenizer, problems):
+def demonstrations(tokenizer, the_task, problems):
     """chat examples (ids, loss mask) of problems answered with their preferred solution"""
-    return [chat_example(tokenizer, task.prompt_messages(p) + [{"role": "assistant", "content": task.solutions(p)[0]}])
+    return [chat_example(tokenizer, the_task.prompt_messages(p) +
+                         [{"role": "assistant", "content": the_task.solutions(p)[0]}])
             for p in problems]
 
 
-def rejection_samples(model, tokenizer, problems):
+def rejection_samples(model, env, problems):
     """(examples, flops): the distinct correct answers of model to each problem, as chat examples made of the exact
     prompt and completion ids that were sampled (mask on the completion), and the FLOPs sampling them cost."""
-    engine = evaluate.task_engine(model, tokenizer, problems, eval_max_tokens, seed=seed)
-    prompts = evaluate.prompt_ids(tokenizer, problems)
-    params = SamplingParams(temperature=rft_temperature, max_tokens=eval_max_tokens,
-                            stop_token_ids=frozenset({tokenizer.eos_token_id}), seed=seed)
-    samples = evaluate.generate_sharded(engine, prompts, params, rft_samples)
+    engine = evaluate.task_engine(model, env, problems, seed=seed)
+    episodes = env.episodes(engine, problems, rft_samples, rft_temperature, seed)
     engine.shutdown()
-    kept = {}
-    for i, s in enumerate(samples):
-        problem = problems[i // rft_samples]
-        if evaluate.score(problem, tokenizer, s) == 1.0:
+    samples, kept = [e.sample() for e in episodes], {}
+    for i, (e, s) in enumerate(zip(episodes, samples)):
+        if e.reward == 1.0:
             kept.setdefault((i // rft_samples, s.completion_tokens), s)
     examples = [(list(s.prompt_tokens) + list(s.completion_tokens),
-                 [0] * len(s.prompt_tokens) + [1] * len(s.completion_tokens)) for s in kept.values()]
+                 [0] * len(s.prompt_tokens) + list(sampled_mask(s))) for s in kept.values()]
     flops = evaluate.sampling_flops(model.config, samples, rft_samples)
     print0(f"rejection sampling: {len(examples)} distinct correct answers from {len(samples)} samples of "
            f"{len(problems)} training problems")
     return examples, flops
 
 
-def rft_data(start, tokenizer):
+def rft_data(start, env):
     """The rejection-sampled data, sampled by the starting model once and kept in {out_dir}/rft_data.json, so
     that a resumed run trains on the very same data."""
     path = os.path.join(out_dir, "rft_data.json")
     if start.meta is None:
-        problems = training.EpochCursor(task.make_problems("train"), seed).take(rft_problems)
-        examples, flops = rejection_samples(start.model, tokenizer, problems)
+        problems = training.EpochCursor(env.task.make_problems("train"), seed).take(rft_problems)
+        examples, flops = rejection_samples(start.model, env, problems)
         if distributed.is_main():
             os.makedirs(out_dir, exist_ok=True)
             with open(path + ".tmp", "w") as f:
@@ -125,19 +124,22 @@ def rft_data(start, tokenizer):
     return [tuple(e) for e in data["examples"]], data["flops"]
 
 
-def make_eval_fn(tokenizer, val_problems, val_batches):
+def make_eval_fn(env, val_problems, val_batches):
     best = {"accuracy": -1.0}
 
     @torch.no_grad()
     def eval_fn(model):
-        engine = evaluate.task_engine(model, tokenizer, val_problems, eval_max_tokens, seed=seed)
-        accuracy = evaluate.greedy_accuracy(engine, tokenizer, val_problems, eval_max_tokens)
+        engine = evaluate.task_engine(model, env, val_problems, seed=seed)
+        accuracy = evaluate.greedy_accuracy(engine, env, val_problems)
         engine.shutdown()
         if keep_best and accuracy > best["accuracy"]:
             best["accuracy"] = accuracy
             if distributed.is_main():
-                save_best(out_dir, model, tokenizer)
-        return {"eval/loss": training.evaluate_loss(model, val_batches, device), "eval/accuracy": accuracy}
+                save_best(out_dir, model, env.tokenizer)
+        metrics = {"eval/accuracy": accuracy}
+        if val_batches is not None:
+            metrics["eval/loss"] = training.evaluate_loss(model, val_batches, device)
+        return metrics
     return eval_fn
 
 
@@ -157,21 +159,33 @@ def check_settings():
 if __name__ == "__main__":
     device = config["device"] = distributed.setup(device, dist_timeout_s)
     check_settings()
-    val_problems = task.make_problems("val", n_eval_problems or None)
+    the_task = load_task(task)
+    if rft_samples == 0 and not offers(the_task, "sft_examples"):
+        raise ValueError(f"task={task!r} offers no sft_examples(seed, fraction): nothing to "
+                         f"fine-tune on (rejection sampling, rft_samples > 0, needs none)")
+    val_problems = the_task.make_problems("val", n_eval_problems or None)
     start = init_start(config, build_tokenizer)
     tokenizer = start.tokenizer
+    env = Environment(the_task, tokenizer, eval_max_tokens)
     if start.meta is None and distributed.is_main():   # a fresh run: no best model of an earlier run in out_dir
         shutil.rmtree(os.path.join(out_dir, "best"), ignore_errors=True)
-    examples, spent = [chat_example(tokenizer, m) for m in task.sft_examples(seed, demo_fraction)], 0.0
+    examples, spent = [], 0.0
     if rft_samples > 0:
-        examples, spent = rft_data(start, tokenizer)
-    val = demonstrations(tokenizer, val_problems)
+        examples, spent = rft_data(start, env)
+    else:
+        examples = [chat_example(tokenizer, m) for m in the_task.sft_examples(seed, demo_fraction)]
+    # validation loss on the task's own answers, when it has them
+    val = None
+    if offers(the_task, "solutions"):
+        val = demonstrations(tokenizer, the_task, val_problems)
     print0(f"{len(examples)} training conversations ({sum(sum(m) for _, m in examples)} reply tokens), "
            f"{len(val_problems)} validation problems")
     loader = training.PackedLoader([i for i, _ in examples], [[float(x) for x in m] for _, m in examples],
                                    batch_tokens, seed)
-    val_batches = training.fixed_batches([i for i, _ in val], [[float(x) for x in m] for _, m in val], batch_tokens)
-    final = training.train(config, start, loader, make_eval_fn(tokenizer, val_problems, val_batches), spent)
+    val_batches = None if val is None else training.fixed_batches(
+        [i for i, _ in val], [[float(x) for x in m] for _, m in val], batch_tokens)
+    eval_fn = make_eval_fn(env, val_problems, val_batches)
+    final = training.train(config, start, loader, eval_fn, spent)
     if "eval/accuracy" in final:
         print0(f"validation accuracy (greedy, {len(val_problems)} problems): {final['eval/accuracy']:.3f}")
     distributed.teardown()

@@ -153,6 +153,16 @@ def make_problems(split: str, n: int | None = None) -> list[Problem]:
     return list(problems)
 
 
+def describe(problem: Problem) -> dict:
+    """The problem's fields in outcomes.jsonl (report.py groups them by digit multiset)."""
+    return {"digits": list(problem.digits), "target": problem.target}
+
+
+def kind(problem: Problem) -> str:
+    """Accuracy is also reported by problem size: '3digits' or '4digits'."""
+    return f"{len(problem.digits)}digits"
+
+
 def solutions(problem: Problem) -> list[str]:
     """Every valid answer with minimal parentheses, preferred first (empty if the problem is unsolvable)."""
     if not isinstance(problem, Problem):

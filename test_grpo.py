@@ -9,6 +9,7 @@ reward with variance (completion length parity), which exercises the same loop.
 import dataclasses
 import json
 import math
+import os
 
 import numpy as np
 import pytest
@@ -20,7 +21,9 @@ import task
 import train_grpo
 import training
 from configurator import configure
+from conftest import PARITY_TASK, write_task
 from engine import TrainingSample
+from environment import Environment, Episode
 from model import ModelConfig, Transformer
 from tokenizer import build_tokenizer
 from train_grpo import build_batches, group_advantages, zero_variance_groups
@@ -94,15 +97,14 @@ TINY = dict(hidden_size=32, intermediate_size=64, moe_intermediate_size=32, num_
 
 
 def tiny_config(out_dir, *extra):
+    # the parity task (conftest.PARITY_TASK): countdown's problems, a reward a random model can earn
     settings = {k: v for k, v in vars(train_grpo).items() if not k.startswith("_")}
-    args = ["--init_from=scratch", f"--out_dir={out_dir}", f"--model={TINY!r}".replace(" ", ""),
+    parity = write_task(os.path.dirname(str(out_dir)))
+    args = [f"--task={parity}", "--init_from=scratch", f"--out_dir={out_dir}",
+            f"--model={TINY!r}".replace(" ", ""),
             "--prompts_per_step=4", "--group_size=4", "--max_new_tokens=8", "--n_eval_problems=8", "--pass_k=2",
             "--learning_rate=3e-3", "--warmup_iters=0", "--eval_interval=100", "--log_interval=1", *extra]
     return configure(settings, args, stage="grpo")
-
-
-def parity_reward(problem, text):
-    return float(len(text) % 2 == 0)
 
 
 def metrics(out_dir):
@@ -111,7 +113,6 @@ def metrics(out_dir):
 
 
 def test_tiny_run_versions_advance_and_loss_is_finite(tmp_path, monkeypatch):
-    monkeypatch.setattr(task, "reward", parity_reward)
     seen = []
     real_rollout = train_grpo.rollout
 
@@ -149,7 +150,6 @@ def test_tiny_run_versions_advance_and_loss_is_finite(tmp_path, monkeypatch):
 def test_rollouts_at_another_temperature_are_trained_on_policy(tmp_path, monkeypatch):
     # the engine's logprobs are log_softmax(logits / T): the trainer must score the same distribution (scoring
     # it at T = 1 measured a mismatch of ~0.1 at T = 0.5, and TIS would then correct by p_1 / p_T)
-    monkeypatch.setattr(task, "reward", parity_reward)
     out = tmp_path / "cool"
     train_grpo.main(tiny_config(out, "--max_iters=2", "--temperature=0.5", "--tis_cap=2.0", "--ckpt_interval=100"))
     rows = [r for r in metrics(out) if "train/loss" in r]
@@ -158,25 +158,25 @@ def test_rollouts_at_another_temperature_are_trained_on_policy(tmp_path, monkeyp
 
 
 def test_no_variance_skips_the_step_and_the_sampler_turns_away(tmp_path, monkeypatch):
-    monkeypatch.setattr(evaluate, "score", lambda problem, tokenizer, sample: 1.0)
+    never = write_task(str(tmp_path), PARITY_TASK.replace("len(completion_text) % 2 == 0", "False"),
+                       "never_right.py")
     out = tmp_path / "flat"
-    train_grpo.main(tiny_config(out, "--max_iters=2", "--ckpt_interval=1"))
+    train_grpo.main(tiny_config(out, "--max_iters=2", "--ckpt_interval=1", f"--task={never}"))
     rows = [r for r in metrics(out) if "rollout/reward_mean" in r]
     # one rollout call of 4 prompts a step, all flat
     assert [r["rollout/zero_var_groups"] for r in rows] == [4, 4]
     assert all(r["rollout/valid_groups"] == 0 and "train/loss" not in r for r in rows)
     state = checkpoint.read_checkpoint_meta(checkpoint.find_checkpoint(str(out)))["data_state"]
     sampler = train_grpo.ProblemSampler(task.make_problems("train"), seed=0)
-    sampler.load_state_dict(state)   # 8 problems solved 4 of 4 times: weight (5/6)(1/6), others 1/4
+    sampler.load_state_dict(state)   # 8 problems solved 0 of 4 times: weight (1/6)(5/6), others 1/4
     assert state["taken"] == 8 and sum(state["samples"]) == 32
-    assert state["successes"] == state["samples"]
+    assert sum(state["successes"]) == 0
     assert sorted(set(sampler.weights().round(4).tolist())) == [round(5 / 36, 4), 0.25]
     # no step, but a version per iteration (the same weights): rollout ranks count on one per iteration
     assert [r["rollout/weight_version"] for r in rows] == [0, 1]
 
 
 def test_killed_run_resumes_exactly(tmp_path, monkeypatch):
-    monkeypatch.setattr(task, "reward", parity_reward)
     common = ["--max_iters=4", "--lr_decay_iters=4", "--ckpt_interval=2"]
     whole = tmp_path / "whole"
     train_grpo.main(tiny_config(whole, *common))
@@ -245,25 +245,35 @@ def test_problem_sampler_weighs_a_hand_made_record_by_p_times_1_minus_p():
     assert sampler.weights().tolist() == pytest.approx([0.25, 0.25, 0.09, 0.09])
     counts = np.zeros(4)
     for _ in range(4000):
-        counts[sampler.take(1)] += 1
+        drawn = sampler.draw(1)
+        sampler.record(drawn, [0], 0)
+        counts[drawn] += 1
     expected = np.array([0.25, 0.25, 0.09, 0.09]) / 0.68
     assert counts / counts.sum() == pytest.approx(expected, abs=0.02)
-    assert sampler.draws == 4000 and sampler.taken == 4000
-    pair = sampler.take(4)
+    assert sampler.draws == 4001 and sampler.taken == 4003   # the hand-made record was a draw too
+    pair = sampler.draw(4)
     assert sorted(pair) == [0, 1, 2, 3]               # a step's problems are distinct
+    assert sampler.draw(4) == pair and sampler.draws == 4001   # only recording an outcome moves on
     # the state is the record and the draw count: a copy draws the same problems
+
+    def draws(s):
+        out = []
+        for _ in range(5):
+            out.append(s.draw(2))
+            s.record(out[-1], [1, 0], 8)
+        return out
     copy = train_grpo.ProblemSampler(problems, seed=3)
     copy.load_state_dict(json.loads(json.dumps(sampler.state_dict())))
-    assert [copy.take(2) for _ in range(5)] == [sampler.take(2) for _ in range(5)]
+    assert draws(copy) == draws(sampler)
     # a trainer that follows a worker's draws holds the worker's state
     follower = train_grpo.ProblemSampler(problems, seed=3)
     follower.load_state_dict(sampler.state_dict())
-    drawn = sampler.take(2)
+    drawn = sampler.draw(2)
     sampler.record(drawn, [1, 2], 8)
     follower.follow(drawn, [1, 2], 8)
     assert follower.state_dict() == sampler.state_dict()
     with pytest.raises(RuntimeError, match="records differ"):   # a draw this record never makes
-        follower.follow([3, 2] if sampler.take(2) != [3, 2] else [2, 3], [0, 0], 8)
+        follower.follow([3, 2] if sampler.draw(2) != [3, 2] else [2, 3], [0, 0], 8)
     for bad in ({"draws": -1}, {**sampler.state_dict(), "samples": [0] * 3},
                 {**sampler.state_dict(), "successes": [9, 0, 0, 0], "samples": [8, 0, 0, 0]},
                 {**sampler.state_dict(), "samples": [8.5, 0, 0, 0]}):
@@ -283,8 +293,14 @@ def test_a_truncated_completion_scores_zero():
                              logprobs=(0.0,) * (len(ids) + 1), finish_reason="stop")
     cut = TrainingSample(prompt_tokens=(1,), completion_tokens=tuple(ids), logprobs=(0.0,) * len(ids),
                          finish_reason="length")
-    assert evaluate.score(p, tok, stopped) == 1.0
-    assert evaluate.score(p, tok, cut) == 0.0      # the right text, but it never stopped
+    env = Environment(task, tok, max_new_tokens=16)
+
+    def scored(sample):
+        episode = Episode(p, task.prompt_messages(p), [1])
+        env.take_reply(episode, sample, 1)
+        return episode.done, episode.reward
+    assert scored(stopped) == (True, 1.0)
+    assert scored(cut) == (True, 0.0)      # the right text, but it never stopped
 
 
 def two_groups(engine_logprob=None):
@@ -300,7 +316,7 @@ def two_groups(engine_logprob=None):
 def test_loss_normalizers_on_hand_made_batches():
     groups = two_groups()
     c = {"group_size": 2, "scale_rewards": False, "share_prompt": True, "batch_tokens": 8, "prompts_per_step": 4,
-         "max_new_tokens": 16}
+         "max_new_tokens": 16, "max_turns": 1}
     batches = build_batches(groups, c)
     assert len(batches) > 1                                      # the normalizer spans micro-batches
     masks = train_grpo.completion_masks(groups, c)
@@ -336,7 +352,7 @@ class FixedLogits:
 def test_tis_is_the_papers_estimator_outside_the_normalizer():
     groups = two_groups(engine_logprob=-2.0)
     c = {"group_size": 2, "scale_rewards": False, "share_prompt": True, "batch_tokens": 64, "prompts_per_step": 2,
-         "max_new_tokens": 4,
+         "max_new_tokens": 4, "max_turns": 1,
          "loss_norm": "weights", "tis_cap": 2.0, "kl_coef": 0.0}
     (b,) = build_batches(groups, c)
     masks = train_grpo.completion_masks(groups, c)
@@ -362,7 +378,7 @@ def test_the_steps_own_forward_measures_the_mismatch_and_no_logprob_pass_runs_wi
     model = Transformer(cfg)
     groups = two_groups()
     c = {"group_size": 2, "scale_rewards": False, "share_prompt": True, "batch_tokens": 64, "prompts_per_step": 2,
-         "max_new_tokens": 4,
+         "max_new_tokens": 4, "max_turns": 1,
          "loss_norm": "constant", "tis_cap": 0.0, "kl_coef": 0.0}
     (b,) = build_batches(groups, c)
     masks = train_grpo.completion_masks(groups, c)
@@ -394,7 +410,7 @@ def test_kl_coef_pulls_the_policy_back_toward_the_reference():
             p.add_(0.05 * torch.randn_like(p))
     groups = two_groups()
     c = {"group_size": 2, "scale_rewards": False, "share_prompt": True, "batch_tokens": 64, "prompts_per_step": 2,
-         "max_new_tokens": 4,
+         "max_new_tokens": 4, "max_turns": 1,
          "loss_norm": "tokens", "tis_cap": 0.0, "kl_coef": 1.0}
     (b,) = build_batches(groups, c)
     b = dataclasses.replace(b, token_weights=torch.zeros_like(b.token_weights))   # no advantage: the KL term alone
@@ -428,7 +444,6 @@ def test_top_p_is_refused_in_grpo(tmp_path):
 
 
 def test_keep_best_saves_the_best_validation_model_and_survives_resume(tmp_path, monkeypatch):
-    monkeypatch.setattr(task, "reward", parity_reward)
     out = tmp_path / "es"
     train_grpo.main(tiny_config(out, "--max_iters=4", "--eval_interval=1", "--ckpt_interval=2", "--keep_best=True"))
     evals = [r for r in metrics(out) if "eval/accuracy" in r]

@@ -13,6 +13,8 @@ import pytest
 
 import rollout_ranks
 import test_distributed as td
+from conftest import write_task
+from test_environment import AGAIN_TASK
 from engine import TrainingSample
 
 ARGS = ["--init_from=scratch", f"--model={td.TINY}", "--prompts_per_step=5", "--group_size=4", "--max_new_tokens=8",
@@ -52,6 +54,25 @@ def test_a_rollout_rank_without_staleness_samples_and_steps_like_the_colocated_r
     assert [r["iter"] for r in rows if "perf/weight_sync_s" in r] == [1, 2, 3, 4]
     assert all(r["perf/weight_sync_GBps"] > 0 and 0 <= r["perf/trainer_idle_frac"] <= 1 for r in rows[:4])
     assert all(0 <= r["perf/worker_idle_frac"] <= 1 for r in rows)
+
+
+def test_multi_turn_episodes_on_a_rollout_rank_step_like_the_colocated_run(tmp_path):
+    # the multi-turn task of test_environment (the environment answers "again"): the rollout tensors
+    # carry each episode's mask: the trainer weighs the sampled ids only, as the colocated run does
+    again = write_task(str(tmp_path), AGAIN_TASK, "again.py")
+    model = td.TINY.replace("'max_position_embeddings':128", "'max_position_embeddings':512")
+    args = ARGS + ["--max_iters=5", "--eval_interval=5", f"--model={model}", f"--task={again}",
+                   "--max_turns=3", "--max_new_tokens=40", "--max_episode_tokens=160",
+                   "--prompts_per_step=8", "--batch_tokens=1024"]
+    td.launch(tmp_path, "train_grpo.py", tmp_path / "one", args)
+    td.launch(tmp_path, "train_grpo.py", tmp_path / "split", args + ["--rollout_ranks=1",
+                                                                     "--max_staleness=0"], nproc=2)
+    td.assert_same_run(tmp_path / "one", tmp_path / "split", SAME + ("rollout/turns_mean",
+                                                                     "eval/success_by_turn_3"))
+    rows = steps(tmp_path / "split")
+    assert rows and all(r["train/logprob_mismatch"] < 1e-5 for r in rows)
+    assert max(r["rollout/turns_mean"] for r in td.rows(tmp_path / "split")
+               if "rollout/turns_mean" in r) > 1
 
 
 @pytest.mark.parametrize("rollout_ranks", [1, 2])
@@ -97,8 +118,9 @@ def test_staleness_one_overlaps_sampling_with_training(tmp_path):
 
 def test_a_rollout_crosses_as_tensors_and_comes_back_whole():
     prompt = (5, 6, 7)
-    samples = [TrainingSample(prompt, (1, 2, 9), (-0.5, -1.25, -0.125), weight_version=3, finish_reason="stop",
-                              token_versions=(3, 3, 4)),
+    # sample 0 is a multi-turn episode: its id 2 is the environment's (mask 0)
+    samples = [TrainingSample(prompt, (1, 2, 9), (-0.5, 0.0, -0.125), weight_version=3,
+                              finish_reason="stop", token_versions=(3, 3, 4), loss_mask=(1, 0, 1)),
                TrainingSample(prompt, (4,), (-2.0,), weight_version=4, finish_reason="length", token_versions=(4,))]
     groups = [("problem", prompt, samples, [1.0, 0.0])]
     metrics = {"rollout/reward_mean": 0.5, "rollout/valid_groups": 1, "perf/rollout_time_s": 0.25}

@@ -16,6 +16,7 @@ import torch.nn.functional as F
 import checkpoint
 import evaluate
 import training
+from conftest import write_task
 from model import ModelConfig, Transformer, load_hf_checkpoint, save_hf_checkpoint
 from tokenizer import build_tokenizer
 from training import PackedBatch, PackedLoader, pack_sequences, unified_loss
@@ -443,9 +444,10 @@ def test_sft_rejection_sampling_keep_best_and_flop_budget(tmp_path, monkeypatch)
     cfg = tmp_path / "tiny.py"
     cfg.write_text(TINY_CONFIG)
     _run_pretrain(cfg, tmp_path / "pre", "--max_iters=5")
-    monkeypatch.setattr(evaluate, "score", lambda problem, tokenizer, s: float(len(s.completion_tokens) % 2 == 0))
     out = tmp_path / "rft"
+    parity = write_task(str(tmp_path))   # conftest.PARITY_TASK: countdown, scored by parity
     monkeypatch.setattr(sys, "argv", ["sft.py", str(cfg), f"--init_from={tmp_path / 'pre'}", f"--out_dir={out}",
+                                      f"--task={parity}",
                                       "--rft_samples=4", "--rft_problems=8", "--max_iters=50", "--max_flops=1.0",
                                       "--keep_best=True", "--n_eval_problems=8", "--eval_max_tokens=6",
                                       "--batch_tokens=256", "--log_interval=1", "--eval_interval=10"])
@@ -454,7 +456,9 @@ def test_sft_rejection_sampling_keep_best_and_flop_budget(tmp_path, monkeypatch)
     assert [r["iter"] for r in rows if "train/loss" in r] == [1]
     data = json.load(open(out / "rft_data.json"))
     assert data["flops"] > 0 and rows[0]["perf/flops_total"] > data["flops"]
-    assert data["examples"] and all(sum(mask) % 2 == 0 for _, mask in data["examples"])   # only kept answers
+    tok = build_tokenizer()
+    replies = [tok.decode([i for i, m in zip(ids, mask) if m]) for ids, mask in data["examples"]]
+    assert replies and all(len(r) % 2 == 0 for r in replies)   # only the answers the task accepts
     assert any("eval/accuracy" in r and "perf/elapsed_s" in r for r in rows)
     best = checkpoint.load_model(str(out / "best"))
     assert best.config.vocab_size == 105 and os.path.isfile(out / "best" / "tokenizer.json")

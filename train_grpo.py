@@ -56,18 +56,19 @@ import torch
 
 import distributed
 import evaluate
-import task
 import rollout_ranks as ranks
 import training
+from environment import Environment, load_task, offers
 from checkpoint import init_start, load_model, model_dir_of, save_best, save_checkpoint
 from configurator import configure, print0
-from engine import EngineConfig, SamplingParams
+from engine import EngineConfig, SamplingParams, sampled_mask
 from model import train_flops
 from tokenizer import build_tokenizer
 
 # -----------------------------------------------------------------------------
 # settings (a config file, then --key=value, override these)
 out_dir = "out/grpo"
+task = "task"                # a module name or a .py path (environment.py); 'task' = countdown
 init_from = "out/sft"        # 'resume' | a previous run's out_dir | a transformers model dir ('scratch' works too)
 model = dict()               # ModelConfig fields, used only with init_from='scratch'
 seed = 1337
@@ -79,7 +80,9 @@ prompts_per_step = 16        # problems drawn per step, a group each (zero-varia
 group_size = 8               # samples per prompt (G)
 temperature = 1.0            # of the rollouts; the trainer scores softmax(logits / T) too (on-policy)
 top_p = 1.0                  # only 1.0: the trainer scores the whole distribution, never a nucleus
-max_new_tokens = 16          # completion budget; a completion that reaches it without stopping scores 0
+max_new_tokens = 16          # reply budget; a reply that reaches it without stopping scores 0
+max_turns = 1                # replies per episode, at most (> 1: the task's env_response between)
+max_episode_tokens = 0       # multi-turn: every id after the first prompt, at most (environment.py)
 share_prompt = True          # train on a group's prompt once, its samples attending to it (training.pack_groups)
 scale_rewards = False        # divide advantages by the group std (GRPO) instead of only centring (Dr. GRPO)
 loss_norm = "constant"       # 'constant' | 'tokens' | 'weights' (see the top of this file)
@@ -172,26 +175,26 @@ class ProblemSampler:
         p = (self.successes + 1) / (self.samples + 2)
         return p * (1 - p)
 
-    def take(self, n):
-        """n distinct problem indices, drawn by weight."""
+    def draw(self, n):
+        """The next draw: n distinct problem indices, by weight. The state changes only when its
+        outcome is recorded, so a rollout that fails leaves the sampler as it was."""
         w = self.weights()
         rng = np.random.default_rng([self.seed, self.draws])
-        self.draws, self.taken = self.draws + 1, self.taken + n
         return rng.choice(len(self.items), size=n, replace=False, p=w / w.sum()).tolist()
 
     def record(self, indices, successes, group_size):
-        """Add a rollout's outcome: successes[i] of group_size samples right for problem
-        indices[i].."""
+        """Add a draw's outcome: successes[i] of group_size samples right for problem indices[i]."""
         np.add.at(self.successes, indices, successes)
         np.add.at(self.samples, indices, group_size)
+        self.draws, self.taken = self.draws + 1, self.taken + len(indices)
 
     def follow(self, indices, successes, group_size):
         """A trainer's copy of a rollout rank's sampler: it makes the same draw (checked: a trainer
         and a worker that disagree on the record stop here) and adds its outcome, so both hold the
         same state (the trainer's is what a checkpoint records)."""
-        mine = self.take(len(indices))
+        mine = self.draw(len(indices))
         if mine != list(indices):
-            raise RuntimeError(f"draw {self.draws - 1}: the rollout ranks drew problems "
+            raise RuntimeError(f"draw {self.draws}: the rollout ranks drew problems "
                                f"{list(indices)[:4]}..., this trainer's sampler {mine[:4]}...: "
                                f"their records differ")
         self.record(indices, successes, group_size)
@@ -221,36 +224,36 @@ class ProblemSampler:
 # one iteration: rollout, build batches, normalizer, corrections, train step, hot-swap
 
 
-def rollout(engine, tokenizer, sampler, config, it):
-    """One rollout call: prompts_per_step problems drawn by the sampler, group_size samples each,
+def rollout(engine, env, sampler, config, it):
+    """One rollout call: prompts_per_step problems drawn by the sampler, group_size episodes each,
     scored, and the outcome added to the sampler's record. A group whose rewards are all equal
     teaches nothing and is dropped (counted). Returns (the kept groups as (problem, prompt_ids,
     samples, rewards), the draw as (indices, successes), rollout metrics)."""
     G = config["group_size"]
-    indices = sampler.take(config["prompts_per_step"])
+    indices = sampler.draw(config["prompts_per_step"])
     problems = [sampler.items[i] for i in indices]
-    prompts = evaluate.prompt_ids(tokenizer, problems)
+    t0 = time.perf_counter()   # under torchrun each rank samples its slice; all get every episode
     # the seed is a function of (run seed, iteration): a resumed run draws the same samples
-    params = SamplingParams(temperature=config["temperature"], max_tokens=config["max_new_tokens"],
-                            stop_token_ids=frozenset({tokenizer.eos_token_id}),
+    episodes = env.episodes(engine, problems, G, config["temperature"],
                             seed=config["seed"] * 1_000_003 + it)
-    t0 = time.perf_counter()   # under torchrun each rank samples its slice; all get every sample
-    samples = evaluate.generate_sharded(engine, prompts, params, G)
     gen_time = time.perf_counter() - t0
-    rewards = [evaluate.score(problems[i // G], tokenizer, s) for i, s in enumerate(samples)]
-    successes = [int(sum(rewards[j * G:(j + 1) * G])) for j in range(len(problems))]
+    rewards = [e.reward for e in episodes]
+    samples = [e.sample() for e in episodes]
+    successes = [int(sum(r > 0 for r in rewards[j * G:(j + 1) * G])) for j in range(len(problems))]
     sampler.record(indices, successes, G)
     flat = zero_variance_groups(rewards, G).tolist()
-    kept = [(problems[j], prompts[j], samples[j * G:(j + 1) * G], rewards[j * G:(j + 1) * G])
-            for j in range(len(problems)) if not flat[j]]
-    lengths = [len(s.completion_tokens) for s in samples]
+    kept = [(problems[j], samples[j * G].prompt_tokens, samples[j * G:(j + 1) * G],
+             rewards[j * G:(j + 1) * G]) for j in range(len(problems)) if not flat[j]]
+    sampled = [sum(e.mask) for e in episodes]
     metrics = {"rollout/reward_mean": float(np.mean(rewards)), "rollout/zero_var_groups": sum(flat),
                "rollout/valid_groups": len(kept), "rollout/problems": len(problems),
-               "rollout/completion_len": float(np.mean(lengths)),
-               "rollout/truncated": float(np.mean([s.finish_reason != "stop" for s in samples])),
-               "rollout/tokens_per_s": sum(lengths) / gen_time, "perf/rollout_time_s": gen_time,
+               "rollout/completion_len": float(np.mean(sampled)),
+               "rollout/truncated": float(np.mean([e.finish_reason != "stop" for e in episodes])),
+               "rollout/tokens_per_s": sum(sampled) / gen_time, "perf/rollout_time_s": gen_time,
                "rollout/weight_version": engine.get_weight_version(),
                "perf/rollout_flops": evaluate.sampling_flops(engine.model.config, samples, G)}
+    if env.max_turns > 1:
+        metrics["rollout/turns_mean"] = float(np.mean([e.turns for e in episodes]))
     return kept, (indices, successes), metrics
 
 
@@ -263,7 +266,7 @@ def build_batches(groups, config, completion_weight=None):
     for _, prompt, samples, group_rewards in groups:
         adv = group_advantages(group_rewards, config["group_size"], config["scale_rewards"]).tolist() \
             if completion_weight is None else [completion_weight] * len(samples)
-        rows = [(list(s.completion_tokens), [a] * len(s.completion_tokens), list(s.logprobs))
+        rows = [(list(s.completion_tokens), [a * m for m in sampled_mask(s)], list(s.logprobs))
                 for s, a in zip(samples, adv)]
         # share_prompt: the group is one document (or as few as fit in batch_tokens); else each sample is one
         parts = training.budget_groups([len(c) + 1 for c, _, _ in rows], config["batch_tokens"] - len(prompt) + 1) \
@@ -284,7 +287,8 @@ def loss_normalizer(batches, masks, config):
     """The denominator of the step's loss, fixed before any correction is folded into the weights (so TIS is
     the paper's estimator, its ratio outside the normalizer): see loss_norm at the top of this file."""
     if config["loss_norm"] == "constant":
-        return float(config["prompts_per_step"] * config["group_size"] * config["max_new_tokens"])
+        return float(config["prompts_per_step"] * config["group_size"] * config["max_new_tokens"]
+                     * config["max_turns"])
     if config["loss_norm"] == "tokens":
         return float(max(sum(int(m.sum()) for m in masks), 1))
     return float(max(sum(b.token_weights.abs().sum().item() for b in batches), 1.0))
@@ -332,15 +336,15 @@ class Colocated:
     """The engine in this process: it samples with the trainer's current weights, swapped in after each step
     (train_grpo's rollout source; rollout_ranks.RolloutRanks is the other one, with the same interface)."""
 
-    def __init__(self, engine, tokenizer, sampler, config):
-        self.engine, self.tokenizer, self.sampler, self.config = engine, tokenizer, sampler, config
+    def __init__(self, engine, env, sampler, config):
+        self.engine, self.env, self.sampler, self.config = engine, env, sampler, config
 
     @property
     def version(self):
         return self.engine.get_weight_version()
 
     def groups(self, it):
-        groups, _, metrics = rollout(self.engine, self.tokenizer, self.sampler, self.config, it)
+        groups, _, metrics = rollout(self.engine, self.env, self.sampler, self.config, it)
         return groups, metrics
 
     def publish(self, model, it):
@@ -395,9 +399,14 @@ def grpo_step(source, run, reference, config, it):
 def check_settings(config):
     """GRPO's own settings, then the loop's, each refused with a ValueError naming it before any work."""
     for name, low in (("prompts_per_step", 1), ("group_size", 2), ("max_new_tokens", 1),
-                      ("pass_k", 0), ("n_eval_problems", 0)):
+                      ("pass_k", 0), ("n_eval_problems", 0), ("max_turns", 1),
+                      ("max_episode_tokens", 0)):
         _require(type(config[name]) is int and config[name] >= low, f"{name}={config[name]!r}: expected an int "
                                                                      f">= {low}")
+    _require(config["max_turns"] == 1 or config["max_episode_tokens"] > config["max_new_tokens"],
+             f"max_episode_tokens={config['max_episode_tokens']}: a multi-turn episode (max_turns="
+             f"{config['max_turns']}) needs room for more than one reply of max_new_tokens="
+             f"{config['max_new_tokens']}")
     for name in ("tis_cap", "kl_coef"):
         _require(type(config[name]) in (int, float) and config[name] >= 0, f"{name}={config[name]!r}: expected a "
                                                                            f"number >= 0 (0 = off)")
@@ -433,12 +442,11 @@ def reference_model(config, start):
     return load_model(model_dir_of(source)).to(config["device"]).eval().requires_grad_(False)
 
 
-def evaluate_and_log(engine, run, problems, config, done, meter, best):
+def evaluate_and_log(engine, env, run, problems, config, done, meter, best):
     """Evaluate, log, and with keep_best save the model to {out_dir}/best when its accuracy beats
     best["accuracy"]. On the test split each problem's outcome goes to {out_dir}/outcomes.jsonl."""
     t0 = time.perf_counter()
-    metrics, outcomes = evaluate.evaluate(engine, run.start.tokenizer, problems,
-                                          config["max_new_tokens"], config["pass_k"],
+    metrics, outcomes = evaluate.evaluate(engine, env, problems, config["pass_k"],
                                           config["temperature"], config["seed"])
     run.logger.log(done, {**metrics, "perf/elapsed_s": meter.seconds})
     if config["eval_split"] == "test" and distributed.is_main():
@@ -461,19 +469,20 @@ def log_iteration(logger, done, metrics):
            f"rollout {metrics['rollout/tokens_per_s']:.0f} tok/s")
 
 
-def make_engine(model, start, sampler, eval_problems, config):
-    return evaluate.task_engine(model, start.tokenizer, sampler.items + eval_problems,
-                                config["max_new_tokens"], config["engine_block_size"],
-                                config["engine_dtype"], config["device"], config["seed"],
-                                0 if start.meta is None else start.meta["extra"]["weight_version"])
+def make_engine(model, env, start, sampler, eval_problems, config):
+    version = 0 if start.meta is None else start.meta["extra"]["weight_version"]
+    return evaluate.task_engine(model, env, sampler.items + eval_problems,
+                                config["engine_block_size"], config["engine_dtype"],
+                                config["device"], config["seed"], version)
 
 
-def rollout_worker(config, roles, start, sampler, eval_problems):
+def rollout_worker(config, roles, start, env, sampler, eval_problems):
     """A rollout rank's job (rollout_ranks.run_worker): the trainers' engine, fed by the weight broadcast."""
     if start.meta is not None:
         sampler.load_state_dict(start.meta["data_state"])
-    engine = make_engine(start.model.to(config["device"]), start, sampler, eval_problems, config)
-    ranks.run_worker(config, roles, start, sampler, engine, rollout)
+    model = start.model.to(config["device"])
+    engine = make_engine(model, env, start, sampler, eval_problems, config)
+    ranks.run_worker(config, roles, start, env, sampler, engine, rollout)
     engine.shutdown()
     distributed.teardown()
     return {}
@@ -483,18 +492,24 @@ def main(config):
     config["device"] = distributed.setup(config["device"], config["dist_timeout_s"])
     check_settings(config)
     roles = distributed.split_roles(config["rollout_ranks"]) if config["rollout_ranks"] else None
+    the_task = load_task(config["task"])
+    _require(config["max_turns"] == 1 or offers(the_task, "env_response"),
+             f"max_turns={config['max_turns']}: the task {config['task']!r} has no env_response, "
+             f"so its episodes are one reply; use max_turns=1")
     start = init_start(config, build_tokenizer)
-    eval_problems = task.make_problems(config["eval_split"], config["n_eval_problems"] or None)   # refused before
-    sampler = ProblemSampler(task.make_problems("train"), config["seed"])   # before out_dir changes
+    env = Environment(the_task, start.tokenizer, config["max_new_tokens"], config["max_turns"],
+                      config["max_episode_tokens"])
+    eval_problems = the_task.make_problems(config["eval_split"], config["n_eval_problems"] or None)
+    sampler = ProblemSampler(the_task.make_problems("train"), config["seed"])   # out_dir untouched
     _require(config["prompts_per_step"] <= len(sampler.items),
              f"prompts_per_step={config['prompts_per_step']}: a step's problems are distinct, and "
              f"there are {len(sampler.items)} training problems")
     if roles is not None and roles.is_worker:
-        return rollout_worker(config, roles, start, sampler, eval_problems)
+        return rollout_worker(config, roles, start, env, sampler, eval_problems)
     reference = reference_model(config, start)
     run = training.setup_run(config, start, sampler)
-    engine = make_engine(run.model, start, sampler, eval_problems, config)
-    source = Colocated(engine, start.tokenizer, sampler, config) if roles is None else \
+    engine = make_engine(run.model, env, start, sampler, eval_problems, config)
+    source = Colocated(engine, env, sampler, config) if roles is None else \
         ranks.RolloutRanks(config, roles, run.model, sampler, engine, engine.get_weight_version())
     meter = training.Meter(run.start)
     best = {"accuracy": -1.0, "iter": None} if start.meta is None else start.meta["extra"].get("best")
@@ -502,7 +517,8 @@ def main(config):
         shutil.rmtree(os.path.join(config["out_dir"], "best"), ignore_errors=True)
     print0(f"{config['prompts_per_step']} prompts x {config['group_size']} samples per step, "
            f"{len(eval_problems)} {config['eval_split']} problems")
-    final = {} if start.meta is not None else evaluate_and_log(engine, run, eval_problems, config, 0, meter, best)
+    final = {} if start.meta is not None else \
+        evaluate_and_log(engine, env, run, eval_problems, config, 0, meter, best)
     for it in range(start.iter_num, config["max_iters"]):
         metrics, flops = grpo_step(source, run, reference, config, it)
         metrics.update(meter.add(flops, metrics["perf/step_time_s"]))
@@ -512,7 +528,8 @@ def main(config):
         if training.due(config, "log_interval", done, last):
             log_iteration(run.logger, done, metrics)
         if training.due(config, "eval_interval", done, last):
-            final = evaluate_and_log(source.eval_engine(run.model), run, eval_problems, config, done, meter, best)
+            final = evaluate_and_log(source.eval_engine(run.model), env, run, eval_problems, config,
+                                     done, meter, best)
         if training.due(config, "ckpt_interval", done, last):
             distributed.check_in_sync(run.model)
             if distributed.is_main():

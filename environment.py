@@ -1,0 +1,244 @@
+"""
+Tasks and environments: what a trainer needs from a task, and the episodes it runs with the engine.
+
+A task is a Python file with the functions below; every stage and evaluate.py take it as a setting:
+
+    python train_grpo.py config/qwen_small.py --task=task_feedback     # a module name or a .py path
+
+    task = load_task("task_jsonl.py")
+    env = Environment(task, tokenizer, max_new_tokens=16, max_turns=1)
+    episodes = env.episodes(engine, task.make_problems("train", 64), num_samples=8, temperature=1.0)
+    episodes[0].reward, episodes[0].sample()    # the score; the episode as one TrainingSample
+
+The contract (task.py, the embedded countdown, implements all of it; task_jsonl.py is a user's
+single-turn task over a JSONL file, task_feedback.py a multi-turn one):
+
+    make_problems(split, n=None) -> list       the problems of 'train', 'val' or 'test', in a
+                                               fixed order (the first n of them); any objects
+    prompt_messages(problem) -> list[dict]     the chat that opens an episode ({role, content})
+    reward(problem, completion_text) -> float  the score of a single reply (its decoded text,
+                                               special tokens kept; an end-of-turn may close it)
+  multi-turn, optional (a task without them has one-reply episodes):
+    env_response(problem, messages) -> list[dict] | None
+                                               what the environment says after the conversation
+                                               so far (its last message is the model's reply),
+                                               or None: the episode is over
+    episode_reward(problem, messages) -> float the score of a whole episode (without it: the
+                                               reward of the last reply)
+  optional extras, for the stages around GRPO:
+    pretrain_corpus(n_docs, seed) -> list[str] pretrain.py's documents
+    sft_examples(seed, fraction) -> list[list[dict]]   sft.py's demonstrations (conversations)
+    solutions(problem) -> list[str]            right answers, best first (sft.py's eval loss)
+    describe(problem) -> dict                  the problem's fields in outcomes.jsonl
+    kind(problem) -> str                       a group for eval/accuracy_<kind> ('3digits')
+    heuristic_answer(problem) -> str           a no-learning baseline (evaluate.py heuristic)
+
+An episode is one token sequence built by ids, never by re-rendering text: the prompt's
+chat-template ids, the sampled reply exactly as sampled, the template's ids that close the turn and
+open the next (the environment's message and the assistant header), the next reply, and so on.
+Only sampled ids carry loss weight (mask 1); the environment's and the template's carry 0. It ends:
+  - when a reply did not stop by itself (cut at max_new_tokens): it scores 0, as a single reply;
+  - when the environment answers None, or max_turns replies were given: the task scores it
+    (episode_reward);
+  - when the next turn would not fit in max_episode_tokens (every id after the first prompt,
+    with room for a whole max_new_tokens reply): the environment's message is dropped and the
+    task scores the episode so far.
+A function of the task that raises fails the rollout with a RuntimeError naming the function, the
+problem and the turn; nothing of the trainer's state has changed by then.
+"""
+
+import dataclasses
+import importlib
+import importlib.util
+import os
+
+import distributed
+from engine import SamplingParams, TrainingSample
+from sampling import mix_seed
+from tokenizer import _check_messages, _ids, chat_prompt_ids, completion_text
+
+REQUIRED = ("make_problems", "prompt_messages", "reward")
+
+
+def load_task(spec):
+    """The task module named by spec: a module name ('task', 'task_feedback') or a path to a .py
+    file. Refused with a ValueError naming what is missing."""
+    if not isinstance(spec, str) or not spec:
+        raise ValueError(f"task={spec!r}: expected a module name or a path to a .py file")
+    if spec.endswith(".py"):
+        if not os.path.isfile(spec):
+            raise ValueError(f"task={spec!r}: no such file")
+        name = "task_" + os.path.splitext(os.path.basename(spec))[0]
+        module_spec = importlib.util.spec_from_file_location(name, spec)
+        module = importlib.util.module_from_spec(module_spec)
+        module_spec.loader.exec_module(module)
+    else:
+        try:
+            module = importlib.import_module(spec)
+        except ModuleNotFoundError as e:
+            raise ValueError(f"task={spec!r}: no module of that name ({e})") from e
+    missing = [f for f in REQUIRED if not callable(getattr(module, f, None))]
+    if missing:
+        raise ValueError(f"task={spec!r} ({module.__file__}) lacks {', '.join(missing)}: a task "
+                         f"defines {', '.join(REQUIRED)} (environment.py)")
+    return module
+
+
+def offers(task, name):
+    """Whether the task defines the optional function name."""
+    return callable(getattr(task, name, None))
+
+
+def call(task, name, problem, turn, *args):
+    """task.name(problem, *args), a raise turned into a RuntimeError naming where it happened."""
+    try:
+        return getattr(task, name)(problem, *args)
+    except Exception as e:
+        raise RuntimeError(f"the task's {name} raised on problem {problem!r} at turn {turn}: "
+                           f"{type(e).__name__}: {e}") from e
+
+
+def generate_sharded(engine, prompts, params, num_samples=1):
+    """engine.generate over the prompts, each rank (torchrun) sampling its contiguous slice,
+    gathered in order: the same samples as one process sampling them all (a seeded draw
+    depends on the prompt's index)."""
+    lo, hi = distributed.span(len(prompts))
+    return distributed.gather(engine.generate(prompts[lo:hi], params, num_samples, first_index=lo))
+
+
+# -----------------------------------------------------------------------------
+# one episode: the ids so far, and which of them were sampled
+
+
+@dataclasses.dataclass
+class Episode:
+    problem: object
+    messages: list            # the conversation: the prompt's, each reply, the environment's
+    prompt: list              # the first prompt's ids
+    ids: list = dataclasses.field(default_factory=list)        # everything after the prompt
+    mask: list = dataclasses.field(default_factory=list)       # 1 on sampled ids, 0 on the others
+    logprobs: list = dataclasses.field(default_factory=list)   # the engine's, 0.0 where mask is 0
+    versions: list = dataclasses.field(default_factory=list)   # weight version per id (see sample)
+    turns: int = 0            # replies sampled
+    finish_reason: str = "length"   # of the last reply
+    reward: float = 0.0
+    done: bool = False
+
+    def sample(self) -> TrainingSample:
+        """The episode as one TrainingSample: completion = every id after the first prompt,
+        loss_mask marks the sampled ones. An environment id carries the version of the reply before
+        it, so weight_version is the oldest weights that sampled any of its ids."""
+        return TrainingSample(
+            prompt_tokens=tuple(self.prompt), completion_tokens=tuple(self.ids),
+            logprobs=tuple(self.logprobs), weight_version=min(self.versions, default=0),
+            finish_reason=self.finish_reason, token_versions=tuple(self.versions),
+            loss_mask=tuple(self.mask))
+
+    def replies(self):
+        return [m["content"] for m in self.messages if m["role"] == "assistant"]
+
+
+class Environment:
+    """A task with the bounds of its episodes and the tokenizer that renders them: what the
+    trainers and the evaluation run episodes with."""
+
+    def __init__(self, task, tokenizer, max_new_tokens, max_turns=1, max_episode_tokens=0):
+        self.task, self.tokenizer = task, tokenizer
+        self.max_new_tokens, self.max_turns = max_new_tokens, max_turns
+        # single-turn: an episode is one reply
+        self.max_episode_tokens = max_episode_tokens if max_turns > 1 else max_new_tokens
+        self.stop = frozenset({tokenizer.eos_token_id})
+
+    def prompt_ids(self, problems):
+        """The chat-template ids of each problem's first prompt, made once: these exact ids go to
+        the engine and into the training batch."""
+        return [chat_prompt_ids(self.tokenizer, self.task.prompt_messages(p)) for p in problems]
+
+    def max_len(self, problems):
+        """The longest sequence an episode over these problems can reach: prompt + budget."""
+        return max(map(len, self.prompt_ids(problems))) + self.max_episode_tokens
+
+    def episodes(self, engine, problems, num_samples=1, temperature=0.0, seed=None):
+        """num_samples episodes per problem (consecutive), run to their end. Turn 1 samples each
+        prompt num_samples times (one prefill, shared blocks); each later turn continues the
+        episodes still going, by ids, from the engine's prefix cache. Seeded: turn t's draws
+        are a function of (seed, t, the episode's place among those still going)."""
+        prompts = self.prompt_ids(problems)
+        episodes = [Episode(p, list(self.task.prompt_messages(p)), prompts[i])
+                    for i, p in enumerate(problems) for _ in range(num_samples)]
+        params = SamplingParams(temperature=temperature, max_tokens=self.max_new_tokens,
+                                stop_token_ids=self.stop, seed=seed)
+        samples = generate_sharded(engine, prompts, params, num_samples)
+        going, turn = episodes, 1
+        while going:
+            for e, s in zip(going, samples):
+                self.take_reply(e, s, turn)
+            going, turn = [e for e in going if not e.done], turn + 1
+            if going:
+                seeded = params if seed is None else \
+                    dataclasses.replace(params, seed=mix_seed(seed, turn))
+                samples = generate_sharded(engine, [e.prompt + e.ids for e in going], seeded)
+        return episodes
+
+    def take_reply(self, e, s, turn):
+        """Add reply s to episode e, then end the episode or add the environment's answer."""
+        n = len(s.completion_tokens)
+        e.ids += s.completion_tokens
+        e.mask += [1] * n
+        e.logprobs += s.logprobs
+        e.versions += s.token_versions
+        e.turns, e.finish_reason = turn, s.finish_reason
+        if s.finish_reason != "stop":
+            e.done, e.reward = True, 0.0
+            return
+        text = completion_text(self.tokenizer, s.completion_tokens)
+        e.messages.append({"role": "assistant", "content": self.reply_content(s)})
+        if not offers(self.task, "env_response"):
+            e.done, e.reward = True, float(call(self.task, "reward", e.problem, turn, text))
+            return
+        new = None if turn >= self.max_turns else call(self.task, "env_response", e.problem, turn,
+                                                       e.messages)
+        more = None if new is None else self.turn_ids(new, s.completion_tokens[-1])
+        fits = more is not None and \
+            len(e.ids) + len(more) + self.max_new_tokens <= self.max_episode_tokens
+        if fits:
+            e.messages += new
+            e.ids += more
+            e.mask += [0] * len(more)
+            e.logprobs += [0.0] * len(more)
+            e.versions += [e.versions[-1]] * len(more)
+            return
+        e.done = True
+        e.reward = float(call(self.task, "episode_reward", e.problem, turn, e.messages)
+                         if offers(self.task, "episode_reward") else
+                         call(self.task, "reward", e.problem, turn, text))
+
+    def reply_content(self, s):
+        """A reply as the conversation holds it: its text without the closing stop token."""
+        return completion_text(self.tokenizer, s.completion_tokens[:-1])
+
+    def turn_ids(self, new_messages, stop_id):
+        """The template's ids between a reply that ended with stop_id and the next reply: the rest
+        of the assistant turn's closing, the new messages, the assistant header. Rendered on a stub
+        conversation, so earlier replies are never re-tokenized. E.g. ChatML, after <|im_end|>:
+            \\n <|im_start|>user\\n= 22, target 23<|im_end|>\\n <|im_start|>assistant\\n"""
+        if not isinstance(new_messages, list):
+            raise TypeError(f"env_response must return a list of messages or None, got "
+                            f"{new_messages!r}")
+        _check_messages(self.tokenizer, new_messages)
+        stub = [{"role": "user", "content": "x"}, {"role": "assistant", "content": ""}]
+        opened = chat_prompt_ids(self.tokenizer, stub[:1])
+        closed = self.render(stub, False)
+        whole = self.render(stub + list(new_messages), True)
+        if closed[:len(opened)] != opened or whole[:len(closed)] != closed:
+            raise ValueError("the chat template is not prefix-stable: a multi-turn episode cannot "
+                             "be built by ids with it")
+        closing = closed[len(opened):]      # e.g. <|im_end|> \n: the sampled stop is its first id
+        if closing and closing[0] == stop_id:
+            closing = closing[1:]
+        return closing + whole[len(closed):]
+
+    def render(self, messages, add_generation_prompt):
+        return _ids(self.tokenizer.apply_chat_template(
+            messages, add_generation_prompt=add_generation_prompt, tokenize=True,
+            return_dict=False))

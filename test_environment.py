@@ -1,0 +1,294 @@
+"""
+The task / environment interface (environment.py): tasks chosen by a setting, multi-turn episodes
+built by ids with per-turn masks, their logprobs against the trainer's, prefix reuse across turns,
+a user's JSONL task, and an environment that fails.
+
+    python -m pytest -q test_environment.py
+"""
+
+import hashlib
+import json
+import os
+
+import pytest
+import torch
+
+import checkpoint
+import task
+import task_feedback
+import task_jsonl
+import train_grpo
+import training
+from conftest import write_task
+from engine import SamplingParams, TrainingSample
+from environment import Environment, load_task
+from evaluate import task_engine
+from model import ModelConfig, Transformer
+from test_grpo import metrics, tiny_config
+from tokenizer import build_tokenizer
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread():
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+@pytest.fixture(scope="module")
+def tok():
+    return build_tokenizer()
+
+
+# a multi-turn task a random model can play: every reply gets "again" until max_turns, and the
+# episode scores the parity of its replies' total length (both rewards happen)
+AGAIN_TASK = '''"""Countdown's prompts; the environment always answers "again"."""
+from task import describe, kind, make_problems, prompt_messages
+
+
+def reward(problem, completion_text):
+    return float(len(completion_text) % 2 == 0)
+
+
+def env_response(problem, messages):
+    return [{"role": "user", "content": "again"}]
+
+
+def episode_reward(problem, messages):
+    return float(sum(len(m["content"]) for m in messages if m["role"] == "assistant") % 2 == 0)
+'''
+
+
+class Scripted:
+    """An engine stand-in that returns replies written by the test, and records the prompts."""
+
+    def __init__(self, tok, replies):
+        self.tok, self.replies, self.prompts = tok, list(replies), []
+
+    def generate(self, prompts, params, num_samples=1, first_index=0):
+        out = []
+        for p in prompts:
+            self.prompts.append(list(p))
+            for _ in range(num_samples):
+                text, stopped = self.replies.pop(0)
+                ids = self.tok.encode(text, add_special_tokens=False)
+                ids += [self.tok.eos_token_id] if stopped else []
+                out.append(TrainingSample(tuple(p), tuple(ids), tuple([-0.5] * len(ids)),
+                                          finish_reason="stop" if stopped else "length",
+                                          token_versions=(7,) * len(ids)))
+        return out
+
+
+# -----------------------------------------------------------------------------
+# choosing a task
+
+
+def test_a_task_is_a_setting_and_a_bad_one_is_refused(tmp_path):
+    assert load_task("task") is task and load_task("task_feedback") is task_feedback
+    parity = load_task(write_task(str(tmp_path)))
+    assert parity.reward(None, "ab") == 1.0 and parity.make_problems is task.make_problems
+    with pytest.raises(ValueError, match="no module"):
+        load_task("no_such_task")
+    with pytest.raises(ValueError, match="no such file"):
+        load_task(str(tmp_path / "missing.py"))
+    half = write_task(str(tmp_path), "def make_problems(split, n=None):\n    return []\n",
+                      "half.py")
+    with pytest.raises(ValueError, match="lacks prompt_messages, reward"):
+        load_task(half)
+    with pytest.raises(ValueError, match="max_turns=3: the task 'task' has no env_response"):
+        train_grpo.main(tiny_config(tmp_path / "x", "--task=task", "--max_turns=3",
+                                    "--max_episode_tokens=64"))
+    assert not (tmp_path / "x").exists()
+
+
+# -----------------------------------------------------------------------------
+# a multi-turn episode, by ids
+
+
+def test_a_multi_turn_episode_is_the_template_rendering_of_its_conversation(tok):
+    p = task.Problem((3, 5, 7), 22)
+    env = Environment(task_feedback, tok, max_new_tokens=16, max_turns=3, max_episode_tokens=96)
+    engine = Scripted(tok, [("1+2", True), ("3+5+7", True), ("3*5+7", True)])
+    (e,) = env.episodes(engine, [p])
+    assert (e.turns, e.reward, e.finish_reason) == (3, 1.0, "stop")
+    assert [m["content"] for m in e.messages] == ["digits 3 5 7 target 22", "1+2",
+                                                  "uses digits 1 2", "3+5+7", "= 15, target 22",
+                                                  "3*5+7"]
+    whole = env.render(e.messages, False)      # the template's rendering of the whole conversation
+    assert e.prompt + e.ids == whole[:-1]    # ... up to the template's newline after the last reply
+    # each later turn's prompt is everything so far, by ids: the engine continues from its cache
+    assert engine.prompts[1] == (e.prompt + e.ids)[:len(engine.prompts[1])]
+    assert engine.prompts[2] == (e.prompt + e.ids)[:len(engine.prompts[2])]
+    # the mask is 1 exactly on the sampled ids: each reply and its closing <|im_end|>
+    sampled = [i for i, m in zip(e.ids, e.mask) if m]
+    replies = [tok.encode(r, add_special_tokens=False) + [tok.eos_token_id]
+               for r in ("1+2", "3+5+7", "3*5+7")]
+    assert sampled == [t for r in replies for t in r]
+    runs = "".join(map(str, e.mask))
+    assert runs.count("01") == 2 and runs.startswith("1") and runs.endswith("1")
+    s = e.sample()
+    assert s.loss_mask == tuple(e.mask) and s.prompt_tokens == tuple(e.prompt)
+    assert all(lp == 0.0 for lp, m in zip(s.logprobs, e.mask) if not m)
+    assert train_grpo.sampled_mask(s) == tuple(e.mask)
+
+
+def test_an_episode_ends_on_a_cut_reply_on_none_and_on_its_token_budget(tok):
+    p = task.Problem((3, 5, 7), 22)
+    env = Environment(task_feedback, tok, max_new_tokens=16, max_turns=3, max_episode_tokens=96)
+    right, cut = env.episodes(Scripted(tok, [("3*5+7", True)]), [p])[0], \
+        env.episodes(Scripted(tok, [("1+2", True), ("3*5+7", False)]), [p])[0]
+    assert (right.turns, right.reward) == (1, 1.0)          # the environment answered None
+    assert (cut.turns, cut.reward, cut.finish_reason) == (2, 0.0, "length")   # cut off: 0
+    # a budget with no room for a second whole reply: the episode ends after one, scored by the task
+    tight = Environment(task_feedback, tok, max_new_tokens=16, max_turns=3, max_episode_tokens=30)
+    (e,) = tight.episodes(Scripted(tok, [("1+2", True)]), [p])
+    assert (e.turns, e.reward, e.done) == (1, 0.0, True) and all(e.mask)
+    # max_turns: the third wrong answer ends it, and the environment is not asked again
+    (e,) = env.episodes(Scripted(tok, [("1+2", True)] * 3), [p])
+    assert (e.turns, e.reward) == (3, 0.0) and len(e.messages) == 6
+
+
+@torch.no_grad()
+def test_multi_turn_logprobs_match_the_trainer_and_later_turns_reuse_the_cache(tmp_path, tok):
+    again = load_task(write_task(str(tmp_path), AGAIN_TASK, "again.py"))
+    torch.manual_seed(0)
+    model = Transformer(ModelConfig(vocab_size=len(tok), hidden_size=32, intermediate_size=64,
+                                    moe_intermediate_size=32, num_hidden_layers=2,
+                                    num_attention_heads=2, num_key_value_heads=1, head_dim=16,
+                                    num_experts=4, num_experts_per_tok=2,
+                                    max_position_embeddings=512)).eval()
+    env = Environment(again, tok, max_new_tokens=40, max_turns=3, max_episode_tokens=160)
+    problems = task.make_problems("train", 6)
+    engine = task_engine(model, env, problems)
+    calls, real = [], engine.generate
+
+    def spy(prompts, params, n=1, first_index=0):
+        before = engine.stats()["prefix_cache_hit_tokens"]
+        out = real(prompts, params, n, first_index)
+        calls.append((prompts, out, engine.stats()["prefix_cache_hit_tokens"] - before))
+        return out
+    engine.generate = spy
+    episodes = env.episodes(engine, problems, 4, temperature=1.0, seed=5)
+    assert max(e.turns for e in episodes) >= 2       # some episodes got the environment's answer
+    # turn 2 on: each prompt's earlier ids were computed in the last turn, so its full blocks hit
+    for prompts, _, hits in calls[1:]:
+        assert hits >= sum((len(p) - 1) // 16 * 16 - 16 for p in prompts) > 0
+    # the mask is 1 exactly on what the engine sampled, turn after turn
+    for e in episodes:
+        whole = e.prompt + e.ids
+        mine = [s for _, out, _ in calls for s in out
+                if whole[:len(s.prompt_tokens) + len(s.completion_tokens)] ==
+                list(s.prompt_tokens + s.completion_tokens)]
+        assert sum(e.mask) == sum(len(s.completion_tokens) for s in mine)
+    # the trainer's logprobs of the packed episodes equal the engine's on every sampled token
+    groups = [(None, episodes[i].prompt, [e.sample() for e in episodes[i:i + 4]], [1.0, 0, 0, 0])
+              for i in range(0, len(episodes), 4)]
+    c = {"group_size": 4, "scale_rewards": False, "share_prompt": True, "batch_tokens": 4096}
+    batches = train_grpo.build_batches(groups, c)
+    masks = train_grpo.completion_masks(groups, c)
+    assert sum(int(m.sum()) for m in masks) == sum(sum(e.mask) for e in episodes)
+    for b, m in zip(batches, masks):
+        lp = training.batch_logprobs(model, b)[0]
+        assert (lp - b.log_probs)[m].abs().max().item() < 1e-5
+
+
+def test_the_same_seed_gives_the_same_episodes(tmp_path, tok):
+    again = load_task(write_task(str(tmp_path), AGAIN_TASK, "again.py"))
+    torch.manual_seed(0)
+    model = Transformer(ModelConfig(vocab_size=len(tok), hidden_size=32, intermediate_size=64,
+                                    moe_intermediate_size=32, num_hidden_layers=2,
+                                    num_attention_heads=2, num_key_value_heads=1, head_dim=16,
+                                    num_experts=4, num_experts_per_tok=2,
+                                    max_position_embeddings=512)).eval()
+    env = Environment(again, tok, max_new_tokens=40, max_turns=3, max_episode_tokens=160)
+    problems = task.make_problems("train", 4)
+    runs = [[e.ids for e in env.episodes(task_engine(model, env, problems), problems, 3, 1.0, 9)]
+            for _ in range(2)]
+    assert runs[0] == runs[1]
+
+
+# -----------------------------------------------------------------------------
+# GRPO on a multi-turn task, and an environment that fails
+
+
+def multi_turn(tmp_path, out, *extra):
+    again = write_task(str(tmp_path), AGAIN_TASK, "again.py")
+    model = {**dict(hidden_size=32, intermediate_size=64, moe_intermediate_size=32,
+                    num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1, head_dim=16,
+                    num_experts=4, num_experts_per_tok=2), "max_position_embeddings": 512}
+    return tiny_config(out, f"--task={again}", "--prompts_per_step=8", "--max_turns=3",
+                       "--max_new_tokens=40",
+                       "--max_episode_tokens=160", f"--model={model!r}".replace(" ", ""), *extra)
+
+
+def test_grpo_trains_on_multi_turn_episodes_and_an_environment_that_raises_loses_nothing(tmp_path):
+    out = tmp_path / "run"
+    train_grpo.main(multi_turn(tmp_path, out, "--max_iters=2", "--ckpt_interval=2"))
+    rows = [r for r in metrics(out) if "train/loss" in r]
+    assert len(rows) >= 1 and all(r["train/logprob_mismatch"] < 1e-5 for r in rows)
+    assert max(r["rollout/turns_mean"] for r in rows) > 1
+    evals = [r for r in metrics(out) if "eval/success_by_turn_3" in r]
+    assert evals and all(r["eval/success_by_turn_1"] <= r["eval/success_by_turn_3"] for r in evals)
+    # resumed with an environment that raises in its second turn: the step fails naming it...
+    broken = write_task(str(tmp_path), AGAIN_TASK.replace(
+        '    return [{"role": "user", "content": "again"}]',
+        '    if len(messages) > 2:\n        raise KeyError("the sandbox is gone")\n'
+        '    return [{"role": "user", "content": "again"}]'), "broken.py")
+    ckpt = checkpoint.find_checkpoint(str(out))
+    digest = {f: hashlib.sha256(open(os.path.join(ckpt, f), "rb").read()).hexdigest()
+              for f in os.listdir(ckpt)}
+    named = "env_response raised .* at turn 2: KeyError: 'the sandbox"
+    with pytest.raises(RuntimeError, match=named):
+        train_grpo.main(multi_turn(tmp_path, out, "--init_from=resume", "--max_iters=4",
+                                   f"--task={broken}"))
+    # ... and the run is as it was: the same checkpoint, which resumes with the working environment
+    assert {f: hashlib.sha256(open(os.path.join(ckpt, f), "rb").read()).hexdigest()
+            for f in os.listdir(ckpt)} == digest
+    train_grpo.main(multi_turn(tmp_path, out, "--init_from=resume", "--max_iters=4"))
+    assert [r["iter"] for r in metrics(out) if "rollout/reward_mean" in r] == [1, 2, 3, 4]
+
+
+def test_a_failing_rollout_leaves_the_sampler_as_it_was(tmp_path, tok):
+    broken = load_task(write_task(str(tmp_path), AGAIN_TASK.replace(
+        '    return [{"role": "user", "content": "again"}]', '    raise ValueError("boom")'),
+        "boom.py"))
+    env = Environment(broken, tok, max_new_tokens=8, max_turns=2, max_episode_tokens=40)
+    engine = Scripted(tok, [("1+2", True)] * 8)
+    sampler = train_grpo.ProblemSampler(task.make_problems("train", 10), seed=0)
+    before = json.dumps(sampler.state_dict())
+    config = {"group_size": 4, "prompts_per_step": 2, "temperature": 1.0, "seed": 0}
+    with pytest.raises(RuntimeError, match="env_response raised on problem .* ValueError: boom"):
+        train_grpo.rollout(engine, env, sampler, config, 0)
+    assert json.dumps(sampler.state_dict()) == before
+
+
+# -----------------------------------------------------------------------------
+# a user's JSONL task
+
+
+def test_the_jsonl_task_reads_its_rows_and_scores_replies():
+    train = task_jsonl.make_problems("train")
+    assert len(train) > 1000
+    assert task_jsonl.make_problems("val", 3) == task_jsonl.make_problems("val")[:3]
+    row = task_jsonl.Row("7*8-5=", "51")
+    assert task_jsonl.reward(row, "51<|im_end|>") == 1.0 and task_jsonl.reward(row, " 51 ") == 1.0
+    assert task_jsonl.reward(row, "52") == 0.0 and task_jsonl.reward(row, "7*8-5") == 0.0
+    demos = task_jsonl.sft_examples(0, 0.1)
+    assert len(demos) == int(0.1 * len(train)) and demos[0][1]["role"] == "assistant"
+    prompts = {r.prompt for s in task_jsonl.SPLITS for r in task_jsonl.make_problems(s)}
+    assert len(prompts) == sum(len(task_jsonl.make_problems(s)) for s in task_jsonl.SPLITS)
+
+
+@pytest.mark.parametrize("line,named", [
+    ('{"split": "train", "answer": "3"}', "line 2: missing field 'prompt'"),
+    ('{"split": "train", "prompt": "  ", "answer": "3"}', "line 2: field 'prompt' must be"),
+    ('{"split": "dev", "prompt": "1+2=", "answer": "3"}', "line 2: field 'split' must be one of"),
+    ('{"split": "train", "prompt": "1+2=", "answer": 3}', "line 2: field 'answer' must be"),
+    ('{"split": "train", "prompt": "1+2="', "line 2: not JSON"),
+])
+def test_a_bad_jsonl_row_is_refused_naming_file_line_and_field(tmp_path, line, named):
+    path = tmp_path / "rows.jsonl"
+    path.write_text('{"split": "train", "prompt": "1+1=", "answer": "2"}\n' + line + "\n")
+    with pytest.raises(ValueError, match=f"{path}, {named}"):
+        task_jsonl.load_rows(str(path))
