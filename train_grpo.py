@@ -1,10 +1,11 @@
 """
-GRPO, the main job: the policy samples groups of answers with the in-process engine, an exact reward scores
-them, and the shared loss pushes up the answers that beat their group's mean.
+GRPO, the main job: the policy samples groups of answers (or multi-turn episodes) with the in-process
+engine, the task's reward scores them, and the shared loss pushes up those that beat their group's mean.
 
     python train_grpo.py config/qwen_small.py
     python train_grpo.py config/qwen_small.py --max_iters=20 --out_dir=out/try
     python train_grpo.py config/qwen_small.py --init_from=resume          # continue a killed run exactly
+    python train_grpo.py config/countdown_feedback.py                      # multi-turn, your own task
     torchrun --standalone --nproc_per_node=2 train_grpo.py config/qwen_small.py   # data-parallel, one engine each
     torchrun --standalone --nproc_per_node=2 train_grpo.py config/qwen_small.py --rollout_ranks=1 \
         --max_staleness=1 --tis_cap=2       # rank 1 only samples, a step ahead of rank 0's training (rollout_ranks.py)
@@ -16,14 +17,16 @@ One iteration:
      p(1 - p), p a problem's success rate so far, so rollouts go where groups can have reward
      variance); their chat-template ids are made once and those exact ids go to the engine and into
      the training batch;
-  2. engine.generate(prompt_ids, num_samples_per_prompt=group_size): each prompt is prefilled once, its G
-     samples share its KV blocks; every sample carries the weight version that produced it;
-  3. rewards: the task's exact reward, 0 for a completion that did not stop by itself (truncated);
+  2. env.episodes (environment.py): engine.generate(prompt_ids, num_samples_per_prompt=group_size),
+     each prompt prefilled once, its G samples sharing its KV blocks; a multi-turn task's episodes
+     go on, the environment's answer appended by ids, until it says they are over; every sampled
+     token carries the weight version that produced it;
+  3. rewards: the task's (the setting `task`), 0 for a reply that did not stop by itself (truncated);
      advantages = reward - group mean (divided by the group std only when scale_rewards=True: Dr.
      GRPO shows the division biases toward easy/hard groups); a group whose rewards are all equal
      teaches nothing: it is dropped and counted (rollout/zero_var_groups), and the sampler's record
      makes its problem rarer; one rollout call per step, never a refill;
-  4. token_weights = advantage x completion mask, packed into PackedBatches; the loss normalizer is
+  4. token_weights = advantage x loss mask (1 on sampled tokens), packed into PackedBatches; the loss normalizer is
      fixed now (loss_norm, below); then the per-token no-grad corrections fold into the weights: TIS
      (tis_cap > 0) and the KL to the starting policy (kl_coef > 0), from a logprob pass that runs
      only for them; the shared training.train_step (unified_loss) takes one step;
