@@ -16,14 +16,15 @@ import pytest
 import torch
 
 import checkpoint
-from conftest import FINISHED, run_ranks
+from conftest import FINISHED, run_ranks, write_task
 
 ROOT = os.path.dirname(os.path.abspath(__file__))
 CONFIG = os.path.join(ROOT, "config", "qwen_small.py")
 
 # Runs a script the way torchrun would, with two test-only additions: on a rank other than 0, any write under
-# OUT_DIR fails the run (only rank 0 writes), and GRPO gets the parity reward (a random policy gets variance)
-# and dumps its sampled groups to SAMPLES_OUT.<rank>.json.
+# OUT_DIR fails the run (only rank 0 writes), and GRPO dumps its sampled groups to SAMPLES_OUT.<rank>.json.
+# (launch gives GRPO the parity task, conftest.PARITY_TASK, unless the test names another: a random
+# policy gets reward variance from it.)
 LAUNCHER = r'''
 import json, os, runpy, sys
 sys.path.insert(0, os.environ["ROOT"])
@@ -45,9 +46,8 @@ if rank != 0:
     sys.addaudithook(guard)
 script, argv = sys.argv[1], sys.argv[2:]
 if script.endswith("train_grpo.py"):
-    import task, train_grpo
+    import train_grpo
     from configurator import configure
-    task.reward = lambda problem, text: float(len(text) % 2 == 0)
     seen, real = [], train_grpo.rollout
     def rollout(*a):
         groups, draw, metrics = real(*a)
@@ -76,6 +76,8 @@ def launch(tmp, script, out_dir, args, nproc=1, wait=True, timeout=300):
     launcher.write_text(LAUNCHER)
     env = dict(os.environ, ROOT=ROOT, OUT_DIR=str(out_dir), SAMPLES_OUT=str(out_dir) + ".samples",
                OMP_NUM_THREADS="1", WANDB_MODE="disabled", PYTHONPATH=ROOT)
+    if script == "train_grpo.py" and not any(str(a).startswith("--task=") for a in args):
+        args = [f"--task={write_task(str(tmp))}", *args]
     argv = [launcher, os.path.join(ROOT, script), CONFIG, f"--out_dir={out_dir}", *args]
     if not wait:
         run = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"] \
