@@ -5,8 +5,10 @@ An OpenAI-compatible HTTP server over InferenceEngine that hands back what a tra
     python serve.py --model_path=DIR --port=8001 --api_key=secret --enable_weight_updates=True
 
 Endpoints, with vLLM's and SGLang's names and shapes, so the openai client and agent frameworks work unchanged:
-GET /health, GET /v1/models, POST /v1/completions and /v1/chat/completions (stream=true too), and
-POST /update_weights_from_disk {"model_path": DIR} (off unless --enable_weight_updates=True). Extras on both
+GET /health, GET /v1/models (max_model_len, stop_token_ids), POST /v1/completions and
+/v1/chat/completions (stream=true too), vLLM's token-in / token-out POST /inference/v1/generate,
+POST /tokenize and /detokenize, and POST /update_weights_from_disk {"model_path": DIR} (off unless
+--enable_weight_updates=True). Extras on both
 generation endpoints: return_token_ids=true adds prompt_token_ids and each choice's token_ids (the exact ids
 sampled, a stop token included); each choice carries weight_version (the oldest weights that sampled a token of
 it); logprobs are log_softmax(logits / T) at the sampled token, the engine's own numbers. client.py turns a
@@ -155,8 +157,9 @@ def completion_prompts(server, body):
     return [_checked(server, p, f"prompt[{i}]" if len(ids) > 1 else "prompt") for i, p in enumerate(ids)]
 
 
-def chat_prompt(server, body):
-    """Token ids of the conversation in the checkpoint's chat template, generation prompt included."""
+def chat_prompt(server, body, add_generation_prompt=True):
+    """Token ids of the conversation in the checkpoint's chat template, generation prompt included
+    (unless add_generation_prompt=False)."""
     messages = body.get("messages")
     if not (isinstance(messages, list) and messages):
         raise BadRequest(f"messages must be a non-empty list, got {str(messages)[:80]!r}", "messages")
@@ -172,8 +175,8 @@ def chat_prompt(server, body):
             raise BadRequest(f"messages[{i}] must have a string role and content, got {str(m)[:80]!r}", "messages")
         plain.append({"role": m["role"], "content": content})
     try:
-        out = server.tokenizer.apply_chat_template(plain, add_generation_prompt=True, tokenize=True,
-                                                   return_dict=False)
+        out = server.tokenizer.apply_chat_template(plain, add_generation_prompt=add_generation_prompt,
+                                                   tokenize=True, return_dict=False)
     except Exception as e:   # the template raises on what it cannot render (an unknown role, ...)
         raise BadRequest(f"messages: the chat template refused them: {e}", "messages") from None
     ids = list(out["input_ids"] if isinstance(out, dict) else out)
@@ -184,7 +187,7 @@ def _checked(server, ids, where):
     try:
         return check_prompt(ids, server.vocab_size, server.max_model_len, where)
     except (ValueError, TypeError) as e:
-        raise BadRequest(str(e), "messages" if where == "messages" else "prompt") from None
+        raise BadRequest(str(e), where.split("[")[0]) from None   # prompt[1] -> prompt
 
 
 def read_logprobs(server, body, chat):
@@ -358,8 +361,73 @@ async def chat_completions(server, http, body):
                 **({"prompt_token_ids": prompt} if ids_back else {}), usage=usage([prompt], n, choices))
 
 
+async def generate_tokens(server, http, body):
+    """POST /inference/v1/generate, vLLM's token-in / token-out endpoint (what verifiers' training
+    client calls): {token_ids, sampling_params: {max_tokens, temperature, top_p, top_k, seed, n, stop,
+    stop_token_ids, ignore_eos, logprobs, ...}} -> {request_id, prompt_token_ids, choices: [{index,
+    token_ids, finish_reason, logprobs: {content: [{token: "token_id:<id>", logprob}]}}], usage}.
+    Advisory keys this server has no use for (skip_special_tokens, cache_salt, priority, ...) are
+    accepted; a missing max_tokens means up to max_model_len."""
+    prompt = body.get("token_ids")
+    if not _ids_list(prompt):
+        raise BadRequest(f"token_ids must be a non-empty list of token ids, got {str(prompt)[:80]!r}",
+                         "token_ids")
+    prompt = _checked(server, prompt, "token_ids")
+    sampling = dict(_field(body, "sampling_params", (dict,), {}))
+    try:
+        k = _field(sampling, "logprobs", (int,), None, lambda v: 0 <= v <= server.max_logprobs,
+                   f"must be in [0, {server.max_logprobs}]")
+        sampling["max_tokens"] = sampling.get("max_tokens") or server.max_model_len - len(prompt)
+        params, n, stop = read_sampling(server, sampling, k or 0, [prompt])
+    except BadRequest as e:   # name the field where the request has it
+        raise BadRequest(e.message, f"sampling_params.{e.param}" if e.param else None) from None
+    if _field(body, "stream", (bool,), False):
+        raise BadRequest("stream=true is not supported on /inference/v1/generate", "stream")
+    choices = new_choices([prompt], n)
+    async for deltas in deltas_of(server, http, [prompt], params, n, stop):
+        for d in deltas:
+            choices[d.index].add(d)
+
+    def logprobs(ch):   # the token spelled as vLLM spells it when it returns ids: token_id:<id>
+        tops = ch.tops or [()] * len(ch.ids)
+        return {"content": [{"token": f"token_id:{t}", "logprob": lp, "top_logprobs": [
+            {"token": f"token_id:{a}", "logprob": b} for a, b in alts]}
+            for t, lp, alts in zip(ch.ids, ch.logprobs, tops)]}
+    return {"request_id": f"gen-{uuid.uuid4().hex}", "prompt_token_ids": prompt,
+            "choices": [{"index": ch.index, "token_ids": ch.ids, "finish_reason": ch.finish_reason,
+                         "logprobs": logprobs(ch) if k is not None else None,
+                         "weight_version": min(ch.versions, default=server.engine.version)}
+                        for ch in choices],
+            "usage": usage([prompt], n, choices)}
+
+
+async def tokenize(server, http, body):
+    """POST /tokenize as vLLM spells it: {prompt, add_special_tokens} or {messages,
+    add_generation_prompt} -> {count, max_model_len, tokens}: the ids this server would sample from
+    (with messages: the chat template's, the generation prompt included unless told otherwise)."""
+    if "messages" in body:
+        ids = chat_prompt(server, body, _field(body, "add_generation_prompt", (bool,), True))
+    else:
+        prompt = _field(body, "prompt", (str,), None)
+        if prompt is None:
+            raise BadRequest("prompt (a string) or messages is required", "prompt")
+        special = _field(body, "add_special_tokens", (bool,), True)
+        ids = server.tokenizer.encode(prompt, add_special_tokens=special)
+    return {"count": len(ids), "max_model_len": server.max_model_len, "tokens": list(ids)}
+
+
+async def detokenize(server, http, body):
+    """POST /detokenize as vLLM spells it: {tokens} -> {prompt}, the text with special tokens kept."""
+    tokens = body.get("tokens")
+    if not (_ids_list(tokens) and all(0 <= t < server.vocab_size for t in tokens)):
+        raise BadRequest(f"tokens must be a non-empty list of ids in [0, {server.vocab_size}), got "
+                         f"{str(tokens)[:80]!r}", "tokens")
+    return {"prompt": server.tokenizer.decode(tokens, skip_special_tokens=False)}
+
+
 def sse(server, http, prompts, params, n, stop, choices, body, head, chunk_choices):
-    """A streaming response: one server-sent event per Delta, then usage if asked, then [DONE]."""
+    """A streaming response: one server-sent event per choice of a Delta (chat: the role of a choice
+    first, in an event of its own), then usage if asked, then [DONE]."""
     options = _field(body, "stream_options", (dict,), {})
     with_usage = _field(options, "include_usage", (bool,), False)
 
@@ -368,7 +436,10 @@ def sse(server, http, prompts, params, n, stop, choices, body, head, chunk_choic
             async for deltas in deltas_of(server, http, prompts, params, n, stop):
                 for d in deltas:
                     choices[d.index].add(d)
-                    yield f"data: {json.dumps(dict(head, choices=chunk_choices(choices[d.index], d)))}\n\n"
+                    # one choice per event: the openai SDK's accumulator (ChatCompletionStream) takes
+                    # two choices of one index in one chunk for two choices
+                    for choice in chunk_choices(choices[d.index], d):
+                        yield f"data: {json.dumps(dict(head, choices=[choice]))}\n\n"
             if with_usage:
                 yield f"data: {json.dumps(dict(head, choices=[], usage=usage(prompts, n, choices)))}\n\n"
         except BadRequest as e:
@@ -450,6 +521,9 @@ def build_app(server) -> FastAPI:
 
     endpoint("/v1/completions", completions)
     endpoint("/v1/chat/completions", chat_completions)
+    endpoint("/inference/v1/generate", generate_tokens)
+    endpoint("/tokenize", tokenize)
+    endpoint("/detokenize", detokenize)
     endpoint("/update_weights_from_disk", update_weights_from_disk)
 
     @app.get("/health")
@@ -464,7 +538,8 @@ def build_app(server) -> FastAPI:
     @app.get("/v1/models")
     async def models():
         card = {"id": server.name, "object": "model", "created": int(time.time()), "owned_by": "nano-rl",
-                "max_model_len": server.max_model_len, "weight_version": server.engine.version}
+                "max_model_len": server.max_model_len, "weight_version": server.engine.version,
+                "stop_token_ids": sorted(server.eos_ids)}   # what ends a reply unless ignore_eos
         return {"object": "list", "data": [card]}
 
     return app

@@ -359,3 +359,96 @@ def test_two_turn_conversation_is_one_token_sequence(setup):
         next_turn_prompt(tok, retokenized, messages, turn2)
     with pytest.raises(ValueError, match="position 0"):   # a prompt that is not this conversation's
         next_turn_prompt(tok, dataclasses.replace(s1, prompt_tokens=(4,) + s1.prompt_tokens[1:]), messages, turn2)
+
+
+@pytest.mark.parametrize("n", [1, 2])
+def test_the_sdks_stream_accumulator_gives_the_non_streamed_chat_completion(setup, n):
+    # ChatCompletionStream (chat.completions.stream(...).get_final_completion(), what harnesses use)
+    # builds the completion from the chunks itself: one role chunk per choice, then the content
+    # (it refuses a choice cut at max_tokens: stop ids that a random model soon samples end them)
+    api = setup["api"]
+    kw = dict(model="tiny", max_tokens=60, temperature=0.9, seed=5, n=n, logprobs=True,
+              messages=[{"role": "user", "content": "digits 1 2 3 target 6"}],
+              extra_body=dict(EXTRA, stop_token_ids=list(range(60, 70))))
+    whole = api.chat.completions.create(**kw)
+    with api.chat.completions.stream(**kw) as stream:
+        final = stream.get_final_completion()
+    assert len(final.choices) == len(whole.choices) == n
+    for got, want in zip(final.choices, whole.choices):
+        assert (got.index, got.message.role, got.message.content, got.finish_reason) == \
+            (want.index, "assistant", want.message.content, want.finish_reason)
+        assert want.finish_reason == "stop" and len(want.model_extra["token_ids"]) > 1
+        assert [c.logprob for c in got.logprobs.content] == \
+            pytest.approx([c.logprob for c in want.logprobs.content], abs=1e-5)
+
+    async def async_final():
+        from openai import AsyncOpenAI
+        client = AsyncOpenAI(base_url=setup["server"].url + "/v1", api_key=KEY, max_retries=0)
+        async with client.chat.completions.stream(**kw) as stream:
+            return await stream.get_final_completion()
+    import asyncio
+    final = asyncio.run(async_final())
+    assert [c.message.content for c in final.choices] == [c.message.content for c in whole.choices]
+
+
+def test_token_in_token_out_generate_equals_the_engine(setup, engine):
+    # vLLM's POST /inference/v1/generate, as verifiers' training client sends it (advisory keys too)
+    stop = generation_stop_ids(setup["tok"])
+    mine = engine.generate(PROMPTS[:2], greedy(stop, max_tokens=8))
+    for prompt, ours in zip(PROMPTS[:2], mine):
+        r = post(setup, "/inference/v1/generate", {"model": "tiny", "token_ids": prompt, "sampling_params": {
+            "max_tokens": 8, "temperature": 0.0, "logprobs": 0, "n": 1, "skip_special_tokens": False,
+            "cache_salt": "x", "priority": 0, "routed_experts_prompt_start": None}})
+        assert r.status_code == 200, r.text
+        body = r.json()
+        (choice,) = body["choices"]
+        assert body["prompt_token_ids"] == prompt and choice["token_ids"] == list(ours.completion_tokens)
+        assert [c["token"] for c in choice["logprobs"]["content"]] == \
+            [f"token_id:{t}" for t in ours.completion_tokens]
+        assert [c["logprob"] for c in choice["logprobs"]["content"]] == \
+            pytest.approx(list(ours.logprobs), abs=1e-5)
+        assert body["usage"]["completion_tokens"] == len(ours.completion_tokens)
+    # n samples with a seed, no max_tokens (up to max_model_len), stop ids honoured
+    r = post(setup, "/inference/v1/generate", {"token_ids": PROMPTS[1], "sampling_params": {
+        "n": 2, "seed": 3, "temperature": 1.0, "stop_token_ids": list(range(60, 70))}}).json()
+    assert [c["index"] for c in r["choices"]] == [0, 1] and r["choices"][0]["logprobs"] is None
+    ends = set(range(60, 70)) | set(stop)
+    assert all(c["finish_reason"] == "stop" and c["token_ids"][-1] in ends or
+               c["finish_reason"] == "length" and len(c["token_ids"]) == 256 - len(PROMPTS[1])
+               for c in r["choices"]), r["choices"]
+
+
+@pytest.mark.parametrize("body,field", [
+    ({"sampling_params": {}}, "token_ids"),
+    ({"token_ids": [1, 2.5]}, "token_ids"),
+    ({"token_ids": [1, 10 ** 6]}, "token_ids"),
+    ({"token_ids": [1, 2], "sampling_params": {"temperature": -1}}, "sampling_params.temperature"),
+    ({"token_ids": [1, 2], "sampling_params": {"n": 0}}, "sampling_params.n"),
+    ({"token_ids": [1, 2], "sampling_params": {"logprobs": 99}}, "sampling_params.logprobs"),
+    ({"token_ids": [1, 2], "sampling_params": {"max_tokens": 1000}}, "sampling_params.max_tokens"),
+    ({"token_ids": [1, 2], "sampling_params": "greedy"}, "sampling_params"),
+])
+def test_bad_generate_requests_get_400_naming_the_field(setup, body, field):
+    r = post(setup, "/inference/v1/generate", body)
+    assert r.status_code == 400 and r.json()["error"]["param"] == field, r.text
+    assert post(setup, "/inference/v1/generate", {"token_ids": [1, 2], "sampling_params": {
+        "max_tokens": 2}}).status_code == 200            # and the server keeps serving
+
+
+def test_tokenize_and_detokenize_as_vllm_spells_them(setup):
+    tok = AutoTokenizer.from_pretrained(setup["root"] / "a")
+    messages = [{"role": "user", "content": "digits 3 5 7 target 22"}]
+    r = post(setup, "/tokenize", {"model": "tiny", "messages": messages}).json()
+    assert r["tokens"] == list(tok.apply_chat_template(messages, add_generation_prompt=True,
+                                                      return_dict=False))
+    assert r["count"] == len(r["tokens"]) and r["max_model_len"] == 256
+    bare = post(setup, "/tokenize", {"messages": messages, "add_generation_prompt": False}).json()
+    assert r["tokens"][:bare["count"]] == bare["tokens"] and bare["count"] < r["count"]
+    text = post(setup, "/tokenize", {"prompt": "3*5+7"}).json()
+    assert text["tokens"] == tok.encode("3*5+7")
+    assert post(setup, "/detokenize", {"tokens": r["tokens"]}).json()["prompt"] == \
+        tok.decode(r["tokens"], skip_special_tokens=False)
+    assert post(setup, "/detokenize", {"tokens": [-1]}).json()["error"]["param"] == "tokens"
+    assert post(setup, "/tokenize", {}).json()["error"]["param"] == "prompt"
+    card = httpx.get(setup["server"].url + "/v1/models", headers={"Authorization": f"Bearer {KEY}"})
+    assert card.json()["data"][0]["stop_token_ids"] == sorted(generation_stop_ids(setup["tok"]))
