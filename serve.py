@@ -7,8 +7,10 @@ An OpenAI-compatible HTTP server over InferenceEngine that hands back what a tra
 Endpoints, with vLLM's and SGLang's names and shapes, so the openai client and agent frameworks work unchanged:
 GET /health, GET /v1/models (max_model_len, stop_token_ids), POST /v1/completions and
 /v1/chat/completions (stream=true too), vLLM's token-in / token-out POST /inference/v1/generate,
-POST /tokenize and /detokenize, and POST /update_weights_from_disk {"model_path": DIR} (off unless
---enable_weight_updates=True). Extras on both
+POST /tokenize and /detokenize, and new weights (off unless --enable_weight_updates=True): POST
+/update_weights_from_disk {"model_path": DIR}, or over a process group of the trainer's, SGLang's
+POST /init_weights_update_group then /update_weights_from_distributed per version
+(weight_sync.ServerWeights is the trainer's side). Extras on both
 generation endpoints: return_token_ids=true adds prompt_token_ids and each choice's token_ids (the exact ids
 sampled, a stop token included); each choice carries weight_version (the oldest weights that sampled a token of
 it); logprobs are log_softmax(logits / T) at the sampled token, the engine's own numbers. client.py turns a
@@ -31,6 +33,7 @@ import sys
 import time
 import uuid
 
+import torch
 import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
@@ -40,6 +43,7 @@ from configurator import configure
 from engine import EngineConfig, InferenceEngine, SamplingParams, check_fits, check_prompt
 from engine_loop import EngineLoop
 from tokenizer import generation_stop_ids, load_tokenizer
+from weight_sync import PeerGroup, WeightSync
 
 # -----------------------------------------------------------------------------
 # settings (--key=value overrides these)
@@ -50,7 +54,7 @@ device = "cpu"
 dtype = "float32"
 served_model_name = ""       # the name clients send as "model"; '' = model_path as given
 api_key = ""                 # '' = no key; else every endpoint wants "Authorization: Bearer <api_key>"
-enable_weight_updates = False  # POST /update_weights_from_disk
+enable_weight_updates = False  # POST /update_weights_from_disk, /init_weights_update_group, ...
 max_batch_size = 64          # sequences in one engine step
 max_num_batched_tokens = 2048
 max_model_len = 0            # prompt + completion; 0 = the model's max_position_embeddings
@@ -84,6 +88,7 @@ class Server:
         self.vocab_size, self.max_model_len = engine.model.config.vocab_size, engine.max_model_len
         self.eos_ids = frozenset(eos_ids) | {tokenizer.eos_token_id} - {None}
         self.loop = EngineLoop(engine, tokenizer)
+        self.peer, self.receiving = None, None   # a trainer's weight-update group, its transfer
 
 
 # -----------------------------------------------------------------------------
@@ -453,12 +458,16 @@ def sse(server, http, prompts, params, n, stop, choices, body, head, chunk_choic
 # weights
 
 
+def check_updates_on(server):
+    if not server.enable_weight_updates:
+        raise BadRequest("weight updates are off: start the server with --enable_weight_updates=True",
+                         None, 403, "permission_error")
+
+
 async def update_weights_from_disk(server, http, body):
     """Load DIR's weights, check them against the engine's (names, shapes, finite), swap them in between two
     steps; a refused directory changes nothing."""
-    if not server.enable_weight_updates:
-        raise BadRequest("weight updates are off: start the server with --enable_weight_updates=True", None, 403,
-                         "permission_error")
+    check_updates_on(server)
     path = _field(body, "model_path", (str,), None)
     if not path:
         raise BadRequest("model_path is required: a model directory", "model_path")
@@ -477,6 +486,71 @@ async def update_weights_from_disk(server, http, body):
     except (ValueError, TypeError) as e:
         raise BadRequest(f"model_path={path!r} does not fit the served model: {e}", "model_path") from None
     return {"success": True, "message": f"loaded {path}", "weight_version": version}
+
+
+async def init_weights_update_group(server, http, body):
+    """Join a trainer's process group (weight_sync.PeerGroup) as rank rank_offset of world_size, met
+    at master_address:master_port; returns once every rank has joined. One group per server."""
+    check_updates_on(server)
+    address = _field(body, "master_address", (str,), "")
+    port = _field(body, "master_port", (int,), 0, lambda v: 0 < v < 65536, "must be in (0, 65536)")
+    rank = _field(body, "rank_offset", (int,), 0, lambda v: v >= 1, "must be >= 1 (0 is the trainer)")
+    world = _field(body, "world_size", (int,), 0, lambda v: v > rank, "must be > rank_offset")
+    backend = _field(body, "backend", (str,), "gloo", lambda v: v in ("gloo", "nccl"),
+                     "must be 'gloo' or 'nccl'")
+    for name, value in (("master_address", address), ("master_port", port), ("rank_offset", rank),
+                        ("world_size", world)):
+        if not value:
+            raise BadRequest(f"{name} is required", name)
+    if backend == "nccl" and not server.engine.config.device.startswith("cuda"):
+        raise BadRequest("backend 'nccl' needs a server on CUDA; use 'gloo'", "backend")
+    if server.peer is not None:
+        raise BadRequest("this server is already in a weight-update group", "master_address")
+    server.peer = await asyncio.to_thread(PeerGroup, address, port, rank, world, backend)
+    return {"success": True, "message": f"rank {rank} of {world} ({backend})"}
+
+
+async def update_weights_from_distributed(server, http, body):
+    """{names, dtypes, shapes, bucket_mb}: checked against the served model (a mismatch: 400 naming
+    the tensor, nothing received), then the tensors arrive by the group's broadcast in buckets
+    (weight_sync.WeightSync), are applied whole between two engine steps (version += 1), and the new
+    version goes back over the group (-1 if the engine refused the values). Returns once the check
+    has passed, so that the trainer can start broadcasting."""
+    check_updates_on(server)
+    if server.peer is None:
+        raise BadRequest("no weight-update group: call /init_weights_update_group first", None)
+    meta = [_field(body, k, (list,), []) for k in ("names", "shapes", "dtypes")]
+    bucket_mb = _field(body, "bucket_mb", (int, float), 64, lambda v: v > 0, "must be > 0")
+    ours = {n: tuple(t.shape) for n, t in server.engine.model.state_dict().items()}
+    if not (len(meta[0]) == len(meta[1]) == len(meta[2]) and set(meta[0]) == set(ours)):
+        missing, unknown = sorted(set(ours) - set(meta[0]))[:3], sorted(set(meta[0]) - set(ours))[:3]
+        raise BadRequest(f"names must list every tensor of the served model once, with a shape and a "
+                         f"dtype each (missing: {missing}, unknown: {unknown})", "names")
+    for name, shape, dtype in zip(*meta):
+        if not (isinstance(shape, list) and tuple(shape) == ours[name]):
+            raise BadRequest(f"tensor {name!r} has shape {shape}, the served model {list(ours[name])}",
+                             "shapes")
+        if not (isinstance(dtype, str) and isinstance(getattr(torch, dtype, None), torch.dtype)
+                and getattr(torch, dtype).is_floating_point):
+            raise BadRequest(f"tensor {name!r}: dtype {dtype!r} is not a floating torch dtype",
+                             "dtypes")
+    state = {n: torch.empty(sh, dtype=getattr(torch, d), device="meta") for n, sh, d in zip(*meta)}
+    sync = WeightSync(state, src=0, bucket_mb=bucket_mb, group=server.peer,
+                      device=torch.device(server.engine.config.device))
+
+    def receive_and_apply():   # on a thread of its own: the engine keeps serving meanwhile
+        version = -1
+        try:
+            tensors, _, _ = sync.receive()
+
+            def swap(engine):
+                engine.update_weights(dict(zip(meta[0], tensors)))
+                return engine.get_weight_version()
+            version = server.loop.call(swap)
+        finally:
+            server.peer.gather_ints(version)
+    server.receiving = asyncio.create_task(asyncio.to_thread(receive_and_apply))
+    return {"success": True, "message": f"receiving {len(meta[0])} tensors"}
 
 
 # -----------------------------------------------------------------------------
@@ -525,6 +599,8 @@ def build_app(server) -> FastAPI:
     endpoint("/tokenize", tokenize)
     endpoint("/detokenize", detokenize)
     endpoint("/update_weights_from_disk", update_weights_from_disk)
+    endpoint("/init_weights_update_group", init_weights_update_group)
+    endpoint("/update_weights_from_distributed", update_weights_from_distributed)
 
     @app.get("/health")
     async def health():

@@ -18,6 +18,7 @@ import torch
 from openai import OpenAI
 from transformers import AutoTokenizer, Qwen3MoeConfig
 
+from checkpoint import load_hf_checkpoint
 from client import next_turn_prompt, sample_from_response
 from conftest import write_hf_checkpoint
 from engine import EngineConfig, InferenceEngine, SamplingParams
@@ -452,3 +453,40 @@ def test_tokenize_and_detokenize_as_vllm_spells_them(setup):
     assert post(setup, "/tokenize", {}).json()["error"]["param"] == "prompt"
     card = httpx.get(setup["server"].url + "/v1/models", headers={"Authorization": f"Bearer {KEY}"})
     assert card.json()["data"][0]["stop_token_ids"] == sorted(generation_stop_ids(setup["tok"]))
+
+
+def test_weights_over_a_process_group_reach_a_running_server(setup):
+    # the trainer (this process) pushes b's weights to the server over a gloo group of their own;
+    # the server then samples exactly what an engine on b samples, at the next version
+    from weight_sync import ServerWeights
+    root, api, stop = setup["root"], setup["api"], generation_stop_ids(setup["tok"])
+    before = httpx.get(setup["server"].url + "/v1/models",
+                       headers={"Authorization": f"Bearer {KEY}"}).json()["data"][0]["weight_version"]
+    b = load_hf_checkpoint(str(root / "b")).state_dict()
+    push = ServerWeights([setup["server"].url], b, bucket_mb=0.01, api_key=KEY)   # 10 KiB buckets
+    embed = next(k for k in b if "embed" in k)
+    wide = {**b, embed: torch.zeros(105, 48)}
+    with pytest.raises(ValueError, match=f"{embed}.* has shape \\[105, 48\\]"):
+        push.send(wide)                                     # refused before a byte is sent
+    assert push.send(b) == [before + 1]
+    r = api.completions.create(model="tiny", prompt=PROMPTS[0], max_tokens=8, temperature=0,
+                               logprobs=0, extra_body=EXTRA)
+    ref = InferenceEngine(EngineConfig(model_path=str(root / "b"), max_model_len=256, num_blocks=64))
+    want = ref.generate([PROMPTS[0]], greedy(stop))[0]
+    assert r.choices[0].model_extra["token_ids"] == list(want.completion_tokens)
+    assert r.choices[0].logprobs.token_logprobs == pytest.approx(list(want.logprobs), abs=1e-5)
+    assert r.choices[0].model_extra["weight_version"] == before + 1
+    a = load_hf_checkpoint(str(root / "a")).state_dict()
+    assert push.send(a) == [before + 2]                     # and back, for the tests after this one
+    # a second group is refused; so is one on a server without --enable_weight_updates
+    r = post(setup, "/init_weights_update_group", {"master_address": "127.0.0.1",
+                                                   "master_port": 1234, "rank_offset": 1,
+                                                   "world_size": 2})
+    assert r.status_code == 400 and "already" in r.json()["error"]["message"]
+    server = Served(root / "a")
+    try:
+        r = httpx.post(server.url + "/init_weights_update_group", json={
+            "master_address": "127.0.0.1", "master_port": 1234, "rank_offset": 1, "world_size": 2})
+        assert r.status_code == 403 and "enable_weight_updates" in r.json()["error"]["message"]
+    finally:
+        assert server.stop() == 0

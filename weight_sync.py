@@ -15,8 +15,12 @@ before packing into it again. A worker receives straight into its own flat buffe
 the last bucket has arrived does it hand out views of it, so a version is applied whole or not at all.
 """
 
+import socket
 import time
+from concurrent.futures import ThreadPoolExecutor
+from datetime import timedelta
 
+import httpx
 import torch
 import torch.distributed as dist
 
@@ -31,7 +35,7 @@ def manifest(state):
 class WeightSync:
     """One sender (src) and every other rank of group as receivers, for a fixed manifest of tensors."""
 
-    def __init__(self, state, src=0, bucket_mb=64, group=None):
+    def __init__(self, state, src=0, bucket_mb=64, group=None, device=None):
         if not (isinstance(bucket_mb, (int, float)) and bucket_mb > 0):
             raise ValueError(f"bucket_mb must be a number > 0, got {bucket_mb!r}")
         self.src, self.group = src, group
@@ -40,7 +44,7 @@ class WeightSync:
         self.sizes = [t.numel() * t.element_size() for t in state.values()]
         self.total = sum(self.sizes)
         self.bucket = max(1, int(bucket_mb * MB))
-        self.device = next(iter(state.values())).device
+        self.device = device or next(iter(state.values())).device   # state may be on 'meta' 
         self._buffers = None                      # the sender's two bucket buffers, made on first send
         self._flat = None                         # a receiver's buffer of the whole state
 
@@ -73,7 +77,7 @@ class WeightSync:
                 pending[i].wait()                 # this buffer's previous bucket has left
             buf = self._buffers[i][:end - start]
             stream.fill(buf)
-            pending[i] = dist.broadcast(buf, src=self.src, group=self.group, async_op=True)
+            pending[i] = self.broadcast(buf, async_op=True)
         for work in pending:
             if work is not None:
                 work.wait()
@@ -86,12 +90,18 @@ class WeightSync:
         if self._flat is None:
             self._flat = torch.empty(self.total, dtype=torch.uint8, device=self.device)
         for start, end in spans(self.total, self.bucket):
-            dist.broadcast(self._flat[start:end], src=self.src, group=self.group)
+            self.broadcast(self._flat[start:end])
         tensors, offset = [], 0
         for (_, shape, dtype), size in zip(self.manifest, self.sizes):
             tensors.append(self._flat[offset:offset + size].view(getattr(torch, dtype)).view(shape))
             offset += size
         return tensors, time.perf_counter() - t0, self.total
+
+
+    def broadcast(self, buf, async_op=False):
+        if isinstance(self.group, PeerGroup):    # a group of its own, outside torchrun's world
+            return self.group.broadcast(buf, self.src, async_op)
+        return dist.broadcast(buf, src=self.src, group=self.group, async_op=async_op)
 
 
 def first_difference(sender, mine):
@@ -126,3 +136,92 @@ class ByteStream:
             take = min(n - done, self.rest.numel())
             buf[done:done + take].copy_(self.rest[:take])
             self.rest, done = self.rest[take:], done + take
+
+
+# -----------------------------------------------------------------------------
+# a trainer and running serve.py processes: a process group of their own, set up over HTTP
+
+
+class PeerGroup:
+    """A process group outside torchrun's world, met at a TCPStore that rank 0 (the trainer) hosts
+    at master_address:master_port: the trainer is rank 0, the servers ranks 1..world_size - 1.
+    Making one blocks until every rank has made its own (gloo on CPU, NCCL on CUDA)."""
+
+    def __init__(self, master_address, master_port, rank, world_size, backend="gloo", timeout_s=300):
+        timeout = timedelta(seconds=timeout_s)
+        self.rank, self.world_size = rank, world_size
+        store = dist.TCPStore(master_address, master_port, world_size, is_master=rank == 0,
+                              timeout=timeout)
+        if backend == "gloo":
+            self.pg = dist.ProcessGroupGloo(store, rank, world_size, timeout)
+        else:
+            self.pg = dist.ProcessGroupNCCL(store, rank, world_size)
+
+    def broadcast(self, tensor, src, async_op=False):
+        work = self.pg.broadcast(tensor, src)
+        return work if async_op else work.wait()
+
+    def gather_ints(self, value):
+        """value of every rank (one int each), in rank order: every rank calls it."""
+        out = [torch.zeros(1, dtype=torch.int64) for _ in range(self.world_size)]
+        self.pg.allgather([out], [torch.tensor([value], dtype=torch.int64)]).wait()
+        return [int(t) for t in out]
+
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("", 0))
+        return s.getsockname()[1]
+
+
+class ServerWeights:
+    """A trainer's new weights to running serve.py processes (started with
+    --enable_weight_updates=True), over a process group of their own, in buckets:
+
+        push = ServerWeights(["http://127.0.0.1:8000"], model.state_dict())   # they join the group
+        versions = push.send(model.state_dict())   # after each step: every server's new version
+
+    Each send first posts the manifest (names, dtypes, shapes) to every server, which checks it
+    against its model (a mismatch: ValueError naming the tensor, nothing sent) and waits for the
+    bytes; then one broadcast reaches them all, each applies the version whole between two engine
+    steps, and the servers' new versions come back over the group."""
+
+    def __init__(self, urls, state, bucket_mb=64, backend="gloo", master_address="127.0.0.1",
+                 api_key="", timeout_s=300):
+        self.urls, self.bucket_mb, self.timeout_s = list(urls), bucket_mb, timeout_s
+        self.headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        port, world = free_port(), len(self.urls) + 1
+        # a server's POST returns once the group has formed, which needs this rank too: in threads
+        with ThreadPoolExecutor(len(self.urls)) as pool:
+            joins = [pool.submit(self.post, url, "/init_weights_update_group", {
+                "master_address": master_address, "master_port": port, "rank_offset": i + 1,
+                "world_size": world, "backend": backend}) for i, url in enumerate(self.urls)]
+            self.group = PeerGroup(master_address, port, 0, world, backend, timeout_s)
+            for join in joins:
+                join.result()
+        self.sync = WeightSync(state, src=0, bucket_mb=bucket_mb, group=self.group)
+
+    def post(self, url, path, body):
+        """POST body to url + path; a refusal raises ValueError naming the url and the server's reason."""
+        try:
+            r = httpx.post(url + path, json=body, headers=self.headers, timeout=self.timeout_s)
+        except httpx.HTTPError as e:
+            raise RuntimeError(f"{url}{path}: {type(e).__name__}: {e}") from e
+        if r.status_code != 200:
+            raise ValueError(f"{url}{path} refused ({r.status_code}): {r.text[:300]}")
+        return r.json()
+
+    def send(self, state):
+        """Broadcast state to every server; returns their new weight versions."""
+        names, shapes, dtypes = zip(*manifest(state))
+        body = {"names": list(names), "shapes": [list(s) for s in shapes], "dtypes": list(dtypes),
+                "bucket_mb": self.bucket_mb}
+        for url in self.urls:     # each checks the manifest, then waits for the bytes
+            self.post(url, "/update_weights_from_distributed", body)
+        self.sync.send(state)
+        versions = self.group.gather_ints(-1)[1:]
+        refused = [url for url, v in zip(self.urls, versions) if v < 0]
+        if refused:
+            raise RuntimeError(f"{', '.join(refused)} did not apply the weights (see its log)")
+        return versions
+
