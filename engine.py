@@ -295,12 +295,14 @@ class InferenceEngine:
 
     # ---- requests in
 
-    def add_request(self, prompt, params: SamplingParams, num_samples: int = 1) -> int:
-        """Queue a prompt (token ids) for num_samples samples; returns its seq_id (TrainingSample.seq_id)."""
+    def add_request(self, prompt, params: SamplingParams, num_samples: int = 1, index: int = 0) -> int:
+        """Queue a prompt (token ids) for num_samples samples; returns its seq_id (TrainingSample.seq_id).
+        With params.seed, it draws as prompt `index` of a generate call would."""
         self._check_request(params, num_samples, "num_samples")
+        _require(_is_int(index) and index >= 0, f"index must be an int >= 0, got {index!r}")
         prompt = check_prompt(prompt, self.model.config.vocab_size, self.max_model_len)
         check_fits(prompt, params, num_samples, self.cache, self.max_model_len, "prompt")
-        return self._add(prompt, params, num_samples)
+        return self._add(prompt, params, num_samples, index)
 
     def generate(self, prompts, params: SamplingParams, num_samples_per_prompt: int = 1, first_index: int = 0) -> list:
         """Samples for every prompt, in request order: prompt 0 samples 0..G-1, prompt 1 ... Each prompt is

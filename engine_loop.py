@@ -63,8 +63,9 @@ class SampleText:
 class Request:
     """One server request: its prompts, each an engine request of n samples, and what each choice has so far."""
 
-    def __init__(self, prompts, params, n, stop, emit, tokenizer):
+    def __init__(self, prompts, params, n, stop, emit, tokenizer, first_index=0):
         self.prompts, self.params, self.n, self.emit = prompts, params, n, emit
+        self.first_index = first_index   # seeded: prompt i draws as prompt first_index + i
         self.samples = [SampleText(tokenizer, stop) for _ in range(len(prompts) * n)]
         self.seq_ids = []         # the engine's seq_id of each prompt, once added
 
@@ -82,10 +83,10 @@ class EngineLoop:
 
     # ---- called from other threads
 
-    def submit(self, prompts, params, n, stop, emit) -> Request:
+    def submit(self, prompts, params, n, stop, emit, first_index=0) -> Request:
         """Queue a request (prompts already checked against the engine's limits); emit(list[Delta]) is called
         from the owner thread, in order, until every sample has finished (or an error Delta)."""
-        request = Request(prompts, params, n, stop, emit, self.tokenizer)
+        request = Request(prompts, params, n, stop, emit, self.tokenizer, first_index)
         self.inbox.put(("add", request))
         return request
 
@@ -146,7 +147,8 @@ class EngineLoop:
     def _add(self, request):
         try:
             for i, prompt in enumerate(request.prompts):
-                seq_id = self.engine.add_request(prompt, request.params, request.n)
+                seq_id = self.engine.add_request(prompt, request.params, request.n,
+                                                 request.first_index + i)
                 request.seq_ids.append(seq_id)
                 self.by_seq[seq_id] = (request, i)
         except Exception as e:                     # checked at the door, so not expected: refuse it whole

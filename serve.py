@@ -15,6 +15,8 @@ generation endpoints: return_token_ids=true adds prompt_token_ids and each choic
 sampled, a stop token included); each choice carries weight_version (the oldest weights that sampled a token of
 it); logprobs are log_softmax(logits / T) at the sampled token, the engine's own numbers. client.py turns a
 response into a TrainingSample and continues a conversation by token ids (chat uses the checkpoint's template).
+With a seed, /v1/completions' prompt i draws as prompt first_index + i (default 0) of one engine.generate
+call, so a rollout split across servers samples what one engine would (rollout_servers.py).
 
 A request's path: its handler checks the JSON (a bad field: 400, the OpenAI error body naming it, nothing queued),
 makes the prompt ids and hands them to the EngineLoop (engine_loop.py), whose one thread owns the engine and
@@ -230,7 +232,7 @@ class Choice:
         self.finish_reason = d.finish_reason
 
 
-async def deltas_of(server, http, prompts, params, n, stop):
+async def deltas_of(server, http, prompts, params, n, stop, first_index=0):
     """Yield lists of Deltas until every choice has finished. A client that disconnects (seen while waiting,
     or as this generator being closed) has what is left of its request aborted in the engine."""
     queue, loop = asyncio.Queue(), asyncio.get_running_loop()
@@ -241,7 +243,7 @@ async def deltas_of(server, http, prompts, params, n, stop):
         except RuntimeError:   # the event loop is gone (shutting down): nobody is listening
             pass
 
-    request = server.loop.submit(prompts, params, n, stop, emit)
+    request = server.loop.submit(prompts, params, n, stop, emit, first_index)
     left, checked = len(prompts) * n, time.monotonic()
     try:
         while left:
@@ -304,6 +306,9 @@ async def completions(server, http, body):
     want_logprobs, k = read_logprobs(server, body, chat=False)
     params, n, stop = read_sampling(server, body, k, prompts)
     ids_back, stream = _field(body, "return_token_ids", (bool,), False), _field(body, "stream", (bool,), False)
+    # seeded: prompt i draws as prompt first_index + i of one engine.generate call (a trainer's
+    # share of a rollout split across servers draws what one engine would)
+    first = _field(body, "first_index", (int,), 0, lambda v: v >= 0, "must be >= 0")
     head = {"id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion", "created": int(time.time()),
             "model": server.name}
     choices = new_choices(prompts, n)
@@ -323,8 +328,9 @@ async def completions(server, http, body):
         return out
 
     if stream:
-        return sse(server, http, prompts, params, n, stop, choices, body, head, lambda ch, d: [choice_body(ch, d)])
-    async for deltas in deltas_of(server, http, prompts, params, n, stop):
+        return sse(server, http, prompts, params, n, stop, choices, body, head,
+                   lambda ch, d: [choice_body(ch, d)], first)
+    async for deltas in deltas_of(server, http, prompts, params, n, stop, first):
         for d in deltas:
             choices[d.index].add(d)
     return dict(head, choices=[choice_body(ch) for ch in choices], usage=usage(prompts, n, choices))
@@ -430,7 +436,7 @@ async def detokenize(server, http, body):
     return {"prompt": server.tokenizer.decode(tokens, skip_special_tokens=False)}
 
 
-def sse(server, http, prompts, params, n, stop, choices, body, head, chunk_choices):
+def sse(server, http, prompts, params, n, stop, choices, body, head, chunk_choices, first_index=0):
     """A streaming response: one server-sent event per choice of a Delta (chat: the role of a choice
     first, in an event of its own), then usage if asked, then [DONE]."""
     options = _field(body, "stream_options", (dict,), {})
@@ -438,7 +444,7 @@ def sse(server, http, prompts, params, n, stop, choices, body, head, chunk_choic
 
     async def events():
         try:
-            async for deltas in deltas_of(server, http, prompts, params, n, stop):
+            async for deltas in deltas_of(server, http, prompts, params, n, stop, first_index):
                 for d in deltas:
                     choices[d.index].add(d)
                     # one choice per event: the openai SDK's accumulator (ChatCompletionStream) takes
@@ -490,7 +496,8 @@ async def update_weights_from_disk(server, http, body):
 
 async def init_weights_update_group(server, http, body):
     """Join a trainer's process group (weight_sync.PeerGroup) as rank rank_offset of world_size, met
-    at master_address:master_port; returns once every rank has joined. One group per server."""
+    at master_address:master_port; returns once every rank has joined. A later call (a trainer that
+    restarted) replaces the group."""
     check_updates_on(server)
     address = _field(body, "master_address", (str,), "")
     port = _field(body, "master_port", (int,), 0, lambda v: 0 < v < 65536, "must be in (0, 65536)")
@@ -504,8 +511,8 @@ async def init_weights_update_group(server, http, body):
             raise BadRequest(f"{name} is required", name)
     if backend == "nccl" and not server.engine.config.device.startswith("cuda"):
         raise BadRequest("backend 'nccl' needs a server on CUDA; use 'gloo'", "backend")
-    if server.peer is not None:
-        raise BadRequest("this server is already in a weight-update group", "master_address")
+    if server.receiving is not None and not server.receiving.done():
+        raise BadRequest("a weight transfer is under way in the current group", "master_address")
     server.peer = await asyncio.to_thread(PeerGroup, address, port, rank, world, backend)
     return {"success": True, "message": f"rank {rank} of {world} ({backend})"}
 

@@ -61,6 +61,7 @@ import distributed
 import evaluate
 import rollout_ranks as ranks
 import training
+from rollout_servers import Servers
 from environment import Environment, load_task, offers
 from checkpoint import init_start, load_model, model_dir_of, save_best, save_checkpoint
 from configurator import configure, print0
@@ -109,7 +110,10 @@ dist_timeout_s = 300         # torchrun: a collective waiting longer than this e
 # rollout ranks (torchrun; see rollout_ranks.py)
 rollout_ranks = 0            # the last K ranks only sample, the others only train; 0 = every rank does both
 max_staleness = 0            # rollout j samples with the weights after iteration j - s; s >= 1 needs tis_cap > 0
-weight_bucket_mb = 64.0      # bucket size of the trainer-to-workers weight broadcast
+weight_bucket_mb = 64.0      # bucket size of the trainer-to-workers (and -servers) weight broadcast
+# rollouts from running serve.py processes (rollout_servers.py)
+rollout_urls = ""            # 'http://host:port[,http://...]': they sample, the trainer pushes weights
+rollout_api_key = ""         # the servers' --api_key
 # evaluation (with the engine; 'test' is for the final comparison only)
 eval_split = "val"           # 'val' | 'test'
 n_eval_problems = 500        # the first n of the split (0 = all of it)
@@ -421,6 +425,10 @@ def check_settings(config):
              f": only rollout ranks sample ahead of the trainer; set rollout_ranks too (or max_staleness=0)")
     _require(config["max_staleness"] == 0 or config["tis_cap"] > 0, f"max_staleness={config['max_staleness']} "
              f"trains on samples of older weights: set tis_cap > 0 (e.g. 2) so that TIS corrects them")
+    _require(not config["rollout_urls"] or (config["rollout_ranks"] == 0 and config["max_staleness"] == 0
+                                            and distributed.world() == 1),
+             f"rollout_urls={config['rollout_urls']!r}: serve.py rollouts run one trainer process at "
+             f"staleness 0 (no rollout_ranks, max_staleness=0, no torchrun) in this version")
     _require(type(config["weight_bucket_mb"]) in (int, float) and config["weight_bucket_mb"] > 0,
              f"weight_bucket_mb={config['weight_bucket_mb']!r}: expected a number > 0")
     _require(config["eval_split"] in ("val", "test"), f"eval_split={config['eval_split']!r}: expected 'val' or 'test'")
@@ -512,8 +520,13 @@ def main(config):
     reference = reference_model(config, start)
     run = training.setup_run(config, start, sampler)
     engine = make_engine(run.model, env, start, sampler, eval_problems, config)
-    source = Colocated(engine, env, sampler, config) if roles is None else \
-        ranks.RolloutRanks(config, roles, run.model, sampler, engine, engine.get_weight_version())
+    version = engine.get_weight_version()
+    if config["rollout_urls"]:
+        source = Servers(config, env, sampler, run.model, engine, version, rollout)
+    elif roles is not None:
+        source = ranks.RolloutRanks(config, roles, run.model, sampler, engine, version)
+    else:
+        source = Colocated(engine, env, sampler, config)
     meter = training.Meter(run.start)
     best = {"accuracy": -1.0, "iter": None} if start.meta is None else start.meta["extra"].get("best")
     if start.meta is None and distributed.is_main():   # a fresh run: no best model of an earlier run in out_dir

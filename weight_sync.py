@@ -17,7 +17,7 @@ the last bucket has arrived does it hand out views of it, so a version is applie
 
 import socket
 import time
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
 from datetime import timedelta
 
 import httpx
@@ -191,14 +191,18 @@ class ServerWeights:
         self.urls, self.bucket_mb, self.timeout_s = list(urls), bucket_mb, timeout_s
         self.headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         port, world = free_port(), len(self.urls) + 1
-        # a server's POST returns once the group has formed, which needs this rank too: in threads
-        with ThreadPoolExecutor(len(self.urls)) as pool:
-            joins = [pool.submit(self.post, url, "/init_weights_update_group", {
-                "master_address": master_address, "master_port": port, "rank_offset": i + 1,
-                "world_size": world, "backend": backend}) for i, url in enumerate(self.urls)]
-            self.group = PeerGroup(master_address, port, 0, world, backend, timeout_s)
-            for join in joins:
-                join.result()
+        # a server's POST returns once the group has formed, which needs this rank too: all in
+        # threads, and a server that refuses to join fails the call at once
+        pool = ThreadPoolExecutor(len(self.urls) + 1)
+        joins = [pool.submit(self.post, url, "/init_weights_update_group", {
+            "master_address": master_address, "master_port": port, "rank_offset": i + 1,
+            "world_size": world, "backend": backend}) for i, url in enumerate(self.urls)]
+        mine = pool.submit(PeerGroup, master_address, port, 0, world, backend, timeout_s)
+        wait(joins + [mine], return_when=FIRST_EXCEPTION)
+        pool.shutdown(wait=False)
+        for join in joins:
+            join.result()
+        self.group = mine.result()
         self.sync = WeightSync(state, src=0, bucket_mb=bucket_mb, group=self.group)
 
     def post(self, url, path, body):

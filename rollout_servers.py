@@ -1,0 +1,109 @@
+"""
+Rollouts from running serve.py processes: train_grpo --rollout_urls.
+
+    python serve.py --model_path=DIR --port=8000 --enable_weight_updates=True &      # one per GPU
+    python train_grpo.py config/qwen_small.py --rollout_urls=http://127.0.0.1:8000
+
+The trainer samples through HTTP exactly as it samples in-process: RemoteEngine has the engine's
+generate(prompts, params, num_samples, first_index), so environment.py's episodes (multi-turn ones
+too) run unchanged. A rollout's prompts are split across the servers in contiguous shares, sent as
+token ids to /v1/completions with the rollout's seed and each share's first_index, so each prompt
+draws what it would draw in one in-process engine.generate call: with the same weights, a run
+through servers samples what the colocated run samples. After each optimizer step the trainer pushes
+its weights to every server over a process group of their own (weight_sync.ServerWeights); the
+first push, at start, makes the servers serve the trainer's starting weights whatever they loaded.
+
+Staleness 0 only: rollout j is sampled with the weights after iteration j - 1. A server that is down
+or answers an error fails the step naming its URL; the run's last checkpoint is untouched, and
+--init_from=resume continues once the server is back.
+"""
+
+import dataclasses
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
+
+from client import sample_from_response
+from weight_sync import ServerWeights
+
+
+class RemoteEngine:
+    """InferenceEngine.generate over HTTP, split across servers; model_config is the served
+    model's (for FLOP counts)."""
+
+    def __init__(self, urls, model_config, api_key="", timeout_s=600):
+        self.urls, self.timeout_s = list(urls), timeout_s
+        self.model = dataclasses.make_dataclass("Served", ["config"])(model_config)
+        self.headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        self.version = 0
+
+    def get_weight_version(self):
+        return self.version
+
+    def generate(self, prompts, params, num_samples_per_prompt=1, first_index=0):
+        """The samples of every prompt, in request order (prompt 0 samples 0..n-1, prompt 1 ...),
+        each server sampling a contiguous share: e.g. 5 prompts on 2 servers -> 0-1 and 2-4."""
+        k = len(self.urls)
+        shares = [(i * len(prompts) // k, (i + 1) * len(prompts) // k) for i in range(k)]
+        with ThreadPoolExecutor(k) as pool:
+            parts = pool.map(lambda a: self.sample(*a), [
+                (url, prompts[lo:hi], params, num_samples_per_prompt, first_index + lo)
+                for url, (lo, hi) in zip(self.urls, shares) if hi > lo])
+            return [s for part in parts for s in part]
+
+    def sample(self, url, prompts, params, n, first_index):
+        """One server's share: /v1/completions with token-id prompts, the stop ids exactly the
+        params' (ignore_eos: the server adds none of its own)."""
+        body = {"prompt": [list(p) for p in prompts], "n": n, "max_tokens": params.max_tokens,
+                "temperature": params.temperature, "seed": params.seed, "first_index": first_index,
+                "logprobs": 0, "return_token_ids": True, "ignore_eos": True,
+                "stop_token_ids": sorted(params.stop_token_ids)}
+        try:
+            r = httpx.post(url + "/v1/completions", json=body, headers=self.headers,
+                           timeout=self.timeout_s)
+        except httpx.HTTPError as e:
+            raise RuntimeError(f"rollout server {url}: {type(e).__name__}: {e}") from e
+        if r.status_code != 200:
+            raise RuntimeError(f"rollout server {url} answered {r.status_code}: {r.text[:300]}")
+        response = r.json()
+        samples = []
+        for i in range(len(response["choices"])):
+            s = sample_from_response(response, i)
+            samples.append(dataclasses.replace(
+                s, sample_index=i % n, token_versions=(s.weight_version,) * len(s.completion_tokens)))
+        return samples
+
+
+class Servers:
+    """train_grpo's rollout source when serve.py processes sample (the interface of
+    train_grpo.Colocated): groups(it) samples rollout it through RemoteEngine, publish(model)
+    pushes the new weights to every server; the trainer's own engine only evaluates."""
+
+    def __init__(self, config, env, sampler, model, engine, version, rollout):
+        urls = [u.strip().rstrip("/") for u in config["rollout_urls"].split(",") if u.strip()]
+        self.config, self.env, self.sampler, self.rollout = config, env, sampler, rollout
+        self.engine, self.version, self._evaluated = engine, version, version
+        self.remote = RemoteEngine(urls, model.config, config["rollout_api_key"])
+        self.push = ServerWeights(urls, model.state_dict(), config["weight_bucket_mb"],
+                                  api_key=config["rollout_api_key"])
+        self.push.send(model.state_dict())     # the servers serve the trainer's starting weights
+        self.remote.version = version
+
+    def groups(self, it):
+        groups, _, metrics = self.rollout(self.remote, self.env, self.sampler, self.config, it)
+        return groups, metrics
+
+    def publish(self, model, it):
+        t0 = time.perf_counter()
+        self.push.send(model.state_dict())
+        self.version += 1
+        self.remote.version = self.version
+        return {"perf/weight_sync_s": time.perf_counter() - t0}
+
+    def eval_engine(self, model):
+        """The trainer's own engine (for evaluation only), brought up to the trainer's weights."""
+        if self._evaluated != self.version:
+            self.engine.update_weights(model.state_dict())
+            self._evaluated = self.version
+        return self.engine

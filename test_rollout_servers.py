@@ -1,0 +1,94 @@
+"""
+train_grpo --rollout_urls: rollouts sampled by real serve.py processes over HTTP, the trainer's
+weights pushed to them over a gloo group of their own, against the colocated run.
+
+    python -m pytest -q test_rollout_servers.py
+"""
+
+import pytest
+import torch
+
+import train_grpo
+from test_grpo import TINY, metrics, tiny_config
+from test_serve import Served
+
+MODEL = f"--model={dict(TINY, max_position_embeddings=256)!r}".replace(" ", "")
+SAME = ("train/loss", "train/grad_norm", "train/tokens", "rollout/reward_mean", "rollout/problems_total",
+        "rollout/completion_len", "eval/accuracy", "eval/pass@1")
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread():
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+def assert_same(a, b, rel=1e-5):
+    ra, rb = metrics(a), metrics(b)
+    assert [r["iter"] for r in ra] == [r["iter"] for r in rb]
+    checked = 0
+    for x, y in zip(ra, rb):
+        for k in SAME:
+            if k in x:
+                assert abs(x[k] - y[k]) <= rel * max(abs(x[k]), 1e-3), (x["iter"], k, x[k], y[k])
+                checked += 1
+    assert checked >= 20
+
+
+@pytest.fixture(scope="module")
+def colocated(tmp_path_factory):
+    """5 colocated iterations; its checkpoint is what the servers load (the trainer then pushes its
+    own starting weights to them)."""
+    tmp = tmp_path_factory.mktemp("servers")
+    args = [MODEL, "--max_iters=5", "--ckpt_interval=5", "--eval_interval=5"]
+    train_grpo.main(tiny_config(tmp / "one", *args))
+    return tmp, args
+
+
+def test_one_and_two_servers_sample_what_the_colocated_run_samples(colocated):
+    tmp, args = colocated
+    servers = [Served(tmp / "one" / "ckpt", "--enable_weight_updates=True") for _ in range(2)]
+    try:
+        one = f"--rollout_urls={servers[0].url}"
+        train_grpo.main(tiny_config(tmp / "served", *args, one))
+        assert_same(tmp / "one", tmp / "served")
+        rows = [r for r in metrics(tmp / "served") if "perf/weight_sync_s" in r]
+        assert [r["iter"] for r in rows] == [1, 2, 3, 4, 5]
+        both = f"--rollout_urls={servers[0].url},{servers[1].url}"   # each samples half
+        train_grpo.main(tiny_config(tmp / "two", *args, both))
+        assert_same(tmp / "one", tmp / "two")
+    finally:
+        for s in servers:
+            s.stop()
+
+
+def test_a_killed_server_fails_the_step_naming_it_and_resume_continues(colocated, monkeypatch):
+    tmp, args = colocated
+    server = Served(tmp / "one" / "ckpt", "--enable_weight_updates=True")
+    out = tmp / "killed"
+    real = train_grpo.rollout
+
+    def dies_at_3(engine, env, sampler, config, it):
+        if it == 3:
+            server.proc.kill()
+            server.proc.wait()
+        return real(engine, env, sampler, config, it)
+    monkeypatch.setattr(train_grpo, "rollout", dies_at_3)
+    url = server.url
+    with pytest.raises(RuntimeError, match=f"rollout server {url}"):
+        train_grpo.main(tiny_config(out, *args[:-2], "--ckpt_interval=2", "--eval_interval=5",
+                                    f"--rollout_urls={url}"))
+    monkeypatch.setattr(train_grpo, "rollout", real)
+    back = Served(tmp / "one" / "ckpt", "--enable_weight_updates=True")
+    try:
+        train_grpo.main(tiny_config(out, *args[:-2], "--ckpt_interval=2", "--eval_interval=5",
+                                    "--init_from=resume", f"--rollout_urls={back.url}"))
+    finally:
+        back.stop()
+    # iterations 3..5 again from the checkpoint at 2: what the uninterrupted run trained on
+    full = {r["iter"]: r for r in metrics(tmp / "one") if "train/loss" in r}
+    resumed = {r["iter"]: r for r in metrics(out) if "train/loss" in r}
+    for it in (3, 4, 5):
+        assert resumed[it]["train/loss"] == pytest.approx(full[it]["train/loss"], rel=1e-5)
