@@ -295,9 +295,10 @@ class InferenceEngine:
 
     # ---- requests in
 
-    def add_request(self, prompt, params: SamplingParams, num_samples: int = 1, index: int = 0) -> int:
-        """Queue a prompt (token ids) for num_samples samples; returns its seq_id (TrainingSample.seq_id).
-        With params.seed, it draws as prompt `index` of a generate call would."""
+    def add_request(self, prompt, params: SamplingParams, num_samples: int = 1,
+                    index: int = 0) -> int:
+        """Queue a prompt (token ids) for num_samples samples; returns its seq_id
+        (TrainingSample.seq_id). With params.seed, it draws as prompt `index` of a generate call."""
         self._check_request(params, num_samples, "num_samples")
         _require(_is_int(index) and index >= 0, f"index must be an int >= 0, got {index!r}")
         prompt = check_prompt(prompt, self.model.config.vocab_size, self.max_model_len)

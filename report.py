@@ -340,15 +340,16 @@ def plot(out_dir, seeds, path):
 
 def plot_run(run_dir, path):
     """One GRPO run's validation accuracy (of a multi-turn run: right within 1, 2, ... turns) and
-    mean completion length (of its rollouts) against its steps, two panels: what speedrun.sh shows. Returns the path written (None without
-    matplotlib)."""
+    mean completion length (of its rollouts) against its steps, two panels: what speedrun.sh
+    shows. Returns the path written (None without matplotlib)."""
     plt = pyplot()
     if plt is None:
         return None
     rows = read_rows(os.path.join(run_dir, "metrics.jsonl"))
     evals = [r for r in rows if "eval/accuracy" in r]
     # multi-turn runs: success within each number of turns, turn 1 first (eval/success_by_turn_k)
-    turns = sorted((k for k in (evals[0] if evals else {}) if k.startswith("eval/success_by_turn_")),
+    keys = evals[0] if evals else {}
+    turns = sorted((k for k in keys if k.startswith("eval/success_by_turn_")),
                    key=lambda k: int(k.rsplit("_", 1)[1]))
     lengths = [(r["iter"], r["rollout/completion_len"]) for r in rows
                if "rollout/completion_len" in r]

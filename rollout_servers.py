@@ -70,8 +70,8 @@ class RemoteEngine:
         samples = []
         for i in range(len(response["choices"])):
             s = sample_from_response(response, i)
-            samples.append(dataclasses.replace(
-                s, sample_index=i % n, token_versions=(s.weight_version,) * len(s.completion_tokens)))
+            versions = (s.weight_version,) * len(s.completion_tokens)
+            samples.append(dataclasses.replace(s, sample_index=i % n, token_versions=versions))
         return samples
 
 

@@ -15,8 +15,9 @@ generation endpoints: return_token_ids=true adds prompt_token_ids and each choic
 sampled, a stop token included); each choice carries weight_version (the oldest weights that sampled a token of
 it); logprobs are log_softmax(logits / T) at the sampled token, the engine's own numbers. client.py turns a
 response into a TrainingSample and continues a conversation by token ids (chat uses the checkpoint's template).
-With a seed, /v1/completions' prompt i draws as prompt first_index + i (default 0) of one engine.generate
-call, so a rollout split across servers samples what one engine would (rollout_servers.py).
+With a seed, /v1/completions' prompt i draws as prompt first_index + i (default 0) of one
+engine.generate call, so a rollout split across servers samples what one engine would
+(rollout_servers.py).
 
 A request's path: its handler checks the JSON (a bad field: 400, the OpenAI error body naming it, nothing queued),
 makes the prompt ids and hands them to the EngineLoop (engine_loop.py), whose one thread owns the engine and
@@ -182,8 +183,8 @@ def chat_prompt(server, body, add_generation_prompt=True):
             raise BadRequest(f"messages[{i}] must have a string role and content, got {str(m)[:80]!r}", "messages")
         plain.append({"role": m["role"], "content": content})
     try:
-        out = server.tokenizer.apply_chat_template(plain, add_generation_prompt=add_generation_prompt,
-                                                   tokenize=True, return_dict=False)
+        out = server.tokenizer.apply_chat_template(
+            plain, add_generation_prompt=add_generation_prompt, tokenize=True, return_dict=False)
     except Exception as e:   # the template raises on what it cannot render (an unknown role, ...)
         raise BadRequest(f"messages: the chat template refused them: {e}", "messages") from None
     ids = list(out["input_ids"] if isinstance(out, dict) else out)
@@ -374,15 +375,16 @@ async def chat_completions(server, http, body):
 
 async def generate_tokens(server, http, body):
     """POST /inference/v1/generate, vLLM's token-in / token-out endpoint (what verifiers' training
-    client calls): {token_ids, sampling_params: {max_tokens, temperature, top_p, top_k, seed, n, stop,
-    stop_token_ids, ignore_eos, logprobs, ...}} -> {request_id, prompt_token_ids, choices: [{index,
-    token_ids, finish_reason, logprobs: {content: [{token: "token_id:<id>", logprob}]}}], usage}.
+    client calls): {token_ids, sampling_params: {max_tokens, temperature, top_p, top_k, seed, n,
+    stop, stop_token_ids, ignore_eos, logprobs, ...}} -> {request_id, prompt_token_ids, choices:
+    [{index, token_ids, finish_reason, logprobs: {content: [{token: "token_id:<id>", logprob}]}}],
+    usage}.
     Advisory keys this server has no use for (skip_special_tokens, cache_salt, priority, ...) are
     accepted; a missing max_tokens means up to max_model_len."""
     prompt = body.get("token_ids")
     if not _ids_list(prompt):
-        raise BadRequest(f"token_ids must be a non-empty list of token ids, got {str(prompt)[:80]!r}",
-                         "token_ids")
+        raise BadRequest(f"token_ids must be a non-empty list of token ids, got "
+                         f"{str(prompt)[:80]!r}", "token_ids")
     prompt = _checked(server, prompt, "token_ids")
     sampling = dict(_field(body, "sampling_params", (dict,), {}))
     try:
@@ -428,7 +430,7 @@ async def tokenize(server, http, body):
 
 
 async def detokenize(server, http, body):
-    """POST /detokenize as vLLM spells it: {tokens} -> {prompt}, the text with special tokens kept."""
+    """POST /detokenize as vLLM spells it: {tokens} -> {prompt}, special tokens kept."""
     tokens = body.get("tokens")
     if not (_ids_list(tokens) and all(0 <= t < server.vocab_size for t in tokens)):
         raise BadRequest(f"tokens must be a non-empty list of ids in [0, {server.vocab_size}), got "
@@ -447,8 +449,8 @@ def sse(server, http, prompts, params, n, stop, choices, body, head, chunk_choic
             async for deltas in deltas_of(server, http, prompts, params, n, stop, first_index):
                 for d in deltas:
                     choices[d.index].add(d)
-                    # one choice per event: the openai SDK's accumulator (ChatCompletionStream) takes
-                    # two choices of one index in one chunk for two choices
+                    # one choice per event: the openai SDK's accumulator
+                    # (ChatCompletionStream) takes two choices of one index in a chunk for two
                     for choice in chunk_choices(choices[d.index], d):
                         yield f"data: {json.dumps(dict(head, choices=[choice]))}\n\n"
             if with_usage:
@@ -466,8 +468,8 @@ def sse(server, http, prompts, params, n, stop, choices, body, head, chunk_choic
 
 def check_updates_on(server):
     if not server.enable_weight_updates:
-        raise BadRequest("weight updates are off: start the server with --enable_weight_updates=True",
-                         None, 403, "permission_error")
+        raise BadRequest("weight updates are off: start the server with "
+                         "--enable_weight_updates=True", None, 403, "permission_error")
 
 
 async def update_weights_from_disk(server, http, body):
@@ -501,7 +503,7 @@ async def init_weights_update_group(server, http, body):
     check_updates_on(server)
     address = _field(body, "master_address", (str,), "")
     port = _field(body, "master_port", (int,), 0, lambda v: 0 < v < 65536, "must be in (0, 65536)")
-    rank = _field(body, "rank_offset", (int,), 0, lambda v: v >= 1, "must be >= 1 (0 is the trainer)")
+    rank = _field(body, "rank_offset", (int,), 0, lambda v: v >= 1, "must be >= 1 (0: the trainer)")
     world = _field(body, "world_size", (int,), 0, lambda v: v > rank, "must be > rank_offset")
     backend = _field(body, "backend", (str,), "gloo", lambda v: v in ("gloo", "nccl"),
                      "must be 'gloo' or 'nccl'")
@@ -530,13 +532,14 @@ async def update_weights_from_distributed(server, http, body):
     bucket_mb = _field(body, "bucket_mb", (int, float), 64, lambda v: v > 0, "must be > 0")
     ours = {n: tuple(t.shape) for n, t in server.engine.model.state_dict().items()}
     if not (len(meta[0]) == len(meta[1]) == len(meta[2]) and set(meta[0]) == set(ours)):
-        missing, unknown = sorted(set(ours) - set(meta[0]))[:3], sorted(set(meta[0]) - set(ours))[:3]
-        raise BadRequest(f"names must list every tensor of the served model once, with a shape and a "
-                         f"dtype each (missing: {missing}, unknown: {unknown})", "names")
+        missing = sorted(set(ours) - set(meta[0]))[:3]
+        unknown = sorted(set(meta[0]) - set(ours))[:3]
+        raise BadRequest(f"names must list every tensor of the served model once, with a shape "
+                         f"and a dtype each (missing: {missing}, unknown: {unknown})", "names")
     for name, shape, dtype in zip(*meta):
         if not (isinstance(shape, list) and tuple(shape) == ours[name]):
-            raise BadRequest(f"tensor {name!r} has shape {shape}, the served model {list(ours[name])}",
-                             "shapes")
+            raise BadRequest(f"tensor {name!r} has shape {shape}, the served model "
+                             f"{list(ours[name])}", "shapes")
         if not (isinstance(dtype, str) and isinstance(getattr(torch, dtype, None), torch.dtype)
                 and getattr(torch, dtype).is_floating_point):
             raise BadRequest(f"tensor {name!r}: dtype {dtype!r} is not a floating torch dtype",
@@ -600,14 +603,14 @@ def build_app(server) -> FastAPI:
             return out if isinstance(out, Response) else JSONResponse(out)
         app.post(path)(run)
 
-    endpoint("/v1/completions", completions)
-    endpoint("/v1/chat/completions", chat_completions)
-    endpoint("/inference/v1/generate", generate_tokens)
-    endpoint("/tokenize", tokenize)
-    endpoint("/detokenize", detokenize)
-    endpoint("/update_weights_from_disk", update_weights_from_disk)
-    endpoint("/init_weights_update_group", init_weights_update_group)
-    endpoint("/update_weights_from_distributed", update_weights_from_distributed)
+    for handler, path in ((completions, "/v1/completions"),
+                          (chat_completions, "/v1/chat/completions"),
+                          (generate_tokens, "/inference/v1/generate"),
+                          (tokenize, "/tokenize"), (detokenize, "/detokenize"),
+                          (update_weights_from_disk, "/update_weights_from_disk"),
+                          (init_weights_update_group, "/init_weights_update_group"),
+                          (update_weights_from_distributed, "/update_weights_from_distributed")):
+        endpoint(path, handler)
 
     @app.get("/health")
     async def health():

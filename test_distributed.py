@@ -22,7 +22,8 @@ ROOT = os.path.dirname(os.path.abspath(__file__))
 CONFIG = os.path.join(ROOT, "config", "qwen_small.py")
 
 # Runs a script the way torchrun would, with two test-only additions: on a rank other than 0, any write under
-# OUT_DIR fails the run (only rank 0 writes), and GRPO dumps its sampled groups to SAMPLES_OUT.<rank>.json.
+# OUT_DIR fails the run (only rank 0 writes), and GRPO dumps its sampled groups to
+# SAMPLES_OUT.<rank>.json.
 # (launch gives GRPO the parity task, conftest.PARITY_TASK, unless the test names another: a random
 # policy gets reward variance from it.)
 LAUNCHER = r'''
@@ -170,6 +171,23 @@ def test_grpo_on_two_ranks_samples_and_steps_like_one_process(tmp_path):
         assert [[s[0] for s in step] for step in ranked] == [[s[0] for s in step] for step in single]
         assert max(abs(x - y) for a, b in zip(ranked, single) for s, t in zip(a, b) for x, y in zip(s[1], t[1])) < 1e-5
     assert sum(len(step) for step in single) >= 5 * 4
+
+
+def test_multi_turn_grpo_on_two_ranks_steps_like_one_process(tmp_path):
+    # test_environment's multi-turn task: each rank runs its share of every turn's episodes
+    from test_environment import AGAIN_TASK
+    again = write_task(str(tmp_path), AGAIN_TASK, "again.py")
+    model = TINY.replace("'max_position_embeddings':128", "'max_position_embeddings':512")
+    args = ["--init_from=scratch", f"--model={model}", f"--task={again}", "--max_iters=4",
+            "--prompts_per_step=8", "--group_size=4", "--max_new_tokens=40", "--max_turns=3",
+            "--max_episode_tokens=160", "--n_eval_problems=6", "--pass_k=0", "--learning_rate=3e-3",
+            "--warmup_iters=0", "--eval_interval=4", "--log_interval=1", "--batch_tokens=1024"]
+    one, two = tmp_path / "one", tmp_path / "two"
+    launch(tmp_path, "train_grpo.py", one, args)
+    launch(tmp_path, "train_grpo.py", two, args, nproc=2)
+    assert_same_run(one, two, ("train/loss", "rollout/reward_mean", "rollout/turns_mean",
+                               "train/tokens", "eval/accuracy", "eval/success_by_turn_3"))
+    assert max(r["rollout/turns_mean"] for r in rows(two) if "rollout/turns_mean" in r) > 1
 
 
 def test_a_killed_rank_ends_the_job_and_resume_works(pretrained):

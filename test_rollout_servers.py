@@ -13,8 +13,8 @@ from test_grpo import TINY, metrics, tiny_config
 from test_serve import Served
 
 MODEL = f"--model={dict(TINY, max_position_embeddings=256)!r}".replace(" ", "")
-SAME = ("train/loss", "train/grad_norm", "train/tokens", "rollout/reward_mean", "rollout/problems_total",
-        "rollout/completion_len", "eval/accuracy", "eval/pass@1")
+SAME = ("train/loss", "train/grad_norm", "train/tokens", "rollout/reward_mean",
+        "rollout/problems_total", "rollout/completion_len", "eval/accuracy", "eval/pass@1")
 
 
 @pytest.fixture(autouse=True, scope="module")

@@ -397,13 +397,16 @@ def test_token_in_token_out_generate_equals_the_engine(setup, engine):
     stop = generation_stop_ids(setup["tok"])
     mine = engine.generate(PROMPTS[:2], greedy(stop, max_tokens=8))
     for prompt, ours in zip(PROMPTS[:2], mine):
-        r = post(setup, "/inference/v1/generate", {"model": "tiny", "token_ids": prompt, "sampling_params": {
-            "max_tokens": 8, "temperature": 0.0, "logprobs": 0, "n": 1, "skip_special_tokens": False,
-            "cache_salt": "x", "priority": 0, "routed_experts_prompt_start": None}})
+        sampling = {"max_tokens": 8, "temperature": 0.0, "logprobs": 0, "n": 1,
+                    "skip_special_tokens": False, "cache_salt": "x", "priority": 0,
+                    "routed_experts_prompt_start": None}
+        r = post(setup, "/inference/v1/generate", {"model": "tiny", "token_ids": prompt,
+                                                   "sampling_params": sampling})
         assert r.status_code == 200, r.text
         body = r.json()
         (choice,) = body["choices"]
-        assert body["prompt_token_ids"] == prompt and choice["token_ids"] == list(ours.completion_tokens)
+        assert body["prompt_token_ids"] == prompt
+        assert choice["token_ids"] == list(ours.completion_tokens)
         assert [c["token"] for c in choice["logprobs"]["content"]] == \
             [f"token_id:{t}" for t in ours.completion_tokens]
         assert [c["logprob"] for c in choice["logprobs"]["content"]] == \
@@ -460,8 +463,8 @@ def test_weights_over_a_process_group_reach_a_running_server(setup):
     # the server then samples exactly what an engine on b samples, at the next version
     from weight_sync import ServerWeights
     root, api, stop = setup["root"], setup["api"], generation_stop_ids(setup["tok"])
-    before = httpx.get(setup["server"].url + "/v1/models",
-                       headers={"Authorization": f"Bearer {KEY}"}).json()["data"][0]["weight_version"]
+    card = httpx.get(setup["server"].url + "/v1/models", headers={"Authorization": f"Bearer {KEY}"})
+    before = card.json()["data"][0]["weight_version"]
     b = load_hf_checkpoint(str(root / "b")).state_dict()
     push = ServerWeights([setup["server"].url], b, bucket_mb=0.01, api_key=KEY)   # 10 KiB buckets
     embed = next(k for k in b if "embed" in k)
@@ -471,7 +474,8 @@ def test_weights_over_a_process_group_reach_a_running_server(setup):
     assert push.send(b) == [before + 1]
     r = api.completions.create(model="tiny", prompt=PROMPTS[0], max_tokens=8, temperature=0,
                                logprobs=0, extra_body=EXTRA)
-    ref = InferenceEngine(EngineConfig(model_path=str(root / "b"), max_model_len=256, num_blocks=64))
+    ref = InferenceEngine(EngineConfig(model_path=str(root / "b"), max_model_len=256,
+                                       num_blocks=64))
     want = ref.generate([PROMPTS[0]], greedy(stop))[0]
     assert r.choices[0].model_extra["token_ids"] == list(want.completion_tokens)
     assert r.choices[0].logprobs.token_logprobs == pytest.approx(list(want.logprobs), abs=1e-5)

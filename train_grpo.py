@@ -1,11 +1,12 @@
 """
-GRPO, the main job: the policy samples groups of answers (or multi-turn episodes) with the in-process
-engine, the task's reward scores them, and the shared loss pushes up those that beat their group's mean.
+GRPO, the main job: the policy samples groups of answers (or multi-turn episodes) with the
+in-process engine, the task's reward scores them, and the shared loss pushes up those that beat
+their group's mean.
 
     python train_grpo.py config/qwen_small.py
     python train_grpo.py config/qwen_small.py --max_iters=20 --out_dir=out/try
     python train_grpo.py config/qwen_small.py --init_from=resume          # continue a killed run exactly
-    python train_grpo.py config/countdown_feedback.py                      # multi-turn, your own task
+    python train_grpo.py config/countdown_feedback.py                      # a multi-turn task
     torchrun --standalone --nproc_per_node=2 train_grpo.py config/qwen_small.py   # data-parallel, one engine each
     torchrun --standalone --nproc_per_node=2 train_grpo.py config/qwen_small.py --rollout_ranks=1 \
         --max_staleness=1 --tis_cap=2       # rank 1 only samples, a step ahead of rank 0's training (rollout_ranks.py)
@@ -21,13 +22,14 @@ One iteration:
      each prompt prefilled once, its G samples sharing its KV blocks; a multi-turn task's episodes
      go on, the environment's answer appended by ids, until it says they are over; every sampled
      token carries the weight version that produced it;
-  3. rewards: the task's (the setting `task`), 0 for a reply that did not stop by itself (truncated);
+  3. rewards: the task's (setting `task`), 0 for a reply that did not stop by itself (truncated);
      advantages = reward - group mean (divided by the group std only when scale_rewards=True: Dr.
      GRPO shows the division biases toward easy/hard groups); a group whose rewards are all equal
      teaches nothing: it is dropped and counted (rollout/zero_var_groups), and the sampler's record
      makes its problem rarer; one rollout call per step, never a refill;
-  4. token_weights = advantage x loss mask (1 on sampled tokens), packed into PackedBatches; the loss normalizer is
-     fixed now (loss_norm, below); then the per-token no-grad corrections fold into the weights: TIS
+  4. token_weights = advantage x loss mask (1 on sampled tokens), packed into PackedBatches; the
+     loss normalizer is fixed now (loss_norm, below); then the per-token no-grad corrections fold
+     into the weights: TIS
      (tis_cap > 0) and the KL to the starting policy (kl_coef > 0), from a logprob pass that runs
      only for them; the shared training.train_step (unified_loss) takes one step;
   5. engine.update_weights(model.state_dict()): in place, version += 1, prefix cache flushed (a version per
@@ -112,7 +114,7 @@ rollout_ranks = 0            # the last K ranks only sample, the others only tra
 max_staleness = 0            # rollout j samples with the weights after iteration j - s; s >= 1 needs tis_cap > 0
 weight_bucket_mb = 64.0      # bucket size of the trainer-to-workers (and -servers) weight broadcast
 # rollouts from running serve.py processes (rollout_servers.py)
-rollout_urls = ""            # 'http://host:port[,http://...]': they sample, the trainer pushes weights
+rollout_urls = ""            # 'http://host:port[,...]': they sample, the trainer pushes weights
 rollout_api_key = ""         # the servers' --api_key
 # evaluation (with the engine; 'test' is for the final comparison only)
 eval_split = "val"           # 'val' | 'test'
@@ -425,10 +427,10 @@ def check_settings(config):
              f": only rollout ranks sample ahead of the trainer; set rollout_ranks too (or max_staleness=0)")
     _require(config["max_staleness"] == 0 or config["tis_cap"] > 0, f"max_staleness={config['max_staleness']} "
              f"trains on samples of older weights: set tis_cap > 0 (e.g. 2) so that TIS corrects them")
-    _require(not config["rollout_urls"] or (config["rollout_ranks"] == 0 and config["max_staleness"] == 0
-                                            and distributed.world() == 1),
-             f"rollout_urls={config['rollout_urls']!r}: serve.py rollouts run one trainer process at "
-             f"staleness 0 (no rollout_ranks, max_staleness=0, no torchrun) in this version")
+    alone = (config["rollout_ranks"], config["max_staleness"], distributed.world()) == (0, 0, 1)
+    _require(not config["rollout_urls"] or alone,
+             f"rollout_urls={config['rollout_urls']!r}: serve.py rollouts run one trainer "
+             f"process at staleness 0 (no rollout_ranks, max_staleness=0, no torchrun) for now")
     _require(type(config["weight_bucket_mb"]) in (int, float) and config["weight_bucket_mb"] > 0,
              f"weight_bucket_mb={config['weight_bucket_mb']!r}: expected a number > 0")
     _require(config["eval_split"] in ("val", "test"), f"eval_split={config['eval_split']!r}: expected 'val' or 'test'")

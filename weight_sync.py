@@ -147,7 +147,8 @@ class PeerGroup:
     at master_address:master_port: the trainer is rank 0, the servers ranks 1..world_size - 1.
     Making one blocks until every rank has made its own (gloo on CPU, NCCL on CUDA)."""
 
-    def __init__(self, master_address, master_port, rank, world_size, backend="gloo", timeout_s=300):
+    def __init__(self, master_address, master_port, rank, world_size, backend="gloo",
+                 timeout_s=300):
         timeout = timedelta(seconds=timeout_s)
         self.rank, self.world_size = rank, world_size
         store = dist.TCPStore(master_address, master_port, world_size, is_master=rank == 0,
@@ -206,7 +207,7 @@ class ServerWeights:
         self.sync = WeightSync(state, src=0, bucket_mb=bucket_mb, group=self.group)
 
     def post(self, url, path, body):
-        """POST body to url + path; a refusal raises ValueError naming the url and the server's reason."""
+        """POST body to url + path; a refusal raises ValueError naming the url and the reason."""
         try:
             r = httpx.post(url + path, json=body, headers=self.headers, timeout=self.timeout_s)
         except httpx.HTTPError as e:
