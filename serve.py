@@ -567,6 +567,18 @@ async def update_weights_from_distributed(server, http, body):
 # the app
 
 
+POST_ENDPOINTS = {
+    "/v1/completions": completions,
+    "/v1/chat/completions": chat_completions,
+    "/inference/v1/generate": generate_tokens,
+    "/tokenize": tokenize,
+    "/detokenize": detokenize,
+    "/update_weights_from_disk": update_weights_from_disk,
+    "/init_weights_update_group": init_weights_update_group,
+    "/update_weights_from_distributed": update_weights_from_distributed,
+}
+
+
 def build_app(server) -> FastAPI:
     @contextlib.asynccontextmanager
     async def lifespan(app):
@@ -603,13 +615,7 @@ def build_app(server) -> FastAPI:
             return out if isinstance(out, Response) else JSONResponse(out)
         app.post(path)(run)
 
-    for handler, path in ((completions, "/v1/completions"),
-                          (chat_completions, "/v1/chat/completions"),
-                          (generate_tokens, "/inference/v1/generate"),
-                          (tokenize, "/tokenize"), (detokenize, "/detokenize"),
-                          (update_weights_from_disk, "/update_weights_from_disk"),
-                          (init_weights_update_group, "/init_weights_update_group"),
-                          (update_weights_from_distributed, "/update_weights_from_distributed")):
+    for path, handler in POST_ENDPOINTS.items():
         endpoint(path, handler)
 
     @app.get("/health")
