@@ -25,7 +25,7 @@ def _one_thread():
     torch.set_num_threads(n)
 
 
-def assert_same(a, b, rel=1e-5):
+def assert_same(a, b, rel=1e-5, at_least=20):
     ra, rb = metrics(a), metrics(b)
     assert [r["iter"] for r in ra] == [r["iter"] for r in rb]
     checked = 0
@@ -34,7 +34,7 @@ def assert_same(a, b, rel=1e-5):
             if k in x:
                 assert abs(x[k] - y[k]) <= rel * max(abs(x[k]), 1e-3), (x["iter"], k, x[k], y[k])
                 checked += 1
-    assert checked >= 20
+    assert checked >= at_least
 
 
 @pytest.fixture(scope="module")
@@ -92,3 +92,22 @@ def test_a_killed_server_fails_the_step_naming_it_and_resume_continues(colocated
     resumed = {r["iter"]: r for r in metrics(out) if "train/loss" in r}
     for it in (3, 4, 5):
         assert resumed[it]["train/loss"] == pytest.approx(full[it]["train/loss"], rel=1e-5)
+
+
+def test_multi_turn_episodes_through_a_server_step_like_the_colocated_run(tmp_path):
+    # test_environment's multi-turn task: every turn of every episode goes through the server
+    from conftest import write_task
+    from test_environment import AGAIN_TASK
+    again = write_task(str(tmp_path), AGAIN_TASK, "again.py")
+    args = [MODEL, f"--task={again}", "--max_iters=3", "--ckpt_interval=3", "--eval_interval=3",
+            "--prompts_per_step=8", "--max_turns=3", "--max_new_tokens=40",
+            "--max_episode_tokens=160", "--pass_k=0"]
+    train_grpo.main(tiny_config(tmp_path / "one", *args))
+    server = Served(tmp_path / "one" / "ckpt", "--enable_weight_updates=True")
+    try:
+        train_grpo.main(tiny_config(tmp_path / "served", *args, f"--rollout_urls={server.url}"))
+    finally:
+        server.stop()
+    assert_same(tmp_path / "one", tmp_path / "served", at_least=8)
+    assert max(r["rollout/turns_mean"] for r in metrics(tmp_path / "served")
+               if "rollout/turns_mean" in r) > 1
