@@ -199,6 +199,9 @@ class RolloutRanks:
         return {"perf/weight_sync_wait_s": waited, "perf/weight_sync_s": seconds,
                 "perf/weight_sync_GBps": nbytes / seconds / 1e9}
 
+    def data_state(self):
+        return self.sampler.state_dict()   # it follows every rollout it takes
+
     def eval_engine(self, model):
         """The trainers' own engine (for evaluation only), brought up to the trainer's weights."""
         if self._evaluated != self.version:

@@ -13,12 +13,16 @@ through servers samples what the colocated run samples. After each optimizer ste
 its weights to every server over a process group of their own (weight_sync.ServerWeights); the
 first push, at start, makes the servers serve the trainer's starting weights whatever they loaded.
 
-Staleness 0 only: rollout j is sampled with the weights after iteration j - 1. A server that is down
-or answers an error fails the step naming its URL; the run's last checkpoint is untouched, and
+Bounded staleness as rollout_ranks.py defines it (Servers): with max_staleness=0 rollout j is
+sampled with the weights after iteration j - 1, the colocated run's samples; with 1 the servers
+sample the next rollout while the trainer trains (tis_cap corrects it). A server that is down or
+answers an error fails the step naming its URL; the run's last checkpoint is untouched, and
 --init_from=resume continues once the server is back.
 """
 
 import dataclasses
+import queue
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -70,17 +74,23 @@ class RemoteEngine:
         samples = []
         for i in range(len(response["choices"])):
             s = sample_from_response(response, i)
-            versions = (s.weight_version,) * len(s.completion_tokens)
-            samples.append(dataclasses.replace(s, sample_index=i % n, token_versions=versions))
+            # the trainer's count of versions (a server counts its own, from its start)
+            versions = (self.version,) * len(s.completion_tokens)
+            samples.append(dataclasses.replace(s, sample_index=i % n, weight_version=self.version,
+                                               token_versions=versions))
         return samples
 
 
 class Servers:
     """train_grpo's rollout source when serve.py processes sample (the interface of
-    train_grpo.Colocated): groups(it) samples rollout it through RemoteEngine, publish(model)
-    pushes the new weights to every server; the trainer's own engine only evaluates."""
+    train_grpo.Colocated). One thread of this process drives the servers, rollout after rollout,
+    with rollout_ranks.py's schedule: rollout j is sampled with the weights after iteration j - s
+    (s = max_staleness; the starting weights while j - s is before the start), so with s >= 1 the
+    servers sample rollout j + 1 while the trainer trains on rollout j. publish() hands each new
+    version to that thread, which pushes it to every server between two rollouts, never inside
+    one. The trainer's own engine only evaluates."""
 
-    def __init__(self, config, env, sampler, model, engine, version, rollout):
+    def __init__(self, config, env, sampler, model, engine, version, rollout, start_iter):
         urls = [u.strip().rstrip("/") for u in config["rollout_urls"].split(",") if u.strip()]
         self.config, self.env, self.sampler, self.rollout = config, env, sampler, rollout
         self.engine, self.version, self._evaluated = engine, version, version
@@ -89,17 +99,52 @@ class Servers:
                                   api_key=config["rollout_api_key"])
         self.push.send(model.state_dict())     # the servers serve the trainer's starting weights
         self.remote.version = version
+        self.weights, self.rollouts = queue.Queue(), queue.Queue()
+        self.state = sampler.state_dict()      # the sampler's record after the last rollout taken
+        threading.Thread(target=self.drive, args=(start_iter,), daemon=True).start()
+
+    def drive(self, start_iter):
+        """The servers' side of the schedule, on its own thread: push the weights rollout j is due,
+        sample it, hand it over (with the sampler's record after it, what a checkpoint saves)."""
+        try:
+            weights_of = start_iter            # the servers hold the weights after this iteration
+            for j in range(start_iter, self.config["max_iters"]):
+                pushed = 0.0
+                while weights_of < j - self.config["max_staleness"]:
+                    t0 = time.perf_counter()
+                    self.push.send(self.weights.get())
+                    weights_of, self.remote.version = weights_of + 1, self.remote.version + 1
+                    pushed += time.perf_counter() - t0
+                groups, _, metrics = self.rollout(self.remote, self.env, self.sampler, self.config,
+                                                  j)
+                metrics["perf/weight_sync_s"] = pushed
+                self.rollouts.put((groups, metrics, self.sampler.state_dict()))
+        except Exception as e:                      # the trainer raises it in groups()
+            self.rollouts.put(e)
 
     def groups(self, it):
-        groups, _, metrics = self.rollout(self.remote, self.env, self.sampler, self.config, it)
+        """Rollout it, waiting for it if the servers are still on it."""
+        t0 = time.perf_counter()
+        out = self.rollouts.get()
+        if isinstance(out, Exception):
+            raise out
+        groups, metrics, self.state = out
+        lags = [self.version - v for _, _, samples, _ in groups for s in samples
+                for v in s.token_versions] or [0]
+        metrics.update({"rollout/staleness_max": max(lags), "perf/rollout_wait_s":
+                        time.perf_counter() - t0})
         return groups, metrics
 
+    def data_state(self):
+        return self.state
+
     def publish(self, model, it):
-        t0 = time.perf_counter()
-        self.push.send(model.state_dict())
+        """After iteration it: a copy of the new weights for the servers, if a later rollout is
+        due them."""
         self.version += 1
-        self.remote.version = self.version
-        return {"perf/weight_sync_s": time.perf_counter() - t0}
+        if it + 1 + self.config["max_staleness"] < self.config["max_iters"]:
+            self.weights.put({k: v.detach().clone() for k, v in model.state_dict().items()})
+        return {}
 
     def eval_engine(self, model):
         """The trainer's own engine (for evaluation only), brought up to the trainer's weights."""

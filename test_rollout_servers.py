@@ -54,8 +54,10 @@ def test_one_and_two_servers_sample_what_the_colocated_run_samples(colocated):
         one = f"--rollout_urls={servers[0].url}"
         train_grpo.main(tiny_config(tmp / "served", *args, one))
         assert_same(tmp / "one", tmp / "served")
-        rows = [r for r in metrics(tmp / "served") if "perf/weight_sync_s" in r]
-        assert [r["iter"] for r in rows] == [1, 2, 3, 4, 5]
+        rows = [r for r in metrics(tmp / "served") if "train/loss" in r]
+        # rollout j waited for the weights after iteration j - 1: pushed before it, never inside
+        assert [r["perf/weight_sync_s"] > 0 for r in rows] == [False, True, True, True, True]
+        assert all(r["rollout/staleness_max"] == 0 for r in rows)
         both = f"--rollout_urls={servers[0].url},{servers[1].url}"   # each samples half
         train_grpo.main(tiny_config(tmp / "two", *args, both))
         assert_same(tmp / "one", tmp / "two")
@@ -111,3 +113,17 @@ def test_multi_turn_episodes_through_a_server_step_like_the_colocated_run(tmp_pa
     assert_same(tmp_path / "one", tmp_path / "served", at_least=8)
     assert max(r["rollout/turns_mean"] for r in metrics(tmp_path / "served")
                if "rollout/turns_mean" in r) > 1
+
+
+def test_staleness_one_samples_the_next_rollout_while_training(colocated):
+    tmp, args = colocated
+    server = Served(tmp / "one" / "ckpt", "--enable_weight_updates=True")
+    try:
+        train_grpo.main(tiny_config(tmp / "stale", *args, "--max_staleness=1", "--tis_cap=2",
+                                    f"--rollout_urls={server.url}"))
+    finally:
+        server.stop()
+    rows = [r for r in metrics(tmp / "stale") if "rollout/staleness_max" in r]
+    # rollouts 0 and 1 with the starting weights, rollout j >= 1 with those after iteration j - 1
+    assert [r["rollout/staleness_max"] for r in rows] == [0, 1, 1, 1, 1]
+    assert all(r["train/logprob_mismatch"] > 1e-4 for r in rows[1:] if "train/loss" in r)

@@ -364,6 +364,9 @@ class Colocated:
     def eval_engine(self, model):
         return self.engine
 
+    def data_state(self):
+        return self.sampler.state_dict()
+
 
 def grpo_step(source, run, reference, config, it):
     """Iteration it: rollout (from source), build batches, normalizer, corrections, one optimizer step (none when
@@ -423,14 +426,15 @@ def check_settings(config):
              f"loss_norm={config['loss_norm']!r}: expected 'constant', 'tokens' or 'weights'")
     for name in ("rollout_ranks", "max_staleness"):
         _require(type(config[name]) is int and config[name] >= 0, f"{name}={config[name]!r}: expected an int >= 0")
-    _require(config["max_staleness"] == 0 or config["rollout_ranks"] > 0, f"max_staleness={config['max_staleness']}"
-             f": only rollout ranks sample ahead of the trainer; set rollout_ranks too (or max_staleness=0)")
+    _require(config["max_staleness"] == 0 or config["rollout_ranks"] > 0 or config["rollout_urls"],
+             f"max_staleness={config['max_staleness']}: only rollout ranks or servers sample ahead "
+             f"of the trainer; set rollout_ranks or rollout_urls too (or max_staleness=0)")
     _require(config["max_staleness"] == 0 or config["tis_cap"] > 0, f"max_staleness={config['max_staleness']} "
              f"trains on samples of older weights: set tis_cap > 0 (e.g. 2) so that TIS corrects them")
-    alone = (config["rollout_ranks"], config["max_staleness"], distributed.world()) == (0, 0, 1)
+    alone = (config["rollout_ranks"], distributed.world()) == (0, 1)
     _require(not config["rollout_urls"] or alone,
-             f"rollout_urls={config['rollout_urls']!r}: serve.py rollouts run one trainer "
-             f"process at staleness 0 (no rollout_ranks, max_staleness=0, no torchrun) for now")
+             f"rollout_urls={config['rollout_urls']!r}: serve.py rollouts run with one trainer "
+             f"process (no rollout_ranks, no torchrun) for now")
     _require(type(config["weight_bucket_mb"]) in (int, float) and config["weight_bucket_mb"] > 0,
              f"weight_bucket_mb={config['weight_bucket_mb']!r}: expected a number > 0")
     _require(config["eval_split"] in ("val", "test"), f"eval_split={config['eval_split']!r}: expected 'val' or 'test'")
@@ -524,7 +528,7 @@ def main(config):
     engine = make_engine(run.model, env, start, sampler, eval_problems, config)
     version = engine.get_weight_version()
     if config["rollout_urls"]:
-        source = Servers(config, env, sampler, run.model, engine, version, rollout)
+        source = Servers(config, env, sampler, run.model, engine, version, rollout, start.iter_num)
     elif roles is not None:
         source = ranks.RolloutRanks(config, roles, run.model, sampler, engine, version)
     else:
@@ -552,7 +556,7 @@ def main(config):
             distributed.check_in_sync(run.model)
             if distributed.is_main():
                 save_checkpoint(config["out_dir"], run.model, run.optimizer, run.start.tokenizer, done, config,
-                                sampler.state_dict(),
+                                source.data_state(),
                                 extra={"weight_version": source.version, "best": best,
                                        "meter": meter.state_dict()})
     run.logger.close()
