@@ -3,7 +3,8 @@ Tasks and environments: what a trainer needs from a task, and the episodes it ru
 
 A task is a Python file with the functions below; every stage and evaluate.py take it as a setting:
 
-    python train_grpo.py config/qwen_small.py --task=task_feedback     # a module name or a .py path
+    python train_grpo.py config/qwen_small.py --task=task_jsonl.py     # a module name or a .py path
+    python train_grpo.py config/countdown_feedback.py   # task_feedback, max_turns=3, ...
 
     task = load_task("task_jsonl.py")
     env = Environment(task, tokenizer, max_new_tokens=16, max_turns=1)
@@ -16,15 +17,20 @@ single-turn task over a JSONL file, task_feedback.py a multi-turn one):
     make_problems(split, n=None) -> list       the problems of 'train', 'val' or 'test', in a
                                                fixed order (the first n of them); any objects
     prompt_messages(problem) -> list[dict]     the chat that opens an episode ({role, content})
-    reward(problem, completion_text) -> float  the score of a single reply (its decoded text,
-                                               special tokens kept; an end-of-turn may close it)
+    reward(problem, completion_text) -> float  the score of a single reply (its decoded text
+                                               without the closing end-of-turn), in [0, 1]: 1 is
+                                               solved (pass@k, success by turn, the sampler's
+                                               record and RFT count those)
   multi-turn, optional (a task without them has one-reply episodes):
     env_response(problem, messages) -> list[dict] | None
                                                what the environment says after the conversation
                                                so far (its last message is the model's reply),
                                                or None: the episode is over
-    episode_reward(problem, messages) -> float the score of a whole episode (without it: the
-                                               reward of the last reply)
+    episode_reward(problem, messages) -> float the score of a whole episode, in [0, 1] (without
+                                               it: the reward of the last reply)
+  env_response and episode_reward get a copy of the conversation; they must be functions of it
+  (under torchrun every rank runs them and must agree). A multi-turn run sets max_turns > 1 and
+  max_episode_tokens.
   optional extras, for the stages around GRPO:
     pretrain_corpus(n_docs, seed) -> list[str] pretrain.py's documents
     sft_examples(seed, fraction) -> list[list[dict]]   sft.py's demonstrations (conversations)
@@ -43,14 +49,18 @@ Only sampled ids carry loss weight (mask 1); the environment's and the template'
   - when the next turn would not fit in max_episode_tokens (every id after the first prompt,
     with room for a whole max_new_tokens reply): the environment's message is dropped and the
     task scores the episode so far.
-A function of the task that raises fails the rollout with a RuntimeError naming the function, the
-problem and the turn; nothing of the trainer's state has changed by then.
+A function of the task that raises, or returns what the contract does not allow (a reward that is
+not a finite number, messages that are not a list of {role, content}), fails the rollout with a
+RuntimeError naming the function, the problem and the turn; nothing of the trainer's state has
+changed by then.
 """
 
 import dataclasses
 import importlib
 import importlib.util
+import math
 import os
+import sys
 
 import distributed
 from engine import SamplingParams, TrainingSample
@@ -65,22 +75,34 @@ def load_task(spec):
     file. Refused with a ValueError naming what is missing."""
     if not isinstance(spec, str) or not spec:
         raise ValueError(f"task={spec!r}: expected a module name or a path to a .py file")
-    if spec.endswith(".py"):
-        if not os.path.isfile(spec):
-            raise ValueError(f"task={spec!r}: no such file")
-        name = "task_" + os.path.splitext(os.path.basename(spec))[0]
-        module_spec = importlib.util.spec_from_file_location(name, spec)
-        module = importlib.util.module_from_spec(module_spec)
-        module_spec.loader.exec_module(module)
-    else:
-        try:
-            module = importlib.import_module(spec)
-        except ModuleNotFoundError as e:
-            raise ValueError(f"task={spec!r}: no module of that name ({e})") from e
+    if spec.endswith(".py") and not os.path.isfile(spec):
+        raise ValueError(f"task={spec!r}: no such file")
+    try:
+        module = import_file(spec) if spec.endswith(".py") else importlib.import_module(spec)
+    except ModuleNotFoundError as e:
+        if e.name != spec:                     # the task itself imports something missing
+            raise ValueError(f"task={spec!r} raised while loading: {type(e).__name__}: {e}") from e
+        raise ValueError(f"task={spec!r}: no module of that name") from e
+    except Exception as e:
+        raise ValueError(f"task={spec!r} raised while loading: {type(e).__name__}: {e}") from e
     missing = [f for f in REQUIRED if not callable(getattr(module, f, None))]
     if missing:
         raise ValueError(f"task={spec!r} ({module.__file__}) lacks {', '.join(missing)}: a task "
                          f"defines {', '.join(REQUIRED)} (environment.py)")
+    return module
+
+
+def import_file(path):
+    """The module of a .py file, importable as its own modules are: its folder joins sys.path and
+    the module is registered (dataclasses and pickling look it up there)."""
+    folder = os.path.dirname(os.path.abspath(path))
+    if folder not in sys.path:
+        sys.path.insert(0, folder)
+    name = "task_" + os.path.splitext(os.path.basename(path))[0]
+    module_spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(module_spec)
+    sys.modules[name] = module
+    module_spec.loader.exec_module(module)
     return module
 
 
@@ -89,10 +111,27 @@ def offers(task, name):
     return callable(getattr(task, name, None))
 
 
+def solved(reward):
+    """A reward of 1 (the most a task gives) is a solved problem."""
+    return reward >= 1.0
+
+
 def call(task, name, problem, turn, *args):
-    """task.name(problem, *args), a raise turned into a RuntimeError naming where it happened."""
+    """task.name(problem, *args), checked against the contract: a raise, or a value the contract
+    does not allow, becomes a RuntimeError naming the function, the problem and the turn."""
     try:
-        return getattr(task, name)(problem, *args)
+        out = getattr(task, name)(problem, *args)
+        if name in ("reward", "episode_reward"):
+            if isinstance(out, bool) or not isinstance(out, (int, float)) or not math.isfinite(out):
+                raise ValueError(f"returned {out!r}: a reward is a finite number in [0, 1]")
+            return float(out)
+        if name == "prompt_messages" or name == "env_response" and out is not None:
+            if not (isinstance(out, list) and out and all(
+                    isinstance(m, dict) and isinstance(m.get("role"), str) and
+                    isinstance(m.get("content"), str) for m in out)):
+                raise ValueError(f"returned {out!r}: expected a non-empty list of "
+                                 f"{{'role', 'content'}} dicts" + (" or None" if turn else ""))
+        return out
     except Exception as e:
         raise RuntimeError(f"the task's {name} raised on problem {problem!r} at turn {turn}: "
                            f"{type(e).__name__}: {e}") from e
@@ -143,28 +182,37 @@ class Environment:
     trainers and the evaluation run episodes with."""
 
     def __init__(self, task, tokenizer, max_new_tokens, max_turns=1, max_episode_tokens=0):
+        if max_turns > 1 and not offers(task, "env_response"):
+            raise ValueError(f"max_turns={max_turns}: the task {task.__name__!r} has no "
+                             f"env_response, so its episodes are one reply; use max_turns=1")
+        if max_turns > 1 and max_episode_tokens <= max_new_tokens:
+            raise ValueError(f"max_episode_tokens={max_episode_tokens}: a multi-turn episode "
+                             f"(max_turns={max_turns}) needs room for more than one reply of "
+                             f"max_new_tokens={max_new_tokens}")
         self.task, self.tokenizer = task, tokenizer
         self.max_new_tokens, self.max_turns = max_new_tokens, max_turns
         # single-turn: an episode is one reply
         self.max_episode_tokens = max_episode_tokens if max_turns > 1 else max_new_tokens
         self.stop = frozenset({tokenizer.eos_token_id})
+        self._stub = None                        # the template's fixed ids around a turn (turn_ids)
 
-    def prompt_ids(self, problems):
-        """The chat-template ids of each problem's first prompt, made once: these exact ids go to
-        the engine and into the training batch."""
-        return [chat_prompt_ids(self.tokenizer, self.task.prompt_messages(p)) for p in problems]
+    def prompts(self, problems):
+        """Each problem's opening messages and their chat-template ids, made once: these exact ids
+        go to the engine and into the training batch."""
+        messages = [call(self.task, "prompt_messages", p, 0) for p in problems]
+        return messages, [chat_prompt_ids(self.tokenizer, m) for m in messages]
 
     def max_len(self, problems):
         """The longest sequence an episode over these problems can reach: prompt + budget."""
-        return max(map(len, self.prompt_ids(problems))) + self.max_episode_tokens
+        return max(map(len, self.prompts(problems)[1])) + self.max_episode_tokens
 
     def episodes(self, engine, problems, num_samples=1, temperature=0.0, seed=None):
         """num_samples episodes per problem (consecutive), run to their end. Turn 1 samples each
         prompt num_samples times (one prefill, shared blocks); each later turn continues the
         episodes still going, by ids, from the engine's prefix cache. Seeded: turn t's draws
         are a function of (seed, t, the episode's place among those still going)."""
-        prompts = self.prompt_ids(problems)
-        episodes = [Episode(p, list(self.task.prompt_messages(p)), prompts[i])
+        messages, prompts = self.prompts(problems)
+        episodes = [Episode(p, list(messages[i]), prompts[i])
                     for i, p in enumerate(problems) for _ in range(num_samples)]
         params = SamplingParams(temperature=temperature, max_tokens=self.max_new_tokens,
                                 stop_token_ids=self.stop, seed=seed)
@@ -191,14 +239,18 @@ class Environment:
         if s.finish_reason != "stop":
             e.done, e.reward = True, 0.0
             return
-        text = completion_text(self.tokenizer, s.completion_tokens)
-        e.messages.append({"role": "assistant", "content": self.reply_content(s)})
+        text = self.reply_content(s)
+        e.messages.append({"role": "assistant", "content": text})
         if not offers(self.task, "env_response"):
-            e.done, e.reward = True, float(call(self.task, "reward", e.problem, turn, text))
+            e.done, e.reward = True, call(self.task, "reward", e.problem, turn, text)
             return
         new = None if turn >= self.max_turns else call(self.task, "env_response", e.problem, turn,
-                                                       e.messages)
-        more = None if new is None else self.turn_ids(new, s.completion_tokens[-1])
+                                                       list(e.messages))
+        try:
+            more = None if new is None else self.turn_ids(new, s.completion_tokens[-1])
+        except (ValueError, TypeError) as err:
+            raise RuntimeError(f"the task's env_response on problem {e.problem!r} at turn {turn}: "
+                               f"{err}") from err
         fits = more is not None and \
             len(e.ids) + len(more) + self.max_new_tokens <= self.max_episode_tokens
         if fits:
@@ -209,12 +261,14 @@ class Environment:
             e.versions += [e.versions[-1]] * len(more)
             return
         e.done = True
-        e.reward = float(call(self.task, "episode_reward", e.problem, turn, e.messages)
-                         if offers(self.task, "episode_reward") else
-                         call(self.task, "reward", e.problem, turn, text))
+        if offers(self.task, "episode_reward"):
+            e.reward = call(self.task, "episode_reward", e.problem, turn, list(e.messages))
+        else:
+            e.reward = call(self.task, "reward", e.problem, turn, text)
 
     def reply_content(self, s):
-        """A reply as the conversation holds it: its text without the closing stop token."""
+        """A finished reply as the reward and the conversation see it: its text without the closing
+        stop token (other special tokens kept, so '3*<|im_start|>5+7' is not '3*5+7')."""
         return completion_text(self.tokenizer, s.completion_tokens[:-1])
 
     def turn_ids(self, new_messages, stop_id):
@@ -222,19 +276,18 @@ class Environment:
         of the assistant turn's closing, the new messages, the assistant header. Rendered on a stub
         conversation, so earlier replies are never re-tokenized. E.g. ChatML, after <|im_end|>:
             \\n <|im_start|>user\\n= 22, target 23<|im_end|>\\n <|im_start|>assistant\\n"""
-        if not isinstance(new_messages, list):
-            raise TypeError(f"env_response must return a list of messages or None, got "
-                            f"{new_messages!r}")
         _check_messages(self.tokenizer, new_messages)
         stub = [{"role": "user", "content": "x"}, {"role": "assistant", "content": ""}]
-        opened = chat_prompt_ids(self.tokenizer, stub[:1])
-        closed = self.render(stub, False)
+        if self._stub is None:                   # the same for every turn: made once
+            opened, closed = chat_prompt_ids(self.tokenizer, stub[:1]), self.render(stub, False)
+            assert closed[:len(opened)] == opened, "the chat template is not prefix-stable"
+            self._stub = closed, closed[len(opened):]   # e.g. <|im_end|> \n after the reply
+        closed, closing = self._stub
         whole = self.render(stub + list(new_messages), True)
-        if closed[:len(opened)] != opened or whole[:len(closed)] != closed:
+        if whole[:len(closed)] != closed:
             raise ValueError("the chat template is not prefix-stable: a multi-turn episode cannot "
                              "be built by ids with it")
-        closing = closed[len(opened):]      # e.g. <|im_end|> \n: the sampled stop is its first id
-        if closing and closing[0] == stop_id:
+        if closing and closing[0] == stop_id:   # the sampled stop is the closing's first id
             closing = closing[1:]
         return closing + whole[len(closed):]
 

@@ -16,8 +16,7 @@ A task's hand-written baseline, when it offers one, is scored by the same reward
     python evaluate.py heuristic test out/heuristic --task=task
 
 A reply scores only if it stopped by itself: one cut off at max_new_tokens scores 0 whatever its
-text
-(environment.py), in training and in evaluation alike. pass@k is sampled at the temperature the
+text (environment.py), in training and in evaluation alike. pass@k is sampled at the temperature the
 policy is trained at (the rollouts'), so it measures the distribution GRPO shapes.
 """
 
@@ -27,7 +26,7 @@ import sys
 
 import numpy as np
 
-from environment import load_task, offers
+from environment import load_task, offers, solved
 from engine import EngineConfig, InferenceEngine
 from model import train_flops
 
@@ -78,7 +77,7 @@ def accuracy_metrics(task, problems, rewards):
 
 def turn_metrics(episodes, max_turns):
     """eval/success_by_turn_k: the share of episodes that ended right within k turns."""
-    right = np.array([e.reward > 0 for e in episodes])
+    right = np.array([solved(e.reward) for e in episodes])
     turns = np.array([e.turns for e in episodes])
     return {f"eval/success_by_turn_{t}": float((right & (turns <= t)).mean())
             for t in range(1, max_turns + 1)}
@@ -99,7 +98,7 @@ def evaluate(engine, env, problems, pass_k, temperature, seed):
         metrics.update(turn_metrics(episodes, env.max_turns))
     if pass_k > 0:
         sampled = env.episodes(engine, problems, pass_k, temperature, seed)
-        right = np.array([e.reward > 0 for e in sampled]).reshape(len(problems), pass_k)
+        right = np.array([solved(e.reward) for e in sampled]).reshape(len(problems), pass_k)
         metrics["eval/pass@1"] = float(right.mean())
         metrics[f"eval/pass@{pass_k}"] = float(right.max(axis=1).mean())
     return metrics, outcomes

@@ -48,10 +48,11 @@ def encode_rollout(iteration, draw, groups, metrics):
     """(data float64, names uint8); draw is the sampler's (problem indices, successes). data, e.g.
     for a draw of n problems and one kept group of 2 samples of a 3-token prompt:
         [iteration, n, *indices, *successes, num_metrics, *metric values, num_groups,
-         3, p0, p1, p2, 2,                                          prompt length, prompt ids, group size
-         r, stopped, n, *n token ids, *n logprobs, *n versions, *n mask,   sample 0 (reward,
-         r, stopped, n, ...]                                   finish reason 'stop' = 1), sample 1
-    (the mask is 1 on sampled ids, 0 on a multi-turn episode's environment ids)"""
+         3, p0, p1, p2, 2,                       prompt length, prompt ids, group size
+         r, stopped, n, *n token ids, *n logprobs, *n versions, *n mask,     sample 0
+         r, stopped, n, ...]                                                 sample 1
+    (r the reward, stopped 1 for finish reason 'stop'; the mask is 1 on sampled ids, 0 on a
+    multi-turn episode's environment ids)"""
     indices, successes = draw
     data = [iteration, len(indices), *indices, *successes, len(metrics), *metrics.values(),
             len(groups)]

@@ -33,7 +33,7 @@ import training
 from checkpoint import init_start, save_best
 from configurator import configure, print0
 from engine import sampled_mask
-from environment import Environment, load_task, offers
+from environment import Environment, load_task, offers, solved
 from tokenizer import build_tokenizer, chat_example
 
 # -----------------------------------------------------------------------------
@@ -96,7 +96,7 @@ def rejection_samples(model, env, problems):
     engine.shutdown()
     samples, kept = [e.sample() for e in episodes], {}
     for i, (e, s) in enumerate(zip(episodes, samples)):
-        if e.reward == 1.0:
+        if solved(e.reward):
             kept.setdefault((i // rft_samples, s.completion_tokens), s)
     examples = [(list(s.prompt_tokens) + list(s.completion_tokens),
                  [0] * len(s.prompt_tokens) + list(sampled_mask(s))) for s in kept.values()]

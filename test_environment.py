@@ -292,3 +292,51 @@ def test_a_bad_jsonl_row_is_refused_naming_file_line_and_field(tmp_path, line, n
     path.write_text('{"split": "train", "prompt": "1+1=", "answer": "2"}\n' + line + "\n")
     with pytest.raises(ValueError, match=f"{path}, {named}"):
         task_jsonl.load_rows(str(path))
+
+
+def test_a_task_file_imports_its_neighbours_and_bad_returns_are_named(tmp_path, tok):
+    # a task file next to a module of its own, with a dataclass under postponed annotations
+    (tmp_path / "my_rows.py").write_text("ROWS = {'train': ['ab', 'cd']}\n")
+    path = write_task(str(tmp_path), '''from __future__ import annotations
+from dataclasses import dataclass
+from my_rows import ROWS
+
+
+@dataclass(frozen=True)
+class Item:
+    text: str
+
+
+def make_problems(split, n=None):
+    return [Item(t) for t in ROWS[split]][:n]
+
+
+def prompt_messages(item):
+    return [{"role": "user", "content": item.text}]
+
+
+def reward(item, completion_text):
+    return BAD if item.text == "cd" else float(completion_text == item.text[::-1])
+''', "rev.py")
+    rev = load_task(path)
+    assert rev.make_problems("train")[0] == rev.Item("ab")
+    env = Environment(rev, tok, max_new_tokens=8)
+    # the reward reads the reply without its closing <|im_end|>
+    (e,) = env.episodes(Scripted(tok, [("ba", True)]), rev.make_problems("train", 1))
+    assert e.reward == 1.0
+    for bad in ("float('nan')", "None", "'1'"):
+        rev.BAD = eval(bad)
+        named = r"reward raised on problem Item\(text='cd'\) at turn 1: ValueError: returned"
+        with pytest.raises(RuntimeError, match=named + " .*finite number"):
+            env.episodes(Scripted(tok, [("dc", True)]), rev.make_problems("train")[1:])
+    # an environment that answers [] (neither messages nor None) is named too
+    silent = load_task(write_task(str(tmp_path), AGAIN_TASK.replace(
+        '[{"role": "user", "content": "again"}]', '[]'), "silent.py"))
+    env = Environment(silent, tok, max_new_tokens=8, max_turns=2, max_episode_tokens=40)
+    with pytest.raises(RuntimeError, match="env_response raised .* at turn 1: ValueError: returned "
+                                           r"\[\]"):
+        env.episodes(Scripted(tok, [("1+2", True)]), task.make_problems("train", 1))
+    with pytest.raises(ValueError, match="max_episode_tokens=0: a multi-turn episode"):
+        Environment(silent, tok, max_new_tokens=8, max_turns=2)
+    with pytest.raises(ValueError, match="raised while loading: ModuleNotFoundError"):
+        load_task(write_task(str(tmp_path), "import no_such_thing\n", "broken_import.py"))

@@ -29,9 +29,9 @@ One iteration:
      makes its problem rarer; one rollout call per step, never a refill;
   4. token_weights = advantage x loss mask (1 on sampled tokens), packed into PackedBatches; the
      loss normalizer is fixed now (loss_norm, below); then the per-token no-grad corrections fold
-     into the weights: TIS
-     (tis_cap > 0) and the KL to the starting policy (kl_coef > 0), from a logprob pass that runs
-     only for them; the shared training.train_step (unified_loss) takes one step;
+     into the weights: TIS (tis_cap > 0) and the KL to the starting policy (kl_coef > 0), from a
+     logprob pass that runs only for them; the shared training.train_step (unified_loss) takes
+     one step;
   5. engine.update_weights(model.state_dict()): in place, version += 1, prefix cache flushed (a version per
      iteration, even one without a step);
   then log, evaluate on the validation split (every eval_interval) and checkpoint (with the
@@ -64,7 +64,7 @@ import evaluate
 import rollout_ranks as ranks
 import training
 from rollout_servers import Servers
-from environment import Environment, load_task, offers
+from environment import Environment, load_task, solved
 from checkpoint import init_start, load_model, model_dir_of, save_best, save_checkpoint
 from configurator import configure, print0
 from engine import EngineConfig, SamplingParams, sampled_mask
@@ -248,7 +248,7 @@ def rollout(engine, env, sampler, config, it):
     gen_time = time.perf_counter() - t0
     rewards = [e.reward for e in episodes]
     samples = [e.sample() for e in episodes]
-    successes = [int(sum(r > 0 for r in rewards[j * G:(j + 1) * G])) for j in range(len(problems))]
+    successes = [sum(map(solved, rewards[j * G:(j + 1) * G])) for j in range(len(problems))]
     sampler.record(indices, successes, G)
     flat = zero_variance_groups(rewards, G).tolist()
     kept = [(problems[j], samples[j * G].prompt_tokens, samples[j * G:(j + 1) * G],
@@ -415,10 +415,6 @@ def check_settings(config):
                       ("max_episode_tokens", 0)):
         _require(type(config[name]) is int and config[name] >= low, f"{name}={config[name]!r}: expected an int "
                                                                      f">= {low}")
-    _require(config["max_turns"] == 1 or config["max_episode_tokens"] > config["max_new_tokens"],
-             f"max_episode_tokens={config['max_episode_tokens']}: a multi-turn episode (max_turns="
-             f"{config['max_turns']}) needs room for more than one reply of max_new_tokens="
-             f"{config['max_new_tokens']}")
     for name in ("tis_cap", "kl_coef"):
         _require(type(config[name]) in (int, float) and config[name] >= 0, f"{name}={config[name]!r}: expected a "
                                                                            f"number >= 0 (0 = off)")
@@ -510,9 +506,6 @@ def main(config):
     check_settings(config)
     roles = distributed.split_roles(config["rollout_ranks"]) if config["rollout_ranks"] else None
     the_task = load_task(config["task"])
-    _require(config["max_turns"] == 1 or offers(the_task, "env_response"),
-             f"max_turns={config['max_turns']}: the task {config['task']!r} has no env_response, "
-             f"so its episodes are one reply; use max_turns=1")
     start = init_start(config, build_tokenizer)
     env = Environment(the_task, start.tokenizer, config["max_new_tokens"], config["max_turns"],
                       config["max_episode_tokens"])
