@@ -2,7 +2,7 @@
 Everything on disk: the Hugging Face format of a model, and the training checkpoints built on it.
 
     from checkpoint import load_hf_checkpoint, save_hf_checkpoint     # also importable from model
-    model = load_hf_checkpoint("path/to/hf_dir")                      # qwen3_moe or qwen3, fp32 on cpu by default
+    model = load_hf_checkpoint("path/to/hf_dir")       # qwen3_moe, qwen3, qwen2, llama; fp32 on cpu
     save_hf_checkpoint(model, "out/hf")                               # AutoModelForCausalLM loads it back
 
     save_checkpoint(out_dir, model, optimizer, tok, iter_num, config, data_state)    # {out_dir}/ckpt, atomically
@@ -39,17 +39,43 @@ from tokenizer import generation_stop_ids, load_tokenizer, save_tokenizer
 # config.json <-> ModelConfig
 
 
+# the families of one Transformer: model_type -> ModelConfig flags (model.py), and what each allows
+FAMILIES = {
+    "qwen3_moe": dict(family="qwen3", qk_norm=True, rope=("default", "yarn")),
+    "qwen3": dict(family="qwen3", qk_norm=True, rope=("default", "yarn")),
+    "qwen2": dict(family="qwen2", qk_norm=False, qkv_bias=True, rope=("default",)),
+    "llama": dict(family="llama", qk_norm=False, rope=("default", "llama3")),
+}
+
+
+def rope_of(d):
+    """(rope_theta, rope_type, the scaling's other keys) of a config.json, either spelling:
+    transformers 5's rope_parameters, or rope_theta + rope_scaling."""
+    rope = dict(d.get("rope_parameters") or d.get("rope_scaling") or {})
+    kind = rope.pop("rope_type", rope.pop("type", "default"))
+    theta = float(rope.pop("rope_theta", d.get("rope_theta", 10000.0)))
+    if rope.pop("partial_rotary_factor", 1.0) != 1.0:
+        raise ValueError("partial_rotary_factor != 1 is not supported (RoPE over the whole head)")
+    return theta, kind, rope if kind != "default" else {}
+
+
 def config_from_hf(d) -> ModelConfig:
-    """A transformers config.json (qwen3_moe or qwen3) -> ModelConfig. Unsupported variants are refused."""
+    """A transformers config.json (qwen3_moe, qwen3, qwen2 or llama) -> ModelConfig. Unsupported
+    variants are refused, naming the model_type and what is missing."""
     model_type = d.get("model_type")
-    if model_type not in ("qwen3_moe", "qwen3"):
-        raise ValueError(f"unsupported model_type {model_type!r}: expected 'qwen3_moe' or 'qwen3'")
-    if d.get("use_sliding_window"):
-        raise ValueError("use_sliding_window=True is not supported (full attention only)")
-    rope = d.get("rope_parameters") or d.get("rope_scaling") or {}
-    rope_type = rope.get("rope_type", rope.get("type", "default"))
-    if rope_type != "default":
-        raise ValueError(f"rope_type {rope_type!r} is not supported (default RoPE only)")
+    if model_type not in FAMILIES:
+        raise ValueError(f"unsupported model_type {model_type!r}: expected one of "
+                         f"{sorted(FAMILIES)}")
+    flags = dict(FAMILIES[model_type])
+    if d.get("use_sliding_window") or (model_type == "llama" and d.get("sliding_window")):
+        raise ValueError(f"{model_type}: sliding-window attention is not supported (full "
+                         f"attention only)")
+    if d.get("mlp_bias") or d.get("hidden_act", "silu") != "silu":
+        raise ValueError(f"{model_type}: only a bias-free SiLU MLP is supported (mlp_bias="
+                         f"{d.get('mlp_bias')}, hidden_act={d.get('hidden_act')!r})")
+    theta, rope_type, scaling = rope_of(d)
+    if rope_type not in flags.pop("rope"):
+        raise ValueError(f"{model_type}: rope_type {rope_type!r} is not supported for this family")
     is_moe = model_type == "qwen3_moe"
     eos = d.get("eos_token_id")
     return ModelConfig(
@@ -63,7 +89,8 @@ def config_from_hf(d) -> ModelConfig:
         num_experts_per_tok=d.get("num_experts_per_tok", 1) if is_moe else 1,
         norm_topk_prob=d.get("norm_topk_prob", False), decoder_sparse_step=d.get("decoder_sparse_step", 1),
         mlp_only_layers=tuple(d.get("mlp_only_layers", ())), rms_norm_eps=d.get("rms_norm_eps", 1e-6),
-        rope_theta=float(d.get("rope_theta", rope.get("rope_theta", 10000.0))),
+        rope_theta=theta, rope_scaling=dict(scaling, rope_type=rope_type) if scaling else (),
+        **flags,
         tie_word_embeddings=d.get("tie_word_embeddings", False), attention_bias=d.get("attention_bias", False),
         max_position_embeddings=d.get("max_position_embeddings", 4096),
         router_aux_loss_coef=d.get("router_aux_loss_coef", 0.001), bos_token_id=d.get("bos_token_id"),
@@ -73,19 +100,27 @@ def config_from_hf(d) -> ModelConfig:
 
 def config_to_hf(cfg: ModelConfig) -> dict:
     """ModelConfig -> a config.json dict, built by transformers' own config class (so transformers reads it)."""
-    from transformers import Qwen3Config, Qwen3MoeConfig
-    kw = {k: v for k, v in asdict(cfg).items() if k != "num_experts"}
+    from transformers import LlamaConfig, Qwen2Config, Qwen3Config, Qwen3MoeConfig
+    kw = {k: v for k, v in asdict(cfg).items()
+          if k not in ("num_experts", "family", "qk_norm", "qkv_bias", "rope_scaling")}
     kw["mlp_only_layers"] = list(cfg.mlp_only_layers)
-    kw["rope_parameters"] = {"rope_type": "default", "rope_theta": kw.pop("rope_theta")}
+    kw["rope_parameters"] = {"rope_type": "default", "rope_theta": kw.pop("rope_theta"),
+                             **dict(cfg.rope_scaling)}
     if cfg.num_experts > 0:
         hf = Qwen3MoeConfig(num_experts=cfg.num_experts, **kw)
         hf.architectures = ["Qwen3MoeForCausalLM"]
+        return hf.to_dict()
+    for k in ("moe_intermediate_size", "num_experts_per_tok", "norm_topk_prob",
+              "decoder_sparse_step", "mlp_only_layers", "router_aux_loss_coef"):
+        kw.pop(k)
+    if cfg.family == "qwen2":
+        kw.pop("attention_bias")          # Qwen2's q, k, v always have biases, o never
+        hf, arch = Qwen2Config(**kw), "Qwen2ForCausalLM"
+    elif cfg.family == "llama":
+        hf, arch = LlamaConfig(mlp_bias=False, **kw), "LlamaForCausalLM"
     else:
-        for k in ("moe_intermediate_size", "num_experts_per_tok", "norm_topk_prob", "decoder_sparse_step",
-                  "mlp_only_layers", "router_aux_loss_coef"):
-            kw.pop(k)
-        hf = Qwen3Config(**kw)
-        hf.architectures = ["Qwen3ForCausalLM"]
+        hf, arch = Qwen3Config(**kw), "Qwen3ForCausalLM"
+    hf.architectures = [arch]
     return hf.to_dict()
 
 
@@ -114,11 +149,16 @@ def hf_weight_shapes(cfg: ModelConfig):
         p = f"model.layers.{i}."
         shapes.update({p + "input_layernorm.weight": (H,), p + "post_attention_layernorm.weight": (H,),
                        p + "self_attn.q_proj.weight": (Hq * D, H), p + "self_attn.k_proj.weight": (Hkv * D, H),
-                       p + "self_attn.v_proj.weight": (Hkv * D, H), p + "self_attn.o_proj.weight": (H, Hq * D),
-                       p + "self_attn.q_norm.weight": (D,), p + "self_attn.k_norm.weight": (D,)})
-        if cfg.attention_bias:
+                       p + "self_attn.v_proj.weight": (Hkv * D, H),
+                       p + "self_attn.o_proj.weight": (H, Hq * D)})
+        if cfg.qk_norm:
+            shapes.update({p + "self_attn.q_norm.weight": (D,),
+                           p + "self_attn.k_norm.weight": (D,)})
+        if cfg.attention_bias or cfg.qkv_bias:
             shapes.update({p + "self_attn.q_proj.bias": (Hq * D,), p + "self_attn.k_proj.bias": (Hkv * D,),
-                           p + "self_attn.v_proj.bias": (Hkv * D,), p + "self_attn.o_proj.bias": (H,)})
+                           p + "self_attn.v_proj.bias": (Hkv * D,)})
+        if cfg.attention_bias:
+            shapes[p + "self_attn.o_proj.bias"] = (H,)
         if cfg.is_moe_layer(i):
             I = cfg.moe_intermediate_size
             shapes[p + "mlp.gate.weight"] = (E, H)
@@ -195,7 +235,7 @@ def _names(names):
 
 def load_hf_checkpoint(path, device="cpu", dtype=torch.float32) -> Transformer:
     """Load a local transformers directory (config.json + safetensors, sharded or not) of model_type
-    qwen3_moe or qwen3. Every name and shape is checked before anything is copied."""
+    qwen3_moe, qwen3, qwen2 or llama. Every name and shape is checked before anything is copied."""
     dtype = as_dtype(dtype)
     cfg = load_config(path)
     hf = read_safetensors(path)

@@ -11,7 +11,7 @@ import warnings
 
 import pytest
 import torch
-from transformers import Qwen3ForCausalLM, Qwen3MoeForCausalLM
+from transformers import AutoModelForCausalLM
 
 
 def randomise(hf_model, seed=0):
@@ -30,11 +30,10 @@ def randomise(hf_model, seed=0):
 
 
 def write_hf_checkpoint(hf_config, path, seed=0):
-    """(hf_model, path): a randomised transformers model of hf_config (Qwen3 or Qwen3-MoE), written to path by
-    transformers' own save_pretrained."""
+    """(hf_model, path): a randomised transformers model of hf_config (Qwen3, Qwen3-MoE, Qwen2,
+    Llama), written to path by transformers' own save_pretrained."""
     torch.manual_seed(seed)
-    cls = Qwen3ForCausalLM if hf_config.model_type == "qwen3" else Qwen3MoeForCausalLM
-    hf = randomise(cls(hf_config), seed)
+    hf = randomise(AutoModelForCausalLM.from_config(hf_config), seed)
     hf.save_pretrained(path)
     return hf, path
 

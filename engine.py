@@ -305,10 +305,13 @@ class InferenceEngine:
         check_fits(prompt, params, num_samples, self.cache, self.max_model_len, "prompt")
         return self._add(prompt, params, num_samples, index)
 
-    def generate(self, prompts, params: SamplingParams, num_samples_per_prompt: int = 1, first_index: int = 0) -> list:
+    def generate(self, prompts, sampling_params: SamplingParams, num_samples_per_prompt: int = 1,
+                 first_index: int = 0) -> list:
         """Samples for every prompt, in request order: prompt 0 samples 0..G-1, prompt 1 ... Each prompt is
         prefilled once and its blocks shared by its G samples. Every input is checked before anything is queued.
-        With params.seed, prompt i draws as prompt first_index + i of one big call would (a rank's slice of it)."""
+        With a seed, prompt i draws as prompt first_index + i of one big call would (a rank's slice
+        of it)."""
+        params = sampling_params
         self._check_request(params, num_samples_per_prompt, "num_samples_per_prompt")
         _require(_is_int(first_index) and first_index >= 0, f"first_index must be an int >= 0, got {first_index!r}")
         checked = check_prompts(prompts, self.model.config.vocab_size, self.max_model_len)

@@ -2,7 +2,7 @@
 A Qwen3-style transformer (MoE or dense) that matches Hugging Face transformers to fp32 rounding.
 
     from model import ModelConfig, Transformer, load_hf_checkpoint, save_hf_checkpoint
-    model = load_hf_checkpoint("path/to/hf_dir")                   # qwen3_moe or qwen3, fp32 on cpu by default
+    model = load_hf_checkpoint("path/to/hf_dir")    # qwen3_moe, qwen3, qwen2, llama; fp32 on cpu
     logits, aux_loss = model(tokens, position_ids, cu_seqlens)     # a packed batch: [T], [T], [N+1] int32
     save_hf_checkpoint(model, "out/hf")                            # AutoModelForCausalLM loads it back
 
@@ -15,9 +15,13 @@ PagedAttention that reads the paged KV cache. The HF format on disk lives in che
 Semantics follow transformers' modeling_qwen3_moe.py line by line where it matters for the numbers:
 RMSNorm in fp32, per-head q/k RMSNorm before RoPE, half-split RoPE, GQA, router softmax (fp32) then top-k,
 renormalised only when `norm_topk_prob`, SwiGLU experts, dense MLP layers where `mlp_only_layers` /
-`decoder_sparse_step` say so, the Switch-style load-balancing loss.
+`decoder_sparse_step` say so, the Switch-style load-balancing loss. The other families users bring
+are flags of the same model (ModelConfig.family, set from config.json by checkpoint.py): Qwen2 has
+biases on q, k and v and no q/k norm; Llama 3 has no q/k norm and its 'llama3' RoPE scaling; Qwen3
+may carry YaRN scaling (rope_frequencies).
 """
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -53,7 +57,12 @@ class ModelConfig:
     rms_norm_eps: float = 1e-6
     rope_theta: float = 1_000_000.0
     tie_word_embeddings: bool = False
-    attention_bias: bool = False
+    attention_bias: bool = False           # biases on q, k, v and o (Qwen3's / Llama's)
+    # the families users bring are flags of this one model, set from config.json (checkpoint.py)
+    family: str = "qwen3"                  # 'qwen3' | 'qwen2' | 'llama' (with experts: qwen3_moe)
+    qk_norm: bool = True                   # per-head RMSNorm of q and k before RoPE (Qwen3 only)
+    qkv_bias: bool = False                 # biases on q, k and v only (Qwen2)
+    rope_scaling: tuple = ()               # sorted (key, value) pairs; rope_type 'llama3' | 'yarn' 
     max_position_embeddings: int = 4096
     router_aux_loss_coef: float = 0.001
     bos_token_id: int | None = None
@@ -63,6 +72,16 @@ class ModelConfig:
     def __post_init__(self):
         # json gives lists; a frozen config wants hashable tuples
         object.__setattr__(self, "mlp_only_layers", tuple(int(i) for i in self.mlp_only_layers))
+        if isinstance(self.rope_scaling, dict):
+            object.__setattr__(self, "rope_scaling", tuple(sorted(self.rope_scaling.items())))
+        object.__setattr__(self, "rope_scaling", tuple(tuple(kv) for kv in self.rope_scaling))
+        _require(self.family in ("qwen3", "qwen2", "llama"),
+                 f"ModelConfig.family must be 'qwen3', 'qwen2' or 'llama', got {self.family!r}")
+        _require(self.family == "qwen3" or not self.num_experts,
+                 f"ModelConfig: experts are Qwen3-MoE's, not {self.family}'s")
+        _require(dict(self.rope_scaling).get("rope_type", "llama3") in ("llama3", "yarn"),
+                 f"ModelConfig.rope_scaling: rope_type must be 'llama3' or 'yarn', got "
+                 f"{dict(self.rope_scaling).get('rope_type')!r}")
         for name in ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
                      "num_key_value_heads", "head_dim", "decoder_sparse_step"):
             value = getattr(self, name)
@@ -80,7 +99,7 @@ class ModelConfig:
 
     @property
     def model_type(self):
-        return "qwen3_moe" if self.num_experts > 0 else "qwen3"
+        return "qwen3_moe" if self.num_experts > 0 else self.family
 
 
 def as_dtype(dtype):
@@ -113,12 +132,57 @@ class RMSNorm(nn.Module):
         return rms_norm(x, self.weight, self.eps)
 
 
-def rope_cos_sin(position_ids, head_dim, theta, dtype):
+def rope_frequencies(cfg: ModelConfig):
+    """(inv_freq [head_dim / 2], the factor cos and sin are scaled by), for default RoPE and the two
+    scalings a checkpoint may carry, computed as transformers' modeling_rope_utils does:
+      llama3: frequencies whose wavelength exceeds original_max_position_embeddings /
+              low_freq_factor are divided by factor, those below .../high_freq_factor kept, those
+              between blended;
+      yarn:   per dimension, a ramp between extrapolation (1 / base^(2i/d)) and interpolation (the
+              same / factor) over the dimensions that rotate beta_slow..beta_fast times in the
+              original context; cos and sin scaled by 0.1 ln(factor) + 1 (or attention_factor)."""
+    D, base, s = cfg.head_dim, cfg.rope_theta, dict(cfg.rope_scaling)
+    pos_freqs = base ** (torch.arange(0, D, 2, dtype=torch.float) / D)
+    inv_freq, kind = 1.0 / pos_freqs, s.get("rope_type", "default")
+    if kind == "llama3":
+        factor, old = s["factor"], s["original_max_position_embeddings"]
+        lo_f, hi_f = s["low_freq_factor"], s["high_freq_factor"]
+        low, high = old / lo_f, old / hi_f                   # wavelengths
+        wavelen = 2 * math.pi / inv_freq
+        scaled = torch.where(wavelen > low, inv_freq / factor, inv_freq)
+        smooth = (old / wavelen - lo_f) / (hi_f - lo_f)
+        blended = (1 - smooth) * scaled / factor + smooth * scaled
+        return torch.where((wavelen >= high) & (wavelen <= low), blended, scaled), 1.0
+    if kind == "yarn":
+        old = s.get("original_max_position_embeddings") or cfg.max_position_embeddings
+        factor = s.get("factor") or cfg.max_position_embeddings / old
+        scale = s.get("attention_factor") or \
+            _yarn_mscale(factor, s.get("mscale"), s.get("mscale_all_dim"))
+
+        def dim_of(rotations):   # the dimension turning this many times over the original context
+            return D * math.log(old / (rotations * 2 * math.pi)) / (2 * math.log(base))
+        lo, hi = dim_of(s.get("beta_fast") or 32), dim_of(s.get("beta_slow") or 1)
+        if s.get("truncate", True):
+            lo, hi = math.floor(lo), math.ceil(hi)
+        lo, hi = max(lo, 0), min(hi, D - 1)
+        ramp = ((torch.arange(D // 2, dtype=torch.float) - lo) / ((hi - lo) or 0.001)).clamp(0, 1)
+        return (1.0 / (factor * pos_freqs)) * ramp + inv_freq * (1 - ramp), scale
+    return inv_freq, 1.0
+
+
+def _yarn_mscale(factor, mscale, mscale_all_dim):
+    def get(scale, m=1):
+        return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
+    if mscale and mscale_all_dim:
+        return get(factor, mscale) / get(factor, mscale_all_dim)
+    return get(factor)
+
+
+def rope_cos_sin(position_ids, inv_freq, scale, dtype):
     """cos/sin tables [T, head_dim] for half-split RoPE; angles in fp32, then cast like transformers."""
-    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float, device=position_ids.device) / head_dim))
-    freqs = position_ids.float()[:, None] * inv_freq[None, :]
+    freqs = position_ids.float()[:, None] * inv_freq.to(position_ids.device)[None, :]
     emb = torch.cat((freqs, freqs), dim=-1)
-    return emb.cos().to(dtype), emb.sin().to(dtype)
+    return (emb.cos() * scale).to(dtype), (emb.sin() * scale).to(dtype)
 
 
 def apply_rope(x, cos, sin):
@@ -133,12 +197,14 @@ class Attention(nn.Module):
         super().__init__()
         self.layer_idx = layer_idx
         self.n_head, self.n_kv_head, self.head_dim = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
-        self.q_proj = nn.Linear(cfg.hidden_size, self.n_head * self.head_dim, bias=cfg.attention_bias)
-        self.k_proj = nn.Linear(cfg.hidden_size, self.n_kv_head * self.head_dim, bias=cfg.attention_bias)
-        self.v_proj = nn.Linear(cfg.hidden_size, self.n_kv_head * self.head_dim, bias=cfg.attention_bias)
+        qkv_bias = cfg.attention_bias or cfg.qkv_bias
+        self.q_proj = nn.Linear(cfg.hidden_size, self.n_head * self.head_dim, bias=qkv_bias)
+        self.k_proj = nn.Linear(cfg.hidden_size, self.n_kv_head * self.head_dim, bias=qkv_bias)
+        self.v_proj = nn.Linear(cfg.hidden_size, self.n_kv_head * self.head_dim, bias=qkv_bias)
         self.o_proj = nn.Linear(self.n_head * self.head_dim, cfg.hidden_size, bias=cfg.attention_bias)
-        self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)   # per head, before RoPE
-        self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
+        if cfg.qk_norm:
+            self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)   # per head, before RoPE
+            self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
 
     def forward(self, x, cos, sin, attention):
         # q, k and v in one matmul, and q and k normalised and rotated together as one [T, n_head + n_kv_head, D]
@@ -149,8 +215,11 @@ class Attention(nn.Module):
         bias = torch.cat([p.bias for p in projs]) if self.q_proj.bias is not None else None
         qkv = F.linear(x, torch.cat([p.weight for p in projs]), bias).view(T, Hq + 2 * Hkv, D)
         qk, v = qkv.split([Hq + Hkv, Hkv], dim=1)       # split, not slices: its backward is one cat, no zeros
-        norm_w = torch.cat((self.q_norm.weight.expand(Hq, D), self.k_norm.weight.expand(Hkv, D)))  # per head
-        qk = apply_rope(rms_norm(qk, norm_w, self.q_norm.eps), cos, sin)    # q_norm and k_norm share cfg's eps
+        if hasattr(self, "q_norm"):   # Qwen3: q and k normalised per head (they share cfg's eps)
+            norm_w = torch.cat((self.q_norm.weight.expand(Hq, D),
+                                self.k_norm.weight.expand(Hkv, D)))
+            qk = rms_norm(qk, norm_w, self.q_norm.eps)
+        qk = apply_rope(qk, cos, sin)
         q, k = qk.split([Hq, Hkv], dim=1)
         y = attention(self.layer_idx, q, k, v)                    # [T, n_head, head_dim]
         return self.o_proj(y.reshape(T, self.n_head * self.head_dim))
@@ -274,6 +343,7 @@ class Transformer(nn.Module):
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         # a tied head reads the embedding matrix; an untied one has its own
         self.lm_head = None if config.tie_word_embeddings else nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self._rope = None                  # (inv_freq, cos/sin scale), on first use
         self.apply(self._init_weights)
 
     @staticmethod
@@ -315,7 +385,9 @@ class Transformer(nn.Module):
                 cu_seqlens = torch.tensor([0, T], dtype=torch.int32)
             attention = DocumentCausalAttention(cu_seqlens, T, tokens.device, branch=branch)
         x = self.embed_tokens(tokens)
-        cos, sin = rope_cos_sin(position_ids, self.config.head_dim, self.config.rope_theta, x.dtype)
+        if self._rope is None:   # made once per model: a function of its config only
+            self._rope = rope_frequencies(self.config)
+        cos, sin = rope_cos_sin(position_ids, *self._rope, x.dtype)
         router_logits = []
         for layer in self.layers:
             x, r = layer(x, cos, sin, attention)

@@ -45,14 +45,14 @@ class RemoteEngine:
     def get_weight_version(self):
         return self.version
 
-    def generate(self, prompts, params, num_samples_per_prompt=1, first_index=0):
+    def generate(self, prompts, sampling_params, num_samples_per_prompt=1, first_index=0):
         """The samples of every prompt, in request order (prompt 0 samples 0..n-1, prompt 1 ...),
         each server sampling a contiguous share: e.g. 5 prompts on 2 servers -> 0-1 and 2-4."""
         k = len(self.urls)
         shares = [(i * len(prompts) // k, (i + 1) * len(prompts) // k) for i in range(k)]
         with ThreadPoolExecutor(k) as pool:
             parts = pool.map(lambda a: self.sample(*a), [
-                (url, prompts[lo:hi], params, num_samples_per_prompt, first_index + lo)
+                (url, prompts[lo:hi], sampling_params, num_samples_per_prompt, first_index + lo)
                 for url, (lo, hi) in zip(self.urls, shares) if hi > lo])
             return [s for part in parts for s in part]
 

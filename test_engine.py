@@ -437,3 +437,45 @@ def test_bad_inputs_are_refused_and_change_nothing(moe):
             EngineConfig(model_path=path, **kw)
     assert outputs(engine.generate(PROMPTS[:3], params, 2)) == before
     assert engine.cache.num_free_blocks() == engine.cache.num_blocks
+
+
+def test_the_design_documents_usage_block_runs_as_written(moe):
+    # DESIGN.md's usage code, model path aside, with the names it leaves to the reader filled in
+    _, path = moe
+    import torch
+    from checkpoint import load_hf_checkpoint, save_hf_checkpoint
+    from engine import InferenceEngine, EngineConfig, SamplingParams
+    from engine import schedule, sample_with_logprobs, compute_block_hash, SchedulerConfig
+    prompts, eos = PROMPTS[:2], 2
+    tokens, position_ids = torch.tensor([1, 2, 3, 4]), torch.tensor([0, 1, 0, 1])
+    cu_seqlens = torch.tensor([0, 2, 4], dtype=torch.int32)
+
+    model = load_hf_checkpoint(path, device="cpu", dtype=torch.float32)   # -> Transformer
+    with torch.no_grad():
+        logits, aux_loss = model(tokens, position_ids, cu_seqlens)
+    save_hf_checkpoint(model, str(path) + "_saved")
+
+    engine = InferenceEngine(EngineConfig(model_path=path, cache_type="paged", block_size=16))
+    samples = engine.generate(prompts=prompts,
+                              sampling_params=SamplingParams(temperature=1.0, max_tokens=256,
+                                                             stop_token_ids=frozenset({eos})),
+                              num_samples_per_prompt=8)
+    for s in samples:
+        s.prompt_tokens, s.completion_tokens, s.logprobs, s.weight_version, s.finish_reason
+    assert len(samples) == 16 and [s.prompt_tokens for s in samples[:8]] == [tuple(prompts[0])] * 8
+    trainer_model = state_dict = model
+    engine.update_weights(trainer_model.state_dict(), blocking=True)
+    engine.update_weights(state_dict.state_dict(), blocking=False)
+    engine.get_weight_version(); engine.flush_cache(); engine.stats()
+    params = SamplingParams(temperature=0.0, max_tokens=4)
+    prompt = prompts[0]
+    seq_id = engine.add_request(prompt, params)
+    while engine.has_pending():
+        for s in engine.step():
+            assert s.seq_id == seq_id
+    assert engine.get_weight_version() == 2
+    engine.shutdown()
+    out = schedule([], [], 10, SchedulerConfig(8, 64, 16))
+    tokens, logprobs = sample_with_logprobs(logits[:, :], torch.ones(4))
+    h = compute_block_hash([1, 2, 3], None)
+    assert out.scheduled == () and tokens.shape == (4,) and isinstance(h, int)

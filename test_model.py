@@ -262,8 +262,8 @@ def test_unknown_and_missing_keys_are_named(moe_dir):
 
 def test_unsupported_model_type_and_corrupt_files(moe_dir):
     cfg = json.load(open(moe_dir / "config.json"))
-    json.dump({**cfg, "model_type": "llama"}, open(moe_dir / "config.json", "w"))
-    with pytest.raises(ValueError, match="llama"):
+    json.dump({**cfg, "model_type": "mistral"}, open(moe_dir / "config.json", "w"))
+    with pytest.raises(ValueError, match="mistral"):
         load_hf_checkpoint(str(moe_dir))
     json.dump(cfg, open(moe_dir / "config.json", "w"))
     with open(moe_dir / "model.safetensors", "r+b") as f:   # truncate the weights: a crash mid-copy
