@@ -51,7 +51,8 @@ def _is_number(x):
 
 @dataclass(frozen=True)
 class EngineConfig:
-    """How the engine runs. attention_backend='auto': FlexAttention on CUDA with compile=True, else 'sdpa'."""
+    """How the engine runs. attention_backend='auto': compiled FlexAttention on CUDA, SDPA on CPU
+    (where it is measured faster; see attention_choice)."""
     model_path: str | None = None        # a local HF directory; unused when a model is handed to InferenceEngine
     cache_type: str = "paged"            # 'paged' (block-hash prefix cache) | 'radix' (radix tree, one-token blocks)
     block_size: int = 16                 # tokens per KV block
@@ -63,7 +64,7 @@ class EngineConfig:
     max_num_batched_tokens: int = 2048   # new tokens in one step (prefill is chunked to fit)
     memory_fraction: float = 0.5         # of free memory for the KV pool when num_blocks is None
     attention_backend: str = "auto"      # 'sdpa' | 'flex' | 'auto'
-    compile: bool = False                # run FlexAttention through torch.compile (the CUDA path)
+    compile: bool | None = None          # FlexAttention through torch.compile; None: on CUDA only
     seed: int = 0                        # seeds the per-request sampling seeds
     weight_version: int = 0              # the version of the weights it starts with (a resumed trainer's)
 
@@ -239,6 +240,18 @@ def make_cache(config, num_blocks):
     return BlockAllocator(num_blocks, config.block_size)
 
 
+def attention_choice(device_type, backend, compile):
+    """(backend, compile) the engine runs: 'auto' is compiled FlexAttention on CUDA (the paged
+    kernel users run there) and SDPA on CPU, where bench.py measures it faster than eager flex;
+    compile=None compiles FlexAttention on CUDA only (on CPU the first compile costs tens of
+    seconds, paid once per process)."""
+    if backend == "auto":
+        backend = "flex" if device_type == "cuda" else "sdpa"
+    if compile is None:
+        compile = backend == "flex" and device_type == "cuda"
+    return backend, compile
+
+
 def own_copy(model, device, dtype):
     """The engine's own copy of a trainer's model, in its device and dtype: the trainer keeps stepping its
     parameters, and the engine must never alias them."""
@@ -279,9 +292,8 @@ class InferenceEngine:
         self.kv = PagedKVCache(model.config, self.cache.num_blocks, self.cache.block_size, self.device, self.dtype)
         self.scheduler_config = SchedulerConfig(config.max_batch_size, config.max_num_batched_tokens,
                                                 self.cache.block_size)
-        self.backend = config.attention_backend
-        if self.backend == "auto":
-            self.backend = "flex" if self.device.type == "cuda" and config.compile else "sdpa"
+        self.backend, self.compile = attention_choice(self.device.type, config.attention_backend,
+                                                      config.compile)
         self.version = config.weight_version
         self._staged = None                       # a non-blocking update waiting for the next step boundary
         self._updates_pending = 0                 # update_weights calls not applied yet (staged, or replaced unapplied)
@@ -366,7 +378,7 @@ class InferenceEngine:
             return out
         for seq, n in batch:                      # after the hits were taken: a fresh block may evict a named one
             self.cache.grow(seq, n)
-        logits, ready = paged_forward(self.model, self.kv, batch, self.backend, self.config.compile)
+        logits, ready = paged_forward(self.model, self.kv, batch, self.backend, self.compile)
         for seq, n in batch:                      # what this step computed: prefill (catching up) or decode
             self._stats["prefill_tokens" if seq.catching_up else "decode_tokens"] += n
         return out + self._postprocess(batch, logits, [batch[b][0] for b in ready])

@@ -479,3 +479,36 @@ def test_the_design_documents_usage_block_runs_as_written(moe):
     tokens, logprobs = sample_with_logprobs(logits[:, :], torch.ones(4))
     h = compute_block_hash([1, 2, 3], None)
     assert out.scheduled == () and tokens.shape == (4,) and isinstance(h, int)
+
+
+def test_attention_choice_is_compiled_flex_on_cuda_and_sdpa_on_cpu():
+    from engine import attention_choice
+    assert attention_choice("cuda", "auto", None) == ("flex", True)     # every entry point's
+    assert attention_choice("cpu", "auto", None) == ("sdpa", False)
+    assert attention_choice("cuda", "sdpa", None) == ("sdpa", False)    # still selectable
+    assert attention_choice("cpu", "flex", True) == ("flex", True)
+    assert attention_choice("cuda", "auto", False) == ("flex", False)
+
+
+def test_compiled_paged_flex_attention_on_cpu_matches_transformers(moe):
+    # the compiled kernel GPU users run, here on CPU: chunked prefill, decode, a prefix hit and a
+    # preemption (a pool too small for every sample at once), against transformers
+    hf, path = moe
+    engine = engine_for(path, attention_backend="flex", compile=True, num_blocks=12,
+                        max_num_batched_tokens=24)
+    params = SamplingParams(temperature=0, max_tokens=10)
+    for _ in range(2):                                    # the second pass hits the prefix cache
+        samples = engine.generate(PROMPTS, params, 2)
+    stats = engine.stats()
+    assert stats["prefix_cache_hit_tokens"] > 0 and stats["preemptions"] > 0, stats
+    assert stats["attention_backend"] == "flex"
+    with torch.no_grad():
+        for s in samples:
+            prompt, done = list(s.prompt_tokens), list(s.completion_tokens)
+            x = torch.tensor([prompt])
+            ref = hf.generate(x, attention_mask=torch.ones_like(x), do_sample=False,
+                              max_new_tokens=len(done), min_new_tokens=len(done), eos_token_id=None,
+                              pad_token_id=0)[0, len(prompt):].tolist()
+            assert done == ref
+            ref = hf_logprobs(hf, prompt, done)
+            assert (ref - torch.tensor(s.logprobs)).abs().max().item() < 1e-4

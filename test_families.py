@@ -1,7 +1,8 @@
 """
-The model families users bring, as flags of the one Transformer (model.py): Qwen2 (q/k/v biases, no q/k
-norm), Llama 3 (rope_scaling 'llama3', untied head), Qwen3 with YaRN, beside Qwen3 and Qwen3-MoE
-(test_model.py). Each against transformers on a random tiny checkpoint that transformers writes:
+The model families users bring, as flags of the one Transformer (model.py): Qwen2 (q/k/v
+biases, no q/k norm), Llama 3 (rope_scaling 'llama3', untied head), Qwen3 with YaRN, beside Qwen3
+and Qwen3-MoE (test_model.py). Each against transformers on a random tiny checkpoint that
+transformers writes:
 logits over a packed batch, the engine's greedy tokens against transformers' generate, the engine's
 logprobs against the trainer's, a save / load round trip transformers reads back, and one SFT step
 and one GRPO iteration (the trainers are family-blind).
@@ -82,8 +83,8 @@ def test_engine_greedy_equals_generate_and_logprobs_equal_the_trainers(family):
     model = load_hf_checkpoint(path)
     for s in engine.generate(PROMPTS, SamplingParams(temperature=0.8, max_tokens=12, seed=1), 2):
         seq = torch.tensor(list(s.prompt_tokens + s.completion_tokens))
-        lp = torch.log_softmax(model(seq, torch.arange(len(seq)))[0][len(s.prompt_tokens) - 1:-1] / 0.8,
-                               -1)
+        logits = model(seq, torch.arange(len(seq)))[0][len(s.prompt_tokens) - 1:-1]
+        lp = torch.log_softmax(logits / 0.8, -1)
         got = lp.gather(1, torch.tensor(s.completion_tokens)[:, None])[:, 0]
         assert (got - torch.tensor(s.logprobs)).abs().max().item() < 1e-5
 
