@@ -19,6 +19,7 @@ import itertools
 import math
 import os
 import random
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import numpy as np
@@ -175,9 +176,9 @@ def check_prompts(prompts, vocab_size, max_model_len):
     return [check_prompt(p, vocab_size, max_model_len, f"prompts[{i}]") for i, p in enumerate(prompts)]
 
 
-def check_state_dict(state_dict, params, dtype):
-    """The tensors of state_dict in params' order, after checking names, shapes, dtypes and that every value is
-    finite once cast to the engine's dtype; otherwise a ValueError / TypeError naming the tensor."""
+def check_layout(state_dict, params):
+    """The tensors of state_dict in params' order, after checking names, shapes and dtypes (cheap: no
+    value is read); otherwise a ValueError / TypeError naming the tensor."""
     _require(hasattr(state_dict, "keys") and hasattr(state_dict, "__getitem__"),
              f"state_dict must be a mapping of name -> tensor, got {type(state_dict).__name__}", TypeError)
     if state_dict.keys() != params.keys():
@@ -192,6 +193,12 @@ def check_state_dict(state_dict, params, dtype):
             raise ValueError(f"state_dict[{name!r}] has shape {tuple(t.shape)}, expected {tuple(ours.shape)}")
         if not t.dtype.is_floating_point:
             raise ValueError(f"state_dict[{name!r}] has dtype {t.dtype}, expected a floating dtype")
+    return tensors
+
+
+def check_values(tensors, params, dtype):
+    """tensors (check_layout's) when every value is finite once cast to the engine's dtype; otherwise a
+    ValueError naming the tensor. It reads every value: the costly half of the check."""
     # one read of each tensor, one sync: a sum is non-finite when a value is NaN/inf; where the cast to the
     # engine's dtype could overflow (fp32 -> fp16), the largest |value| must fit it. Only when that fails (or
     # finite values overflow a sum) does an exact check run, to name the tensor.
@@ -295,7 +302,8 @@ class InferenceEngine:
         self.backend, self.compile = attention_choice(self.device.type, config.attention_backend,
                                                       config.compile)
         self.version = config.weight_version
-        self._staged = None                       # a non-blocking update waiting for the next step boundary
+        self._staged = None                       # a non-blocking update (a Future) for the next step boundary
+        self._side = None                         # the thread that checks and copies it
         self._updates_pending = 0                 # update_weights calls not applied yet (staged, or replaced unapplied)
         self._rng = random.Random(config.seed)
         self._seq_ids, self._uids = itertools.count(), itertools.count(1)   # per request, per sample
@@ -360,9 +368,14 @@ class InferenceEngine:
     def step(self) -> list:
         """One schedule and one forward. Returns the samples that finished in this step."""
         self._check_open()
-        if self._staged is not None:
-            self._apply_weights(self._staged)
-            self._staged = None
+        if self._staged is not None:              # a non-blocking update: applied whole, here
+            staged, self._staged = self._staged, None
+            try:
+                tensors = staged.result()
+            except ValueError:
+                self._updates_pending -= 1        # refused: nothing changed
+                raise
+            self._apply_weights(tensors)
         out, self._undelivered = self._undelivered, []
         if not self.has_pending():
             return out
@@ -476,19 +489,32 @@ class InferenceEngine:
     # ---- weights
 
     def update_weights(self, state_dict, blocking: bool = True):
-        """Load new weights, checked first (check_state_dict: a bad state_dict raises and changes nothing).
-        blocking=True copies now; False snapshots now and copies at the next step boundary (a newer call replaces
-        an unapplied snapshot). Copies are in place: storage addresses and compiled graphs stay valid. The version
+        """Load new weights, checked first (a bad state_dict is refused and changes nothing).
+        blocking=True checks and copies now. blocking=False checks the layout now (names, shapes, dtypes:
+        a ValueError / TypeError here) and returns: the value check and the copy into the engine's dtype
+        and device run on a side thread, and the next step() applies the result whole (waiting for it if
+        it is still going), or raises the refusal (non-finite values) with the engine unchanged. The
+        tensors are the engine's to read until that step: do not change them in place before it (or pass
+        a copy). A newer call replaces an unapplied one. Copies are in place: storage addresses and compiled graphs stay valid. The version
         goes up by one per call and the prefix cache is emptied, so no KV of older weights is ever served to a new
         request; running sequences keep theirs (each token records the version that sampled it)."""
         self._check_open()
-        tensors = check_state_dict(state_dict, self._params, self.dtype)
-        self._updates_pending += 1      # one version per call, even when a newer call supersedes it unapplied
+        tensors = check_layout(state_dict, self._params)
         if blocking:
+            check_values(tensors, self._params, self.dtype)
             self._staged = None
+            self._updates_pending += 1   # one version per call, even when a newer call supersedes it unapplied
             self._apply_weights(tensors)
-        else:
-            self._staged = [t.detach().to(self.device, self.dtype, copy=True) for t in tensors]
+            return
+        if self._side is None:
+            self._side = ThreadPoolExecutor(1, thread_name_prefix="engine-weights")
+        self._updates_pending += 1
+        self._staged = self._side.submit(self._stage, tensors)
+
+    def _stage(self, tensors):
+        # on the side thread: the value check, then a copy in the engine's dtype and device
+        check_values(tensors, self._params, self.dtype)
+        return [t.detach().to(self.device, self.dtype, copy=True) for t in tensors]
 
     def _apply_weights(self, tensors):
         # one fused copy of every tensor (casting dtypes and crossing devices like copy_), in _params order
@@ -518,6 +544,8 @@ class InferenceEngine:
         """Drop the model and the KV pool; queued requests are abandoned. Later calls raise RuntimeError."""
         self._closed = True
         self.waiting, self.running, self._staged = [], [], None
+        if self._side is not None:
+            self._side.shutdown(wait=False)
         self.kv = self.model = None
 
     def _check_open(self):

@@ -277,9 +277,11 @@ def test_update_weights_checks_finiteness_in_the_engine_dtype(moe):
         before = {k: v.clone() for k, v in engine.model.state_dict().items()}
         sd = {k: v.float() for k, v in before.items()}
         sd[name] = sd[name].clone().index_fill_(1, torch.tensor([2]), -big)
-        for blocking in (True, False):
-            with pytest.raises(ValueError, match=f"{name}.*range"):
-                engine.update_weights(sd, blocking=blocking)
+        with pytest.raises(ValueError, match=f"{name}.*range"):
+            engine.update_weights(sd, blocking=True)
+        engine.update_weights(sd, blocking=False)           # checked off the caller's path ...
+        with pytest.raises(ValueError, match=f"{name}.*range"):
+            engine.step()                                    # ... refused at the next step boundary
         assert engine.get_weight_version() == 0
         assert all(torch.equal(v, before[k]) for k, v in engine.model.state_dict().items())
         sd[name].clamp_(-1.0, 1.0)                                     # in range: taken, cast exactly
@@ -429,6 +431,7 @@ def test_bad_inputs_are_refused_and_change_nothing(moe):
         for blocking in (True, False):
             with pytest.raises((ValueError, TypeError), match=match):
                 engine.update_weights(bad, blocking=blocking)
+                engine.step()      # non-finite values: refused at the step boundary, not at the call
     assert engine.get_weight_version() == 0
     for kw, match in [(dict(cache_type="hash"), "cache_type"),
                       (dict(block_size=0), "block_size"), (dict(dtype="float33"), "float33"),
@@ -512,3 +515,33 @@ def test_compiled_paged_flex_attention_on_cpu_matches_transformers(moe):
             assert done == ref
             ref = hf_logprobs(hf, prompt, done)
             assert (ref - torch.tensor(s.logprobs)).abs().max().item() < 1e-4
+
+
+def test_a_non_blocking_update_returns_before_its_copy_and_the_next_step_applies_it_whole():
+    # 19M parameters: the check and copy take long enough to time against the hand-over
+    import time
+    from model import ModelConfig, Transformer
+    cfg = ModelConfig(vocab_size=4096, hidden_size=512, intermediate_size=1536, num_hidden_layers=4,
+                      num_attention_heads=8, num_key_value_heads=4, head_dim=64, num_experts=0,
+                      max_position_embeddings=128)
+    torch.manual_seed(0)
+    engine = InferenceEngine(EngineConfig(block_size=BLOCK, num_blocks=32, max_model_len=128),
+                             model=Transformer(cfg))
+    new = {k: v + 0.01 for k, v in engine.model.state_dict().items()}
+    waits = {True: [], False: []}
+    for _ in range(3):
+        for blocking in (True, False):
+            t0 = time.perf_counter()
+            engine.update_weights(new, blocking=blocking)
+            waits[blocking].append(time.perf_counter() - t0)
+            engine.step()                                        # applies the non-blocking one
+    blocking_wait, hand_over = sorted(waits[True])[1], sorted(waits[False])[1]
+    assert hand_over * 5 < blocking_wait, (hand_over, blocking_wait)
+    assert engine.get_weight_version() == 6
+    assert all(torch.equal(v, new[k]) for k, v in engine.model.state_dict().items())
+    # the next step after the call samples with the new weights, whole: every token says so
+    newer = {k: v * 1.01 for k, v in new.items()}
+    engine.update_weights(newer, blocking=False)
+    (s,) = engine.generate([[1, 2, 3]], SamplingParams(temperature=0, max_tokens=4))
+    assert set(s.token_versions) == {7}
+    assert all(torch.equal(v, newer[k]) for k, v in engine.model.state_dict().items())
