@@ -177,8 +177,8 @@ def check_prompts(prompts, vocab_size, max_model_len):
 
 
 def check_layout(state_dict, params):
-    """The tensors of state_dict in params' order, after checking names, shapes and dtypes (cheap: no
-    value is read); otherwise a ValueError / TypeError naming the tensor."""
+    """The tensors of state_dict in params' order, after checking names, shapes and dtypes (cheap:
+    no value is read); otherwise a ValueError / TypeError naming the tensor."""
     _require(hasattr(state_dict, "keys") and hasattr(state_dict, "__getitem__"),
              f"state_dict must be a mapping of name -> tensor, got {type(state_dict).__name__}", TypeError)
     if state_dict.keys() != params.keys():
@@ -197,8 +197,8 @@ def check_layout(state_dict, params):
 
 
 def check_values(tensors, params, dtype):
-    """tensors (check_layout's) when every value is finite once cast to the engine's dtype; otherwise a
-    ValueError naming the tensor. It reads every value: the costly half of the check."""
+    """tensors (check_layout's) when every value is finite once cast to the engine's dtype;
+    otherwise a ValueError naming the tensor. It reads every value: the costly half of the check."""
     # one read of each tensor, one sync: a sum is non-finite when a value is NaN/inf; where the cast to the
     # engine's dtype could overflow (fp32 -> fp16), the largest |value| must fit it. Only when that fails (or
     # finite values overflow a sum) does an exact check run, to name the tensor.
@@ -302,7 +302,7 @@ class InferenceEngine:
         self.backend, self.compile = attention_choice(self.device.type, config.attention_backend,
                                                       config.compile)
         self.version = config.weight_version
-        self._staged = None                       # a non-blocking update (a Future) for the next step boundary
+        self._staged = None                       # a non-blocking update (a Future)
         self._side = None                         # the thread that checks and copies it
         self._updates_pending = 0                 # update_weights calls not applied yet (staged, or replaced unapplied)
         self._rng = random.Random(config.seed)
@@ -490,20 +490,22 @@ class InferenceEngine:
 
     def update_weights(self, state_dict, blocking: bool = True):
         """Load new weights, checked first (a bad state_dict is refused and changes nothing).
-        blocking=True checks and copies now. blocking=False checks the layout now (names, shapes, dtypes:
-        a ValueError / TypeError here) and returns: the value check and the copy into the engine's dtype
-        and device run on a side thread, and the next step() applies the result whole (waiting for it if
-        it is still going), or raises the refusal (non-finite values) with the engine unchanged. The
-        tensors are the engine's to read until that step: do not change them in place before it (or pass
-        a copy). A newer call replaces an unapplied one. Copies are in place: storage addresses and compiled graphs stay valid. The version
-        goes up by one per call and the prefix cache is emptied, so no KV of older weights is ever served to a new
-        request; running sequences keep theirs (each token records the version that sampled it)."""
+        blocking=True checks and copies now. blocking=False checks the layout now (names, shapes,
+        dtypes: a ValueError / TypeError here) and returns: the value check and the copy into the
+        engine's dtype and device run on a side thread, and the next step() applies the result whole
+        (waiting for it if it is still going), or raises the refusal (non-finite values) with the
+        engine unchanged. The tensors are the engine's to read until that step: do not change them
+        in place before it (or pass a copy). A newer call replaces an unapplied one.
+        Copies are in place: storage addresses and compiled graphs stay valid. The version goes up
+        by one per call and the prefix cache is emptied, so no KV of older weights is ever served to
+        a new request; running sequences keep theirs (each token records the version that sampled
+        it)."""
         self._check_open()
         tensors = check_layout(state_dict, self._params)
         if blocking:
             check_values(tensors, self._params, self.dtype)
             self._staged = None
-            self._updates_pending += 1   # one version per call, even when a newer call supersedes it unapplied
+            self._updates_pending += 1   # one version per call, even one a newer call superseded
             self._apply_weights(tensors)
             return
         if self._side is None:

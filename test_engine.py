@@ -431,7 +431,7 @@ def test_bad_inputs_are_refused_and_change_nothing(moe):
         for blocking in (True, False):
             with pytest.raises((ValueError, TypeError), match=match):
                 engine.update_weights(bad, blocking=blocking)
-                engine.step()      # non-finite values: refused at the step boundary, not at the call
+                engine.step()      # non-finite values: refused at the step boundary, not the call
     assert engine.get_weight_version() == 0
     for kw, match in [(dict(cache_type="hash"), "cache_type"),
                       (dict(block_size=0), "block_size"), (dict(dtype="float33"), "float33"),
