@@ -1,21 +1,21 @@
 #!/usr/bin/env bash
-# The fair comparison: per seed, pretrain -> sft -> the start (SFT continued until validation stops
-# improving), then from the start GRPO and two baselines matched to it (sft_more: more SFT at GRPO's
-# FLOPs; rft: rejection-sampling fine-tuning that samples every training problem once, group-size
-# samples each, then trains on the right ones until GRPO's FLOPs are spent; both early-stopped on
-# val), the no-learning heuristic, and sft_all as a reference (the same two SFT stages as the
-# start, on a demonstration for every training problem); every arm scored once on the test split;
-# then report.py.
-# The recipe below (START, GRPO_RUN) was chosen on validation (README "Results"); it is much bigger
-# than the speedrun's: README "Results" says how long it takes.
+# The fair comparison: per seed, pretrain -> the start (the config's SFT, keeping its best model on
+# validation), then from the start GRPO (the config's, keeping its best model on validation) and
+# two baselines matched to it (sft_more: more SFT at GRPO's FLOPs; rft: rejection-sampling
+# fine-tuning that samples every training problem once, group-size samples each, then trains on
+# the right ones until GRPO's FLOPs are spent; both early-stopped on val), the no-learning
+# heuristic, and sft_all as a reference (the start's SFT on a demonstration for every training
+# problem); every arm scored once on the test split; then report.py.
+# The recipe is the speedrun's (config/qwen_small.py, chosen on validation: README "Results"), so
+# a seed's start and GRPO are what `bash speedrun.sh` makes with that seed.
 #
 #   bash compare.sh        # seeds 1 2 3 4 5, JOBS=2 seeds at a time, the cores shared among them
 #   bash compare.sh 1 2    # these seeds; JOBS=1 one at a time; FORCE=1 redoes finished seeds
 #   CONFIG=config/other.py bash compare.sh
 #
-# Writes out/compare/seed<S>/ (log.txt, pretrain, sft0, sft, grpo, sft_more, rft, sft_all0, sft_all,
-# test_<arm>), then out/compare/results.json and out/compare/val_accuracy.png (report.py). Needs
-# .venv (bash speedrun.sh makes it).
+# Writes out/compare/seed<S>/ (log.txt, pretrain, sft, grpo, sft_more, rft, sft_all, test_<arm>),
+# then out/compare/results.json and out/compare/val_accuracy.png (report.py). Needs .venv (bash
+# speedrun.sh makes it).
 set -euo pipefail
 cd "$(dirname "$0")"
 CONFIG="${CONFIG:-config/qwen_small.py}"
@@ -24,11 +24,8 @@ PY=.venv/bin/python
 OUT="${OUT:-out/compare}"
 ARMS=(heuristic sft sft_more rft grpo sft_all)
 TRAINED=(sft sft_more rft grpo sft_all)   # the arms with a model; the heuristic has none
-# the start: the config's SFT stops well before validation accuracy does, so it goes on at a
-# constant 3e-4 and keeps its best model on validation; GRPO then takes 64 prompts per step for 672
-# steps (the config's 650 steps are the speedrun's, sized for 10 minutes)
-START=(--max_iters=2800 --learning_rate=3e-4 --min_lr=3e-4 --warmup_iters=0 --eval_interval=200 --keep_best=True)
-GRPO_RUN=(--prompts_per_step=64 --max_iters=672 --eval_interval=32 --ckpt_interval=32 --keep_best=True)
+# the config's SFT and GRPO keep their best model on validation (early stopping), and so do the
+# baselines below: each arm's best validation model is the one tested
 SEEDS=("$@")
 [ ${#SEEDS[@]} -gt 0 ] || SEEDS=(1 2 3 4 5)
 for s in "${SEEDS[@]}"; do
@@ -74,9 +71,8 @@ PY
 run_seed() {   # run_seed <seed>: the whole pipeline of one seed
     local s=$1 d=$OUT/seed$1 budget F N arm init baseline
     step pretrain $PY pretrain.py "$CONFIG" --seed=$s --out_dir=$d/pretrain
-    step sft0 $PY sft.py "$CONFIG" --seed=$s --init_from=$d/pretrain --out_dir=$d/sft0
-    step sft $PY sft.py "$CONFIG" --seed=$s --init_from=$d/sft0 --out_dir=$d/sft "${START[@]}"
-    step grpo $PY train_grpo.py "$CONFIG" --seed=$s --init_from=$d/sft/best --out_dir=$d/grpo "${GRPO_RUN[@]}"
+    step sft $PY sft.py "$CONFIG" --seed=$s --init_from=$d/pretrain --out_dir=$d/sft
+    step grpo $PY train_grpo.py "$CONFIG" --seed=$s --init_from=$d/sft/best --out_dir=$d/grpo
     budget=$(grpo_budget $d/grpo/metrics.jsonl)
     read -r F N <<< "$budget"
     echo "== GRPO used F=$F FLOPs on N=$N problems drawn, G=$G samples each: the baselines' budget"
@@ -88,15 +84,13 @@ run_seed() {   # run_seed <seed>: the whole pipeline of one seed
     # RFT samples each training problem once (not GRPO's N draws), then trains for the rest of F
     step rft $PY sft.py "$CONFIG" --seed=$s --init_from=$d/sft/best --out_dir=$d/rft "${baseline[@]}" \
         --rft_samples=$G --rft_problems=$N_TRAIN --rft_temperature=$T
-    step sft_all0 $PY sft.py "$CONFIG" --seed=$s --init_from=$d/pretrain --out_dir=$d/sft_all0 \
+    step sft_all $PY sft.py "$CONFIG" --seed=$s --init_from=$d/pretrain --out_dir=$d/sft_all \
         --demo_fraction=1.0
-    step sft_all $PY sft.py "$CONFIG" --seed=$s --init_from=$d/sft_all0 --out_dir=$d/sft_all \
-        --demo_fraction=1.0 "${START[@]}"
     step test_heuristic $PY evaluate.py heuristic test $d/test_heuristic
     for arm in "${TRAINED[@]}"; do   # one evaluation on the test split for each model
         # every arm is early-stopped on validation the same way: its best validation model is the one tested
         step test_$arm $PY train_grpo.py "$CONFIG" --seed=$s --init_from=$d/$arm/best --out_dir=$d/test_$arm \
-            --max_iters=0 --eval_split=test --n_eval_problems=0
+            --max_iters=0 --eval_split=test --n_eval_problems=0 --pass_k=8
     done
 }
 

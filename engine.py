@@ -320,7 +320,7 @@ class InferenceEngine:
         """Queue a prompt (token ids) for num_samples samples; returns its seq_id
         (TrainingSample.seq_id). With params.seed, it draws as prompt `index` of a generate call."""
         self._check_request(params, num_samples, "num_samples")
-        _require(_is_int(index) and index >= 0, f"index must be an int >= 0, got {index!r}")
+        _require(_is_int(index) and 0 <= index < 2 ** 63, f"index must be an int in [0, 2**63), got {index!r}")
         prompt = check_prompt(prompt, self.model.config.vocab_size, self.max_model_len)
         check_fits(prompt, params, num_samples, self.cache, self.max_model_len, "prompt")
         return self._add(prompt, params, num_samples, index)
@@ -333,16 +333,23 @@ class InferenceEngine:
         of it)."""
         params = sampling_params
         self._check_request(params, num_samples_per_prompt, "num_samples_per_prompt")
-        _require(_is_int(first_index) and first_index >= 0, f"first_index must be an int >= 0, got {first_index!r}")
+        _require(_is_int(first_index) and 0 <= first_index < 2 ** 63,
+                 f"first_index must be an int in [0, 2**63), got {first_index!r}")
         checked = check_prompts(prompts, self.model.config.vocab_size, self.max_model_len)
         for i, p in enumerate(checked):
             check_fits(p, params, num_samples_per_prompt, self.cache, self.max_model_len, f"prompts[{i}]")
         ids = {self._add(p, params, num_samples_per_prompt, index=first_index + i) for i, p in enumerate(checked)}
         mine, others = [], []
-        while any(s.seq_id in ids for s in self.waiting + self.running):
-            for s in self.step():
-                (mine if s.seq_id in ids else others).append(s)
-        self._undelivered += others               # another caller's samples: step() hands them out next
+        try:
+            while any(s.seq_id in ids for s in self.waiting + self.running):
+                for s in self.step():
+                    (mine if s.seq_id in ids else others).append(s)
+        except Exception:   # a refused weight update, ...: this call's requests go, nothing else
+            for seq_id in ids:
+                self.abort(seq_id)
+            raise
+        finally:
+            self._undelivered += others           # another caller's samples: step() hands them out next
         return sorted(mine, key=lambda s: (s.seq_id, s.sample_index))   # seq_ids grow in request order
 
     def has_pending(self) -> bool:
@@ -372,8 +379,8 @@ class InferenceEngine:
             staged, self._staged = self._staged, None
             try:
                 tensors = staged.result()
-            except ValueError:
-                self._updates_pending -= 1        # refused: nothing changed
+            except Exception:
+                self._updates_pending -= 1        # refused (or failed): nothing changed
                 raise
             self._apply_weights(tensors)
         out, self._undelivered = self._undelivered, []
@@ -510,6 +517,8 @@ class InferenceEngine:
             return
         if self._side is None:
             self._side = ThreadPoolExecutor(1, thread_name_prefix="engine-weights")
+        if self._staged is not None:
+            self._staged.cancel()                 # replaced before it was applied
         self._updates_pending += 1
         self._staged = self._side.submit(self._stage, tensors)
 

@@ -60,7 +60,8 @@ class RemoteEngine:
         """One server's share: /v1/completions with token-id prompts, the stop ids exactly the
         params' (ignore_eos: the server adds none of its own)."""
         body = {"prompt": [list(p) for p in prompts], "n": n, "max_tokens": params.max_tokens,
-                "temperature": params.temperature, "seed": params.seed, "first_index": first_index,
+                "temperature": params.temperature, "top_p": params.top_p, "top_k": params.top_k,
+                "seed": params.seed, "first_index": first_index,
                 "logprobs": 0, "return_token_ids": True, "ignore_eos": True,
                 "stop_token_ids": sorted(params.stop_token_ids)}
         try:

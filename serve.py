@@ -114,7 +114,8 @@ def _ids_list(x):   # a non-empty list of token ids
 
 
 UNSUPPORTED = dict(best_of=1, echo=False, suffix=None, logit_bias=None, presence_penalty=0, frequency_penalty=0,
-                   tools=None, response_format=None, use_beam_search=False)
+                   tools=None, response_format=None, use_beam_search=False, repetition_penalty=1,
+                   min_p=0, min_tokens=0)
 
 
 def read_sampling(server, body, logprobs_k, prompts):
@@ -309,7 +310,7 @@ async def completions(server, http, body):
     ids_back, stream = _field(body, "return_token_ids", (bool,), False), _field(body, "stream", (bool,), False)
     # seeded: prompt i draws as prompt first_index + i of one engine.generate call (a trainer's
     # share of a rollout split across servers draws what one engine would)
-    first = _field(body, "first_index", (int,), 0, lambda v: v >= 0, "must be >= 0")
+    first = _field(body, "first_index", (int,), 0, lambda v: 0 <= v < 2 ** 63, "must be in [0, 2**63)")
     head = {"id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion", "created": int(time.time()),
             "model": server.name}
     choices = new_choices(prompts, n)
@@ -390,7 +391,8 @@ async def generate_tokens(server, http, body):
     try:
         k = _field(sampling, "logprobs", (int,), None, lambda v: 0 <= v <= server.max_logprobs,
                    f"must be in [0, {server.max_logprobs}]")
-        sampling["max_tokens"] = sampling.get("max_tokens") or server.max_model_len - len(prompt)
+        if sampling.get("max_tokens") is None:
+            sampling["max_tokens"] = server.max_model_len - len(prompt)
         params, n, stop = read_sampling(server, sampling, k or 0, [prompt])
     except BadRequest as e:   # name the field where the request has it
         raise BadRequest(e.message, f"sampling_params.{e.param}" if e.param else None) from None
@@ -528,10 +530,12 @@ async def update_weights_from_distributed(server, http, body):
     check_updates_on(server)
     if server.peer is None:
         raise BadRequest("no weight-update group: call /init_weights_update_group first", None)
+    if server.receiving is not None and not server.receiving.done():
+        raise BadRequest("a weight transfer is under way: one at a time", None, 409, "conflict")
     meta = [_field(body, k, (list,), []) for k in ("names", "shapes", "dtypes")]
     bucket_mb = _field(body, "bucket_mb", (int, float), 64, lambda v: v > 0, "must be > 0")
     ours = {n: tuple(t.shape) for n, t in server.engine.model.state_dict().items()}
-    if not (len(meta[0]) == len(meta[1]) == len(meta[2]) and set(meta[0]) == set(ours)):
+    if not (len(meta[0]) == len(meta[1]) == len(meta[2]) == len(ours) and set(meta[0]) == set(ours)):
         missing = sorted(set(ours) - set(meta[0]))[:3]
         unknown = sorted(set(meta[0]) - set(ours))[:3]
         raise BadRequest(f"names must list every tensor of the served model once, with a shape "

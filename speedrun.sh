@@ -33,27 +33,30 @@ stage pretrain.py
 stage sft.py
 stage train_grpo.py
 # the test split is read once, at the end, by the same evaluation for both models
-read -r SFT GRPO <<< "$($PY -c "exec(open('$CONFIG').read()); print(sft['out_dir'], grpo['out_dir'])")"
-stage train_grpo.py --init_from="$SFT" --out_dir="$SFT/../test_sft" --max_iters=0 --eval_split=test --n_eval_problems=0
-stage train_grpo.py --init_from="$GRPO" --out_dir="$GRPO/../test_grpo" --max_iters=0 --eval_split=test --n_eval_problems=0
+# the SFT model is GRPO's start (the SFT run's best on validation)
+read -r SFT GRPO <<< "$($PY -c "exec(open('$CONFIG').read()); print(grpo['init_from'], grpo['out_dir'])")"
+stage train_grpo.py --init_from="$SFT" --out_dir="$GRPO/../test_sft" --max_iters=0 --eval_split=test --n_eval_problems=0 --pass_k=8
+stage train_grpo.py --init_from="$GRPO/best" --out_dir="$GRPO/../test_grpo" --max_iters=0 --eval_split=test --n_eval_problems=0 --pass_k=8
 $PY evaluate.py heuristic test "$GRPO/../test_heuristic"   # no learning, the same reward
 $PY report.py --run "$GRPO" "$GRPO/../grpo.png"
-$PY - "$SFT" "$GRPO" <<'PY'
+$PY - "$GRPO" <<'PY'
 import json, os, sys
-def last_eval(path):
+def evals(path):
     rows = [json.loads(line) for line in open(os.path.join(path, "metrics.jsonl"))]
-    return [r for r in rows if "eval/accuracy" in r][-1]
+    return [r for r in rows if "eval/accuracy" in r]
 def by_size(row):
     three, four = row["eval/accuracy_3digits"], row["eval/accuracy_4digits"]
     return f"3 digits {three:.3f}, 4 digits {four:.3f}"
-sft, grpo = sys.argv[1:]
-tests = {}
-for name, run in (("SFT", sft), ("GRPO", grpo)):
-    val, tests[name] = last_eval(run), last_eval(os.path.join(run, "..", f"test_{name.lower()}"))
-    test = tests[name]
-    print(f"{name:5s} greedy accuracy: validation {val['eval/accuracy']:.3f}, test {test['eval/accuracy']:.3f} "
-          f"(test pass@1 {test['eval/pass@1']:.3f}, pass@8 {test.get('eval/pass@8', float('nan')):.3f})")
-heuristic = last_eval(os.path.join(grpo, "..", "test_heuristic"))
+grpo = sys.argv[1]
+# validation: GRPO's first evaluation (iteration 0) is its start, the SFT model; its best is the
+# GRPO model kept (keep_best) and tested
+val = {"SFT": evals(grpo)[0], "GRPO": max(evals(grpo), key=lambda r: r["eval/accuracy"])}
+tests = {name: evals(os.path.join(grpo, "..", f"test_{name.lower()}"))[-1] for name in val}
+for name, test in tests.items():
+    print(f"{name:5s} greedy accuracy: validation {val[name]['eval/accuracy']:.3f}, "
+          f"test {test['eval/accuracy']:.3f} (test pass@1 {test['eval/pass@1']:.3f}, "
+          f"pass@8 {test.get('eval/pass@8', float('nan')):.3f})")
+heuristic = evals(os.path.join(grpo, "..", "test_heuristic"))[-1]
 print(f"heuristic (closest pair, no learning) test accuracy {heuristic['eval/accuracy']:.3f}")
 for name, row in (("SFT", tests["SFT"]), ("GRPO", tests["GRPO"]), ("heuristic", heuristic)):
     print(f"  by size, {name}: {by_size(row)}")

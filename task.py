@@ -24,6 +24,7 @@ import functools
 import hashlib
 import itertools
 import random
+import re
 from dataclasses import dataclass
 
 # -----------------------------------------------------------------------------
@@ -35,7 +36,7 @@ TARGETS = range(1, 100)
 OPS = "+-*"
 SPLITS = {"val": 0.1, "test": 0.1}  # share of the digit multisets held out for each; the rest is 'train'
 SFT_FRACTION = 0.1  # share of the training problems that get a demonstration
-MAX_ANSWER_CHARS = 64  # longer completions are wrong without parsing (bounds the parser's recursion)
+MAX_ANSWER_CHARS = 64  # a longer answer line is wrong without parsing (bounds the parser's recursion)
 END_OF_TURN = "<|im_end|>"  # may close a completion decoded with special tokens; ignored by the reward
 
 
@@ -163,8 +164,9 @@ def kind(problem: Problem) -> str:
     return f"{len(problem.digits)}digits"
 
 
-def solutions(problem: Problem) -> list[str]:
-    """Every valid answer with minimal parentheses, preferred first (empty if the problem is unsolvable)."""
+def expression_answers(problem: Problem) -> list[str]:
+    """Every right one-line expression with minimal parentheses, preferred first (empty if the
+    problem is unsolvable)."""
     if not isinstance(problem, Problem):
         raise TypeError(f"expected a Problem, got {problem!r}")
     return list(_values(tuple(sorted(problem.digits))).get(problem.target, ()))
@@ -250,6 +252,10 @@ def parse_answer(text: str) -> tuple[int, list[int]] | None:
     text = text.strip()
     if text.endswith(END_OF_TURN):
         text = text[: -len(END_OF_TURN)].strip()
+    return _parse_expression(text)
+
+
+def _parse_expression(text: str) -> tuple[int, list[int]] | None:
     if not text or len(text) > MAX_ANSWER_CHARS:
         return None
     parser = _Parser(text)
@@ -257,15 +263,153 @@ def parse_answer(text: str) -> tuple[int, list[int]] | None:
     return None if value is None else (value, parser.digits)
 
 
+# -----------------------------------------------------------------------------
+# answers with room to think: work back from the target, one digit a step, retry on a dead end
+#
+#   user:      digits 1 4 7 8 target 83
+#   assistant: 83+8=91[147] 91/7=13[14] 13=?      a dead end: 1 and 4 do not make 13
+#              83+1=84[478] 84/7=12[48] 12=4+8    right: 83 is 84-1, 84 is 12*7, 12 is 4+8
+#
+# A line is one attempt. A step "x+d=y[...]" says: to make x, make y and take d away (x-d=y: make y
+# and add d; x/d=y: make y and multiply by d); the brackets hold the digits still unspent. So each
+# step spends a digit and leaves a smaller need, and every choice is made on numbers in view: the
+# step's digit and operator come before its number, the digits left stand right before the next
+# step. With two digits left the line ends: "y=a+b" (or a-b, a*b) when they make y, "y=?" when
+# they cannot. The answer is the last line; the lines before it are the search. Chains reach about
+# 93% of the problems (a tree like 6*7+8*9 is not a chain); an expression ("(4+8)*7-1") is an
+# answer too, so the heuristic and one-shot answers are scored by the same reward.
+
+STEP_OPS = "+-/"   # undo "-d", undo "+d", undo "*d"
+
+
+def _undo(op: str, x: int, d: int) -> int | None:
+    """y of the step x op d = y, or None when it is not a step (y must be a positive whole number)."""
+    y = x + d if op == "+" else x - d if op == "-" else x // d if x % d == 0 else None
+    return y if y is not None and y >= 1 else None
+
+
+def _step(need: int, op: str, d: int, pool: list[int]) -> tuple[str, int, list[int]]:
+    """(text, new need, digits left) of a step: '83+1=84[478]'."""
+    y, rest = _undo(op, need, d), list(pool)
+    rest.remove(d)
+    return f"{need}{op}{d}={y}[{''.join(map(str, rest))}]", y, rest
+
+
+def _pair_equation(y: int, a: int, b: int) -> str | None:
+    """A line's last word when a and b make y ('y=a+b', the larger first for '-'), else None."""
+    a, b = min(a, b), max(a, b)
+    for op, (l, r) in (("+", (a, b)), ("-", (b, a)), ("*", (a, b))):
+        if _apply(op, l, r) == y:
+            return f"{y}={l}{op}{r}"
+    return None
+
+
+def _number(word: str) -> int | None:
+    return int(word) if word.isdigit() and word[0] != "0" and len(word) <= 4 else None
+
+
+_STEP = re.compile(r"([1-9][0-9]{0,3})([-+/])([1-9])=")   # the head of a step word: "83+1="
+
+
+def _right_chain(problem: Problem, line: str) -> bool:
+    """Whether a line is a right chain: steps from the target, each one's arithmetic and digits
+    left true, ending in the two digits left making the last need ('12=4+8' or '12=8+4')."""
+    *steps, last = line.split(" ")
+    need, pool = problem.target, sorted(problem.digits)
+    for word in steps:   # "x+d=y[...]": written exactly as _step writes it
+        head = _STEP.match(word)
+        if not head or int(head[1]) != need or int(head[3]) not in pool:
+            return False
+        op, d = head[2], int(head[3])
+        if _undo(op, need, d) is None or word != _step(need, op, d, pool)[0]:
+            return False
+        _, need, pool = _step(need, op, d, pool)
+    if len(pool) != 2 or len(last) < 5 or last[-2] not in OPS:
+        return False
+    a, op, b = last[-3:]
+    return last == f"{need}={a}{op}{b}" and a + b in (f"{pool[0]}{pool[1]}", f"{pool[1]}{pool[0]}") \
+        and _apply(op, int(a), int(b)) == need
+
+
+def final_line(text: str) -> str:
+    """The answer of a completion: its last line, without the closing end-of-turn and spaces."""
+    text = text.strip()
+    if text.endswith(END_OF_TURN):
+        text = text[: -len(END_OF_TURN)].strip()
+    return text.split("\n")[-1].strip()
+
+
 def reward(problem: Problem, completion_text: str) -> float:
-    """1.0 iff the completion is an expression using exactly the problem's digits that equals its target."""
+    """1.0 iff the completion's last line is a right answer: a right chain from the target (every
+    step's arithmetic and digits left true) that spends exactly the problem's digits, or an
+    expression over exactly those digits that equals the target. Earlier lines are the search."""
     if not isinstance(problem, Problem):
         raise TypeError(f"expected a Problem, got {problem!r}")
-    parsed = parse_answer(completion_text)
-    if parsed is None:
-        return 0.0
-    value, used = parsed
-    return 1.0 if value == problem.target and sorted(used) == sorted(problem.digits) else 0.0
+    if not isinstance(completion_text, str):
+        raise TypeError(f"completion_text must be a str, got {type(completion_text).__name__}")
+    line = final_line(completion_text)
+    if "=" in line:
+        return 1.0 if len(line) <= MAX_ANSWER_CHARS and _right_chain(problem, line) else 0.0
+    parsed = _parse_expression(line)
+    right = parsed is not None and parsed[0] == problem.target
+    return 1.0 if right and sorted(parsed[1]) == sorted(problem.digits) else 0.0
+
+
+def _attempt(rng: random.Random, target: int, digits: tuple[int, ...]) -> tuple[str, bool]:
+    """One attempt of the blind search, (line, solved): a uniformly random operator and digit until
+    two digits are left. A step that is not one (83/7 is not whole, 5-8 is not positive) ends the
+    line there, 'x/d=?', so the corpus shows which divisions are whole as well as their results."""
+    need, pool, words = target, sorted(digits), []
+    while len(pool) > 2:
+        op, d = rng.choice([(op, d) for d in sorted(set(pool)) for op in STEP_OPS])
+        if _undo(op, need, d) is None:
+            return " ".join(words + [f"{need}{op}{d}=?"]), False
+        word, need, pool = _step(need, op, d, pool)
+        words.append(word)
+    last = _pair_equation(need, *pool)
+    return " ".join(words + [last or f"{need}=?"]), last is not None
+
+
+@functools.cache
+def chain_answers(problem: Problem) -> tuple[str, ...]:
+    """Every right chain line of a problem (empty if no chain reaches its target)."""
+    def lines(need, pool):
+        if len(pool) == 2:
+            last = _pair_equation(need, *pool)
+            return [last] if last else []
+        out = []
+        for d in sorted(set(pool)):
+            for op in STEP_OPS:
+                if _undo(op, need, d) is not None:
+                    word, y, rest = _step(need, op, d, pool)
+                    out += [f"{word} {tail}" for tail in lines(y, rest)]
+        return out
+    return tuple(lines(problem.target, sorted(problem.digits)))
+
+
+def demonstration(problem: Problem) -> str | None:
+    """What SFT shows for a problem: the first right chain a blind search (_attempt, again and
+    again) lands on, so each right chain is shown about as often as blind search finds it. Fixed by
+    the problem, not by a seed; None if no chain reaches the target."""
+    answers = chain_answers(problem)
+    if not answers:
+        return None
+    rng = random.Random(_problem_key(problem, "demo"))
+    for _ in range(10_000):   # bounded: a few problems have one right chain in thousands of attempts
+        line, solved = _attempt(rng, problem.target, problem.digits)
+        if solved:
+            return line
+    return rng.choice(answers)
+
+
+def solutions(problem: Problem) -> list[str]:
+    """Every right answer, the demonstrated one first: its demonstration, the other chains, then the
+    one-line expressions (empty if the problem is unsolvable)."""
+    if not isinstance(problem, Problem):
+        raise TypeError(f"expected a Problem, got {problem!r}")
+    first = demonstration(problem)
+    chains = [line for line in chain_answers(problem) if line != first]
+    return ([first] if first else []) + chains + expression_answers(problem)
 
 
 # -----------------------------------------------------------------------------
@@ -281,57 +425,54 @@ def prompt_messages(problem: Problem) -> list[dict]:
 
 
 def sft_examples(seed: int, fraction: float = SFT_FRACTION) -> list[list[dict]]:
-    """Conversations (prompt + preferred answer) for a fixed subset of the training problems, shuffled by seed.
+    """Conversations (prompt + its demonstration) for a fixed subset of the training problems that a
+    chain reaches, shuffled by seed.
 
-    The subset is picked by the problem's hash, not by seed: seeds change the order only, and a smaller
-    fraction gives a subset of a larger one. The rest of the training problems are GRPO's to learn.
+    The subset is picked by the problem's hash, not by seed: seeds change the order only, and a
+    smaller fraction gives a subset of a larger one. SFT learns the format, the steps' arithmetic
+    and a first sense of which steps land; GRPO learns the rest from the reward, on every training
+    problem.
     """
     if not isinstance(fraction, (int, float)) or not 0 < fraction <= 1:
         raise ValueError(f"fraction must be in (0, 1], got {fraction!r}")
-    chosen = [p for p in make_problems("train") if _unit(_problem_key(p, "sft")) < fraction]
+    chosen = [(p, demonstration(p)) for p in make_problems("train")
+              if _unit(_problem_key(p, "sft")) < fraction]
+    chosen = [(p, line) for p, line in chosen if line is not None]
     random.Random(seed).shuffle(chosen)
-    return [prompt_messages(p) + [{"role": "assistant", "content": solutions(p)[0]}] for p in chosen]
-
-
-def _random_expression(rng: random.Random, digits: tuple[int, ...]) -> tuple[str, int]:
-    # a uniformly random tree over a random order of the digits (from the cached enumeration)
-    ordered = tuple(rng.sample(digits, len(digits)))
-    text, value, _ = rng.choice(_expressions(ordered))
-    return text, value
+    return [prompt_messages(p) + [{"role": "assistant", "content": line}] for p, line in chosen]
 
 
 @functools.cache
 def _training_multisets() -> dict:
-    # k -> the digit multisets of k digits the corpus may use: every pair (never a problem), and for problem
-    # sizes only the training split's
-    return {k: [d for d in itertools.combinations_with_replacement(DIGITS, k) if k not in NUM_DIGITS
-                or split_of(d) == "train"] for k in (2, *NUM_DIGITS)}
+    # k -> the digit multisets of k digits the corpus may use: the training split's only
+    return {k: [d for d in itertools.combinations_with_replacement(DIGITS, k) if split_of(d) == "train"]
+            for k in NUM_DIGITS}
 
 
 def pretrain_corpus(n_docs: int, seed: int) -> list[str]:
-    """n_docs documents that teach arithmetic on the task's digits, deterministic by seed.
+    """n_docs documents that teach the arithmetic of the search, deterministic by seed.
 
-    A document names a few digits and lists random expressions using exactly those digits with their values:
+    A document names some digits and lists blind attempts (_attempt) from random starting numbers,
+    spending exactly those digits:
 
-        digits 3 5 7
-        3*5+7=22
-        7-(3+5)=-1
+        digits 2 5 7 9
+        57+2=59 59-9=50 50=?
+        14-5=9 9/9=1 1=?
+        35/5=7 7=2+...       (no: 7 from 2 9 is 9-2)
         ...
 
-    It teaches evaluation and the "use exactly these digits" rule, never the task's inverse direction (which
-    expression reaches a given target): that is what SFT demonstrates on a few problems and GRPO learns. Its
-    multisets of three or four digits are training ones only, so no line answers a validation or test problem.
+    It teaches the steps' arithmetic, which digits are left, and which pairs make which numbers;
+    never the search itself (no attempt is chosen, no document stops on a hit). Its multisets are
+    training ones only, so no line answers a validation or test problem.
     """
     if type(n_docs) is not int or n_docs < 0:
         raise ValueError(f"n_docs must be a non-negative int, got {n_docs!r}")
     rng, multisets = random.Random(seed), _training_multisets()
     docs = []
     for _ in range(n_docs):
-        k = rng.choice((2, *NUM_DIGITS))   # pairs too: the sub-steps of every answer
-        digits = rng.choice(multisets[k])
+        digits = rng.choice(multisets[rng.choice(NUM_DIGITS)])
         lines = [f"digits {' '.join(map(str, digits))}"]
         for _ in range(rng.randint(4, 8)):
-            text, value = _random_expression(rng, digits)
-            lines.append(f"{text}={value}")
+            lines.append(_attempt(rng, rng.choice(TARGETS), digits)[0])
         docs.append("\n".join(lines))
     return docs

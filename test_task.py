@@ -1,6 +1,7 @@
 # tests for task.py (mini-countdown) and tokenizer.py (the embedded ChatML tokenizer). CPU, a few seconds.
 
 import ast
+import collections
 import functools
 import itertools
 import json
@@ -102,6 +103,88 @@ def test_reward_negative_and_large_targets():
     assert reward(Problem((2, 3, 4), 2), "4-(3-2)") == 0.0  # 3, not 2: '-' is left-associative
     assert reward(Problem((2, 3, 4), 3), "4-(3-2)") == 1.0
     assert reward(Problem((2, 3, 4), -1), "4-3-2") == 1.0
+
+
+# answers with room to think: the chain format (task.py), checked against hand-made completions
+Q = Problem((1, 4, 7, 8), 83)
+
+
+@pytest.mark.parametrize(
+    "text, expected",
+    [
+        ("83+1=84[478] 84/7=12[48] 12=4+8", 1.0),      # 83 = (4+8)*7 - 1
+        ("83+1=84[478] 84/7=12[48] 12=8+4", 1.0),      # the pair either way round
+        ("83+1=84[478] 84/7=12[48] 12=4+8<|im_end|>", 1.0),
+        ("83+8=91[147] 91/7=13[14] 13=?\n83+1=84[478] 84/7=12[48] 12=4+8", 1.0),  # a retry
+        ("83+1=84[478] 84/7=12[48] 12=4+8\n83+8=91[147] 91/7=13[14] 13=?", 0.0),  # last line
+        ("83+8=91[147] 91/7=13[14] 13=?", 0.0),          # a dead end is no answer
+        ("83+1=84[478] 84/7=13[48] 13=4+8", 0.0),      # wrong arithmetic inside the trace
+        ("83+1=84[478] 84/7=12[48] 12=4*8", 0.0),      # a wrong last equation
+        ("83+1=85[478] 85/7=12[48] 12=4+8", 0.0),      # a step that does not hold
+        ("83+1=84[478] 84/8=12[47] 12=4+8", 0.0),      # 84/8 is not whole
+        ("83+1=84[487] 84/7=12[48] 12=4+8", 0.0),      # digits left written out of order
+        ("83+1=84[478] 84/7=12[47] 12=4+8", 0.0),      # wrong digits left
+        ("83+1=84[478] 84/7=12[48] 12=4+4", 0.0),      # 4 spent twice, 8 never
+        ("83+9=92[1478] 92/4=23[178] 23=?", 0.0),    # 9 is not a digit of the problem
+        ("82+2=84[478] 84/7=12[48] 12=4+8", 0.0),      # does not start at the target
+        ("83+1=84[478] 12=4+8", 0.0),                   # a need skipped
+        ("83+1=84[478] 84/7=12[48]", 0.0),             # truncated: no last equation
+        ("83+1=84[478] 84/7=12[48] 12=", 0.0),
+        ("83+1=84[478]  84/7=12[48] 12=4+8", 0.0),     # malformed: two spaces
+        ("83 + 1 = 84[478] 84/7=12[48] 12=4+8", 0.0),
+        ("83+1=084[478] 084/7=12[48] 12=4+8", 0.0),    # a leading zero
+        ("83-1=84[478] 84/7=12[48] 12=4+8", 0.0),      # the operator does not match the numbers
+        ("83*1=83[478] 83-7=76[48] 76=?", 0.0),        # '*' is not a step
+        ("(4+8)*7-1", 1.0),                               # an expression is an answer too
+        ("83+8=91[147] 91/7=13[14] 13=?\n(4+8)*7-1", 1.0),
+    ],
+)
+def test_chain_reward_hand_cases(text, expected):
+    assert reward(Q, text) == expected
+
+
+def test_chain_reward_three_digits_and_subtraction():
+    p = Problem((2, 6, 9), 21)
+    assert reward(p, "21-9=12[26] 12=2*6") == 1.0       # 2*6+9
+    assert reward(p, "21+2=23[69] 23=?") == 0.0
+    assert set(task.chain_answers(p)) == {"21-9=12[26] 12=2*6"}
+    assert reward(Problem((3, 4, 9), 2), "2+3=5[49] 5=9-4") == 1.0      # (9-4)-3
+    assert reward(Problem((3, 4, 9), 2), "2+3=5[49] 5=4-9") == 0.0      # 4-9 is -5
+    assert reward(Problem((3, 4, 9), 2), "2+3=5[49] 5=9-4=5") == 0.0
+    assert task.chain_answers(Problem((2, 6, 9), 8)) == ()                # no chain reaches 8
+
+
+def _trusted_chain(problem, line):
+    # an independent reading of a chain line: rebuild the expression it stands for and let Python
+    # evaluate it; also return the digits it spends. None when the line is not written as one.
+    m = re.fullmatch(r"((?:[0-9]+[-+/][1-9]=[0-9]+\[[1-9]+\] )*)([0-9]+)=([1-9])([-+*])([1-9])",
+                     line)
+    if not m:
+        return None
+    steps = re.findall(r"([0-9]+)([-+/])([1-9])=([0-9]+)\[([1-9]+)\]", m[1])
+    expr, used = f"({m[3]}{m[4]}{m[5]})", [int(m[3]), int(m[5])]
+    for x, op, d, y, left in reversed(steps):
+        expr = f"({expr}{ {'+': '-', '-': '+', '/': '*'}[op]}{d})"
+        used.append(int(d))
+    return _trusted_eval(expr), used, steps
+
+
+def test_chain_reward_agrees_with_an_independent_reading():
+    # every right chain evaluates, as an expression, to the target and spends exactly the digits;
+    # every step's own equation holds; a line with one number changed scores 0
+    rng = random.Random(1)
+    for p in rng.sample(make_problems("train"), 300):
+        for line in task.chain_answers(p)[:5]:
+            value, used, steps = _trusted_chain(p, line)
+            assert value == p.target and sorted(used) == sorted(p.digits), (p, line)
+            for x, op, d, y, _ in steps:
+                assert (int(x) + int(d) == int(y)) if op == "+" else (int(x) - int(d) == int(y)) \
+                    if op == "-" else (int(x) == int(y) * int(d)), (p, line)
+            words = line.split(" ")
+            i = rng.randrange(len(words))
+            broken = " ".join(words[:i] + [re.sub(r"=([0-9]+)", lambda m: f"={int(m[1]) + 1}",
+                                                   words[i], count=1)] + words[i + 1:])
+            assert reward(p, broken) == 0.0, (p, broken)
 
 
 def test_reward_bad_types():
@@ -206,13 +289,13 @@ def test_every_solution_is_rewarded_and_complete():
     problems = [p for p in make_problems("train") + make_problems("val") + make_problems("test") if len(p.digits) == 3]
     four = rng.sample([p for p in make_problems("train") if len(p.digits) == 4], 200)
     for p in problems + four:
-        sols = solutions(p)
+        sols = task.expression_answers(p)
         assert sols, p
         assert len(set(sols)) == len(sols)
         assert all(reward(p, s) == 1.0 for s in sols), p
     # every brute-force hit is accepted too, and the same expression (up to parentheses) is listed
     for p in rng.sample(problems, 100):
-        sols = solutions(p)
+        sols = task.expression_answers(p)
         listed = {_shape(s) for s in sols}
         for text in _brute_force(p.digits)[p.target]:
             assert reward(p, text) == 1.0
@@ -230,7 +313,12 @@ def test_every_solution_is_rewarded_and_complete():
                     stripped = s[:i] + s[i + 1 : j] + s[j + 1 :]
                     assert _shape(stripped) != _shape(s), (s, stripped)
     assert solutions(Problem((3, 5, 7), 1000)) == []
-    assert solutions(P)[0] == "3*5+7"  # the preferred answer (what SFT demonstrates)
+    assert task.expression_answers(P)[0] == "3*5+7"  # the preferred one-line answer
+    # solutions: the demonstration first, then the other chains, then the expressions
+    assert solutions(Q)[0] == task.demonstration(Q) and "(4+8)*7-1" in solutions(Q)
+    for p in rng.sample(make_problems("train"), 50):
+        assert all(reward(p, s) == 1.0 for s in solutions(p))
+        assert set(solutions(p)) >= set(task.chain_answers(p)) | set(task.expression_answers(p))
 
 
 def test_heuristic_is_the_greedy_closest_pair_rule():
@@ -286,35 +374,91 @@ def test_bad_n(n):
 # data for the stages
 
 
+def _honest_attempt(digits, line):
+    # (start, landed) of a line that is an honest attempt over these digits: every step true, the
+    # digits left right, and it ends in a right pair equation, in 'y=?' when the two digits left
+    # cannot make y (checked by brute force), or in 'x/d=?' at a step that is not one (a division
+    # that is not whole, a difference below 1); fails an assert otherwise
+    *steps, last = line.split(" ")
+    pool = sorted(digits)
+    start = need = int(re.match(r"[0-9]+", line)[0])
+    for word in steps:
+        x, op, d, y, left = re.fullmatch(r"([0-9]+)([-+/])([1-9])=([0-9]+)\[([1-9]+)\]", word).groups()
+        x, d, y = int(x), int(d), int(y)
+        assert x == need and d in pool and y >= 1
+        assert y == {"+": x + d, "-": x - d, "/": x // d}[op] and (op != "/" or x % d == 0)
+        pool.remove(d)
+        assert left == "".join(map(str, pool))
+        need = y
+    bad = re.fullmatch(r"([0-9]+)([-+/])([1-9])=\?", last)
+    if bad:
+        x, op, d = int(bad[1]), bad[2], int(bad[3])
+        assert x == need and d in pool and len(pool) > 2
+        assert x % d != 0 if op == "/" else (op == "-" and x - d < 1)
+        return start, False
+    assert len(pool) == 2
+    a, b = pool
+    makes = {a + b, a - b, b - a, a * b}
+    if last == f"{need}=?":
+        assert need not in makes
+        return start, False
+    assert last in (f"{need}={a}{o}{b}" for o in "+-*") or last in (f"{need}={b}{o}{a}" for o in "+-*")
+    assert need in makes and _trusted_eval(last.split("=")[1]) == need
+    return start, True
+
+
+def test_demonstrations_are_right_chains_drawn_like_a_blind_search():
+    rng = random.Random(0)
+    problems = rng.sample(make_problems("train"), 400) + make_problems("val", 50)
+    for p in problems:
+        line = task.demonstration(p)
+        if not task.chain_answers(p):
+            assert line is None   # no chain reaches the target: no demonstration
+            continue
+        start, landed = _honest_attempt(p.digits, line)
+        assert start == p.target and landed and line in task.chain_answers(p)
+        assert reward(p, line) == 1.0 and line == task.demonstration(p)   # fixed by the problem
+    assert task.demonstration(Problem((2, 6, 9), 8)) is None
+    # a problem with two right chains shows both, each about as often as blind search finds it:
+    # over many problems of that kind the first step's operator is spread, not one fixed rule
+    firsts = collections.Counter(task.demonstration(p).split("=")[0][-2]
+                                 for p in problems if task.demonstration(p))
+    assert set(firsts) == {"+", "-", "/"}
+
+
 def test_pretrain_corpus_is_deterministic_and_correct():
     docs = pretrain_corpus(50, seed=0)
     assert docs == pretrain_corpus(50, seed=0)
     assert docs != pretrain_corpus(50, seed=1)
     assert pretrain_corpus(0, seed=0) == []
+    ops = collections.Counter()
     for doc in docs:
         header, *lines = doc.split("\n")
         assert header.startswith("digits ") and lines
-        digits = sorted(int(d) for d in header.split()[1:])
+        digits = tuple(int(d) for d in header.split()[1:])
         for line in lines:
-            text, value = line.split("=")
-            assert _trusted_eval(text) == int(value)
-            assert sorted(parse_answer(text)[1]) == digits
+            _honest_attempt(digits, line)
+            ops.update(re.findall(r"[0-9]([-+/])[1-9]=", line))
+    assert set(ops) == {"+", "-", "/"}   # every kind of step, divisions included
     with pytest.raises(ValueError):
         pretrain_corpus(-1, seed=0)
 
 
 def test_pretrain_corpus_holds_no_validation_or_test_answer():
+    # a line spends exactly its document's digits, whose multiset is a training one: no line can
+    # answer a validation or test problem, whatever its start
     held_out = {(p.digits, p.target) for s in ("val", "test") for p in make_problems(s)}
     sizes = set()
     for seed in (0, 1, 2, 1337):
         for doc in pretrain_corpus(2000, seed):
-            for line in doc.split("\n")[1:]:
-                text, value = line.split("=")
-                digits = tuple(sorted(parse_answer(text)[1]))
-                sizes.add(len(digits))
-                assert (digits, int(value)) not in held_out, (seed, line)
-                assert len(digits) == 2 or task.split_of(digits) == "train", (seed, line)
-    assert sizes == {2, 3, 4}
+            header, *lines = doc.split("\n")
+            digits = tuple(sorted(int(d) for d in header.split()[1:]))
+            sizes.add(len(digits))
+            assert task.split_of(digits) == "train", (seed, header)
+            for line in lines:
+                start, landed = _honest_attempt(digits, line)
+                assert (digits, start) not in held_out
+    assert sizes == {3, 4}
 
 
 def test_sft_examples_are_a_fixed_minority_of_train():

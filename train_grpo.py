@@ -256,6 +256,7 @@ def rollout(engine, env, sampler, config, it):
     sampled = [sum(e.mask) for e in episodes]
     metrics = {"rollout/reward_mean": float(np.mean(rewards)), "rollout/zero_var_groups": sum(flat),
                "rollout/valid_groups": len(kept), "rollout/problems": len(problems),
+               "rollout/problems_total": sampler.taken,
                "rollout/completion_len": float(np.mean(sampled)),
                "rollout/truncated": float(np.mean([e.finish_reason != "stop" for e in episodes])),
                "rollout/tokens_per_s": sum(sampled) / gen_time, "perf/rollout_time_s": gen_time,
@@ -537,7 +538,6 @@ def main(config):
     for it in range(start.iter_num, config["max_iters"]):
         metrics, flops = grpo_step(source, run, reference, config, it)
         metrics.update(meter.add(flops, metrics["perf/step_time_s"]))
-        metrics["rollout/problems_total"] = sampler.taken
         done = it + 1
         last = done == config["max_iters"]
         if training.due(config, "log_interval", done, last):

@@ -151,6 +151,8 @@ class PeerGroup:
                  timeout_s=300):
         timeout = timedelta(seconds=timeout_s)
         self.rank, self.world_size = rank, world_size
+        self.device = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else \
+            torch.device("cpu")          # where NCCL wants even its small tensors
         store = dist.TCPStore(master_address, master_port, world_size, is_master=rank == 0,
                               timeout=timeout)
         if backend == "gloo":
@@ -164,8 +166,9 @@ class PeerGroup:
 
     def gather_ints(self, value):
         """value of every rank (one int each), in rank order: every rank calls it."""
-        out = [torch.zeros(1, dtype=torch.int64) for _ in range(self.world_size)]
-        self.pg.allgather([out], [torch.tensor([value], dtype=torch.int64)]).wait()
+        out = [torch.zeros(1, dtype=torch.int64, device=self.device) for _ in range(self.world_size)]
+        mine = torch.tensor([value], dtype=torch.int64, device=self.device)
+        self.pg.allgather([out], [mine]).wait()
         return [int(t) for t in out]
 
 

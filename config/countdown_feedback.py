@@ -13,7 +13,7 @@ grpo = dict(
     init_from="out/qwen_small/sft",
     max_iters=300,
     prompts_per_step=32, group_size=8, temperature=0.7,
-    max_new_tokens=16, max_turns=3, max_episode_tokens=96,
+    max_new_tokens=40, max_turns=3, max_episode_tokens=160,
     learning_rate=2e-4, min_lr=2e-5, warmup_iters=5,
     n_eval_problems=500, pass_k=0,
     log_interval=10, eval_interval=25, ckpt_interval=50,
