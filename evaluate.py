@@ -2,7 +2,7 @@
 How well a model does a task, measured the same way for every stage and every baseline, through the
 inference engine, with the episodes of environment.py:
 
-    env = Environment(load_task("task"), tokenizer, max_new_tokens=16)
+    env = Environment(load_task("task"), tokenizer, max_new_tokens=48)
     engine = task_engine(model, env, problems)
     metrics, outcomes = evaluate(engine, env, problems, pass_k=8, temperature=1.0, seed=0)
     # {"eval/accuracy": mean greedy reward, "eval/accuracy_3digits" and "_4digits": the same by the

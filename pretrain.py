@@ -6,8 +6,8 @@ Pretraining: next-token prediction on packed documents, every token weighted 1.
     python pretrain.py config/qwen_small.py --init_from=resume      # continue a killed run exactly
     torchrun --standalone --nproc_per_node=2 pretrain.py config/qwen_small.py --grad_accum=2   # data-parallel
 
-The data is the task's corpus (its pretrain_corpus; the embedded countdown's: digits and expressions
-with their values), each document tokenized and closed with <|endoftext|>. The tokenizer is saved
+The data is the task's corpus (its pretrain_corpus; the embedded countdown's: blind attempts of
+steps over some digits, dead ends included), each document tokenized and closed with <|endoftext|>. The tokenizer is saved
 into every checkpoint, so {out_dir}/ckpt is a self-contained transformers directory and sft.py can
 start from --init_from={out_dir}.
 """

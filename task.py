@@ -1,23 +1,26 @@
 """
-The embedded default's task: mini-countdown, a verifiable synthetic task a tiny model can learn on a laptop CPU.
+The embedded default's task: mini-countdown, a verifiable synthetic task a tiny model can learn on a
+laptop CPU.
 
-Given three or four digits (1-9, repeats allowed) and a target in 1..99, write an arithmetic expression that uses
-exactly those digits, each once, in any order, with + - * and parentheses, and evaluates to the target:
+Given three or four digits (1-9, repeats allowed) and a target in 1..99, reach the target using each
+digit once with + - *. The model answers with a chain of steps back from the target (below,
+"answers with room to think"), checked exactly; a one-line expression is accepted too:
 
     user:      digits 3 5 7 target 22
-    assistant: 3*5+7                      (7+3*5, 5*3+7 are right too)
-    user:      digits 2 4 6 9 target 30
-    assistant: (4*6-9)*2
+    assistant: 22-7=15[35] 15=3*5           (22 is 15+7, 15 is 3*5; "3*5+7" is right too)
+    user:      digits 1 4 7 8 target 83
+    assistant: 83+1=84[478] 84/7=12[48] 12=4+8
 
-The problem space is every (digit multiset, reachable target) pair, split by digit multiset into train, val
-and test: a multiset and every problem over it belong to one split only, picked by a hash of the multiset (never
-by RNG state), so every run, machine and Python version agrees, and no validation or test multiset is ever seen
-in training. The pretraining corpus only writes expressions over training multisets (and over pairs of digits,
-which are never problems): it contains no validation or test answer. SFT demos cover a fixed minority of the
-training problems; the reward is an exact checker, so GRPO can learn on the rest without demonstrations.
+The problem space is every (digit multiset, reachable target) pair, split by digit multiset into
+train, val and test: a multiset and every problem over it belong to one split only, picked by a hash
+of the multiset (never by RNG state), so every run, machine and Python version agrees, and no
+validation or test multiset is ever seen in training. The pretraining corpus writes blind attempts
+over training multisets only: it contains no validation or test answer. SFT demos cover a fixed
+minority of the training problems; the reward is an exact checker, so GRPO can learn on the rest
+without demonstrations.
 
-Answers are parsed by a small recursive-descent parser (no eval): single digits, + - *, parentheses, spaces.
-No unary minus, no multi-digit numbers (that would be concatenating digits).
+Expressions are parsed by a small recursive-descent parser (no eval): single digits, + - *,
+parentheses, spaces. No unary minus, no multi-digit numbers (that would be concatenating digits).
 """
 
 import functools
@@ -36,7 +39,7 @@ TARGETS = range(1, 100)
 OPS = "+-*"
 SPLITS = {"val": 0.1, "test": 0.1}  # share of the digit multisets held out for each; the rest is 'train'
 SFT_FRACTION = 0.1  # share of the training problems that get a demonstration
-MAX_ANSWER_CHARS = 64  # a longer answer line is wrong without parsing (bounds the parser's recursion)
+MAX_ANSWER_CHARS = 64  # a longer answer line is wrong unparsed (bounds the parser's recursion)
 END_OF_TURN = "<|im_end|>"  # may close a completion decoded with special tokens; ignored by the reward
 
 
@@ -264,26 +267,27 @@ def _parse_expression(text: str) -> tuple[int, list[int]] | None:
 
 
 # -----------------------------------------------------------------------------
-# answers with room to think: work back from the target, one digit a step, retry on a dead end
+# answers with room to think: work back from the target, one digit a step
 #
 #   user:      digits 1 4 7 8 target 83
-#   assistant: 83+8=91[147] 91/7=13[14] 13=?      a dead end: 1 and 4 do not make 13
-#              83+1=84[478] 84/7=12[48] 12=4+8    right: 83 is 84-1, 84 is 12*7, 12 is 4+8
+#   assistant: 83+1=84[478] 84/7=12[48] 12=4+8    right: 83 is 84-1, 84 is 12*7, 12 is 4+8
+#              83+8=91[147] 91/7=13[14] 13=?      (a dead end: 1 and 4 do not make 13)
+#              83/7=?                             (a dead end: 83 is not a multiple of 7)
 #
 # A line is one attempt. A step "x+d=y[...]" says: to make x, make y and take d away (x-d=y: make y
 # and add d; x/d=y: make y and multiply by d); the brackets hold the digits still unspent. So each
 # step spends a digit and leaves a smaller need, and every choice is made on numbers in view: the
-# step's digit and operator come before its number, the digits left stand right before the next
+# step's operator and digit come before its number, the digits left stand right before the next
 # step. With two digits left the line ends: "y=a+b" (or a-b, a*b) when they make y, "y=?" when
-# they cannot. The answer is the last line; the lines before it are the search. Chains reach about
-# 93% of the problems (a tree like 6*7+8*9 is not a chain); an expression ("(4+8)*7-1") is an
-# answer too, so the heuristic and one-shot answers are scored by the same reward.
+# they cannot. The answer is a reply's last line (a reply may search over several lines; the
+# demonstrations show one). A chain cannot write every tree (6*7+8*9 is not a chain); an expression
+# ("(4+8)*7-1") is an answer too, so the heuristic is scored by the same reward.
 
 STEP_OPS = "+-/"   # undo "-d", undo "+d", undo "*d"
 
 
 def _undo(op: str, x: int, d: int) -> int | None:
-    """y of the step x op d = y, or None when it is not a step (y must be a positive whole number)."""
+    """y of the step x op d = y, or None when it is not a step (y must be a whole number >= 1)."""
     y = x + d if op == "+" else x - d if op == "-" else x // d if x % d == 0 else None
     return y if y is not None and y >= 1 else None
 
@@ -327,8 +331,8 @@ def _right_chain(problem: Problem, line: str) -> bool:
     if len(pool) != 2 or len(last) < 5 or last[-2] not in OPS:
         return False
     a, op, b = last[-3:]
-    return last == f"{need}={a}{op}{b}" and a + b in (f"{pool[0]}{pool[1]}", f"{pool[1]}{pool[0]}") \
-        and _apply(op, int(a), int(b)) == need
+    left = (f"{pool[0]}{pool[1]}", f"{pool[1]}{pool[0]}")   # the two digits, either way round
+    return last == f"{need}={a}{op}{b}" and a + b in left and _apply(op, int(a), int(b)) == need
 
 
 def final_line(text: str) -> str:
@@ -395,7 +399,7 @@ def demonstration(problem: Problem) -> str | None:
     if not answers:
         return None
     rng = random.Random(_problem_key(problem, "demo"))
-    for _ in range(10_000):   # bounded: a few problems have one right chain in thousands of attempts
+    for _ in range(10_000):   # bounded: a few problems have one right chain in thousands
         line, solved = _attempt(rng, problem.target, problem.digits)
         if solved:
             return line
@@ -445,25 +449,25 @@ def sft_examples(seed: int, fraction: float = SFT_FRACTION) -> list[list[dict]]:
 @functools.cache
 def _training_multisets() -> dict:
     # k -> the digit multisets of k digits the corpus may use: the training split's only
-    return {k: [d for d in itertools.combinations_with_replacement(DIGITS, k) if split_of(d) == "train"]
-            for k in NUM_DIGITS}
+    return {k: [d for d in itertools.combinations_with_replacement(DIGITS, k)
+                if split_of(d) == "train"] for k in NUM_DIGITS}
 
 
 def pretrain_corpus(n_docs: int, seed: int) -> list[str]:
     """n_docs documents that teach the arithmetic of the search, deterministic by seed.
 
     A document names some digits and lists blind attempts (_attempt) from random starting numbers,
-    spending exactly those digits:
+    spending those digits:
 
-        digits 2 5 7 9
-        57+2=59 59-9=50 50=?
-        14-5=9 9/9=1 1=?
-        35/5=7 7=2+...       (no: 7 from 2 9 is 9-2)
-        ...
+        digits 2 7 7 9
+        63+9=72[277] 72/2=36[77] 36=?
+        62/7=?
+        75+7=82[279] 82/9=?
 
-    It teaches the steps' arithmetic, which digits are left, and which pairs make which numbers;
-    never the search itself (no attempt is chosen, no document stops on a hit). Its multisets are
-    training ones only, so no line answers a validation or test problem.
+    It teaches the steps' arithmetic, which divisions are whole, which digits are left and which
+    pairs make which numbers; never where to look (every choice is a coin flip, and no document
+    stops on a hit). Its multisets are training ones only, so no line answers a validation or test
+    problem.
     """
     if type(n_docs) is not int or n_docs < 0:
         raise ValueError(f"n_docs must be a non-negative int, got {n_docs!r}")
