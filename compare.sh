@@ -39,11 +39,14 @@ THREADS=$(( $(nproc) / JOBS ))
 export OMP_NUM_THREADS=$THREADS MKL_NUM_THREADS=$THREADS
 export WANDB_MODE="${WANDB_MODE:-offline}"
 # GRPO's samples per problem and rollout temperature: RFT samples the same way
-read -r G T <<< "$($PY -c "exec(open('$CONFIG').read()); print(int(grpo['group_size']), float(grpo.get('temperature', 1.0)))")"
+GT=$($PY -c "exec(open('$CONFIG').read()); print(int(grpo['group_size']), float(grpo.get('temperature', 1.0)))")
+read -r G T <<< "$GT"   # (a failing python stops the script on the line above)
 N_TRAIN=$($PY -c "import task; print(len(task.make_problems('train')))")
 
-finished() {   # finished <seed>: every arm's test evaluation is on disk
+PROTOCOL="chains-1"   # bump when the task, the recipe or the arms change: older seeds are not mixed in
+finished() {   # finished <seed>: every arm's test evaluation is on disk, under this protocol
     local arm
+    grep -qsx "$PROTOCOL" "$OUT/seed$1/protocol" || return 1
     for arm in "${ARMS[@]}"; do
         grep -qs '"eval/accuracy"' "$OUT/seed$1/test_$arm/metrics.jsonl" || return 1
     done
@@ -70,6 +73,7 @@ PY
 
 run_seed() {   # run_seed <seed>: the whole pipeline of one seed
     local s=$1 d=$OUT/seed$1 budget F N arm init baseline
+    echo "$PROTOCOL" > "$d/protocol"
     step pretrain $PY pretrain.py "$CONFIG" --seed=$s --out_dir=$d/pretrain
     step sft $PY sft.py "$CONFIG" --seed=$s --init_from=$d/pretrain --out_dir=$d/sft
     step grpo $PY train_grpo.py "$CONFIG" --seed=$s --init_from=$d/sft/best --out_dir=$d/grpo
@@ -102,7 +106,7 @@ for s in "${SEEDS[@]}"; do
         echo "seed $s: finished before, skipped (FORCE=1 redoes it)"
         continue
     fi
-    # a seed of an earlier protocol (fewer arms) is never deleted unasked
+    # a seed of an earlier protocol is never deleted unasked
     if [ -z "${FORCE:-}" ] && [ -d "$d/test_grpo" ]; then
         echo "compare.sh: $d holds a finished GRPO run but not every arm of this protocol;" \
              "move it away or set FORCE=1 to redo the seed" >&2

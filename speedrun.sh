@@ -34,7 +34,8 @@ stage sft.py
 stage train_grpo.py
 # the test split is read once, at the end, by the same evaluation for both models
 # the SFT model is GRPO's start (the SFT run's best on validation)
-read -r SFT GRPO <<< "$($PY -c "exec(open('$CONFIG').read()); print(grpo['init_from'], grpo['out_dir'])")"
+dirs=$($PY -c "exec(open('$CONFIG').read()); print(grpo['init_from'], grpo['out_dir'])")
+read -r SFT GRPO <<< "$dirs"   # (a failing python stops the script on the line above)
 TEST=(--max_iters=0 --eval_split=test --n_eval_problems=0 --pass_k=8)
 stage train_grpo.py --init_from="$SFT" --out_dir="$GRPO/../test_sft" "${TEST[@]}"
 stage train_grpo.py --init_from="$GRPO/best" --out_dir="$GRPO/../test_grpo" "${TEST[@]}"

@@ -106,7 +106,7 @@ def _values(digits: tuple[int, ...]) -> dict:
 
 
 def _preference(text: str):
-    # the order solutions() lists answers in, and SFT demonstrates the first: fewest parentheses, then plain
+    # the order expression_answers() lists answers in: fewest parentheses, then plain
     # string order (small digit first, '*' before '+' before '-'). One consistent choice is easier to imitate.
     return (text.count("("), text)
 
@@ -279,9 +279,11 @@ def _parse_expression(text: str) -> tuple[int, list[int]] | None:
 # step spends a digit and leaves a smaller need, and every choice is made on numbers in view: the
 # step's operator and digit come before its number, the digits left stand right before the next
 # step. With two digits left the line ends: "y=a+b" (or a-b, a*b) when they make y, "y=?" when
-# they cannot. The answer is a reply's last line (a reply may search over several lines; the
-# demonstrations show one). A chain cannot write every tree (6*7+8*9 is not a chain); an expression
-# ("(4+8)*7-1") is an answer too, so the heuristic is scored by the same reward.
+# they cannot. The answer is a reply's last line (a reply may search over several lines if its
+# token budget allows; the demonstrations show one line, and the embedded config's budget fits
+# one). A chain cannot write every answer: not a tree like 6*7+8*9, not "d minus the rest"
+# (9-2*4), not a need of 0 (3-3=0 then 0=5-5); an expression ("(4+8)*7-1") is an answer too, so
+# the heuristic is scored by the same reward.
 
 STEP_OPS = "+-/"   # undo "-d", undo "+d", undo "*d"
 
@@ -308,31 +310,24 @@ def _pair_equation(y: int, a: int, b: int) -> str | None:
     return None
 
 
-def _number(word: str) -> int | None:
-    return int(word) if word.isdigit() and word[0] != "0" and len(word) <= 4 else None
-
-
 _STEP = re.compile(r"([1-9][0-9]{0,3})([-+/])([1-9])=")   # the head of a step word: "83+1="
 
 
 def _right_chain(problem: Problem, line: str) -> bool:
-    """Whether a line is a right chain: steps from the target, each one's arithmetic and digits
-    left true, ending in the two digits left making the last need ('12=4+8' or '12=8+4')."""
+    """Whether a line is a right chain: steps from the target, each written exactly as _step writes
+    it (so its arithmetic and the digits left are true), ending in the two digits left making the
+    last need ('12=4+8' or '12=8+4')."""
     *steps, last = line.split(" ")
     need, pool = problem.target, sorted(problem.digits)
-    for word in steps:   # "x+d=y[...]": written exactly as _step writes it
+    for word in steps:
         head = _STEP.match(word)
-        if not head or int(head[1]) != need or int(head[3]) not in pool:
+        if not head or int(head[3]) not in pool or _undo(head[2], need, int(head[3])) is None:
             return False
-        op, d = head[2], int(head[3])
-        if _undo(op, need, d) is None or word != _step(need, op, d, pool)[0]:
+        text, need, pool = _step(need, head[2], int(head[3]), pool)
+        if word != text:
             return False
-        _, need, pool = _step(need, op, d, pool)
-    if len(pool) != 2 or len(last) < 5 or last[-2] not in OPS:
-        return False
-    a, op, b = last[-3:]
-    left = (f"{pool[0]}{pool[1]}", f"{pool[1]}{pool[0]}")   # the two digits, either way round
-    return last == f"{need}={a}{op}{b}" and a + b in left and _apply(op, int(a), int(b)) == need
+    return len(pool) == 2 and last in {f"{need}={x}{op}{y}" for x, y in (pool, pool[::-1])
+                                       for op in OPS if _apply(op, x, y) == need}
 
 
 def final_line(text: str) -> str:
@@ -375,8 +370,25 @@ def _attempt(rng: random.Random, target: int, digits: tuple[int, ...]) -> tuple[
 
 
 @functools.cache
+def _held_out() -> frozenset:
+    return frozenset((p.digits, p.target) for s in ("val", "test") for p in make_problems(s))
+
+
+def _answers_held_out(line: str) -> bool:
+    """Whether a right line holds the answer to a validation or test problem in its tail: after the
+    first step of a four-digit chain the rest is, word for word, a chain over the three digits left,
+    and those may be a held-out multiset ('30/2=15[469] 15+9=24[46] 24=4*6' answers 4 6 9 -> 15)."""
+    first, *rest = line.split(" ")
+    if len(rest) < 2:   # a three-digit chain's tail is a pair, never a problem
+        return False
+    need, left = first.split("=")[1].rstrip("]").split("[")
+    return (tuple(sorted(map(int, left))), int(need)) in _held_out()
+
+
+@functools.cache
 def chain_answers(problem: Problem) -> tuple[str, ...]:
-    """Every right chain line of a problem (empty if no chain reaches its target)."""
+    """The problem's right chain lines as _attempt writes them (empty if no chain reaches its
+    target); the reward also takes the last pair either way round."""
     def lines(need, pool):
         if len(pool) == 2:
             last = _pair_equation(need, *pool)
@@ -391,23 +403,25 @@ def chain_answers(problem: Problem) -> tuple[str, ...]:
     return tuple(lines(problem.target, sorted(problem.digits)))
 
 
+@functools.cache
 def demonstration(problem: Problem) -> str | None:
     """What SFT shows for a problem: the first right chain a blind search (_attempt, again and
     again) lands on, so each right chain is shown about as often as blind search finds it. Fixed by
-    the problem, not by a seed; None if no chain reaches the target."""
-    answers = chain_answers(problem)
+    the problem, not by a seed. Never a line whose tail answers a held-out problem
+    (_answers_held_out); None if no other chain reaches the target."""
+    answers = [line for line in chain_answers(problem) if not _answers_held_out(line)]
     if not answers:
         return None
     rng = random.Random(_problem_key(problem, "demo"))
     for _ in range(10_000):   # bounded: a few problems have one right chain in thousands
         line, solved = _attempt(rng, problem.target, problem.digits)
-        if solved:
+        if solved and not _answers_held_out(line):
             return line
     return rng.choice(answers)
 
 
 def solutions(problem: Problem) -> list[str]:
-    """Every right answer, the demonstrated one first: its demonstration, the other chains, then the
+    """The right answers, the demonstrated one first: its demonstration, the other chains, then the
     one-line expressions (empty if the problem is unsolvable)."""
     if not isinstance(problem, Problem):
         raise TypeError(f"expected a Problem, got {problem!r}")
@@ -466,8 +480,8 @@ def pretrain_corpus(n_docs: int, seed: int) -> list[str]:
 
     It teaches the steps' arithmetic, which divisions are whole, which digits are left and which
     pairs make which numbers; never where to look (every choice is a coin flip, and no document
-    stops on a hit). Its multisets are training ones only, so no line answers a validation or test
-    problem.
+    stops on a hit). Its multisets are training ones only, and a line whose tail answers a
+    held-out three-digit problem is drawn again, so no line answers a validation or test problem.
     """
     if type(n_docs) is not int or n_docs < 0:
         raise ValueError(f"n_docs must be a non-negative int, got {n_docs!r}")
@@ -475,8 +489,10 @@ def pretrain_corpus(n_docs: int, seed: int) -> list[str]:
     docs = []
     for _ in range(n_docs):
         digits = rng.choice(multisets[rng.choice(NUM_DIGITS)])
-        lines = [f"digits {' '.join(map(str, digits))}"]
-        for _ in range(rng.randint(4, 8)):
-            lines.append(_attempt(rng, rng.choice(TARGETS), digits)[0])
+        lines, n_lines = [f"digits {' '.join(map(str, digits))}"], rng.randint(4, 8)
+        while len(lines) <= n_lines:
+            line, solved = _attempt(rng, rng.choice(TARGETS), digits)
+            if not (solved and _answers_held_out(line)):   # no held-out answer, even in a tail
+                lines.append(line)
         docs.append("\n".join(lines))
     return docs

@@ -26,9 +26,10 @@ describe, kind, heuristic_answer = task.describe, task.kind, task.heuristic_answ
 
 def feedback(problem, reply):
     """What the environment says about a wrong reply: its value (or why it has none)."""
-    if "=" in task.final_line(reply):   # a chain of steps (task.py): right or wrong, no value
+    line = task.final_line(reply)   # the reward reads the last line too
+    if "=" in line:   # a chain of steps (task.py): right or wrong, no value
         return "not a right chain"
-    parsed = task.parse_answer(reply)
+    parsed = task.parse_answer(line)
     if parsed is None:
         return "not an expression"
     value, used = parsed

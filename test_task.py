@@ -414,6 +414,8 @@ def test_demonstrations_are_right_chains_drawn_like_a_blind_search():
         line = task.demonstration(p)
         if not task.chain_answers(p):
             assert line is None   # no chain reaches the target: no demonstration
+        if line is None:          # (or each chain's tail answers a held-out problem)
+            assert all(_tail_problem(c) for c in task.chain_answers(p))
             continue
         start, landed = _honest_attempt(p.digits, line)
         assert start == p.target and landed and line in task.chain_answers(p)
@@ -458,7 +460,30 @@ def test_pretrain_corpus_holds_no_validation_or_test_answer():
             for line in lines:
                 start, landed = _honest_attempt(digits, line)
                 assert (digits, start) not in held_out
+                assert not (landed and _tail_problem(line) in held_out), (seed, line)
     assert sizes == {3, 4}
+
+
+def _tail_problem(line):
+    # the problem a right four-digit line's tail answers, word for word: after its first step, the
+    # rest is a chain from that step's need over the three digits it leaves
+    m = re.match(r"[0-9]+[-+/][1-9]=([0-9]+)\[([1-9]{3})\] ", line)
+    return (tuple(sorted(map(int, m[2]))), int(m[1])) if m else None
+
+
+def test_no_demonstration_answers_a_held_out_problem_even_in_its_tail():
+    held_out = {(p.digits, p.target) for s in ("val", "test") for p in make_problems(s)}
+    tails = 0
+    for conv in sft_examples(seed=0, fraction=1.0):
+        tail = _tail_problem(conv[1]["content"])
+        tails += tail is not None
+        assert tail not in held_out, conv
+    assert tails > 5000   # the check saw four-digit chains
+    # without the filter, tails would answer held-out problems: a training problem's chain whose
+    # tail answers 5 9 9 -> 76 (a held-out problem), which no demonstration may show
+    spoiled = "76/1=76[599] 76+5=81[99] 81=9*9"
+    assert spoiled in task.chain_answers(Problem((1, 5, 9, 9), 76))
+    assert _tail_problem(spoiled) in held_out and task.demonstration(Problem((1, 5, 9, 9), 76)) != spoiled
 
 
 def test_sft_examples_are_a_fixed_minority_of_train():

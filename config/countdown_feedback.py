@@ -10,7 +10,7 @@ wandb_log = False
 
 grpo = dict(
     out_dir="out/countdown_feedback/grpo",
-    init_from="out/qwen_small/sft",
+    init_from="out/qwen_small/sft/best",
     max_iters=300,
     prompts_per_step=32, group_size=8, temperature=0.7,
     max_new_tokens=40, max_turns=3, max_episode_tokens=160,
