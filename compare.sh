@@ -39,11 +39,12 @@ THREADS=$(( $(nproc) / JOBS ))
 export OMP_NUM_THREADS=$THREADS MKL_NUM_THREADS=$THREADS
 export WANDB_MODE="${WANDB_MODE:-offline}"
 # GRPO's samples per problem and rollout temperature: RFT samples the same way
-GT=$($PY -c "exec(open('$CONFIG').read()); print(int(grpo['group_size']), float(grpo.get('temperature', 1.0)))")
+GT=$($PY -c "exec(open('$CONFIG').read())
+print(int(grpo['group_size']), float(grpo.get('temperature', 1.0)))")
 read -r G T <<< "$GT"   # (a failing python stops the script on the line above)
 N_TRAIN=$($PY -c "import task; print(len(task.make_problems('train')))")
 
-PROTOCOL="chains-1"   # bump when the task, the recipe or the arms change: older seeds are not mixed in
+PROTOCOL="chains-1"   # bump when the task, recipe or arms change: older seeds are not mixed in
 finished() {   # finished <seed>: every arm's test evaluation is on disk, under this protocol
     local arm
     grep -qsx "$PROTOCOL" "$OUT/seed$1/protocol" || return 1

@@ -320,7 +320,8 @@ class InferenceEngine:
         """Queue a prompt (token ids) for num_samples samples; returns its seq_id
         (TrainingSample.seq_id). With params.seed, it draws as prompt `index` of a generate call."""
         self._check_request(params, num_samples, "num_samples")
-        _require(_is_int(index) and 0 <= index < 2 ** 63, f"index must be an int in [0, 2**63), got {index!r}")
+        _require(_is_int(index) and 0 <= index < 2 ** 63,
+                 f"index must be an int in [0, 2**63), got {index!r}")
         prompt = check_prompt(prompt, self.model.config.vocab_size, self.max_model_len)
         check_fits(prompt, params, num_samples, self.cache, self.max_model_len, "prompt")
         return self._add(prompt, params, num_samples, index)
@@ -349,7 +350,7 @@ class InferenceEngine:
                 self.abort(seq_id)
             raise
         finally:
-            self._undelivered += others           # another caller's samples: step() hands them out next
+            self._undelivered += others   # another caller's samples: step() hands them out next
         return sorted(mine, key=lambda s: (s.seq_id, s.sample_index))   # seq_ids grow in request order
 
     def has_pending(self) -> bool:

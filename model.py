@@ -60,7 +60,7 @@ class ModelConfig:
     attention_bias: bool = False           # biases on q, k, v and o (Qwen3's / Llama's)
     # the families users bring are flags of this one model, set from config.json (checkpoint.py)
     family: str = "qwen3"                  # 'qwen3' | 'qwen2' | 'llama' (with experts: qwen3_moe)
-    qk_norm: bool | None = None            # per-head RMSNorm of q, k before RoPE (None: the family's)
+    qk_norm: bool | None = None            # per-head RMSNorm of q, k before RoPE (None: family's)
     qkv_bias: bool | None = None           # biases on q, k and v only (None: the family's; Qwen2's)
     rope_scaling: tuple = ()               # sorted (key, value) pairs; rope_type 'llama3' | 'yarn' 
     max_position_embeddings: int = 4096
@@ -81,15 +81,17 @@ class ModelConfig:
                  f"ModelConfig: num_experts={self.num_experts}, but experts are Qwen3-MoE's, not "
                  f"{self.family}'s (num_experts=0 for a dense model)")
         # qk_norm, qkv_bias: what the family has (Qwen3 the norm, Qwen2 the biases, Llama neither)
-        flags = {"qwen3": (True, False), "qwen2": (False, True), "llama": (False, False)}[self.family]
+        flags = {"qwen3": (True, False), "qwen2": (False, True),
+                 "llama": (False, False)}[self.family]
         for name, value in zip(("qk_norm", "qkv_bias"), flags):
             if getattr(self, name) is None:
                 object.__setattr__(self, name, value)
             _require(getattr(self, name) == value, f"ModelConfig: family={self.family!r} has "
                                                    f"{name}={value}, got {getattr(self, name)!r}")
-        _require(dict(self.rope_scaling).get("rope_type") in ("llama3", "yarn") or not self.rope_scaling,
+        rope_type = dict(self.rope_scaling).get("rope_type")
+        _require(rope_type in ("llama3", "yarn") or not self.rope_scaling,
                  f"ModelConfig.rope_scaling: rope_type must be 'llama3' or 'yarn', got "
-                 f"{dict(self.rope_scaling).get('rope_type')!r}")
+                 f"{rope_type!r}")
         for name in ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
                      "num_key_value_heads", "head_dim", "decoder_sparse_step"):
             value = getattr(self, name)

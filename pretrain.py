@@ -7,9 +7,9 @@ Pretraining: next-token prediction on packed documents, every token weighted 1.
     torchrun --standalone --nproc_per_node=2 pretrain.py config/qwen_small.py --grad_accum=2   # data-parallel
 
 The data is the task's corpus (its pretrain_corpus; the embedded countdown's: blind attempts of
-steps over some digits, dead ends included), each document tokenized and closed with <|endoftext|>. The tokenizer is saved
-into every checkpoint, so {out_dir}/ckpt is a self-contained transformers directory and sft.py can
-start from --init_from={out_dir}.
+steps over some digits, dead ends included), each document tokenized and closed with
+<|endoftext|>. The tokenizer is saved into every checkpoint, so {out_dir}/ckpt is a self-contained
+transformers directory and sft.py can start from --init_from={out_dir}.
 """
 import sys
 

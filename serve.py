@@ -310,7 +310,8 @@ async def completions(server, http, body):
     ids_back, stream = _field(body, "return_token_ids", (bool,), False), _field(body, "stream", (bool,), False)
     # seeded: prompt i draws as prompt first_index + i of one engine.generate call (a trainer's
     # share of a rollout split across servers draws what one engine would)
-    first = _field(body, "first_index", (int,), 0, lambda v: 0 <= v < 2 ** 63, "must be in [0, 2**63)")
+    first = _field(body, "first_index", (int,), 0, lambda v: 0 <= v < 2 ** 63,
+                   "must be in [0, 2**63)")
     head = {"id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion", "created": int(time.time()),
             "model": server.name}
     choices = new_choices(prompts, n)
@@ -535,7 +536,8 @@ async def update_weights_from_distributed(server, http, body):
     meta = [_field(body, k, (list,), []) for k in ("names", "shapes", "dtypes")]
     bucket_mb = _field(body, "bucket_mb", (int, float), 64, lambda v: v > 0, "must be > 0")
     ours = {n: tuple(t.shape) for n, t in server.engine.model.state_dict().items()}
-    if not (len(meta[0]) == len(meta[1]) == len(meta[2]) == len(ours) and set(meta[0]) == set(ours)):
+    if not (len(meta[0]) == len(meta[1]) == len(meta[2]) == len(ours)
+            and set(meta[0]) == set(ours)):
         missing = sorted(set(ours) - set(meta[0]))[:3]
         unknown = sorted(set(meta[0]) - set(ours))[:3]
         raise BadRequest(f"names must list every tensor of the served model once, with a shape "

@@ -9,8 +9,8 @@ Supervised fine-tuning on chat conversations: the loss is on the assistant reply
         --rft_samples=8 --rft_problems=2000 --max_flops=1e13 --keep_best=True --max_iters=1000000
 
 The data is the task's demonstrations (its sft_examples: for the embedded countdown a minority of
-the training problems, each with one right chain of steps), each made by tokenizer.chat_example, the same
-chat template the engine's prompts use.
+the training problems, each with one right chain of steps), each made by
+tokenizer.chat_example, the same chat template the engine's prompts use.
 With rft_samples > 0 it is rejection-sampling fine-tuning instead: the starting model answers rft_problems
 training problems (the ones GRPO's prompt stream would take first, same seed) rft_samples times each at
 rft_temperature, and the distinct correct answers, token for token as sampled, are the data.

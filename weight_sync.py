@@ -166,7 +166,8 @@ class PeerGroup:
 
     def gather_ints(self, value):
         """value of every rank (one int each), in rank order: every rank calls it."""
-        out = [torch.zeros(1, dtype=torch.int64, device=self.device) for _ in range(self.world_size)]
+        out = [torch.zeros(1, dtype=torch.int64, device=self.device)
+               for _ in range(self.world_size)]
         mine = torch.tensor([value], dtype=torch.int64, device=self.device)
         self.pg.allgather([out], [mine]).wait()
         return [int(t) for t in out]
