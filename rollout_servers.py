@@ -97,7 +97,8 @@ class Servers:
         self.engine, self.version, self._evaluated = engine, version, version
         self.remote = RemoteEngine(urls, model.config, config["rollout_api_key"])
         self.push = ServerWeights(urls, model.state_dict(), config["weight_bucket_mb"],
-                                  api_key=config["rollout_api_key"])
+                                  config["weight_backend"], config["weight_master_address"],
+                                  config["rollout_api_key"])
         self.push.send(model.state_dict())     # the servers serve the trainer's starting weights
         self.remote.version = version
         self.weights, self.rollouts = queue.Queue(), queue.Queue()

@@ -527,7 +527,9 @@ async def update_weights_from_distributed(server, http, body):
     the tensor, nothing received), then the tensors arrive by the group's broadcast in buckets
     (weight_sync.WeightSync), are applied whole between two engine steps (version += 1), and the new
     version goes back over the group (-1 if the engine refused the values). Returns once the check
-    has passed, so that the trainer can start broadcasting."""
+    has passed, so that the trainer can start broadcasting. With check_only=true it only checks:
+    a trainer with several servers asks them all first, so that no server waits for bytes that a
+    refusal elsewhere stops from coming."""
     check_updates_on(server)
     if server.peer is None:
         raise BadRequest("no weight-update group: call /init_weights_update_group first", None)
@@ -550,6 +552,8 @@ async def update_weights_from_distributed(server, http, body):
                 and getattr(torch, dtype).is_floating_point):
             raise BadRequest(f"tensor {name!r}: dtype {dtype!r} is not a floating torch dtype",
                              "dtypes")
+    if _field(body, "check_only", (bool,), False):
+        return {"success": True, "message": f"the {len(meta[0])} tensors fit"}
     state = {n: torch.empty(sh, dtype=getattr(torch, d), device="meta") for n, sh, d in zip(*meta)}
     sync = WeightSync(state, src=0, bucket_mb=bucket_mb, group=server.peer,
                       device=torch.device(server.engine.config.device))

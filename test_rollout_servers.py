@@ -5,6 +5,7 @@ weights pushed to them over a gloo group of their own, against the colocated run
     python -m pytest -q test_rollout_servers.py
 """
 
+import httpx
 import pytest
 import torch
 
@@ -37,6 +38,10 @@ def assert_same(a, b, rel=1e-5, at_least=20):
     assert checked >= at_least
 
 
+def stats(server):
+    return httpx.get(server.url + "/stats").json()
+
+
 @pytest.fixture(scope="module")
 def colocated(tmp_path_factory):
     """5 colocated iterations; its checkpoint is what the servers load (the trainer then pushes its
@@ -58,9 +63,13 @@ def test_one_and_two_servers_sample_what_the_colocated_run_samples(colocated):
         # rollout j waited for the weights after iteration j - 1: pushed before it, never inside
         assert [r["perf/weight_sync_s"] > 0 for r in rows] == [False, True, True, True, True]
         assert all(r["rollout/staleness_max"] == 0 for r in rows)
+        generated = [stats(s)["generated_tokens"] for s in servers]
+        assert generated[0] > 0 and generated[1] == 0
         both = f"--rollout_urls={servers[0].url},{servers[1].url}"   # each samples half
         train_grpo.main(tiny_config(tmp / "two", *args, both))
         assert_same(tmp / "one", tmp / "two")
+        more = [stats(s)["generated_tokens"] - g for s, g in zip(servers, generated)]
+        assert more[0] > 0 and more[1] > 0 and 0.5 < more[0] / more[1] < 2, more
     finally:
         for s in servers:
             s.stop()

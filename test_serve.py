@@ -179,9 +179,10 @@ def collect_stream(stream, chat):
     return text, ids, logprobs, finish
 
 
-def test_streamed_equals_non_streamed(setup):
+@pytest.mark.parametrize("n", [1, 2])
+def test_streamed_equals_non_streamed(setup, n):
     api = setup["api"]
-    kw = dict(model="tiny", max_tokens=12, temperature=0.9, seed=11, n=2, extra_body=EXTRA)
+    kw = dict(model="tiny", max_tokens=12, temperature=0.9, seed=11, n=n, extra_body=EXTRA)
     whole = api.completions.create(prompt=PROMPTS[1], logprobs=0, **kw)
     text, ids, logprobs, finish = collect_stream(api.completions.create(prompt=PROMPTS[1], logprobs=0, stream=True,
                                                                         **kw), chat=False)
@@ -389,7 +390,11 @@ def test_the_sdks_stream_accumulator_gives_the_non_streamed_chat_completion(setu
             return await stream.get_final_completion()
     import asyncio
     final = asyncio.run(async_final())
-    assert [c.message.content for c in final.choices] == [c.message.content for c in whole.choices]
+    for got, want in zip(final.choices, whole.choices):
+        assert (got.index, got.message.content, got.finish_reason) == \
+            (want.index, want.message.content, want.finish_reason)
+        assert [c.logprob for c in got.logprobs.content] == \
+            pytest.approx([c.logprob for c in want.logprobs.content], abs=1e-5)
 
 
 def test_token_in_token_out_generate_equals_the_engine(setup, engine):
@@ -492,3 +497,24 @@ def test_weights_over_a_process_group_reach_a_running_server(setup):
         assert r.status_code == 403 and "enable_weight_updates" in r.json()["error"]["message"]
     finally:
         assert server.stop() == 0
+
+
+def test_a_server_that_refuses_the_weights_leaves_the_others_free(setup):
+    # two servers, one of another shape: it refuses the manifest while the other was only asked to
+    # check, so nothing waits for bytes; the good server joins the next trainer's group at once
+    from weight_sync import ServerWeights
+    root = setup["root"]
+    write_hf_checkpoint(_wider(), root / "wide_served")
+    save_tokenizer(build_tokenizer(), root / "wide_served")
+    wide = Served(root / "wide_served", f"--api_key={KEY}", "--enable_weight_updates=True")
+    try:
+        card = httpx.get(setup["server"].url + "/v1/models",
+                         headers={"Authorization": f"Bearer {KEY}"})
+        before = card.json()["data"][0]["weight_version"]
+        a = load_hf_checkpoint(str(root / "a")).state_dict()
+        both = ServerWeights([setup["server"].url, wide.url], a, api_key=KEY)
+        with pytest.raises(ValueError, match=f"{wide.url}.* refused \\(400\\).* has shape"):
+            both.send(a)
+        assert ServerWeights([setup["server"].url], a, api_key=KEY).send(a) == [before + 1]
+    finally:
+        assert wide.stop() == 0

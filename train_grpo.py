@@ -116,6 +116,8 @@ weight_bucket_mb = 64.0      # bucket size of the trainer-to-workers (and -serve
 # rollouts from running serve.py processes (rollout_servers.py)
 rollout_urls = ""            # 'http://host:port[,...]': they sample, the trainer pushes weights
 rollout_api_key = ""         # the servers' --api_key
+weight_master_address = "127.0.0.1"  # where the servers reach this trainer for the weight group
+weight_backend = "gloo"      # the weight group's backend: 'gloo', or 'nccl' with device='cuda'
 # evaluation (with the engine; 'test' is for the final comparison only)
 eval_split = "val"           # 'val' | 'test'
 n_eval_problems = 500        # the first n of the split (0 = all of it)
@@ -432,6 +434,13 @@ def check_settings(config):
     _require(not config["rollout_urls"] or alone,
              f"rollout_urls={config['rollout_urls']!r}: serve.py rollouts run with one trainer "
              f"process (no rollout_ranks, no torchrun) for now")
+    _require(config["weight_backend"] in ("gloo", "nccl"),
+             f"weight_backend={config['weight_backend']!r}: expected 'gloo' or 'nccl'")
+    _require(config["weight_backend"] == "gloo" or config["device"].startswith("cuda"),
+             f"weight_backend='nccl' broadcasts from a GPU: set device='cuda' (or use 'gloo')")
+    _require(type(config["weight_master_address"]) is str and config["weight_master_address"],
+             f"weight_master_address={config['weight_master_address']!r}: expected a host name "
+             f"or address the servers can reach")
     _require(type(config["weight_bucket_mb"]) in (int, float) and config["weight_bucket_mb"] > 0,
              f"weight_bucket_mb={config['weight_bucket_mb']!r}: expected a number > 0")
     _require(config["eval_split"] in ("val", "test"), f"eval_split={config['eval_split']!r}: expected 'val' or 'test'")

@@ -186,10 +186,11 @@ class ServerWeights:
         push = ServerWeights(["http://127.0.0.1:8000"], model.state_dict())   # they join the group
         versions = push.send(model.state_dict())   # after each step: every server's new version
 
-    Each send first posts the manifest (names, dtypes, shapes) to every server, which checks it
-    against its model (a mismatch: ValueError naming the tensor, nothing sent) and waits for the
-    bytes; then one broadcast reaches them all, each applies the version whole between two engine
-    steps, and the servers' new versions come back over the group."""
+    Each send first has every server check the manifest (names, dtypes, shapes) against its model
+    (a mismatch: ValueError naming the tensor and the server, nothing sent, no server waiting),
+    then posts it again for each to wait for the bytes; one broadcast reaches them all, each
+    applies the version whole between two engine steps, and the servers' new versions come back
+    over the group."""
 
     def __init__(self, urls, state, bucket_mb=64, backend="gloo", master_address="127.0.0.1",
                  api_key="", timeout_s=300):
@@ -225,7 +226,9 @@ class ServerWeights:
         names, shapes, dtypes = zip(*manifest(state))
         body = {"names": list(names), "shapes": [list(s) for s in shapes], "dtypes": list(dtypes),
                 "bucket_mb": self.bucket_mb}
-        for url in self.urls:     # each checks the manifest, then waits for the bytes
+        for url in self.urls:     # all check first: a server that waits can only be freed by bytes
+            self.post(url, "/update_weights_from_distributed", {**body, "check_only": True})
+        for url in self.urls:     # then each waits for the bytes
             self.post(url, "/update_weights_from_distributed", body)
         self.sync.send(state)
         versions = self.group.gather_ints(-1)[1:]
