@@ -94,7 +94,7 @@ def config_from_hf(d) -> ModelConfig:
         tie_word_embeddings=d.get("tie_word_embeddings", False), attention_bias=d.get("attention_bias", False),
         max_position_embeddings=d.get("max_position_embeddings", 4096),
         router_aux_loss_coef=d.get("router_aux_loss_coef", 0.001), bos_token_id=d.get("bos_token_id"),
-        eos_token_id=eos[0] if isinstance(eos, list) else eos, pad_token_id=d.get("pad_token_id"),
+        eos_token_id=eos, pad_token_id=d.get("pad_token_id"),
     )
 
 
@@ -104,6 +104,8 @@ def config_to_hf(cfg: ModelConfig) -> dict:
     kw = {k: v for k, v in asdict(cfg).items()
           if k not in ("num_experts", "family", "qk_norm", "qkv_bias", "rope_scaling")}
     kw["mlp_only_layers"] = list(cfg.mlp_only_layers)
+    if isinstance(cfg.eos_token_id, tuple):
+        kw["eos_token_id"] = list(cfg.eos_token_id)
     kw["rope_parameters"] = {"rope_type": "default", "rope_theta": kw.pop("rope_theta"),
                              **dict(cfg.rope_scaling)}
     if cfg.num_experts > 0:

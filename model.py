@@ -66,12 +66,14 @@ class ModelConfig:
     max_position_embeddings: int = 4096
     router_aux_loss_coef: float = 0.001
     bos_token_id: int | None = None
-    eos_token_id: int | None = None
+    eos_token_id: int | tuple | None = None   # one id, or several (Llama 3 Instruct's three)
     pad_token_id: int | None = None
 
     def __post_init__(self):
         # json gives lists; a frozen config wants hashable tuples
         object.__setattr__(self, "mlp_only_layers", tuple(int(i) for i in self.mlp_only_layers))
+        if isinstance(self.eos_token_id, list):
+            object.__setattr__(self, "eos_token_id", tuple(self.eos_token_id))
         if isinstance(self.rope_scaling, dict):
             object.__setattr__(self, "rope_scaling", tuple(sorted(self.rope_scaling.items())))
         object.__setattr__(self, "rope_scaling", tuple(tuple(kv) for kv in self.rope_scaling))

@@ -443,20 +443,24 @@ def test_bad_inputs_are_refused_and_change_nothing(moe):
 
 
 def test_the_design_documents_usage_block_runs_as_written(moe):
-    # DESIGN.md's usage code, model path aside, with the names it leaves to the reader filled in
+    # DESIGN.md's usage code line for line, the model path aside and the names it leaves to the
+    # reader filled in first; shutdown moves after the mid and low levels, which need the engine
     _, path = moe
     import torch
-    from checkpoint import load_hf_checkpoint, save_hf_checkpoint
-    from engine import InferenceEngine, EngineConfig, SamplingParams
-    from engine import schedule, sample_with_logprobs, compute_block_hash, SchedulerConfig
-    prompts, eos = PROMPTS[:2], 2
+    prompts, eos, prompt = PROMPTS[:2], 2, PROMPTS[0]
     tokens, position_ids = torch.tensor([1, 2, 3, 4]), torch.tensor([0, 1, 0, 1])
     cu_seqlens = torch.tensor([0, 2, 4], dtype=torch.int32)
+    temperatures = torch.tensor([0.0, 1.0, 1.0, 1.0])     # a row each of the packed batch
+    block_token_ids, parent_hash = [1, 2, 3], 0
 
+    from model import load_hf_checkpoint, save_hf_checkpoint, ModelConfig, Transformer
+    from engine import InferenceEngine, EngineConfig, SamplingParams
+    from engine import schedule, sample_with_logprobs, compute_block_hash, SchedulerConfig
     model = load_hf_checkpoint(path, device="cpu", dtype=torch.float32)   # -> Transformer
     with torch.no_grad():
         logits, aux_loss = model(tokens, position_ids, cu_seqlens)
     save_hf_checkpoint(model, str(path) + "_saved")
+    assert isinstance(model, Transformer) and isinstance(model.config, ModelConfig)
 
     engine = InferenceEngine(EngineConfig(model_path=path, cache_type="paged", block_size=16))
     samples = engine.generate(prompts=prompts,
@@ -466,22 +470,30 @@ def test_the_design_documents_usage_block_runs_as_written(moe):
     for s in samples:
         s.prompt_tokens, s.completion_tokens, s.logprobs, s.weight_version, s.finish_reason
     assert len(samples) == 16 and [s.prompt_tokens for s in samples[:8]] == [tuple(prompts[0])] * 8
-    trainer_model = state_dict = model
-    engine.update_weights(trainer_model.state_dict(), blocking=True)
-    engine.update_weights(state_dict.state_dict(), blocking=False)
-    engine.get_weight_version(); engine.flush_cache(); engine.stats()
+    by_position = engine.generate(prompts, SamplingParams(temperature=1.0, max_tokens=256, seed=3,
+                                                          stop_token_ids=frozenset({eos})), 8)
+    assert len(by_position) == 16
+
     params = SamplingParams(temperature=0.0, max_tokens=4)
-    prompt = prompts[0]
+    waiting, running, num_free_blocks = [], [], 8
+    scheduler_config = SchedulerConfig(max_batch_size=4, max_num_batched_tokens=64, block_size=16)
+
+    trainer_model = model
+    state_dict = trainer_model.state_dict()
+    engine.update_weights(trainer_model.state_dict(), blocking=True)
+    engine.update_weights(state_dict, blocking=False)
+    engine.get_weight_version(); engine.flush_cache(); engine.stats()
+
     seq_id = engine.add_request(prompt, params)
     while engine.has_pending():
         for s in engine.step():
             assert s.seq_id == seq_id
     assert engine.get_weight_version() == 2
+    out = schedule(waiting, running, num_free_blocks, scheduler_config)
+    tokens, logprobs = sample_with_logprobs(logits, temperatures)
+    h = compute_block_hash(block_token_ids, parent_hash)
+    assert out.scheduled == () and tokens[0] == logits[0].argmax() and isinstance(h, int)
     engine.shutdown()
-    out = schedule([], [], 10, SchedulerConfig(8, 64, 16))
-    tokens, logprobs = sample_with_logprobs(logits[:, :], torch.ones(4))
-    h = compute_block_hash([1, 2, 3], None)
-    assert out.scheduled == () and tokens.shape == (4,) and isinstance(h, int)
 
 
 def test_attention_choice_is_compiled_flex_on_cuda_and_sdpa_on_cpu():

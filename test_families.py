@@ -1,23 +1,27 @@
 """
 The model families users bring, as flags of the one Transformer (model.py): Qwen2 (q/k/v
-biases, no q/k norm), Llama 3 (rope_scaling 'llama3', untied head), Qwen3 with YaRN, beside Qwen3
-and Qwen3-MoE (test_model.py). Each against transformers on a random tiny checkpoint that
-transformers writes:
-logits over a packed batch, the engine's greedy tokens against transformers' generate, the engine's
-logprobs against the trainer's, a save / load round trip transformers reads back, and one SFT step
-and one GRPO iteration (the trainers are family-blind).
+biases, no q/k norm), Llama 3 (rope_scaling 'llama3', untied and tied head), Qwen3 (default RoPE
+and YaRN) and Qwen3-MoE with YaRN (plain Qwen3-MoE: test_model.py, test_engine.py). Each against
+transformers on a random tiny checkpoint that transformers writes: logits over a packed batch,
+the engine's greedy tokens against transformers' generate, the engine's logprobs against the
+trainer's, serve.py's against the engine's, a save / load round trip transformers reads back, and
+one SFT step and one GRPO iteration (the trainers are family-blind).
 
     python -m pytest -q test_families.py
 """
 
 import json
+import math
+import os
+import runpy
+import sys
 
+import httpx
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config, Qwen3Config
+from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config, Qwen3Config, Qwen3MoeConfig
 
 import train_grpo
-import training
 from checkpoint import load_hf_checkpoint, save_hf_checkpoint
 from conftest import write_hf_checkpoint
 from engine import EngineConfig, InferenceEngine, SamplingParams
@@ -26,18 +30,33 @@ from tokenizer import build_tokenizer, save_tokenizer
 
 SHAPE = dict(vocab_size=105, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
              num_attention_heads=4, num_key_value_heads=2, head_dim=8, max_position_embeddings=256)
+MOE = dict(moe_intermediate_size=16, num_experts=4, num_experts_per_tok=2, norm_topk_prob=True,
+           decoder_sparse_step=1, mlp_only_layers=[])
 FAMILIES = {
     "qwen2": lambda: Qwen2Config(**SHAPE, tie_word_embeddings=True,
                                  rope_parameters={"rope_type": "default", "rope_theta": 1e4}),
     "llama3": lambda: LlamaConfig(**SHAPE, tie_word_embeddings=False, attention_bias=False,
+                                  eos_token_id=[3, 1, 2],   # Llama 3 Instruct has a list of three
                                   rope_parameters={"rope_type": "llama3", "rope_theta": 5e5,
                                                    "factor": 8.0, "low_freq_factor": 1.0,
                                                    "high_freq_factor": 4.0,
                                                    "original_max_position_embeddings": 16}),
+    "llama3_tied": lambda: LlamaConfig(**SHAPE, tie_word_embeddings=True,
+                                       rope_parameters={"rope_type": "llama3", "rope_theta": 5e5,
+                                                        "factor": 8.0, "low_freq_factor": 1.0,
+                                                        "high_freq_factor": 4.0,
+                                                        "original_max_position_embeddings": 16}),
+    "qwen3": lambda: Qwen3Config(**SHAPE, tie_word_embeddings=True,
+                                 rope_parameters={"rope_type": "default", "rope_theta": 1e4}),
     "qwen3_yarn": lambda: Qwen3Config(**SHAPE, tie_word_embeddings=False,
                                       rope_parameters={"rope_type": "yarn", "rope_theta": 1e4,
                                                        "factor": 4.0,
                                                        "original_max_position_embeddings": 64}),
+    "qwen3_moe_yarn": lambda: Qwen3MoeConfig(**SHAPE, **MOE, tie_word_embeddings=False,
+                                             rope_parameters={"rope_type": "yarn",
+                                                              "rope_theta": 1e4, "factor": 4.0,
+                                                              "original_max_position_embeddings":
+                                                              64}),
 }
 PROMPTS = [[1, 100, 4, 103, 5, 24, 5, 26], [7, 8, 9], list(range(10, 70))]
 
@@ -89,6 +108,23 @@ def test_engine_greedy_equals_generate_and_logprobs_equal_the_trainers(family):
         assert (got - torch.tensor(s.logprobs)).abs().max().item() < 1e-5
 
 
+def test_serve_py_serves_each_family_as_the_engine_samples(family):
+    from test_serve import Served
+    _, _, path = family
+    engine = InferenceEngine(EngineConfig(model_path=path, max_model_len=256, num_blocks=128))
+    want = engine.generate(PROMPTS[:2], SamplingParams(temperature=0.0, max_tokens=8))
+    server = Served(path)
+    try:
+        r = httpx.post(server.url + "/v1/completions", json={
+            "prompt": PROMPTS[:2], "max_tokens": 8, "temperature": 0.0, "logprobs": 0,
+            "ignore_eos": True, "return_token_ids": True}).json()
+        for choice, s in zip(r["choices"], want):
+            assert choice["token_ids"] == list(s.completion_tokens)
+            assert choice["logprobs"]["token_logprobs"] == pytest.approx(list(s.logprobs), abs=1e-5)
+    finally:
+        assert server.stop() == 0
+
+
 def test_save_and_load_round_trip_transformers_reads_back(family, tmp_path):
     name, hf, path = family
     ours = load_hf_checkpoint(path)
@@ -100,21 +136,26 @@ def test_save_and_load_round_trip_transformers_reads_back(family, tmp_path):
     assert set(ref) == set(got) and all(torch.equal(ref[k], got[k]) for k in ref)
     if name == "llama3":
         assert back.config.rope_parameters["rope_type"] == "llama3"
+        assert back.config.eos_token_id == [3, 1, 2]
 
 
 def test_one_sft_step_and_one_grpo_iteration_on_each_family(family, tmp_path, monkeypatch):
     _, _, path = family
     train_grpo.main(tiny_config(tmp_path / "grpo", f"--init_from={path}", "--max_iters=1",
-                                "--ckpt_interval=1"))
+                                "--ckpt_interval=1", "--prompts_per_step=8", "--group_size=8"))
     rows = [json.loads(line) for line in open(tmp_path / "grpo" / "metrics.jsonl")]
-    assert any("rollout/reward_mean" in r for r in rows)
+    assert any(r.get("rollout/valid_groups", 0) > 0 and r["train/grad_norm"] > 0 for r in rows)
     assert load_hf_checkpoint(str(tmp_path / "grpo" / "ckpt")).config.family == \
         load_hf_checkpoint(path).config.family
-    model = load_hf_checkpoint(path)
-    batch = training.pack_sequences([[1, 5, 6, 7, 8]], [[0.0, 0.0, 1.0, 1.0, 1.0]])
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    metrics = training.train_step(model, opt, [batch], lr=1e-3)
-    assert metrics["train/loss"] > 0 and torch.isfinite(torch.tensor(metrics["train/grad_norm"]))
+    monkeypatch.setattr(sys, "argv", [
+        "sft.py", f"--init_from={path}", f"--out_dir={tmp_path / 'sft'}", "--max_iters=1",
+        "--ckpt_interval=1", "--n_eval_problems=2", "--eval_max_tokens=4", "--batch_tokens=256"])
+    runpy.run_path(os.path.join(os.path.dirname(__file__), "sft.py"), run_name="__main__")
+    rows = [json.loads(line) for line in open(tmp_path / "sft" / "metrics.jsonl")]
+    assert [r["iter"] for r in rows if "train/loss" in r] == [1]
+    assert all(math.isfinite(r["train/loss"]) for r in rows if "train/loss" in r)
+    trained = load_hf_checkpoint(str(tmp_path / "sft" / "ckpt"))
+    assert trained.config == load_hf_checkpoint(path).config
 
 
 def test_an_unsupported_family_or_variant_is_refused_naming_it(tmp_path):

@@ -12,6 +12,7 @@ eos for chat is <|im_end|> (the engine's stop token); pad and the pretraining do
 <|endoftext|>. The vocabulary is a literal list below, so ids are the same on every run and every machine.
 """
 
+import json
 import os
 import shutil
 import tempfile
@@ -35,6 +36,7 @@ WORDS = ["user", "assistant", "system", "digits", "target"]
 CHARS = ["\n"] + [chr(c) for c in range(32, 127)]  # newline + printable ASCII (space .. ~)
 
 VOCAB = SPECIAL_TOKENS + CHARS + WORDS  # 4 + 96 + 5 = 105 ids
+GENERIC_CLASSES = ("TokenizersBackend", "PreTrainedTokenizerFast")   # a saved one's class name
 
 # Qwen-style ChatML. No default system prompt (the task's prompts are short on purpose). An assistant turn is
 # "<|im_start|>assistant\n" + content + "<|im_end|>" + "\n"; add_generation_prompt appends the header only.
@@ -113,7 +115,13 @@ def load_tokenizer(path) -> PreTrainedTokenizerFast:
     if not os.path.isfile(os.path.join(path, "tokenizer.json")):
         raise FileNotFoundError(f"no tokenizer.json in tokenizer directory {path!r}")
     try:
-        tok = AutoTokenizer.from_pretrained(path, local_files_only=True)
+        # a generic tokenizer (ours) is loaded as itself: AutoTokenizer would pick the class of the
+        # checkpoint's model_type beside it (Qwen2Tokenizer, say), which rebuilds the pre-tokenizer
+        # and loses our spaces
+        with open(os.path.join(path, "tokenizer_config.json")) as f:
+            generic = json.load(f).get("tokenizer_class") in GENERIC_CLASSES
+        loader = PreTrainedTokenizerFast if generic else AutoTokenizer
+        tok = loader.from_pretrained(path, local_files_only=True)
     except Exception as e:  # json errors, OSError, and the Rust side's plain Exception all mean the same here
         raise ValueError(f"corrupt tokenizer directory {path!r}: {type(e).__name__}: {e}") from e
     if tok.chat_template is None:
