@@ -451,13 +451,19 @@ def sft_examples(seed: int, fraction: float = SFT_FRACTION) -> list[list[dict]]:
     and a first sense of which steps land; GRPO learns the rest from the reward, on every training
     problem.
     """
+    return [prompt_messages(p) + [{"role": "assistant", "content": line}]
+            for p, line in demonstrations(seed, fraction)]
+
+
+def demonstrations(seed: int, fraction: float) -> list[tuple[Problem, str]]:
+    """sft_examples' (problem, demonstration) pairs, in its order."""
     if not isinstance(fraction, (int, float)) or not 0 < fraction <= 1:
         raise ValueError(f"fraction must be in (0, 1], got {fraction!r}")
     chosen = [(p, demonstration(p)) for p in make_problems("train")
               if _unit(_problem_key(p, "sft")) < fraction]
     chosen = [(p, line) for p, line in chosen if line is not None]
     random.Random(seed).shuffle(chosen)
-    return [prompt_messages(p) + [{"role": "assistant", "content": line}] for p, line in chosen]
+    return chosen
 
 
 @functools.cache

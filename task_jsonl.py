@@ -3,7 +3,7 @@ Your own task over a JSONL file: one row per problem, {"split": "train" | "val" 
 "prompt": ..., "answer": ...}, and a scoring function. Copy this file, point DATA at your rows,
 change score().
 
-    python data/make_arith.py data/arith.jsonl               # the example rows: "7*8-5=" -> "51"
+    python data/make_arith.py data/arith.jsonl         # the example rows: "417-8" -> "417-8=409"
     python sft.py config/arith_jsonl.py && python train_grpo.py config/arith_jsonl.py
 
 It implements environment.py's interface (make_problems, prompt_messages, reward) and two extras:

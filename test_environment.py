@@ -112,9 +112,10 @@ def test_a_multi_turn_episode_is_the_template_rendering_of_its_conversation(tok)
     engine = Scripted(tok, [("1+2", True), ("3+5+7", True), ("3*5+7", True)])
     (e,) = env.episodes(engine, [p])
     assert (e.turns, e.reward, e.finish_reason) == (3, 1.0, "stop")
+    again = "\ndigits 3 5 7 target 22"
     assert [m["content"] for m in e.messages] == ["digits 3 5 7 target 22", "1+2",
-                                                  "uses digits 1 2", "3+5+7", "= 15, target 22",
-                                                  "3*5+7"]
+                                                  "uses digits 1 2" + again, "3+5+7",
+                                                  "= 15, target 22" + again, "3*5+7"]
     whole = env.render(e.messages, False)      # the template's rendering of the whole conversation
     assert e.prompt + e.ids == whole[:-1]    # ... up to the template's newline after the last reply
     # each later turn's prompt is everything so far, by ids: the engine continues from its cache
@@ -267,13 +268,54 @@ def test_a_failing_rollout_leaves_the_sampler_as_it_was(tmp_path, tok):
 # a user's JSONL task
 
 
+@pytest.mark.parametrize("reply, said", [
+    ("83+1=84[478] 84/8=?", "84/8 is not a whole number of 1 or more"),
+    ("83+1=84[478] 84/7=12[47]", "the step from 84 should be 84/7=12[48]"),
+    ("83+1=84[478] 84/7=<|im_start|>", "the step from 84 should be 84/7=12[48]"),
+    ("83-1=82[478] 82+4=86[78] 86=?", "7 and 8 make 1, 15, 56, not 86"),
+    ("83+1=84[478] 84/7=12[48] 12=4+7", "4 and 8 do make 12, but not as the last word says"),
+    ("84+1=85[478]", "the next word is a step from 83; the digits left are 1 4 7 8"),
+    ("83+9=92[478]", "9 is not left: the digits left are 1 4 7 8"),
+    ("83+1=84[478]", "the next word is a step from 84; the digits left are 4 7 8"),
+    ("83+1=84[478]  84/7=12[48] 12=4+8", "the next word is a step from 84; the digits left are 4 7 8"),
+    ("83+1=84[478] 84/7=12[48]", "the line ends before the pair of 4 and 8"),
+    ("83+1=84[478] 84/7=12[48] 12-4=8[8] 8=?", "with 4 and 8 left, the line ends with their pair"),
+    ("=", "the next word is a step from 83; the digits left are 1 4 7 8"),
+    ("think\n(4+8)*7+1", "= 85, target 83"),
+    ("4+8", "uses digits 4 8"),
+])
+def test_countdown_feedback_names_the_first_broken_step_of_a_chain(reply, said):
+    problem = task.Problem(digits=(1, 4, 7, 8), target=83)
+    assert task.reward(problem, reply) == 0.0
+    assert task_feedback.feedback(problem, reply) == said
+    messages = task.prompt_messages(problem) + [{"role": "assistant", "content": reply}]
+    again = f"{said}\ndigits 1 4 7 8 target 83"
+    assert task_feedback.env_response(problem, messages) == [{"role": "user", "content": again}]
+    right = "83+1=84[478] 84/7=12[48] 12=4+8"
+    assert task_feedback.env_response(problem, messages[:-1] + [
+        {"role": "assistant", "content": right}]) is None
+
+
+def test_countdown_feedback_demonstrations_answer_right_after_their_misses():
+    demos = task_feedback.sft_examples(0, 0.05)
+    assert {len(m) for m in demos} == {2, 4, 6}   # after 0, 1 or 2 misses
+    problems = [p for p, _ in task.demonstrations(0, 0.05)]
+    assert [task.prompt_messages(p) for p in problems] == [m[:1] for m in demos]
+    for problem, messages in zip(problems, demos):
+        assert task.reward(problem, messages[-1]["content"]) == 1.0
+        for i in range(1, len(messages) - 1, 2):   # each miss, then what the environment said
+            assert task.reward(problem, messages[i]["content"]) == 0.0
+            assert task_feedback.env_response(problem, messages[:i + 1]) == [messages[i + 1]]
+
+
 def test_the_jsonl_task_reads_its_rows_and_scores_replies():
     train = task_jsonl.make_problems("train")
     assert len(train) > 1000
     assert task_jsonl.make_problems("val", 3) == task_jsonl.make_problems("val")[:3]
-    row = task_jsonl.Row("7*8-5=", "51")
-    assert task_jsonl.reward(row, "51<|im_end|>") == 1.0 and task_jsonl.reward(row, " 51 ") == 1.0
-    assert task_jsonl.reward(row, "52") == 0.0 and task_jsonl.reward(row, "7*8-5") == 0.0
+    row = task_jsonl.Row("417-8", "417-8=409")
+    assert task_jsonl.reward(row, "417-8=409<|im_end|>") == 1.0
+    assert task_jsonl.reward(row, " 417-8=409 ") == 1.0
+    assert task_jsonl.reward(row, "417-8=408") == 0.0 and task_jsonl.reward(row, "409") == 0.0
     demos = task_jsonl.sft_examples(0, 0.1)
     assert len(demos) == int(0.1 * len(train)) and demos[0][1]["role"] == "assistant"
     prompts = {r.prompt for s in task_jsonl.SPLITS for r in task_jsonl.make_problems(s)}

@@ -125,6 +125,18 @@ def test_serve_py_serves_each_family_as_the_engine_samples(family):
         assert server.stop() == 0
 
 
+def test_our_tokenizer_beside_a_family_config_keeps_its_spaces(family, tmp_path):
+    # AutoTokenizer would pick the model_type's class (Qwen2Tokenizer, ...), which drops spaces
+    import shutil
+    from tokenizer import load_tokenizer
+    _, _, path = family
+    text = "digits 1 4 7 8 target 83"
+    assert load_tokenizer(path).decode(build_tokenizer().encode(text)) == text
+    bare = shutil.copytree(path, tmp_path / "bare")
+    (bare / "tokenizer_config.json").unlink()   # a directory with tokenizer.json alone
+    assert load_tokenizer(bare).decode(build_tokenizer().encode(text)) == text
+
+
 def test_save_and_load_round_trip_transformers_reads_back(family, tmp_path):
     name, hf, path = family
     ours = load_hf_checkpoint(path)

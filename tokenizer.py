@@ -36,7 +36,7 @@ WORDS = ["user", "assistant", "system", "digits", "target"]
 CHARS = ["\n"] + [chr(c) for c in range(32, 127)]  # newline + printable ASCII (space .. ~)
 
 VOCAB = SPECIAL_TOKENS + CHARS + WORDS  # 4 + 96 + 5 = 105 ids
-GENERIC_CLASSES = ("TokenizersBackend", "PreTrainedTokenizerFast")   # a saved one's class name
+GENERIC_CLASSES = (None, "TokenizersBackend", "PreTrainedTokenizerFast")   # no class of its own
 
 # Qwen-style ChatML. No default system prompt (the task's prompts are short on purpose). An assistant turn is
 # "<|im_start|>assistant\n" + content + "<|im_end|>" + "\n"; add_generation_prompt appends the header only.
@@ -107,20 +107,28 @@ def save_tokenizer(tok, path) -> None:
             shutil.rmtree(tmp, ignore_errors=True)
 
 
+def _named_class(path):
+    """The tokenizer_class that path's tokenizer_config.json names, or None."""
+    config = os.path.join(path, "tokenizer_config.json")
+    if not os.path.isfile(config):
+        return None
+    with open(config) as f:
+        return json.load(f).get("tokenizer_class")
+
+
 def load_tokenizer(path) -> PreTrainedTokenizerFast:
-    """Load a tokenizer saved by save_tokenizer (or any local HF tokenizer dir) with AutoTokenizer."""
+    """Load a tokenizer saved by save_tokenizer (or any local HF tokenizer dir): with AutoTokenizer
+    when its tokenizer_config.json names a class of its own (Qwen2Tokenizer, ...), else as what
+    tokenizer.json says. AutoTokenizer would pick the class of the model_type in a config.json
+    beside ours (Qwen2Tokenizer, say), which rebuilds the pre-tokenizer and loses our spaces."""
     path = os.fspath(path)
     if not os.path.isdir(path):
         raise FileNotFoundError(f"tokenizer directory not found: {path!r}")
     if not os.path.isfile(os.path.join(path, "tokenizer.json")):
         raise FileNotFoundError(f"no tokenizer.json in tokenizer directory {path!r}")
     try:
-        # a generic tokenizer (ours) is loaded as itself: AutoTokenizer would pick the class of the
-        # checkpoint's model_type beside it (Qwen2Tokenizer, say), which rebuilds the pre-tokenizer
-        # and loses our spaces
-        with open(os.path.join(path, "tokenizer_config.json")) as f:
-            generic = json.load(f).get("tokenizer_class") in GENERIC_CLASSES
-        loader = PreTrainedTokenizerFast if generic else AutoTokenizer
+        loader = AutoTokenizer if _named_class(path) not in GENERIC_CLASSES else \
+            PreTrainedTokenizerFast
         tok = loader.from_pretrained(path, local_files_only=True)
     except Exception as e:  # json errors, OSError, and the Rust side's plain Exception all mean the same here
         raise ValueError(f"corrupt tokenizer directory {path!r}: {type(e).__name__}: {e}") from e

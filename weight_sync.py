@@ -187,7 +187,8 @@ class ServerWeights:
         versions = push.send(model.state_dict())   # after each step: every server's new version
 
     Each send first has every server check the manifest (names, dtypes, shapes) against its model
-    (a mismatch: ValueError naming the tensor and the server, nothing sent, no server waiting),
+    (a mismatch: ValueError naming the tensor and the server, nothing sent, no server waiting; a
+    server lost between the check and the bytes can still leave the others waiting until timeout),
     then posts it again for each to wait for the bytes; one broadcast reaches them all, each
     applies the version whole between two engine steps, and the servers' new versions come back
     over the group."""

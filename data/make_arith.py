@@ -20,7 +20,7 @@ def make_example(path, n=4000, seed=0):
         while len(seen) < n:
             x, d, op = rng.randint(10, 999), rng.randint(1, 9), rng.choice("+-/")
             prompt = f"{x}{op}{d}"
-            if (op == "/" and x % d) or (op == "-" and x - d < 1) or prompt in seen:
+            if (op == "/" and x % d) or prompt in seen:
                 continue
             seen.add(prompt)
             value = x + d if op == "+" else x - d if op == "-" else x // d

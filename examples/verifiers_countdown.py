@@ -313,7 +313,7 @@ def compare(trace, responses) -> dict:
     return out
 
 
-async def collect(base_url, model, model_path, turns, num_tasks, max_tokens=8, temperature=1.0):
+async def collect(base_url, model, model_path, turns, num_tasks, max_tokens=48, temperature=1.0):
     """Run one episode per task, one at a time; return [(episode, comparison)]."""
     renderer = CustomRendererConfig(import_path=f"{MODULE}.ChatMLRenderer")
     client = vf.TrainClientConfig(base_url=base_url.rstrip("/") + "/v1",
@@ -345,7 +345,7 @@ def main():
     ap.add_argument("--model_path", default="", help="the served model dir ('' = /v1/models' id)")
     ap.add_argument("--turns", type=int, default=1, help="1: single-turn; 2+: with feedback")
     ap.add_argument("--num_tasks", type=int, default=3)
-    ap.add_argument("--max_tokens", type=int, default=8)
+    ap.add_argument("--max_tokens", type=int, default=48)   # a chain of steps (task.py)
     ap.add_argument("--temperature", type=float, default=1.0)
     ap.add_argument("--json", action="store_true", help="one JSON line per episode")
     args = ap.parse_args()
