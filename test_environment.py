@@ -277,7 +277,8 @@ def test_a_failing_rollout_leaves_the_sampler_as_it_was(tmp_path, tok):
     ("84+1=85[478]", "the next word is a step from 83; the digits left are 1 4 7 8"),
     ("83+9=92[478]", "9 is not left: the digits left are 1 4 7 8"),
     ("83+1=84[478]", "the next word is a step from 84; the digits left are 4 7 8"),
-    ("83+1=84[478]  84/7=12[48] 12=4+8", "the next word is a step from 84; the digits left are 4 7 8"),
+    ("83+1=84[478]  84/7=12[48] 12=4+8",   # a double space: an empty word where a step is due
+     "the next word is a step from 84; the digits left are 4 7 8"),
     ("83+1=84[478] 84/7=12[48]", "the line ends before the pair of 4 and 8"),
     ("83+1=84[478] 84/7=12[48] 12-4=8[8] 8=?", "with 4 and 8 left, the line ends with their pair"),
     ("=", "the next word is a step from 83; the digits left are 1 4 7 8"),
