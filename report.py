@@ -362,7 +362,7 @@ def plot_run(run_dir, path):
         top.legend()
     top.set_ylabel("validation greedy accuracy")
     if lengths:
-        bottom.plot(*zip(*lengths), color="C0")
+        bottom.plot(*zip(*lengths), color="C0", marker="o" if len(lengths) < 2 else None)
     bottom.set_ylabel("mean sampled tokens per episode")
     bottom.set_xlabel("GRPO step")
     for ax in (top, bottom):
