@@ -313,21 +313,46 @@ def _pair_equation(y: int, a: int, b: int) -> str | None:
 _STEP = re.compile(r"([1-9][0-9]{0,3})([-+/])([1-9])=")   # the head of a step word: "83+1="
 
 
-def _right_chain(problem: Problem, line: str) -> bool:
-    """Whether a line is a right chain: steps from the target, each written exactly as _step writes
-    it (so its arithmetic and the digits left are true), ending in the two digits left making the
-    last need ('12=4+8' or '12=8+4')."""
-    *steps, last = line.split(" ")
-    need, pool = problem.target, sorted(problem.digits)
-    for word in steps:
+def chain_fault(problem: Problem, line: str) -> str | None:
+    """None for a right chain: steps from the target, each written exactly as _step writes it (so
+    its arithmetic and the digits left are true), then the two digits left making the last need
+    ('12=4+8' or '12=8+4'), and nothing after. Else the first thing wrong, in words that never echo
+    the line's own (they may hold any token). digits 1 4 7 8, target 83:
+
+        '83+1=84[478] 84/8=?'           ->  '84/8 is not a whole number of 1 or more'
+        '83+1=84[478] 84/7=12[47]'      ->  'the step from 84 should be 84/7=12[48]'
+        '83-1=82[478] 82+4=86[78] 86=?' ->  '7 and 8 make 1, 15, 56, not 86'
+    """
+    need, pool, words = problem.target, sorted(problem.digits), line.split(" ")
+    while len(pool) > 2:   # a step is due
+        word = words.pop(0) if words else ""
         head = _STEP.match(word)
-        if not head or int(head[3]) not in pool or _undo(head[2], need, int(head[3])) is None:
-            return False
-        text, need, pool = _step(need, head[2], int(head[3]), pool)
+        if not head or int(head[1]) != need:
+            return f"the next word is a step from {need}; the digits left are {_spaced(pool)}"
+        op, d = head[2], int(head[3])
+        if d not in pool:
+            return f"{d} is not left: the digits left are {_spaced(pool)}"
+        if _undo(op, need, d) is None:
+            return f"{need}{op}{d} is not a whole number of 1 or more"
+        start = need
+        text, need, pool = _step(need, op, d, pool)
         if word != text:
-            return False
-    return len(pool) == 2 and last in {f"{need}={x}{op}{y}" for x, y in (pool, pool[::-1])
-                                       for op in OPS if _apply(op, x, y) == need}
+            return f"the step from {start} should be {text}"
+    a, b = pool
+    if not words:
+        return f"the line ends before the pair of {a} and {b}"
+    if _STEP.match(words[0]):
+        return f"with {a} and {b} left, the line ends with their pair"
+    if words[0] in {f"{need}={x}{op}{y}" for x, y in ((a, b), (b, a))
+                    for op in OPS if _apply(op, x, y) == need}:
+        return None if len(words) == 1 else "the line goes on after its pair"
+    if _pair_equation(need, a, b):   # the pair makes the need, but the line says otherwise
+        return f"{a} and {b} do make {need}, but not as the last word says"
+    return f"{a} and {b} make {_spaced(sorted({a + b, abs(a - b), a * b}), ', ')}, not {need}"
+
+
+def _spaced(numbers, sep=" "):
+    return sep.join(map(str, numbers))
 
 
 def final_line(text: str) -> str:
@@ -348,7 +373,7 @@ def reward(problem: Problem, completion_text: str) -> float:
         raise TypeError(f"completion_text must be a str, got {type(completion_text).__name__}")
     line = final_line(completion_text)
     if "=" in line:
-        return 1.0 if len(line) <= MAX_ANSWER_CHARS and _right_chain(problem, line) else 0.0
+        return 1.0 if len(line) <= MAX_ANSWER_CHARS and chain_fault(problem, line) is None else 0.0
     parsed = _parse_expression(line)
     right = parsed is not None and parsed[0] == problem.target
     return 1.0 if right and sorted(parsed[1]) == sorted(problem.digits) else 0.0

@@ -14,7 +14,8 @@ episode scores 1 if any answer is right; it ends at the first right one.
                digits 3 5 7 target 22
     assistant: 22-7=15[35] 15=3*5         (right: the episode ends, reward 1)
 
-A chain (task.py) gets its first broken step named; an expression gets its value.
+A chain gets its first fault named (task.chain_fault, what the reward checks); an expression gets
+its value.
 
 The problems, splits, prompt and per-answer reward are the embedded countdown's (task.py), so a
 model fine-tuned on it starts here; what it has to learn is to use the feedback.
@@ -30,49 +31,11 @@ pretrain_corpus, solutions = task.pretrain_corpus, task.solutions
 describe, kind, heuristic_answer = task.describe, task.kind, task.heuristic_answer
 
 
-def chain_feedback(problem, line):
-    """The first thing wrong with a chain: a step that does not hold, or what the last pair makes.
-    The model's own words are never echoed back (they may hold any token).
-
-    digits 1 4 7 8, target 83:
-        '83+1=84[478] 84/8=?'          ->  '84/8 is not a whole number of 1 or more'
-        '83+1=84[478] 84/7=12[47]'     ->  'the step from 84 should be 84/7=12[48]'
-        '83-1=82[478] 82+4=86[78] 86=?' ->  '7 and 8 make 1, 15, 56, not 86'
-    """
-    need, pool, words = problem.target, sorted(problem.digits), line.split(" ")
-    while len(pool) > 2:   # a step is due
-        word = words.pop(0) if words else ""
-        head = task._STEP.match(word)
-        if not head or int(head[1]) != need:
-            return f"the next word is a step from {need}; the digits left are {_spaced(pool)}"
-        op, d = head[2], int(head[3])
-        if d not in pool:
-            return f"{d} is not left: the digits left are {_spaced(pool)}"
-        if task._undo(op, need, d) is None:
-            return f"{need}{op}{d} is not a whole number of 1 or more"
-        start = need
-        text, need, pool = task._step(need, op, d, pool)
-        if word != text:
-            return f"the step from {start} should be {text}"
-    a, b = pool
-    if not words:
-        return f"the line ends before the pair of {a} and {b}"
-    if task._STEP.match(words[0]):
-        return f"with {a} and {b} left, the line ends with their pair"
-    if task._pair_equation(need, a, b):   # the pair makes the need, but the line says otherwise
-        return f"{a} and {b} do make {need}, but not as the last word says"
-    return f"{a} and {b} make {_spaced(sorted({a + b, abs(a - b), a * b}), ', ')}, not {need}"
-
-
-def _spaced(numbers, sep=" "):
-    return sep.join(map(str, numbers))
-
-
 def feedback(problem, reply):
     """What the environment says about a wrong reply: its value (or why it has none)."""
     line = task.final_line(reply)   # the reward reads the last line too
-    if "=" in line:   # a chain of steps (task.py)
-        return chain_feedback(problem, line)
+    if "=" in line:   # a chain of steps: its first fault (task.py)
+        return task.chain_fault(problem, line)
     parsed = task.parse_answer(line)
     if parsed is None:
         return "not an expression"

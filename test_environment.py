@@ -282,6 +282,7 @@ def test_a_failing_rollout_leaves_the_sampler_as_it_was(tmp_path, tok):
     ("83+1=84[478] 84/7=12[48]", "the line ends before the pair of 4 and 8"),
     ("83+1=84[478] 84/7=12[48] 12-4=8[8] 8=?", "with 4 and 8 left, the line ends with their pair"),
     ("=", "the next word is a step from 83; the digits left are 1 4 7 8"),
+    ("83+1=84[478] 84/7=12[48] 12=4+8 ok", "the line goes on after its pair"),
     ("think\n(4+8)*7+1", "= 85, target 83"),
     ("4+8", "uses digits 4 8"),
 ])
