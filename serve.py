@@ -670,7 +670,10 @@ def main():
     server = Server(engine, tokenizer, served_model_name or model_path, api_key, enable_weight_updates,
                     eos_ids_of(model_path) or generation_stop_ids(tokenizer), max_logprobs)
     print(f"serving {server.name!r} on http://{host}:{port}/v1 ({engine.cache.num_blocks} KV blocks)", flush=True)
-    uvicorn.run(build_app(server), host=host, port=port, log_level=log_level, timeout_graceful_shutdown=5)
+    # keep idle connections longer than clients pool them (httpx: 5 s), so that a client never
+    # reuses one the server is closing at that moment ("disconnected without a response")
+    uvicorn.run(build_app(server), host=host, port=port, log_level=log_level,
+                timeout_graceful_shutdown=5, timeout_keep_alive=30)
 
 
 if __name__ == "__main__":
