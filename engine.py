@@ -52,8 +52,8 @@ def _is_number(x):
 
 @dataclass(frozen=True)
 class EngineConfig:
-    """How the engine runs. attention_backend='auto': compiled FlexAttention on CUDA, SDPA on CPU
-    (where it is measured faster; see attention_choice)."""
+    """How the engine runs. attention_backend='auto': SDPA over the gathered blocks (see
+    attention_choice for why, and when FlexAttention is compiled)."""
     model_path: str | None = None        # a local HF directory; unused when a model is handed to InferenceEngine
     cache_type: str = "paged"            # 'paged' (block-hash prefix cache) | 'radix' (radix tree, one-token blocks)
     block_size: int = 16                 # tokens per KV block
@@ -247,15 +247,19 @@ def make_cache(config, num_blocks):
     return BlockAllocator(num_blocks, config.block_size)
 
 
-def attention_choice(device_type, backend, compile):
-    """(backend, compile) the engine runs: 'auto' is compiled FlexAttention on CUDA (the paged
-    kernel users run there) and SDPA on CPU, where bench.py measures it faster than eager flex;
-    compile=None compiles FlexAttention on CUDA only (on CPU the first compile costs tens of
-    seconds, paid once per process)."""
-    if backend == "auto":
-        backend = "flex" if device_type == "cuda" else "sdpa"
+def attention_choice(device_type, backend, compile, head_dim=128):
+    """(backend, compile) the engine runs. 'auto' is SDPA over the gathered blocks on every device:
+    on CPU bench.py measures it faster than eager flex, and on CUDA torch 2.11's compiled flex
+    kernel fails once an engine's changing batch shapes make it recompile dynamically
+    (NoValidChoicesError, seen on an H100; test_cuda.py). 'flex' stays selectable; compile=None
+    compiles it on CUDA only (on CPU the first compile costs tens of seconds, paid once per
+    process). Compiled flex on CUDA needs heads of at least 16 dims (torch's kernel)."""
+    backend = "sdpa" if backend == "auto" else backend
     if compile is None:
         compile = backend == "flex" and device_type == "cuda"
+    _require(head_dim >= 16 or device_type != "cuda" or not (backend == "flex" and compile),
+             f"compiled FlexAttention on CUDA needs head_dim >= 16, the model has {head_dim}: use "
+             f"attention_backend='sdpa'")
     return backend, compile
 
 
@@ -300,7 +304,7 @@ class InferenceEngine:
         self.scheduler_config = SchedulerConfig(config.max_batch_size, config.max_num_batched_tokens,
                                                 self.cache.block_size)
         self.backend, self.compile = attention_choice(self.device.type, config.attention_backend,
-                                                      config.compile)
+                                                      config.compile, model.config.head_dim)
         self.version = config.weight_version
         self._staged = None                       # a non-blocking update (a Future)
         self._side = None                         # the thread that checks and copies it

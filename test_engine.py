@@ -496,13 +496,17 @@ def test_the_design_documents_usage_block_runs_as_written(moe):
     engine.shutdown()
 
 
-def test_attention_choice_is_compiled_flex_on_cuda_and_sdpa_on_cpu():
+def test_attention_choice_is_sdpa_unless_flex_is_asked_for():
     from engine import attention_choice
-    assert attention_choice("cuda", "auto", None) == ("flex", True)     # every entry point's
+    assert attention_choice("cuda", "auto", None) == ("sdpa", False)
     assert attention_choice("cpu", "auto", None) == ("sdpa", False)
-    assert attention_choice("cuda", "sdpa", None) == ("sdpa", False)    # still selectable
+    assert attention_choice("cuda", "flex", None) == ("flex", True)    # compiled on CUDA
+    assert attention_choice("cpu", "flex", None) == ("flex", False)    # eager on CPU unless asked
     assert attention_choice("cpu", "flex", True) == ("flex", True)
-    assert attention_choice("cuda", "auto", False) == ("flex", False)
+    # torch's compiled flex kernel on CUDA takes heads of 16 dims and more
+    assert attention_choice("cpu", "flex", True, head_dim=8) == ("flex", True)
+    with pytest.raises(ValueError, match="head_dim >= 16, the model has 8"):
+        attention_choice("cuda", "flex", None, head_dim=8)
 
 
 def test_compiled_paged_flex_attention_on_cpu_matches_transformers(moe):
