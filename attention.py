@@ -83,7 +83,7 @@ class DocumentCausalAttention:
     def __call__(self, layer_idx, q, k, v):
         # q [T, Hq, D], k/v [T, Hkv, D] -> [T, Hq, D]
         on_gpu = torch.device(self.device).type != "cpu"
-        if not self.flex or (on_gpu and q.shape[-1] < 16):   # compiled flex on CUDA takes D >= 16
+        if not self.flex:
             def pad(t):   # [T, H, D] -> [N, H, L, D], each document from position 0
                 out = t.new_zeros(self.num_docs, self.max_len, *t.shape[1:])
                 out[self.doc, self.pos] = t
@@ -201,8 +201,6 @@ def paged_step(kv, starts, qlens, block_tables, extras=()):
     return positions, slots, groups, extras
 
 
-
-
 class PagedAttention:
     """Attention for one engine step, built once and shared by every layer (the protocol of DocumentCausalAttention).
 
@@ -214,10 +212,10 @@ class PagedAttention:
          to whatever lies in a block past the sequence's length (masks are built here, once per step).
     Gathering afresh every step keeps K/V hot in cache for the attention call that reads it next.
 
-    backend 'sdpa' (the CPU default, bench.py compares): torch's scaled_dot_product_attention with an additive
-    mask, the query heads that share a kv head folded in as its extra queries. backend 'flex': FlexAttention with
-    a BlockMask built directly from the positions (create_block_mask is slow on CPU); compiled=True runs it
-    through torch.compile (the fast path on CUDA)."""
+    backend 'sdpa' (the default on every device, engine.attention_choice): torch's
+    scaled_dot_product_attention with an additive mask, the query heads that share a kv head folded
+    in as its extra queries. backend 'flex': FlexAttention with a BlockMask built directly from the
+    positions (create_block_mask is slow on CPU); compiled=True runs it through torch.compile."""
 
     def __init__(self, cache: PagedKVCache, slot_mapping, groups, backend="sdpa", compiled=False):
         _require(backend in ("sdpa", "flex"), f"unknown paged attention backend {backend!r}: expected 'sdpa' or 'flex'")

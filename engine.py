@@ -65,7 +65,7 @@ class EngineConfig:
     max_num_batched_tokens: int = 2048   # new tokens in one step (prefill is chunked to fit)
     memory_fraction: float = 0.5         # of free memory for the KV pool when num_blocks is None
     attention_backend: str = "auto"      # 'sdpa' | 'flex' | 'auto'
-    compile: bool | None = None          # FlexAttention through torch.compile; None: on CUDA only
+    compile: bool | None = None          # 'flex' through torch.compile; None: on CUDA only
     seed: int = 0                        # seeds the per-request sampling seeds
     weight_version: int = 0              # the version of the weights it starts with (a resumed trainer's)
 
@@ -247,13 +247,13 @@ def make_cache(config, num_blocks):
     return BlockAllocator(num_blocks, config.block_size)
 
 
-def attention_choice(device_type, backend, compile, head_dim=128):
+def attention_choice(device_type, backend, compile, head_dim):
     """(backend, compile) the engine runs. 'auto' is SDPA over the gathered blocks on every device:
     on CPU bench.py measures it faster than eager flex, and on CUDA torch 2.11's compiled flex
     kernel fails once an engine's changing batch shapes make it recompile dynamically
-    (NoValidChoicesError, seen on an H100; test_cuda.py). 'flex' stays selectable; compile=None
-    compiles it on CUDA only (on CPU the first compile costs tens of seconds, paid once per
-    process). Compiled flex on CUDA needs heads of at least 16 dims (torch's kernel)."""
+    (NoValidChoicesError, seen on an H100; torch 2.13 not tried there). 'flex' stays selectable;
+    compile=None compiles it on CUDA only (on CPU the first compile costs tens of seconds, paid
+    once per process). Compiled flex on CUDA needs heads of at least 16 dims (torch's kernel)."""
     backend = "sdpa" if backend == "auto" else backend
     if compile is None:
         compile = backend == "flex" and device_type == "cuda"

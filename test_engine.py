@@ -498,15 +498,15 @@ def test_the_design_documents_usage_block_runs_as_written(moe):
 
 def test_attention_choice_is_sdpa_unless_flex_is_asked_for():
     from engine import attention_choice
-    assert attention_choice("cuda", "auto", None) == ("sdpa", False)
-    assert attention_choice("cpu", "auto", None) == ("sdpa", False)
-    assert attention_choice("cuda", "flex", None) == ("flex", True)    # compiled on CUDA
-    assert attention_choice("cpu", "flex", None) == ("flex", False)    # eager on CPU unless asked
-    assert attention_choice("cpu", "flex", True) == ("flex", True)
+    assert attention_choice("cuda", "auto", None, 32) == ("sdpa", False)
+    assert attention_choice("cpu", "auto", None, 32) == ("sdpa", False)
+    assert attention_choice("cuda", "flex", None, 32) == ("flex", True)    # compiled on CUDA
+    assert attention_choice("cpu", "flex", None, 32) == ("flex", False)    # eager on CPU
+    assert attention_choice("cpu", "flex", True, 32) == ("flex", True)
     # torch's compiled flex kernel on CUDA takes heads of 16 dims and more
-    assert attention_choice("cpu", "flex", True, head_dim=8) == ("flex", True)
+    assert attention_choice("cpu", "flex", True, 8) == ("flex", True)
     with pytest.raises(ValueError, match="head_dim >= 16, the model has 8"):
-        attention_choice("cuda", "flex", None, head_dim=8)
+        attention_choice("cuda", "flex", None, 8)
 
 
 def test_compiled_paged_flex_attention_on_cpu_matches_transformers(moe):

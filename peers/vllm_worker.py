@@ -7,7 +7,8 @@ vLLM's offline engine, driven by bench.py over a pipe: it runs in vLLM's own vir
 It builds one vllm.LLM on MODEL_DIR (a transformers checkpoint without a tokenizer: prompts go in
 as token ids), says "RESULT {"ready": true}" on stdout, then answers one JSON request per stdin
 line:
-    {"prompts": [[ids]], "n": 8, "temperature": 1.0, "max_tokens": 100, "stop_token_ids": [0, 1]}
+    {"prompts": [[ids]], "n": 8, "temperature": 1.0, "max_tokens": 100, "stop_token_ids": [0, 1],
+     "seed": 3}
 with "RESULT " + {"seconds": the generate call alone, "cpu_seconds": of this process and its
 children during it, "completions": [[ids] per sample],
 "logprobs": [[...]]} (vLLM logs to stdout too: the prefix tells our lines apart). An empty line or
