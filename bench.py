@@ -103,11 +103,14 @@ if args.grpo_steps < 2 or args.grpo_repeats < 1:
     parser.error(f"--grpo_steps {args.grpo_steps} must be >= 2 (the first is not timed) and "
                  f"--grpo_repeats {args.grpo_repeats} >= 1")
 # the peer rows compare on the CPU, in fp32, at one thread, on cores 0 and 1 (a side each)
-if (args.device, args.dtype, args.threads, args.layout) != ("cpu", "float32", 1, "moe") or \
-        not {0, 1} <= os.sched_getaffinity(0):
+SETUP = (args.device, args.dtype, args.threads, args.layout, {0, 1} <= os.sched_getaffinity(0))
+if SETUP != ("cpu", "float32", 1, "moe", True) and args.peers != "off":
+    why = (f"the peer rows run with --device cpu --dtype float32 --threads 1 --layout moe on cores "
+           f"0 and 1; got --device {args.device} --dtype {args.dtype} --threads {args.threads} "
+           f"--layout {args.layout}, cores {sorted(os.sched_getaffinity(0))}")
     if args.peers == "only":
-        parser.error("the peer rows run on the CPU in float32 at one thread (--layout moe), on "
-                     "cores 0 and 1")
+        parser.error(why)
+    print(f"no peer rows: {why}")
     args.peers = "off"
 
 # the embedded default's model (config/qwen_small.py), or Qwen3-0.6B's widths with fewer layers
@@ -448,18 +451,18 @@ def peer_rows(prompts, stop):
     print(f"peers: {', '.join(versions) or 'none installed'}; ours at 1 thread, vLLM at 1 "
           f"(pinned) or its default (deployed), TRL at 1; medians of {args.repeats} rollout "
           f"calls, of the steps after the first of {args.grpo_repeats} GRPO runs")
-    rows = vllm_rows(vllm, prompts, stop) if vllm else [(bench_peers.not_installed("vllm"), "", "",
-                                                         None)]
+    missing = [(bench_peers.not_installed("vllm", args.peers_dir), "", "", None)]
+    rows = vllm_rows(vllm, prompts, stop) if vllm else missing
     if not trl:
-        return rows + [(bench_peers.not_installed("trl"), "", "", None)]
-    if not os.path.isdir(args.grpo_init):
+        return rows + [(bench_peers.not_installed("trl", args.peers_dir), "", "", None)]
+    if not os.path.exists(os.path.join(args.grpo_init, "config.json")):
         return rows + [(f"GRPO vs TRL: no SFT model at {args.grpo_init} (bash speedrun.sh, or "
                         f"--grpo_init)", "", "", None)]
     g = bench_peers.GRPO
     s = bench_peers.grpo_vs_trl(trl, args.grpo_init, args.grpo_steps, args.grpo_repeats, **g)
     return rows + [
         (f"GRPO step s vs TRL GRPOTrainer ({g['prompts']} x {g['group']}, {g['max_new_tokens']} "
-         f"tokens, T={g['temperature']:g}, lr {g['lr']:g}, Dr. GRPO normalizer, no KL)",
+         f"tokens, T={g['temperature']:g}, lr {g['lr']:.0e}, Dr. GRPO normalizer, no KL)",
          f"{s['ours'][0]:.3f}", f"{s['trl'][0]:.3f}", s["trl"][0] / s["ours"][0]),
         ("  rollout s / training s (of a step)", f"{s['ours'][1]:.3f} / {s['ours'][2]:.3f}",
          f"{s['trl'][1]:.3f} / {s['trl'][2]:.3f}", None),
@@ -472,7 +475,7 @@ def vllm_rows(vllm, prompts, stop):
     vocabulary (pinned)"""
     big = {**MODEL, "hidden_size": 256, "intermediate_size": 768, "moe_intermediate_size": 256,
            "head_dim": 64}
-    sizes = [(f"vocab {args.vocab}", MODEL, args.vocab, ("pinned", "deployed")),
+    sizes = [(f"embedded default (vocab {args.vocab})", MODEL, args.vocab, ("pinned", "deployed")),
              (f"vocab {args.peer_vocab}, hidden 256", big, args.peer_vocab, ("pinned",))]
     rows = []
     for name, model, vocab, placements in sizes:

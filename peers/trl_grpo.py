@@ -1,4 +1,4 @@
-"""
+r"""
 TRL's GRPOTrainer on the embedded task (task.py), for bench.py's GRPO row: it runs in TRL's own
 virtualenv (peers/install.sh) and prints one line "RESULT {json}".
 
