@@ -82,7 +82,6 @@ class DocumentCausalAttention:
 
     def __call__(self, layer_idx, q, k, v):
         # q [T, Hq, D], k/v [T, Hkv, D] -> [T, Hq, D]
-        on_gpu = torch.device(self.device).type != "cpu"
         if not self.flex:
             def pad(t):   # [T, H, D] -> [N, H, L, D], each document from position 0
                 out = t.new_zeros(self.num_docs, self.max_len, *t.shape[1:])
@@ -98,6 +97,7 @@ class DocumentCausalAttention:
         q, k, v = (t.transpose(0, 1).unsqueeze(0) for t in (q, k, v))   # [1, H, T, D]
         # eager FlexAttention materialises the T x T scores: on a GPU it runs compiled (a fused
         # kernel that skips the blocks the mask leaves out), and its mask is built compiled too
+        on_gpu = torch.device(self.device).type != "cpu"
         if self._block_mask is None:
             make_mask = compile_once(create_block_mask) if on_gpu else create_block_mask
             self._block_mask = make_mask(self.mask_mod, None, None, self.num_tokens,

@@ -308,12 +308,9 @@ def bench_decode(ours, prompts, peak_rate):
     """(step seconds, matmul-bound seconds, sampler seconds, samples): one engine step in which every sample
     decodes, the time its FLOPs (weights and attention) would take at the measured matmul rate, and the
     sampler alone on logits of the same shape."""
-    P, G = len(prompts), args.samples
+    G = args.samples
     params = SamplingParams(temperature=1.0, max_tokens=args.max_new_tokens)   # no stop ids: all keep decoding
-    max_len = max(map(len, prompts)) + args.max_new_tokens
-    engine = InferenceEngine(EngineConfig(device=args.device, dtype=args.dtype, max_model_len=max_len,
-                                          max_batch_size=P * G, num_blocks=P * G * (-(-max_len // 16) + 1)),
-                             model=ours)
+    engine = InferenceEngine(rollout_config(prompts), model=ours)
     for p in prompts:
         engine.add_request(p, params, G)
     while engine.waiting or any(s.catching_up or s.num_samples > 1 for s in engine.running):
