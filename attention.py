@@ -1,11 +1,13 @@
 """
-How attention reads keys and values, as small objects handed to model.Transformer's forward (`attention=`),
-built once per forward and called by every layer as attention(layer_idx, q, k, v) -> [T, heads, head_dim]:
+How attention reads keys and values, as small objects handed to model.Transformer's forward
+(`attention=`), built once per forward and called by every layer as attention(layer_idx, q, k, v) ->
+[T, heads, head_dim]:
 
   DocumentCausalAttention   training: a packed batch of documents, causal within each, none across
-  PagedAttention            inference: each sequence's past keys and values live in blocks of the paged KV
-                            cache (PagedKVCache); the engine (engine.py) decides which block is whose, and
-                            paged_step turns its decisions into the step's slots, groups and masks
+  PagedAttention            inference: each sequence's past keys and values live in blocks of
+                            the paged KV cache (PagedKVCache); the engine (engine.py) decides
+                            which block is whose, and paged_step turns its decisions into the
+                            step's slots, groups and masks
 
 Both compute exactly what transformers' eager attention computes (the tests compare).
 """
@@ -39,7 +41,8 @@ def compile_once(fn):
 
 
 class DocumentCausalAttention:
-    """Causal attention within each packed document, built once per forward and shared by every layer.
+    """Causal attention within each packed document, built once per forward and shared by every
+    layer.
 
     The default, on every device: the documents are laid into a padded [N, H, L, D] batch and
     SDPA runs causally on it: padding sits after each document's last token, so causality alone
@@ -59,7 +62,8 @@ class DocumentCausalAttention:
                  f"cu_seqlens covers {self.doc.numel()} tokens but the batch has {num_tokens}")
         self.num_tokens, self.device = num_tokens, device
         self.num_docs, self.max_len = len(lengths), int(lengths.max()) if len(lengths) else 0
-        self.pos = torch.arange(num_tokens, device=device) - cu_seqlens[:-1].long().to(device)[self.doc]
+        self.pos = torch.arange(num_tokens,
+                                device=device) - cu_seqlens[:-1].long().to(device)[self.doc]
         self._block_mask = self._mask = None
         self.branch = branch = None if branch is None else branch.to(device).long()
         doc = self.doc
@@ -72,8 +76,9 @@ class DocumentCausalAttention:
         self.mask_mod = mask_mod
 
     def _branch_mask(self):
-        """[N, 1, L, L] bool for the padded layout: causal, and a row sees branch 0 and its own branch. Padding
-        is branch 0 after each document's last row: no real row sees it, and a padding row always sees a row."""
+        """[N, 1, L, L] bool for the padded layout: causal, and a row sees branch 0 and its own
+        branch. Padding is branch 0 after each document's last row: no real row sees it, and a
+        padding row always sees a row."""
         br = self.branch.new_zeros(self.num_docs, self.max_len)
         br[self.doc, self.pos] = self.branch
         i = torch.arange(self.max_len, device=br.device)
@@ -88,11 +93,13 @@ class DocumentCausalAttention:
                 out[self.doc, self.pos] = t
                 return out.transpose(1, 2)
             if self.branch is None:
-                y = F.scaled_dot_product_attention(pad(q), pad(k), pad(v), is_causal=True, enable_gqa=True)
+                y = F.scaled_dot_product_attention(pad(q), pad(k), pad(v), is_causal=True,
+                                                   enable_gqa=True)
             else:
                 if self._mask is None:   # one mask for every layer
                     self._mask = self._branch_mask()
-                y = F.scaled_dot_product_attention(pad(q), pad(k), pad(v), attn_mask=self._mask, enable_gqa=True)
+                y = F.scaled_dot_product_attention(pad(q), pad(k), pad(v), attn_mask=self._mask,
+                                                   enable_gqa=True)
             return y.transpose(1, 2)[self.doc, self.pos]
         q, k, v = (t.transpose(0, 1).unsqueeze(0) for t in (q, k, v))   # [1, H, T, D]
         # eager FlexAttention materialises the T x T scores: on a GPU it runs compiled (a fused
@@ -114,13 +121,15 @@ class DocumentCausalAttention:
 class PagedKVCache:
     """Every layer's keys and values, in blocks of `block_size` token slots.
 
-    k[layer] and v[layer] are [num_blocks, block_size, kv_heads, head_dim]: a block is one contiguous chunk, so
-    gathering a batch's blocks is one index_select of whole blocks, and [B * blocks, block_size, H, D] views as
-    [B, L, H, D] -> transposed to [B, H, L, D] for attention, with no copy. Token p of a sequence lives in
-    slot p % block_size of block block_table[p // block_size]. cfg is the model's ModelConfig."""
+    k[layer] and v[layer] are [num_blocks, block_size, kv_heads, head_dim]: a block is one
+    contiguous chunk, so gathering a batch's blocks is one index_select of whole blocks, and [B *
+    blocks, block_size, H, D] views as [B, L, H, D] -> transposed to [B, H, L, D] for attention,
+    with no copy. Token p of a sequence lives in slot p % block_size of block block_table[p //
+    block_size]. cfg is the model's ModelConfig."""
 
     def __init__(self, cfg, num_blocks, block_size, device="cpu", dtype=torch.float32):
-        shape = (cfg.num_hidden_layers, num_blocks, block_size, cfg.num_key_value_heads, cfg.head_dim)
+        shape = (cfg.num_hidden_layers, num_blocks, block_size, cfg.num_key_value_heads,
+                 cfg.head_dim)
         self.k = torch.zeros(shape, device=device, dtype=dtype)
         self.v = torch.zeros(shape, device=device, dtype=dtype)
 
@@ -130,40 +139,52 @@ class PagedKVCache:
 
     @staticmethod
     def bytes_per_block(cfg, block_size, dtype):
-        return 2 * cfg.num_hidden_layers * block_size * cfg.num_key_value_heads * cfg.head_dim * dtype.itemsize
+        return (
+            2
+            * cfg.num_hidden_layers
+            * block_size
+            * cfg.num_key_value_heads
+            * cfg.head_dim
+            * dtype.itemsize
+        )
 
     def copy_blocks(self, src, dst):
-        """Copy blocks src -> dst (1-D index tensors) in every layer: a forked sequence's private copy of a shared block."""
+        """Copy blocks src -> dst (1-D index tensors) in every layer: a forked sequence's private
+        copy of a shared block."""
         self.k[:, dst] = self.k[:, src]
         self.v[:, dst] = self.v[:, src]
 
 
 @dataclass(frozen=True)
 class PagedGroup:
-    """Sequences that attend in one padded call: rows [start, start + num_tokens) of the step's flat batch.
-    Sequence b's queries are the group's rows query_index[b] (padded to Qmax by repeating its last row), they sit
-    at positions query_pos[b], and its blocks are block_tables[b]. query_index / token_row are None when every
-    sequence of the group has Qmax new tokens (decodes: Qmax = 1): the rows are then already [B, Qmax] row-major."""
+    """Sequences that attend in one padded call: rows [start, start + num_tokens) of the step's flat
+    batch. Sequence b's queries are the group's rows query_index[b] (padded to Qmax by repeating its
+    last row), they sit at positions query_pos[b], and its blocks are block_tables[b]. query_index /
+    token_row are None when every sequence of the group has Qmax new tokens (decodes: Qmax = 1): the
+    rows are then already [B, Qmax] row-major."""
     start: int
     num_tokens: int
     block_tables: torch.Tensor              # [B, blocks] int64
     query_pos: torch.Tensor                 # [B, Qmax] int64
-    query_index: torch.Tensor | None = None  # [B, Qmax] int64, rows within the group
-    token_row: torch.Tensor | None = None    # [num_tokens] int64: each row's place in the padded [B * Qmax]
+    # [B, Qmax] int64, rows within the group
+    query_index: torch.Tensor | None = None
+    # [num_tokens] int64: each row's place in the padded [B * Qmax]
+    token_row: torch.Tensor | None = None
 
 
 def paged_step(kv, starts, qlens, block_tables, extras=()):
-    """A step's paged metadata from each sequence's (tokens already computed, new tokens, block table), with the
-    sequences ordered decodes first (qlen 1), then prefill chunks: each kind becomes one PagedGroup.
-    Built in numpy and moved to the device in one copy, with `extras` (more int64 arrays the caller wants on
-    the device) riding along. Returns (positions [T], slot_mapping [T], groups, extras as tensors).
+    """A step's paged metadata from each sequence's (tokens already computed, new tokens, block
+    table), with the sequences ordered decodes first (qlen 1), then prefill chunks: each kind
+    becomes one PagedGroup. Built in numpy and moved to the device in one copy, with `extras` (more
+    int64 arrays the caller wants on the device) riding along. Returns (positions [T], slot_mapping
+    [T], groups, extras as tensors).
 
-    A worked example, block_size 4. Three sequences: A decodes its token 5 (blocks [3, 7]), B runs a prefill
-    chunk of 3 tokens from 0 (blocks [5]), C a chunk of 2 from 4 (blocks [1, 6]):
+    A worked example, block_size 4. Three sequences: A decodes its token 5 (blocks [3, 7]), B runs a
+    prefill chunk of 3 tokens from 0 (blocks [5]), C a chunk of 2 from 4 (blocks [1, 6]):
       qlens [1, 3, 2] -> cu [0, 1, 4, 6]; row_of [0, 1, 1, 1, 2, 2]; positions [5, 0, 1, 2, 4, 5]
-      slots = block * 4 + position % 4 -> [7*4+1, 5*4+0, 5*4+1, 5*4+2, 6*4+0, 6*4+1] = [29, 20, 21, 22, 24, 25]
-      decodes: rows [0, 1), Qmax 1, query_pos [[5]]
-      prefills: rows [1, 6), Qmax 3, query_pos [[0, 1, 2], [4, 5, 5]]; C has 2 < Qmax rows, so
+      slots = block * 4 + position % 4 -> [7*4+1, 5*4+0, 5*4+1, 5*4+2, 6*4+0, 6*4+1] = [29, 20, 21,
+      22, 24, 25] decodes: rows [0, 1), Qmax 1, query_pos [[5]] prefills: rows [1, 6), Qmax 3,
+      query_pos [[0, 1, 2], [4, 5, 5]]; C has 2 < Qmax rows, so
         query_index [[0, 1, 2], [3, 4, 4]] (C's last row repeated) and token_row [0, 1, 2, 3, 4]
         (row r of the group sits at place token_row[r] of the padded [B * Qmax] output)."""
     bs, B = kv.block_size, len(qlens)
@@ -174,7 +195,7 @@ def paged_step(kv, starts, qlens, block_tables, extras=()):
     for b, table in enumerate(block_tables):
         tables[b, :len(table)] = table
     row_of = np.repeat(np.arange(B), qlens)                       # each new token's sequence
-    offset = np.arange(int(cu[-1])) - cu[:-1][row_of]              # ... and its place in that sequence's chunk
+    offset = np.arange(int(cu[-1])) - cu[:-1][row_of]   # ... and its place in that sequence's chunk
     pos = starts[row_of] + offset
     parts, specs = [pos, tables[row_of, pos // bs] * bs + pos % bs, *extras], []
     num_decodes = int((qlens == 1).sum())
@@ -182,12 +203,14 @@ def paged_step(kv, starts, qlens, block_tables, extras=()):
         if lo == hi:
             continue
         Qmax, n_blocks = int(qlens[lo:hi].max()), int(-(-ends[lo:hi].max() // bs))
-        within = np.minimum(np.arange(Qmax)[None, :], (qlens[lo:hi] - 1)[:, None])   # pad by repeating the last
+        # pad by repeating the last
+        within = np.minimum(np.arange(Qmax)[None, :], (qlens[lo:hi] - 1)[:, None])
         parts += [tables[lo:hi, :n_blocks].ravel(), (starts[lo:hi, None] + within).ravel()]
         uniform = bool((qlens[lo:hi] == Qmax).all())
         if not uniform:
             rows = slice(cu[lo], cu[hi])
-            parts += [(cu[lo:hi, None] - cu[lo] + within).ravel(), (row_of[rows] - lo) * Qmax + offset[rows]]
+            parts += [(cu[lo:hi, None] - cu[lo] + within).ravel(),
+                      (row_of[rows] - lo) * Qmax + offset[rows]]
         specs.append((int(cu[lo]), int(cu[hi] - cu[lo]), hi - lo, n_blocks, Qmax, uniform))
     flat = torch.from_numpy(np.concatenate(parts)).to(kv.k.device, non_blocking=True)
     views = iter(torch.split(flat, [p.size for p in parts]))
@@ -202,14 +225,17 @@ def paged_step(kv, starts, qlens, block_tables, extras=()):
 
 
 class PagedAttention:
-    """Attention for one engine step, built once and shared by every layer (the protocol of DocumentCausalAttention).
+    """Attention for one engine step, built once and shared by every layer (the protocol of
+    DocumentCausalAttention).
 
     The step's batch is a flat row of T new tokens in groups (paged_step above). Per layer:
-      1. the new tokens' k/v are written into their slots (slot_mapping [T], slot = block * block_size + offset),
+      1. the new tokens' k/v are written into their slots (slot_mapping [T], slot = block *
+         block_size + offset),
       2. per group, each sequence's blocks are gathered into a contiguous [B, kv_heads, L, D] view
          (L = blocks * block_size; one index_select, a memcpy per block),
-      3. the padded queries [B, heads, Qmax, D] attend to it under the mask kv_pos <= query_pos: causal, and blind
-         to whatever lies in a block past the sequence's length (masks are built here, once per step).
+      3. the padded queries [B, heads, Qmax, D] attend to it under the mask kv_pos <= query_pos:
+         causal, and blind to whatever lies in a block past the sequence's length (masks are built
+         here, once per step).
     Gathering afresh every step keeps K/V hot in cache for the attention call that reads it next.
 
     backend 'sdpa' (the default on every device, engine.attention_choice): torch's
@@ -218,39 +244,56 @@ class PagedAttention:
     positions (create_block_mask is slow on CPU); compiled=True runs it through torch.compile."""
 
     def __init__(self, cache: PagedKVCache, slot_mapping, groups, backend="sdpa", compiled=False):
-        _require(backend in ("sdpa", "flex"), f"unknown paged attention backend {backend!r}: expected 'sdpa' or 'flex'")
-        self.cache, self.slot_mapping, self.groups, self.backend = cache, slot_mapping, list(groups), backend
+        _require(backend in ("sdpa", "flex"),
+                 f"unknown paged attention backend {backend!r}: expected 'sdpa' or 'flex'")
+        self.cache, self.slot_mapping, self.groups, self.backend = (
+            cache,
+            slot_mapping,
+            list(groups),
+            backend,
+        )
         flex = compile_once(flex_attention) if compiled else flex_attention
         self.flex = flex if backend == "flex" else None
-        self.masks = [self._sdpa_mask(g) if backend == "sdpa" else self._block_mask(g) for g in self.groups]
+        self.masks = [self._sdpa_mask(g) if backend == "sdpa" else self._block_mask(g)
+                      for g in self.groups]
 
     def _sdpa_mask(self, g):
-        # additive (0 / -inf), made once per step: a boolean mask is converted inside every layer's call
-        kv_pos = torch.arange(g.block_tables.shape[1] * self.cache.block_size, device=g.query_pos.device)
-        visible = kv_pos[None, None, None, :] <= g.query_pos[:, None, :, None]      # [B, 1, Qmax, L]
+        # additive (0 / -inf), made once per step: a boolean mask is converted inside every layer's
+        # call
+        kv_pos = torch.arange(g.block_tables.shape[1] * self.cache.block_size,
+                              device=g.query_pos.device)
+        visible = kv_pos[None, None, None, :] <= g.query_pos[:, None, :, None]     # [B, 1, Qmax, L]
         mask = torch.zeros(visible.shape, dtype=self.cache.k.dtype, device=visible.device)
         return mask.masked_fill_(~visible, float("-inf"))
 
     def _block_mask(self, g, block=128):
-        # the sparsity pattern straight from the positions: query tile j of sequence b needs kv tiles up to the
-        # one holding its last query's position; every tile is "partial" (mask_mod decides inside it)
+        # the sparsity pattern straight from the positions: query tile j of sequence b needs kv
+        # tiles up to the one holding its last query's position; every tile is "partial" (mask_mod
+        # decides inside it)
         query_pos, L = g.query_pos, g.block_tables.shape[1] * self.cache.block_size
         B, Qmax = query_pos.shape
         n_q, n_kv = -(-Qmax // block), -(-L // block)
-        last = torch.clamp(torch.arange(n_q, device=query_pos.device) * block + block - 1, max=Qmax - 1)
-        kv_num_blocks = (query_pos[:, last] // block + 1).to(torch.int32)[:, None, :]          # [B, 1, n_q]
-        kv_indices = torch.arange(n_kv, dtype=torch.int32, device=query_pos.device).expand(B, 1, n_q, n_kv)
+        last = torch.clamp(torch.arange(n_q, device=query_pos.device) * block + block - 1,
+                           max=Qmax - 1)
+        kv_num_blocks = (query_pos[:, last] // block + 1).to(torch.int32)[:, None, :]  # [B, 1, n_q]
+        kv_indices = torch.arange(n_kv, dtype=torch.int32, device=query_pos.device).expand(B, 1,
+                                                                                           n_q,
+                                                                                           n_kv)
 
         def mask_mod(b, h, q_idx, kv_idx):
             return kv_idx <= query_pos[b, q_idx]
-        return BlockMask.from_kv_blocks(kv_num_blocks, kv_indices.contiguous(), BLOCK_SIZE=(block, block),
-                                        mask_mod=mask_mod, seq_lengths=(Qmax, L))
+        return BlockMask.from_kv_blocks(kv_num_blocks, kv_indices.contiguous(),
+                                        BLOCK_SIZE=(block, block), mask_mod=mask_mod,
+                                        seq_lengths=(Qmax, L))
 
     def __call__(self, layer_idx, q, k, v):
-        kc, vc = self.cache.k[layer_idx], self.cache.v[layer_idx]      # [num_blocks, block_size, Hkv, D]
-        kc.view(-1, *kc.shape[2:]).index_copy_(0, self.slot_mapping, k)  # the new tokens into their slots
+        # [num_blocks, block_size, Hkv, D]
+        kc, vc = self.cache.k[layer_idx], self.cache.v[layer_idx]
+        # the new tokens into their slots
+        kc.view(-1, *kc.shape[2:]).index_copy_(0, self.slot_mapping, k)
         vc.view(-1, *vc.shape[2:]).index_copy_(0, self.slot_mapping, v)
-        ys = [self._attend(kc, vc, q[g.start:g.start + g.num_tokens], g, mask) for g, mask in zip(self.groups, self.masks)]
+        ys = [self._attend(kc, vc, q[g.start:g.start + g.num_tokens], g, mask)
+              for g, mask in zip(self.groups, self.masks)]
         return ys[0] if len(ys) == 1 else torch.cat(ys)
 
     def _attend(self, kc, vc, q, g, mask):
@@ -263,31 +306,35 @@ class PagedAttention:
         v = vc.index_select(0, blocks).view(B, L, Hkv, D).transpose(1, 2)
         q = q.view(B, Qmax, Hq, D) if g.query_index is None else q[g.query_index]
         if self.backend == "sdpa":
-            # the heads that share a kv head ride along as extra queries: [B, Hkv, group * Qmax, D] against
-            # [B, Hkv, L, D], each K/V read once per kv head (enable_gqa would read it once per query head).
-            # Query head h uses kv head h // group, as in transformers.
+            # the heads that share a kv head ride along as extra queries: [B, Hkv, group * Qmax, D]
+            # against [B, Hkv, L, D], each K/V read once per kv head (enable_gqa would read it once
+            # per query head). Query head h uses kv head h // group, as in transformers.
             group = Hq // Hkv
-            q = q.view(B, Qmax, Hkv, group, D).permute(0, 2, 3, 1, 4).reshape(B, Hkv, group * Qmax, D)
+            q = q.view(B, Qmax, Hkv, group, D).permute(0, 2, 3, 1, 4).reshape(B, Hkv, group * Qmax,
+                                                                              D)
             mask = mask if Qmax == 1 else mask.repeat(1, 1, group, 1)
             y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
-            y = y.view(B, Hkv, group, Qmax, D).permute(0, 3, 1, 2, 4)      # [B, Qmax, Hkv, group, D]
+            y = y.view(B, Hkv, group, Qmax, D).permute(0, 3, 1, 2, 4)     # [B, Qmax, Hkv, group, D]
         else:
             y = self.flex(q.transpose(1, 2), k, v, block_mask=mask, enable_gqa=True).transpose(1, 2)
         # y: [B, Qmax, Hq, D]
-        return y.reshape(T, Hq, D) if g.token_row is None else y.reshape(B * Qmax, Hq, D)[g.token_row]
+        return y.reshape(T, Hq, D) if g.token_row is None else y.reshape(B * Qmax, Hq,
+                                                                         D)[g.token_row]
 
 
 def paged_forward(model, kv, batch, backend, compiled):
-    """One model call over every scheduled token of an engine step (batch: (sequence, new tokens), decodes
-    first). Returns the logits at the last token of each sequence that catches up in this step, and those
-    sequences' indices in batch."""
+    """One model call over every scheduled token of an engine step (batch: (sequence, new tokens),
+    decodes first). Returns the logits at the last token of each sequence that catches up in this
+    step, and those sequences' indices in batch."""
     qlens = np.fromiter((n for _, n in batch), dtype=np.int64, count=len(batch))
     starts = np.fromiter((s.num_computed for s, _ in batch), dtype=np.int64, count=len(batch))
-    tokens = np.array([t for s, n in batch for t in s.tokens[s.num_computed:s.num_computed + n]], dtype=np.int64)
+    tokens = np.array([t for s, n in batch for t in s.tokens[s.num_computed:s.num_computed + n]],
+                      dtype=np.int64)
     ready = [b for b, (s, n) in enumerate(batch) if s.num_computed + n == s.num_tokens]
     last_rows = (np.cumsum(qlens) - 1)[ready]
     positions, slots, groups, (tokens, last_rows) = paged_step(
         kv, starts, qlens, [s.block_table for s, _ in batch], extras=(tokens, last_rows))
     attention = PagedAttention(kv, slots, groups, backend=backend, compiled=compiled)
-    logits, _ = model(tokens, positions, attention=attention, logits_indices=last_rows, aux_loss=False)
+    logits, _ = model(tokens, positions, attention=attention, logits_indices=last_rows,
+                      aux_loss=False)
     return logits, ready

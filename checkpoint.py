@@ -3,21 +3,22 @@ Everything on disk: the Hugging Face format of a model, and the training checkpo
 
     from checkpoint import load_hf_checkpoint, save_hf_checkpoint     # also importable from model
     model = load_hf_checkpoint("path/to/hf_dir")       # qwen3_moe, qwen3, qwen2, llama; fp32 on cpu
-    save_hf_checkpoint(model, "out/hf")                               # AutoModelForCausalLM loads it back
+    save_hf_checkpoint(model, "out/hf")                         # AutoModelForCausalLM loads it back
 
-    save_checkpoint(out_dir, model, optimizer, tok, iter_num, config, data_state)    # {out_dir}/ckpt, atomically
-    meta = read_checkpoint_meta(find_checkpoint(out_dir))                            # verified before it is trusted
-    start = init_start(config, build_tokenizer)                                      # scratch, a stage's dir, or resume
+    # {out_dir}/ckpt, atomically
+    save_checkpoint(out_dir, model, optimizer, tok, iter_num, config, data_state)
+    meta = read_checkpoint_meta(find_checkpoint(out_dir))        # verified before it is trusted
+    start = init_start(config, build_tokenizer)                  # scratch, a stage's dir, or resume
 
-The hub stores one tensor per expert (`model.layers.{i}.mlp.experts.{j}.gate_proj.weight`); in memory the
-experts are fused (`gate_up_proj [E, 2I, H]`, `down_proj [E, H, I]`). The name map below (hf_to_ours /
-ours_to_hf) is the only place that knows both spellings.
+The hub stores one tensor per expert (`model.layers.{i}.mlp.experts.{j}.gate_proj.weight`); in
+memory the experts are fused (`gate_up_proj [E, 2I, H]`, `down_proj [E, H, I]`). The name map below
+(hf_to_ours / ours_to_hf) is the only place that knows both spellings.
 
 A training checkpoint {out_dir}/ckpt is a complete transformers model directory (config.json,
-model.safetensors, the tokenizer) plus trainer_state.pt (optimizer, RNG states) and checkpoint.json (iteration,
-config, data state, and the size and xxh64 of every file, written last). It is built in ckpt.tmp and swapped in
-by two renames; a run killed between them leaves ckpt.old, which resume falls back to. The next stage's
-init_from is the out_dir itself.
+model.safetensors, the tokenizer) plus trainer_state.pt (optimizer, RNG states) and checkpoint.json
+(iteration, config, data state, and the size and xxh64 of every file, written last). It is built in
+ckpt.tmp and swapped in by two renames; a run killed between them leaves ckpt.old, which resume
+falls back to. The next stage's init_from is the out_dir itself.
 """
 
 import json
@@ -87,19 +88,24 @@ def config_from_hf(d) -> ModelConfig:
         head_dim=d.get("head_dim") or d["hidden_size"] // d["num_attention_heads"],
         num_experts=d.get("num_experts", d.get("num_local_experts", 0)) if is_moe else 0,
         num_experts_per_tok=d.get("num_experts_per_tok", 1) if is_moe else 1,
-        norm_topk_prob=d.get("norm_topk_prob", False), decoder_sparse_step=d.get("decoder_sparse_step", 1),
-        mlp_only_layers=tuple(d.get("mlp_only_layers", ())), rms_norm_eps=d.get("rms_norm_eps", 1e-6),
+        norm_topk_prob=d.get("norm_topk_prob", False),
+                       decoder_sparse_step=d.get("decoder_sparse_step", 1),
+        mlp_only_layers=tuple(d.get("mlp_only_layers", ())),
+                       rms_norm_eps=d.get("rms_norm_eps", 1e-6),
         rope_theta=theta, rope_scaling=dict(scaling, rope_type=rope_type) if scaling else (),
         **flags,
-        tie_word_embeddings=d.get("tie_word_embeddings", False), attention_bias=d.get("attention_bias", False),
+        tie_word_embeddings=d.get("tie_word_embeddings", False),
+                       attention_bias=d.get("attention_bias", False),
         max_position_embeddings=d.get("max_position_embeddings", 4096),
-        router_aux_loss_coef=d.get("router_aux_loss_coef", 0.001), bos_token_id=d.get("bos_token_id"),
+        router_aux_loss_coef=d.get("router_aux_loss_coef", 0.001),
+                       bos_token_id=d.get("bos_token_id"),
         eos_token_id=eos, pad_token_id=d.get("pad_token_id"),
     )
 
 
 def config_to_hf(cfg: ModelConfig) -> dict:
-    """ModelConfig -> a config.json dict, built by transformers' own config class (so transformers reads it)."""
+    """ModelConfig -> a config.json dict, built by transformers' own config class (so transformers
+    reads it)."""
     from transformers import LlamaConfig, Qwen2Config, Qwen3Config, Qwen3MoeConfig
     kw = {k: v for k, v in asdict(cfg).items()
           if k not in ("num_experts", "family", "qk_norm", "qkv_bias", "rope_scaling")}
@@ -142,22 +148,32 @@ def load_config(path) -> ModelConfig:
 
 
 def hf_weight_shapes(cfg: ModelConfig):
-    """Every tensor name a transformers checkpoint of this config holds, with its shape (the name map's domain)."""
-    H, D, E, Hq, Hkv = cfg.hidden_size, cfg.head_dim, cfg.num_experts, cfg.num_attention_heads, cfg.num_key_value_heads
+    """Every tensor name a transformers checkpoint of this config holds, with its shape (the name
+    map's domain)."""
+    H, D, E, Hq, Hkv = (
+        cfg.hidden_size,
+        cfg.head_dim,
+        cfg.num_experts,
+        cfg.num_attention_heads,
+        cfg.num_key_value_heads,
+    )
     shapes = {"model.embed_tokens.weight": (cfg.vocab_size, H), "model.norm.weight": (H,)}
     if not cfg.tie_word_embeddings:
         shapes["lm_head.weight"] = (cfg.vocab_size, H)
     for i in range(cfg.num_hidden_layers):
         p = f"model.layers.{i}."
-        shapes.update({p + "input_layernorm.weight": (H,), p + "post_attention_layernorm.weight": (H,),
-                       p + "self_attn.q_proj.weight": (Hq * D, H), p + "self_attn.k_proj.weight": (Hkv * D, H),
+        shapes.update({p + "input_layernorm.weight": (H,),
+                       p + "post_attention_layernorm.weight": (H,),
+                       p + "self_attn.q_proj.weight": (Hq * D, H),
+                       p + "self_attn.k_proj.weight": (Hkv * D, H),
                        p + "self_attn.v_proj.weight": (Hkv * D, H),
                        p + "self_attn.o_proj.weight": (H, Hq * D)})
         if cfg.qk_norm:
             shapes.update({p + "self_attn.q_norm.weight": (D,),
                            p + "self_attn.k_norm.weight": (D,)})
         if cfg.attention_bias or cfg.qkv_bias:
-            shapes.update({p + "self_attn.q_proj.bias": (Hq * D,), p + "self_attn.k_proj.bias": (Hkv * D,),
+            shapes.update({p + "self_attn.q_proj.bias": (Hq * D,),
+                           p + "self_attn.k_proj.bias": (Hkv * D,),
                            p + "self_attn.v_proj.bias": (Hkv * D,)})
         if cfg.attention_bias:
             shapes[p + "self_attn.o_proj.bias"] = (H,)
@@ -176,19 +192,24 @@ def hf_weight_shapes(cfg: ModelConfig):
 
 
 def hf_to_ours(hf: dict, cfg: ModelConfig) -> dict:
-    """Hub tensors -> our state_dict: strip 'model.', fuse each MoE layer's experts into two stacked tensors."""
+    """Hub tensors -> our state_dict: strip 'model.', fuse each MoE layer's experts into two stacked
+    tensors."""
     ours = {name.removeprefix("model."): t for name, t in hf.items() if ".mlp.experts." not in name}
     for i in range(cfg.num_hidden_layers):
         if cfg.is_moe_layer(i):
             p, experts = f"model.layers.{i}.mlp.experts.", range(cfg.num_experts)
             ours[f"layers.{i}.mlp.experts.gate_up_proj"] = torch.stack(
-                [torch.cat([hf[p + f"{j}.gate_proj.weight"], hf[p + f"{j}.up_proj.weight"]]) for j in experts])
-            ours[f"layers.{i}.mlp.experts.down_proj"] = torch.stack([hf[p + f"{j}.down_proj.weight"] for j in experts])
+                [torch.cat([hf[p + f"{j}.gate_proj.weight"], hf[p + f"{j}.up_proj.weight"]])
+                 for j in experts])
+            ours[f"layers.{i}.mlp.experts.down_proj"] = torch.stack(
+                [hf[p + f"{j}.down_proj.weight"] for j in experts]
+            )
     return ours
 
 
 def ours_to_hf(sd: dict) -> dict:
-    """Our state_dict -> hub tensors: the inverse of hf_to_ours (experts split back to one tensor each)."""
+    """Our state_dict -> hub tensors: the inverse of hf_to_ours (experts split back to one tensor
+    each)."""
     hf = {}
     for name, t in sd.items():
         if ".mlp.experts." not in name:
@@ -197,7 +218,9 @@ def ours_to_hf(sd: dict) -> dict:
         prefix, kind = "model." + name.rsplit(".", 1)[0] + ".", name.rsplit(".", 1)[1]
         for j in range(t.shape[0]):
             if kind == "gate_up_proj":
-                hf[prefix + f"{j}.gate_proj.weight"], hf[prefix + f"{j}.up_proj.weight"] = t[j].chunk(2, dim=0)
+                hf[prefix + f"{j}.gate_proj.weight"], hf[prefix + f"{j}.up_proj.weight"] = t[
+                    j
+                ].chunk(2, dim=0)
             else:
                 hf[prefix + f"{j}.down_proj.weight"] = t[j]
     return hf
@@ -210,7 +233,8 @@ def ours_to_hf(sd: dict) -> dict:
 def read_safetensors(path):
     """Every tensor of a directory's model.safetensors (or of the shards its index names)."""
     from safetensors import safe_open
-    index, single = (os.path.join(path, n) for n in ("model.safetensors.index.json", "model.safetensors"))
+    index, single = (os.path.join(path, n)
+                     for n in ("model.safetensors.index.json", "model.safetensors"))
     if os.path.exists(index):
         with open(index) as f:
             files = sorted(set(json.load(f)["weight_map"].values()))
@@ -243,7 +267,8 @@ def load_hf_checkpoint(path, device="cpu", dtype=torch.float32) -> Transformer:
     hf = read_safetensors(path)
     expected = hf_weight_shapes(cfg)
     if cfg.tie_word_embeddings:
-        hf.pop("lm_head.weight", None)   # some tied checkpoints store the head anyway; it is the embedding
+        # some tied checkpoints store the head anyway; it is the embedding
+        hf.pop("lm_head.weight", None)
     unknown, missing = sorted(set(hf) - set(expected)), sorted(set(expected) - set(hf))
     if unknown:
         raise ValueError(f"unknown tensor(s) in {path!r}: {_names(unknown)}")
@@ -251,30 +276,37 @@ def load_hf_checkpoint(path, device="cpu", dtype=torch.float32) -> Transformer:
         raise ValueError(f"missing tensor(s) in {path!r}: {_names(missing)}")
     for name, shape in expected.items():
         if tuple(hf[name].shape) != shape:
-            raise ValueError(f"tensor {name!r} in {path!r} has shape {tuple(hf[name].shape)}, expected {shape}")
+            raise ValueError(f"tensor {name!r} in {path!r} has shape {tuple(hf[name].shape)}, "
+                             f"expected {shape}")
     with torch.device("meta"):
         model = Transformer(cfg)
     model = model.to_empty(device=device).to(dtype)
     state = model.state_dict()
     with torch.no_grad():
-        for name, t in hf_to_ours(hf, cfg).items():   # the name map is total (hf_weight_shapes is its domain)
+        # the name map is total (hf_weight_shapes is its domain)
+        for name, t in hf_to_ours(hf, cfg).items():
             state[name].copy_(t)
     return model
 
 
 def _write_atomically(path, write):
-    # write to a temp name, then rename: a crash never leaves a half-written file under the real name
+    # write to a temp name, then rename: a crash never leaves a half-written file under the real
+    # name
     write(path + ".tmp")
     os.replace(path + ".tmp", path)
 
 
 def save_hf_checkpoint(model: Transformer, path):
-    """Write config.json + model.safetensors (hub names, one tensor per expert), each file atomically."""
+    """Write config.json + model.safetensors (hub names, one tensor per expert), each file
+    atomically."""
     from safetensors.torch import save_file
     os.makedirs(path, exist_ok=True)
     hf = {k: v.detach().contiguous().cpu() for k, v in ours_to_hf(model.state_dict()).items()}
-    _write_atomically(os.path.join(path, "model.safetensors"), lambda p: save_file(hf, p, metadata={"format": "pt"}))
-    hf_cfg = config_to_hf(model.config) | {"dtype": str(next(model.parameters()).dtype).removeprefix("torch.")}
+    _write_atomically(os.path.join(path, "model.safetensors"),
+                      lambda p: save_file(hf, p, metadata={"format": "pt"}))
+    hf_cfg = config_to_hf(model.config) | {
+        "dtype": str(next(model.parameters()).dtype).removeprefix("torch.")
+    }
 
     def write_json(p):
         with open(p, "w") as f:
@@ -291,7 +323,8 @@ TRAINER_STATE = "trainer_state.pt"
 
 
 def save_best(out_dir, model, tokenizer):
-    """{out_dir}/best: a transformers model directory (a later stage's init_from), swapped in by one rename."""
+    """{out_dir}/best: a transformers model directory (a later stage's init_from), swapped in by one
+    rename."""
     best, tmp = os.path.join(out_dir, "best"), os.path.join(out_dir, "best.tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     save_hf_checkpoint(model, tmp)
@@ -309,9 +342,11 @@ def file_digest(path):
 
 
 def rng_state():
-    """python, numpy, torch (and CUDA) RNG states, in a form torch.load(weights_only=True) reads back."""
+    """python, numpy, torch (and CUDA) RNG states, in a form torch.load(weights_only=True) reads
+    back."""
     kind, keys, pos, has_gauss, gauss = np.random.get_state()
-    return {"python": random.getstate(), "numpy": (kind, torch.from_numpy(keys.copy()), pos, has_gauss, gauss),
+    return {"python": random.getstate(),
+            "numpy": (kind, torch.from_numpy(keys.copy()), pos, has_gauss, gauss),
             "torch": torch.get_rng_state(),
             "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else []}
 
@@ -334,8 +369,10 @@ def _fsync(path):
         os.close(fd)
 
 
-def save_checkpoint(out_dir, model, optimizer, tokenizer, iter_num, config, data_state=None, extra=None):
-    """Write {out_dir}/ckpt atomically (see the top of this file). data_state and extra must be JSON-serialisable."""
+def save_checkpoint(out_dir, model, optimizer, tokenizer, iter_num, config, data_state=None,
+                    extra=None):
+    """Write {out_dir}/ckpt atomically (see the top of this file). data_state and extra must be
+    JSON-serialisable."""
     final, tmp, old = (os.path.join(out_dir, n) for n in (CKPT, CKPT_TMP, CKPT_OLD))
     shutil.rmtree(tmp, ignore_errors=True)
     os.makedirs(tmp)
@@ -343,13 +380,17 @@ def save_checkpoint(out_dir, model, optimizer, tokenizer, iter_num, config, data
     save_tokenizer(tokenizer, tmp)
     stop = generation_stop_ids(tokenizer)   # so a server (serve.py) knows what ends a generation
     GenerationConfig(eos_token_id=stop, pad_token_id=tokenizer.pad_token_id).save_pretrained(tmp)
-    torch.save({"optimizer": optimizer.state_dict(), "rng": rng_state()}, os.path.join(tmp, TRAINER_STATE))
+    torch.save({"optimizer": optimizer.state_dict(), "rng": rng_state()},
+               os.path.join(tmp, TRAINER_STATE))
     files = {}
     for name in sorted(os.listdir(tmp)):
         _fsync(os.path.join(tmp, name))
-        files[name] = {"size": os.path.getsize(os.path.join(tmp, name)), "xxh64": file_digest(os.path.join(tmp, name))}
-    meta = {"iter": iter_num, "config": config, "data_state": data_state, "extra": extra, "files": files}
-    with open(os.path.join(tmp, META), "w") as f:   # the manifest last: its presence means the rest is whole
+        files[name] = {"size": os.path.getsize(os.path.join(tmp, name)),
+                       "xxh64": file_digest(os.path.join(tmp, name))}
+    meta = {"iter": iter_num, "config": config, "data_state": data_state, "extra": extra,
+            "files": files}
+    # the manifest last: its presence means the rest is whole
+    with open(os.path.join(tmp, META), "w") as f:
         json.dump(meta, f, indent=1)
     _fsync(os.path.join(tmp, META))
     _fsync(tmp)
@@ -364,8 +405,8 @@ def save_checkpoint(out_dir, model, optimizer, tokenizer, iter_num, config, data
 
 def clear_checkpoints(out_dir):
     """A fresh run's first act: remove an earlier run's checkpoints from out_dir, so that a later
-    init_from='resume' finds this run's or none (never the earlier run's, which it would silently continue).
-    Returns the names removed."""
+    init_from='resume' finds this run's or none (never the earlier run's, which it would silently
+    continue). Returns the names removed."""
     stale = [n for n in (CKPT, CKPT_OLD, CKPT_TMP) if os.path.exists(os.path.join(out_dir, n))]
     for name in stale:
         shutil.rmtree(os.path.join(out_dir, name))
@@ -382,7 +423,8 @@ def find_checkpoint(out_dir):
 
 
 def read_checkpoint_meta(path):
-    """checkpoint.json of a checkpoint dir, after checking every file it lists is there, whole and unchanged."""
+    """checkpoint.json of a checkpoint dir, after checking every file it lists is there, whole and
+    unchanged."""
     try:
         with open(os.path.join(path, META)) as f:
             meta = json.load(f)
@@ -398,26 +440,29 @@ def read_checkpoint_meta(path):
         if not os.path.isfile(fpath):
             raise ValueError(f"corrupt checkpoint {path!r}: {name} is missing")
         if os.path.getsize(fpath) != info["size"] or file_digest(fpath) != info["xxh64"]:
-            raise ValueError(f"corrupt checkpoint {path!r}: {name} does not match its recorded size/xxh64 "
-                             f"(truncated or modified)")
+            raise ValueError(f"corrupt checkpoint {path!r}: {name} does not match its recorded "
+                             f"size/xxh64 (truncated or modified)")
     return meta
 
 
 def model_dir_of(path):
-    """init_from=path accepts a previous stage's out_dir (its ckpt, or ckpt.old) or a transformers model dir."""
+    """init_from=path accepts a previous stage's out_dir (its ckpt, or ckpt.old) or a transformers
+    model dir."""
     if not isinstance(path, str) or not os.path.isdir(path):
-        raise ValueError(f"init_from={path!r}: expected 'scratch', 'resume' or an existing directory")
+        raise ValueError(f"init_from={path!r}: expected 'scratch', 'resume' or an existing "
+                         f"directory")
     found = find_checkpoint(path)
     if found:
         return found
     if os.path.isfile(os.path.join(path, "config.json")):
         return path
-    raise ValueError(f"init_from={path!r}: neither a run directory (no {CKPT}/{META}) nor a transformers model "
-                     f"directory (no config.json)")
+    raise ValueError(f"init_from={path!r}: neither a run directory (no {CKPT}/{META}) nor a "
+                     f"transformers model directory (no config.json)")
 
 
 def load_model(path):
-    """The fp32 master weights of a model directory, on cpu (a missing file is a ValueError, like a corrupt one)."""
+    """The fp32 master weights of a model directory, on cpu (a missing file is a ValueError, like a
+    corrupt one)."""
     try:
         return load_hf_checkpoint(path, device="cpu", dtype=torch.float32)
     except FileNotFoundError as e:
@@ -429,7 +474,8 @@ def load_trainer_state(path):
     try:
         state = torch.load(os.path.join(path, TRAINER_STATE), map_location="cpu", weights_only=True)
     except Exception as e:  # pickle/zip errors of all kinds mean one thing here
-        raise ValueError(f"corrupt checkpoint {path!r}: cannot read {TRAINER_STATE} ({type(e).__name__}: {e})") from None
+        raise ValueError(f"corrupt checkpoint {path!r}: cannot read {TRAINER_STATE} "
+                         f"({type(e).__name__}: {e})") from None
     if not isinstance(state, dict) or not {"optimizer", "rng"} <= set(state):
         raise ValueError(f"corrupt checkpoint {path!r}: {TRAINER_STATE} lacks optimizer/rng")
     return state
@@ -441,8 +487,9 @@ def load_trainer_state(path):
 
 @dataclass(frozen=True)
 class Start:
-    """What a run starts from: the model (fp32 master weights, on cpu) and its tokenizer; when resuming, the
-    checkpoint's verified checkpoint.json (iteration, data state, extra) and trainer state (optimizer + RNG)."""
+    """What a run starts from: the model (fp32 master weights, on cpu) and its tokenizer; when
+    resuming, the checkpoint's verified checkpoint.json (iteration, data state, extra) and trainer
+    state (optimizer + RNG)."""
     model: Transformer
     tokenizer: object
     meta: dict | None = None
@@ -458,8 +505,9 @@ def init_start(config, new_tokenizer):
     """Where the run starts, per config['init_from']:
       'scratch'   a fresh model shaped by config['model'] (vocab from new_tokenizer()), iteration 0
       'resume'    {out_dir}/ckpt: weights, optimizer, RNG, iteration, data state
-      a path      a previous stage's out_dir or a transformers model dir: weights (and its tokenizer), iteration 0.
-                  A transformers dir without a tokenizer gets new_tokenizer() if its vocabulary fits."""
+      a path      a previous stage's out_dir or a transformers model dir: weights (and its
+                  tokenizer), iteration 0. A transformers dir without a tokenizer gets
+                  new_tokenizer() if its vocabulary fits."""
     init_from = config["init_from"]
     if init_from == "scratch":
         tokenizer = new_tokenizer()
@@ -472,18 +520,21 @@ def init_start(config, new_tokenizer):
             raise ValueError(f"init_from='resume': no checkpoint in out_dir={config['out_dir']!r} "
                              f"(expected {CKPT}/{META})")
         meta = read_checkpoint_meta(path)
-        return Start(load_model(path), load_tokenizer(path), meta, load_trainer_state(path), source=path)
+        return Start(load_model(path), load_tokenizer(path), meta, load_trainer_state(path),
+                     source=path)
     path = model_dir_of(init_from)
     if os.path.isfile(os.path.join(path, META)):
-        read_checkpoint_meta(path)   # a previous stage's checkpoint is verified before it is trusted
+        read_checkpoint_meta(path)  # a previous stage's checkpoint is verified before it is trusted
     model = load_model(path)
     if os.path.isfile(os.path.join(path, "tokenizer.json")):
         return Start(model, load_tokenizer(path), source=path)
     tokenizer = new_tokenizer()
     if len(tokenizer) > model.config.vocab_size:
-        raise ValueError(f"init_from={init_from!r} has no tokenizer and its vocab_size={model.config.vocab_size} "
-                         f"is smaller than the embedded tokenizer's {len(tokenizer)} ids")
-    print0(f"init_from={init_from!r} has no tokenizer: using the embedded one ({len(tokenizer)} ids)")
+        raise ValueError(f"init_from={init_from!r} has no tokenizer and its "
+                         f"vocab_size={model.config.vocab_size} is smaller than the embedded "
+                         f"tokenizer's {len(tokenizer)} ids")
+    print0(f"init_from={init_from!r} has no tokenizer: using the embedded one ({len(tokenizer)} "
+           f"ids)")
     return Start(model, tokenizer, source=path)
 
 
@@ -495,7 +546,8 @@ def _model_config(model_kw, tokenizer):
     kw = {"vocab_size": len(tokenizer), "eos_token_id": tokenizer.eos_token_id,
           "pad_token_id": tokenizer.pad_token_id, **model_kw}
     if kw["vocab_size"] < len(tokenizer):
-        raise ValueError(f"model: vocab_size={kw['vocab_size']} is smaller than the tokenizer ({len(tokenizer)} ids)")
+        raise ValueError(f"model: vocab_size={kw['vocab_size']} is smaller than the tokenizer "
+                         f"({len(tokenizer)} ids)")
     try:
         return ModelConfig(**kw)
     except TypeError as e:

@@ -6,7 +6,7 @@
 # the right ones until GRPO's FLOPs are spent; both early-stopped on val), the no-learning
 # heuristic, and sft_all as a reference (the start's SFT on a demonstration for every training
 # problem); every arm scored once on the test split; then report.py.
-# The recipe is the speedrun's (config/qwen_small.py, chosen on validation: README "Results"), so
+# The recipe is the speedrun's (config/qwen_small.py, chosen on validation: docs/results.md), so
 # a seed's start and GRPO are what `bash speedrun.sh` makes with that seed.
 #
 #   bash compare.sh        # seeds 1 2 3 4 5, JOBS=2 seeds at a time, the cores shared among them
@@ -29,11 +29,13 @@ TRAINED=(sft sft_more rft grpo sft_all)   # the arms with a model; the heuristic
 SEEDS=("$@")
 [ ${#SEEDS[@]} -gt 0 ] || SEEDS=(1 2 3 4 5)
 for s in "${SEEDS[@]}"; do
-    [[ $s =~ ^[0-9]+$ ]] || { echo "compare.sh: a seed is a non-negative integer, got '$s'" >&2; exit 2; }
+    [[ $s =~ ^[0-9]+$ ]] ||
+        { echo "compare.sh: a seed is a non-negative integer, got '$s'" >&2; exit 2; }
 done
-[[ $JOBS =~ ^[1-9][0-9]*$ ]] || { echo "compare.sh: JOBS must be a positive integer, got '$JOBS'" >&2; exit 2; }
+[[ $JOBS =~ ^[1-9][0-9]*$ ]] ||
+    { echo "compare.sh: JOBS must be a positive integer, got '$JOBS'" >&2; exit 2; }
 
-# each job gets its share of the cores (at least one thread), so parallel seeds do not oversubscribe them
+# each job gets its share of the cores (at least one thread): parallel seeds never oversubscribe
 THREADS=$(( $(nproc) / JOBS ))
 [ "$THREADS" -ge 1 ] || THREADS=1
 export OMP_NUM_THREADS=$THREADS MKL_NUM_THREADS=$THREADS
@@ -61,7 +63,8 @@ step() {   # step <name> <command ...>: run it, saying what and how long it took
     echo "== $name done in $((SECONDS - t0)) s"
 }
 
-grpo_budget() {   # grpo_budget <metrics.jsonl>: "F N", GRPO's total FLOPs and training problems consumed
+# grpo_budget <metrics.jsonl>: "F N", GRPO's total FLOPs and training problems consumed
+grpo_budget() {
     $PY - "$1" <<'PY'
 import json, sys
 rows = [json.loads(line) for line in open(sys.argv[1]) if line.strip()]
@@ -81,21 +84,23 @@ run_seed() {   # run_seed <seed>: the whole pipeline of one seed
     budget=$(grpo_budget $d/grpo/metrics.jsonl)
     read -r F N <<< "$budget"
     echo "== GRPO used F=$F FLOPs on N=$N problems drawn, G=$G samples each: the baselines' budget"
-    # the baselines continue from the start at a constant learning rate (chosen on validation, README),
-    # until they have spent GRPO's FLOPs; each keeps its best model on validation
-    local baseline=(--max_iters=1000000 --max_flops=$F --keep_best=True --learning_rate=3e-4 --min_lr=3e-4 --eval_interval=200
-                    --warmup_iters=0)
-    step sft_more $PY sft.py "$CONFIG" --seed=$s --init_from=$d/sft/best --out_dir=$d/sft_more "${baseline[@]}"
+    # the baselines continue from the start at a constant learning rate (chosen on validation,
+    # docs/results.md), until they have spent GRPO's FLOPs; each keeps its best model on validation
+    local baseline=(--max_iters=1000000 --max_flops=$F --keep_best=True --learning_rate=3e-4
+                    --min_lr=3e-4 --eval_interval=200 --warmup_iters=0)
+    step sft_more $PY sft.py "$CONFIG" --seed=$s --init_from=$d/sft/best --out_dir=$d/sft_more \
+        "${baseline[@]}"
     # RFT samples each training problem once (not GRPO's N draws), then trains for the rest of F
-    step rft $PY sft.py "$CONFIG" --seed=$s --init_from=$d/sft/best --out_dir=$d/rft "${baseline[@]}" \
-        --rft_samples=$G --rft_problems=$N_TRAIN --rft_temperature=$T
+    step rft $PY sft.py "$CONFIG" --seed=$s --init_from=$d/sft/best --out_dir=$d/rft \
+        "${baseline[@]}" --rft_samples=$G --rft_problems=$N_TRAIN --rft_temperature=$T
     step sft_all $PY sft.py "$CONFIG" --seed=$s --init_from=$d/pretrain --out_dir=$d/sft_all \
         --demo_fraction=1.0
     step test_heuristic $PY evaluate.py heuristic test $d/test_heuristic
     for arm in "${TRAINED[@]}"; do   # one evaluation on the test split for each model
-        # every arm is early-stopped on validation the same way: its best validation model is the one tested
-        step test_$arm $PY train_grpo.py "$CONFIG" --seed=$s --init_from=$d/$arm/best --out_dir=$d/test_$arm \
-            --max_iters=0 --eval_split=test --n_eval_problems=0 --pass_k=8
+        # every arm is early-stopped on validation the same way: its best validation model is
+        # the one tested
+        step test_$arm $PY train_grpo.py "$CONFIG" --seed=$s --init_from=$d/$arm/best \
+            --out_dir=$d/test_$arm --max_iters=0 --eval_split=test --n_eval_problems=0 --pass_k=8
     done
 }
 
@@ -116,7 +121,8 @@ for s in "${SEEDS[@]}"; do
     while [ "$(jobs -rp | wc -l)" -ge "$JOBS" ]; do
         wait -n || true   # a failed seed is found below, by its missing evaluations
     done
-    rm -rf "$d"   # a seed runs from scratch: nothing of an earlier, unfinished or forced run is kept
+    # a seed runs from scratch: nothing of an earlier, unfinished or forced run is kept
+    rm -rf "$d"
     mkdir -p "$d"
     echo "seed $s: started at +$((SECONDS - start)) s, log in $d/log.txt"
     run_seed "$s" > "$d/log.txt" 2>&1 &

@@ -1,5 +1,6 @@
 """
-nanoGPT-style configuration: module-level defaults in each script, overridden by config files and --key=value.
+nanoGPT-style configuration: module-level defaults in each script, overridden by config files and
+--key=value.
 
     # sft.py
     lr = 3e-4
@@ -7,29 +8,33 @@ nanoGPT-style configuration: module-level defaults in each script, overridden by
     out_dir = "out/sft"
     init_from = None
     # -----------------------------------------------------------------------------
-    config = configure(globals(), sys.argv[1:], stage="sft")   # mutates globals(), returns the config dict
+    # mutates globals(), returns the config dict
+    config = configure(globals(), sys.argv[1:], stage="sft")
 
     $ python sft.py config/qwen_small.py --lr=1e-5 --out_dir=out/run2
 
     # config/qwen_small.py: one experiment, passed to every stage
-    batch_size = 32                              # shared: every script must declare it
-    pretrain = dict(lr=1e-3)                     # stage sections: only the running stage's is applied
+    batch_size = 32                            # shared: every script must declare it
+    pretrain = dict(lr=1e-3)                   # stage sections: only the running stage's is applied
     sft = dict(lr=3e-5, init_from="out/pretrain")
 
-The script's settings are the names in `globals()` at the time of the call that do not start with '_' and whose
-value is exactly one of int, float, bool, str, None, list, tuple, dict. Modules, functions, classes and
-dataclass instances are not settings; call `configure` right after the settings block. An imported plain
-constant (`from math import pi`) would count, so import those under a '_' name.
+The script's settings are the names in `globals()` at the time of the call that do not start with
+'_' and whose value is exactly one of int, float, bool, str, None, list, tuple, dict. Modules,
+functions, classes and dataclass instances are not settings; call `configure` right after the
+settings block. An imported plain constant (`from math import pi`) would count, so import those
+under a '_' name.
 
-Apply order: each config file's shared top-level names, then its section for the running stage, then the
---key=value arguments. Config files run in a fresh namespace (with `__file__` set); names starting with '_',
-names bound by top-level imports, modules, functions and classes in them are ignored.
+Apply order: each config file's shared top-level names, then its section for the running stage, then
+the --key=value arguments. Config files run in a fresh namespace (with `__file__` set); names
+starting with '_', names bound by top-level imports, modules, functions and classes in them are
+ignored.
 
-Types follow the default: an int is accepted for a float (converted), a bool is not an int, `true/false` work
-for bools, a None default accepts any plain literal, and None is accepted only where the default is None.
-Command-line values are parsed with `ast.literal_eval`; for a str setting the text is taken as is unless it is a
-quoted string literal (so `--run_name=2024` gives '2024'). Everything is validated first and applied after:
-a refused call (ValueError / TypeError) leaves the globals untouched.
+Types follow the default: an int is accepted for a float (converted), a bool is not an int,
+`true/false` work for bools, a None default accepts any plain literal, and None is accepted only
+where the default is None. Command-line values are parsed with `ast.literal_eval`; for a str setting
+the text is taken as is unless it is a quoted string literal (so `--run_name=2024` gives '2024').
+Everything is validated first and applied after: a refused call (ValueError / TypeError) leaves the
+globals untouched.
 """
 import ast
 import copy
@@ -47,14 +52,16 @@ def print0(*args):
         print(*args)
 
 def settings_of(g):
-    """the settings of a script's globals: plain values (exact types, so no enums or namedtuples), no '_' names"""
+    """the settings of a script's globals: plain values (exact types, so no enums or namedtuples),
+    no '_' names"""
     return {k: v for k, v in g.items() if not k.startswith("_") and type(v) in SETTING_TYPES}
 
 # -----------------------------------------------------------------------------
 # checking one value against its default
 
 def check_value(key, value, default, source):
-    """value converted to the default's type, or a TypeError naming the key, the value and the expected type"""
+    """value converted to the default's type, or a TypeError naming the key, the value and the
+    expected type"""
     if default is None:
         if type(value) in SETTING_TYPES:
             return value
@@ -65,8 +72,8 @@ def check_value(key, value, default, source):
         return value
     else:
         expected = type(default).__name__
-    raise TypeError(f"{source}: {key}={value!r} has type {type(value).__name__}, expected {expected} "
-                    f"(default {default!r})")
+    raise TypeError(f"{source}: {key}={value!r} has type {type(value).__name__}, expected "
+                    f"{expected} (default {default!r})")
 
 def parse_cli_value(key, text, default):
     """the python value of the text after '--key=', before type checking"""
@@ -77,7 +84,8 @@ def parse_cli_value(key, text, default):
     except (ValueError, SyntaxError, TypeError, MemoryError, RecursionError):
         if default is None or type(default) is str:
             return text  # a bare word: the string itself
-        raise TypeError(f"--{key}={text}: {text!r} is not a python literal, expected {type(default).__name__}")
+        raise TypeError(f"--{key}={text}: {text!r} is not a python literal, expected "
+                        f"{type(default).__name__}")
     if type(default) is str and value is not None and type(value) is not str:
         return text  # names and paths like 2024 or 1e-5 stay the text that was typed
     return value
@@ -86,7 +94,8 @@ def parse_cli_value(key, text, default):
 # config files
 
 def load_config_file(path):
-    """the settings a config file defines, by name: its plain top-level names, imports and helpers left out"""
+    """the settings a config file defines, by name: its plain top-level names, imports and helpers
+    left out"""
     if not os.path.isfile(path):
         raise ValueError(f"config file not found: {path!r}")
     with open(path) as f:
@@ -96,14 +105,22 @@ def load_config_file(path):
                 if isinstance(node, (ast.Import, ast.ImportFrom)) for a in node.names}
     namespace = {"__file__": os.path.abspath(path), "__name__": "__config__"}
     exec(compile(tree, path, "exec"), namespace)
-    return {k: v for k, v in namespace.items() if not k.startswith("_") and k not in imported
-            and not isinstance(v, (types.ModuleType, types.FunctionType, types.BuiltinFunctionType, type))}
+    return {
+        k: v
+        for k, v in namespace.items()
+        if not k.startswith("_")
+        and k not in imported
+        and not isinstance(
+            v, (types.ModuleType, types.FunctionType, types.BuiltinFunctionType, type)
+        )
+    }
 
 # -----------------------------------------------------------------------------
 # the entry point
 
 def configure(g, args, stage):
-    """apply config files and --key=value args to the settings in g (a script's globals()); returns the config"""
+    """apply config files and --key=value args to the settings in g (a script's globals()); returns
+    the config"""
     if not isinstance(g, dict):
         raise TypeError(f"configure: expected the script's globals() dict, got {type(g).__name__}")
     if isinstance(args, str) or not all(isinstance(a, str) for a in args):
@@ -137,7 +154,8 @@ def configure(g, args, stage):
         cfg = load_config_file(path)
         for name in STAGES:
             if name in cfg and type(cfg[name]) is not dict:
-                raise TypeError(f"{path}: stage section {name!r} must be a dict, got {type(cfg[name]).__name__}")
+                raise TypeError(f"{path}: stage section {name!r} must be a dict, got "
+                                f"{type(cfg[name]).__name__}")
         for key, value in cfg.items():
             if key not in STAGES:
                 put(key, value, path)
@@ -151,7 +169,8 @@ def configure(g, args, stage):
         try:
             json.dumps(value)
         except (TypeError, ValueError) as e:
-            raise TypeError(f"config key {key!r}: value {value!r} is not JSON-serialisable ({e})") from None
+            raise TypeError(f"config key {key!r}: value {value!r} is not JSON-serialisable "
+                            f"({e})") from None
 
     # everything checked: only now touch the script's globals
     g.update(updates)

@@ -1,6 +1,7 @@
 """
-Shared test fixtures. The reference for correctness is always transformers: tests build random tiny checkpoints
-with transformers itself (its own classes, its own save_pretrained) and compare our code against them.
+Shared test fixtures. The reference for correctness is always transformers: tests build random tiny
+checkpoints with transformers itself (its own classes, its own save_pretrained) and compare our code
+against them.
 """
 
 import os
@@ -15,8 +16,8 @@ from transformers import AutoModelForCausalLM
 
 
 def randomise(hf_model, seed=0):
-    """Perturb every parameter: all-zero routers and all-one norms hide bugs (a wrong norm or router path
-    still "matches")."""
+    """Perturb every parameter: all-zero routers and all-one norms hide bugs (a wrong norm or router
+    path still "matches")."""
     g = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for name, p in hf_model.named_parameters():
@@ -40,34 +41,43 @@ def write_hf_checkpoint(hf_config, path, seed=0):
 
 @pytest.fixture(scope="module")
 def one_thread():
-    # tiny models gain nothing from a second thread, and on a shared 2-core machine an oversubscribed OpenMP
-    # pool makes each small op far slower
+    # tiny models gain nothing from a second thread, and on a shared 2-core machine an
+    # oversubscribed OpenMP pool makes each small op far slower
     n = torch.get_num_threads()
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(n)
 
 
-# gloo's exit race (torch 2.13 on CPU, once in about 150 two-rank runs here): a rank can abort at the very end,
-# "terminate called without an active exception", after the script's last output. A run counts as passed when
-# every rank had written its finish marker (FINISHED, the last line of each script, after destroy_process_group)
-# before one died that way: nothing of the job's work was left. Any other failure, or that abort before a marker,
-# still fails.
+# gloo's exit race (torch 2.13 on CPU, once in about 150 two-rank runs here): a rank can abort at
+# the very end, "terminate called without an active exception", after the script's last output. A
+# run counts as passed when every rank had written its finish marker (FINISHED, the last line of
+# each script, after destroy_process_group) before one died that way: nothing of the job's work was
+# left. Any other failure, or that abort before a marker, still fails.
 GLOO_EXIT_ABORT = "terminate called without an active exception"
-FINISHED = ("import os as _os; "
-            "open(_os.path.join(_os.environ['FINISH_DIR'], 'finished.' + _os.environ.get('RANK', '0')), 'w').close()\n")
+FINISHED = (
+    "import os as _os; "
+    "open(_os.path.join(_os.environ['FINISH_DIR'], 'finished.' + _os.environ.get('RANK', '0')), "
+    "'w').close()\n"
+)
 
 
 def run_ranks(argv, nproc, env, **kwargs):
-    """Run `python argv` (under torchrun --standalone when nproc > 1; the script ends with FINISHED) with
-    capture_output=True, text=True; a run that failed only by gloo's exit race comes back with returncode 0."""
-    cmd = [sys.executable] + (["-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"]
-                              if nproc > 1 else []) + [str(a) for a in argv]
+    """Run `python argv` (under torchrun --standalone when nproc > 1; the script ends with FINISHED)
+    with capture_output=True, text=True; a run that failed only by gloo's exit race comes back with
+    returncode 0."""
+    cmd = [sys.executable] + (["-m", "torch.distributed.run", "--standalone",
+                               f"--nproc_per_node={nproc}"] if nproc > 1 else []) + [str(a)
+                                                                                     for a in argv]
     with tempfile.TemporaryDirectory() as finish_dir:
-        done = subprocess.run(cmd, env=dict(env, FINISH_DIR=finish_dir), capture_output=True, text=True, **kwargs)
-        finished = all(os.path.exists(os.path.join(finish_dir, f"finished.{r}")) for r in range(nproc))
+        done = subprocess.run(cmd, env=dict(env, FINISH_DIR=finish_dir), capture_output=True,
+                              text=True, **kwargs)
+        finished = all(os.path.exists(os.path.join(finish_dir, f"finished.{r}"))
+                       for r in range(nproc))
     if done.returncode != 0 and finished and GLOO_EXIT_ABORT in done.stdout + done.stderr:
-        warnings.warn(f"every rank finished, then one aborted at exit (gloo's exit race): {' '.join(cmd)}")
+        warnings.warn(
+            f"every rank finished, then one aborted at exit (gloo's exit race): {' '.join(cmd)}"
+        )
         done.returncode = 0
     return done
 

@@ -1,18 +1,21 @@
 """
-The rollout engine: a paged KV cache with prefix caching, continuous batching, per-token logprobs, weight hot-swap.
+The rollout engine: a paged KV cache with prefix caching, continuous batching, per-token logprobs,
+weight hot-swap.
 
     from engine import InferenceEngine, EngineConfig, SamplingParams
-    engine = InferenceEngine(EngineConfig(model_path="path/to/hf_dir"))          # or model=policy, in-process
+    # or model=policy, in-process
+    engine = InferenceEngine(EngineConfig(model_path="path/to/hf_dir"))
     samples = engine.generate(prompts, SamplingParams(temperature=1.0, max_tokens=256,
-                                                      stop_token_ids=frozenset({eos})), num_samples_per_prompt=8)
-    engine.update_weights(policy.state_dict())                                   # after each optimizer step
+                                                      stop_token_ids=frozenset({eos})),
+                                                      num_samples_per_prompt=8)
+    engine.update_weights(policy.state_dict())                           # after each optimizer step
 
-One step() = schedule (scheduler.py: who runs, which block is whose) -> preempt -> admit -> allocate ->
-forward (one model call over a flat batch of every scheduled token, attention.PagedAttention reading the
-paged KV cache) -> postprocess: sample_with_logprobs() at the last token of each sequence that has caught up,
-finish the ones that stopped. A GRPO group of G samples is one request: its prompt is prefilled once, then it
-forks into G sequences that share the prompt's blocks (the last, partial block is copied so that each sample
-writes its own).
+One step() = schedule (scheduler.py: who runs, which block is whose) -> preempt -> admit -> allocate
+-> forward (one model call over a flat batch of every scheduled token, attention.PagedAttention
+reading the paged KV cache) -> postprocess: sample_with_logprobs() at the last token of each
+sequence that has caught up, finish the ones that stopped. A GRPO group of G samples is one request:
+its prompt is prefilled once, then it forks into G sequences that share the prompt's blocks (the
+last, partial block is copied so that each sample writes its own).
 """
 
 import itertools
@@ -30,8 +33,14 @@ from checkpoint import load_hf_checkpoint
 from model import Transformer, as_dtype
 from radix import RadixCache
 from sampling import mix_seed, sample_next, sample_with_logprobs, top_logprobs  # noqa: F401 (API)
-from scheduler import (BlockAllocator, SchedulerConfig, Sequence, check_fits, compute_block_hash,  # noqa: F401 (API)
-                       schedule)
+from scheduler import (
+    BlockAllocator,
+    SchedulerConfig,
+    Sequence,
+    check_fits,
+    compute_block_hash,  # noqa: F401 (API)
+    schedule,
+)
 
 # -----------------------------------------------------------------------------
 # configs and results
@@ -54,69 +63,87 @@ def _is_number(x):
 class EngineConfig:
     """How the engine runs. attention_backend='auto': SDPA over the gathered blocks (see
     attention_choice for why, and when FlexAttention is compiled)."""
-    model_path: str | None = None        # a local HF directory; unused when a model is handed to InferenceEngine
-    cache_type: str = "paged"            # 'paged' (block-hash prefix cache) | 'radix' (radix tree, one-token blocks)
-    block_size: int = 16                 # tokens per KV block
-    num_blocks: int | None = None        # KV blocks in the pool; None = size from memory (see pool_size)
-    max_batch_size: int = 256            # sequences in one step
-    max_model_len: int | None = None     # prompt + completion; None = the model's max_position_embeddings
+    # a local HF directory; unused when a model is handed to InferenceEngine
+    model_path: str | None = None
+    # 'paged' (block-hash prefix cache) | 'radix' (radix tree, one-token blocks)
+    cache_type: str = "paged"
+    # tokens per KV block
+    block_size: int = 16
+    # KV blocks in the pool; None = size from memory (see pool_size)
+    num_blocks: int | None = None
+    # sequences in one step
+    max_batch_size: int = 256
+    # prompt + completion; None = the model's max_position_embeddings
+    max_model_len: int | None = None
     device: str = "cpu"
     dtype: str = "float32"
-    max_num_batched_tokens: int = 2048   # new tokens in one step (prefill is chunked to fit)
-    memory_fraction: float = 0.5         # of free memory for the KV pool when num_blocks is None
-    attention_backend: str = "auto"      # 'sdpa' | 'flex' | 'auto'
-    compile: bool | None = None          # 'flex' through torch.compile; None: on CUDA only
-    seed: int = 0                        # seeds the per-request sampling seeds
-    weight_version: int = 0              # the version of the weights it starts with (a resumed trainer's)
+    # new tokens in one step (prefill is chunked to fit)
+    max_num_batched_tokens: int = 2048
+    memory_fraction: float = 0.5   # of free memory for the KV pool when num_blocks is None
+    # 'sdpa' | 'flex' | 'auto'
+    attention_backend: str = "auto"
+    compile: bool | None = None    # 'flex' through torch.compile; None: on CUDA only
+    seed: int = 0                  # seeds the per-request sampling seeds
+    weight_version: int = 0        # the version of the weights it starts with (a resumed trainer's)
 
     def __post_init__(self):
-        _require(self.cache_type in ("paged", "radix"), f"unknown cache_type {self.cache_type!r}: expected 'paged' or 'radix'")
-        for name in ("block_size", "max_batch_size", "max_num_batched_tokens", "num_blocks", "max_model_len"):
+        _require(self.cache_type in ("paged", "radix"),
+                 f"unknown cache_type {self.cache_type!r}: expected 'paged' or 'radix'")
+        for name in ("block_size", "max_batch_size", "max_num_batched_tokens", "num_blocks",
+                     "max_model_len"):
             value = getattr(self, name)
-            _require(value is None and name in ("num_blocks", "max_model_len") or _is_int(value) and value >= 1,
-                     f"EngineConfig.{name} must be an int >= 1, got {value!r}")
+            _require(value is None and name in ("num_blocks", "max_model_len") or _is_int(value)
+                     and value >= 1, f"EngineConfig.{name} must be an int >= 1, got {value!r}")
         _require(_is_int(self.weight_version) and self.weight_version >= 0,
                  f"EngineConfig.weight_version must be an int >= 0, got {self.weight_version!r}")
         _require(_is_number(self.memory_fraction) and 0 < self.memory_fraction <= 1,
                  f"EngineConfig.memory_fraction must be in (0, 1], got {self.memory_fraction!r}")
         _require(self.attention_backend in ("auto", "sdpa", "flex"),
-                 f"unknown attention_backend {self.attention_backend!r}: expected 'auto', 'sdpa' or 'flex'")
+                 f"unknown attention_backend {self.attention_backend!r}: expected 'auto', 'sdpa' "
+                 f"or 'flex'")
         as_dtype(self.dtype)
         torch.device(self.device)   # raises on a malformed device string
 
 
-MIN_TEMPERATURE = 1e-5   # below this (and above 0) a temperature is greedy in all but name, and risks inf / NaN
+# below this (and above 0) a temperature is greedy in all but name, and risks inf / NaN
+MIN_TEMPERATURE = 1e-5
 
 
 @dataclass(frozen=True)
 class SamplingParams:
-    """How to sample. top_k / top_p restrict what is drawn; the logprob recorded is always log_softmax(logits / T)
-    over the whole vocabulary (T = 1 when greedy), see sample_with_logprobs."""
+    """How to sample. top_k / top_p restrict what is drawn; the logprob recorded is always
+    log_softmax(logits / T) over the whole vocabulary (T = 1 when greedy), see
+    sample_with_logprobs."""
     temperature: float = 1.0             # 0 = greedy
     max_tokens: int = 256                # completion tokens at most
     stop_token_ids: frozenset = frozenset()
-    top_k: int = 0                       # 0 = off
-    top_p: float = 1.0                   # 1.0 = off
-    seed: int | None = None              # a request with a seed samples the same tokens whatever else is batched
-    top_logprobs: int = 0                # also record this many most likely tokens at each step (OpenAI's field)
+    top_k: int = 0          # 0 = off
+    top_p: float = 1.0      # 1.0 = off
+    # a request with a seed samples the same tokens whatever else is batched
+    seed: int | None = None
+    top_logprobs: int = 0   # also record this many most likely tokens at each step (OpenAI's field)
 
     def __post_init__(self):
         t, p, stop, seed = self.temperature, self.top_p, self.stop_token_ids, self.seed
         _require(_is_number(t) and math.isfinite(t) and t >= 0,
                  f"SamplingParams.temperature must be a finite number >= 0, got {t!r}")
-        _require(not 0 < t < MIN_TEMPERATURE, f"SamplingParams.temperature {t!r} is greedy in all but name: "
-                                              f"use 0 for greedy, or at least {MIN_TEMPERATURE}")
+        _require(not 0 < t < MIN_TEMPERATURE,
+                 f"SamplingParams.temperature {t!r} is greedy in all but name: use 0 for greedy, "
+                 f"or at least {MIN_TEMPERATURE}")
         _require(_is_int(self.max_tokens) and self.max_tokens >= 1,
                  f"SamplingParams.max_tokens must be an int >= 1, got {self.max_tokens!r}")
-        _require(_is_int(self.top_k) and self.top_k >= 0, f"SamplingParams.top_k must be an int >= 0 (0 = off), "
-                                                          f"got {self.top_k!r}")
-        _require(_is_number(p) and 0 < p <= 1, f"SamplingParams.top_p must be in (0, 1], got {p!r}")   # NaN fails
+        _require(_is_int(self.top_k) and self.top_k >= 0,
+                 f"SamplingParams.top_k must be an int >= 0 (0 = off), got {self.top_k!r}")
+        # NaN fails
+        _require(_is_number(p) and 0 < p <= 1, f"SamplingParams.top_p must be in (0, 1], got {p!r}")
         _require(hasattr(stop, "__iter__") and not isinstance(stop, (str, bytes)),
                  f"SamplingParams.stop_token_ids must be a set of ints, got {stop!r}", TypeError)
         bad = [s for s in stop if not (_is_int(s) and s >= 0)]
         _require(not bad, f"SamplingParams.stop_token_ids must be ints >= 0, got {bad[:1]!r}")
-        _require(seed is None or _is_int(seed), f"SamplingParams.seed must be an int or None, got {seed!r}", TypeError)
-        _require(seed is None or 0 <= seed < 2 ** 64, f"SamplingParams.seed must be in [0, 2**64), got {seed!r}")
+        _require(seed is None or _is_int(seed),
+                 f"SamplingParams.seed must be an int or None, got {seed!r}", TypeError)
+        _require(seed is None or 0 <= seed < 2 ** 64,
+                 f"SamplingParams.seed must be in [0, 2**64), got {seed!r}")
         _require(_is_int(self.top_logprobs) and self.top_logprobs >= 0,
                  f"SamplingParams.top_logprobs must be an int >= 0, got {self.top_logprobs!r}")
         object.__setattr__(self, "stop_token_ids", frozenset(stop))
@@ -125,16 +152,24 @@ class SamplingParams:
 @dataclass(frozen=True)
 class TrainingSample:
     prompt_tokens: tuple
-    completion_tokens: tuple             # ends with the stop token when finish_reason == 'stop'
-    logprobs: tuple                      # log_softmax(logits / T) at each completion token (T = 1 when greedy)
-    ref_logprobs: tuple | None = None    # the engine never fills it; a trainer may (dataclasses.replace)
-    weight_version: int = 0              # the oldest weights that produced a token of this sample
-    finish_reason: str = "length"        # 'stop' | 'length'
-    token_versions: tuple = ()           # the weight version that sampled each completion token
-    seq_id: int = -1                     # what add_request returned
-    sample_index: int = 0                # 0..num_samples-1 within its request
-    top_logprobs: tuple = ()             # per completion token: ((token, logprob), ...) most likely first, if asked
-    loss_mask: tuple = ()                # per completion token: 1 sampled, 0 a multi-turn
+    # ends with the stop token when finish_reason == 'stop'
+    completion_tokens: tuple
+    logprobs: tuple           # log_softmax(logits / T) at each completion token (T = 1 when greedy)
+    # the engine never fills it; a trainer may (dataclasses.replace)
+    ref_logprobs: tuple | None = None
+    # the oldest weights that produced a token of this sample
+    weight_version: int = 0
+    # 'stop' | 'length'
+    finish_reason: str = "length"
+    # the weight version that sampled each completion token
+    token_versions: tuple = ()
+    seq_id: int = -1          # what add_request returned
+    # 0..num_samples-1 within its request
+    sample_index: int = 0
+    # per completion token: ((token, logprob), ...) most likely first, if asked
+    top_logprobs: tuple = ()
+    # per completion token: 1 sampled, 0 a multi-turn
+    loss_mask: tuple = ()
                                          # episode's environment id; () = all sampled
 
 
@@ -150,47 +185,63 @@ def sampled_mask(sample):
 def check_prompt(prompt, vocab_size, max_model_len, where="prompt"):
     """A prompt as a list of ints, or a TypeError / ValueError naming what is wrong with it."""
     if isinstance(prompt, torch.Tensor):
-        _require(prompt.dim() == 1 and not prompt.dtype.is_floating_point and prompt.dtype != torch.bool,
-                 f"{where} must be a 1-D integer tensor or a list of ints, got {prompt.dtype} of shape "
-                 f"{tuple(prompt.shape)}", TypeError)
+        _require(prompt.dim() == 1 and not prompt.dtype.is_floating_point
+                 and prompt.dtype != torch.bool,
+                 f"{where} must be a 1-D integer tensor or a list of ints, got {prompt.dtype} of "
+                 f"shape {tuple(prompt.shape)}", TypeError)
     prompt = prompt.tolist() if isinstance(prompt, (torch.Tensor, np.ndarray)) else prompt
     _require(hasattr(prompt, "__len__") and not isinstance(prompt, (str, bytes)),
              f"{where} must be a list of token ids, got {type(prompt).__name__}", TypeError)
     _require(len(prompt) > 0, f"{where} is empty: a prompt needs at least one token")
-    for i, tok in enumerate(prompt):   # (a plain loop, not _require: a message is formatted only when raised)
+    # (a plain loop, not _require: a message is formatted only when raised)
+    for i, tok in enumerate(prompt):
         if not _is_int(tok):
             raise TypeError(f"{where}[{i}] = {tok!r} is not an int token id")
         if not 0 <= tok < vocab_size:
             raise ValueError(f"{where}[{i}] = {tok} is outside the vocabulary [0, {vocab_size})")
-    _require(len(prompt) < max_model_len, f"{where} has {len(prompt)} tokens: longer than max_model_len="
-             f"{max_model_len} allows (at most {max_model_len - 1}, to leave room for one new token)")
+    _require(len(prompt) < max_model_len,
+             f"{where} has {len(prompt)} tokens: longer than max_model_len={max_model_len} allows "
+             f"(at most {max_model_len - 1}, to leave room for one new token)")
     return [int(t) for t in prompt]
 
 
 def check_prompts(prompts, vocab_size, max_model_len):
-    """A list of prompts (token-id lists), each checked by check_prompt; returns them as lists of ints."""
+    """A list of prompts (token-id lists), each checked by check_prompt; returns them as lists of
+    ints."""
     _require(hasattr(prompts, "__len__") and not isinstance(prompts, (str, bytes, torch.Tensor)),
              f"prompts must be a list of token-id lists, got {type(prompts).__name__}", TypeError)
     _require(not (len(prompts) and _is_int(prompts[0])),
-             "prompts must be a list of token-id lists, got a flat list of ints (wrap it: [prompt])", TypeError)
-    return [check_prompt(p, vocab_size, max_model_len, f"prompts[{i}]") for i, p in enumerate(prompts)]
+             "prompts must be a list of token-id lists, got a flat list of ints (wrap it: "
+             "[prompt])", TypeError)
+    return [check_prompt(p, vocab_size, max_model_len, f"prompts[{i}]")
+            for i, p in enumerate(prompts)]
 
 
 def check_layout(state_dict, params):
     """The tensors of state_dict in params' order, after checking names, shapes and dtypes (cheap:
     no value is read); otherwise a ValueError / TypeError naming the tensor."""
     _require(hasattr(state_dict, "keys") and hasattr(state_dict, "__getitem__"),
-             f"state_dict must be a mapping of name -> tensor, got {type(state_dict).__name__}", TypeError)
+             f"state_dict must be a mapping of name -> tensor, got {type(state_dict).__name__}",
+             TypeError)
     if state_dict.keys() != params.keys():
-        missing, unknown = sorted(set(params) - set(state_dict.keys())), sorted(set(state_dict.keys()) - set(params))
-        _require(not missing, f"state_dict is missing {missing[:5]}{' ...' if len(missing) > 5 else ''}")
-        _require(not unknown, f"state_dict has unknown tensor(s) {unknown[:5]}{' ...' if len(unknown) > 5 else ''}")
+        missing, unknown = (
+            sorted(set(params) - set(state_dict.keys())),
+            sorted(set(state_dict.keys()) - set(params)),
+        )
+        _require(not missing,
+                 f"state_dict is missing {missing[:5]}{' ...' if len(missing) > 5 else ''}")
+        _require(
+            not unknown,
+            f"state_dict has unknown tensor(s) {unknown[:5]}{' ...' if len(unknown) > 5 else ''}",
+        )
     tensors = [state_dict[name] for name in params]
-    for (name, ours), t in zip(params.items(), tensors):   # plain ifs: a message is formatted only when raised
+    # plain ifs: a message is formatted only when raised
+    for (name, ours), t in zip(params.items(), tensors):
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"state_dict[{name!r}] is a {type(t).__name__}, not a tensor")
         if t.shape != ours.shape:
-            raise ValueError(f"state_dict[{name!r}] has shape {tuple(t.shape)}, expected {tuple(ours.shape)}")
+            raise ValueError(f"state_dict[{name!r}] has shape {tuple(t.shape)}, expected "
+                             f"{tuple(ours.shape)}")
         if not t.dtype.is_floating_point:
             raise ValueError(f"state_dict[{name!r}] has dtype {t.dtype}, expected a floating dtype")
     return tensors
@@ -199,27 +250,29 @@ def check_layout(state_dict, params):
 def check_values(tensors, params, dtype):
     """tensors (check_layout's) when every value is finite once cast to the engine's dtype;
     otherwise a ValueError naming the tensor. It reads every value: the costly half of the check."""
-    # one read of each tensor, one sync: a sum is non-finite when a value is NaN/inf; where the cast to the
-    # engine's dtype could overflow (fp32 -> fp16), the largest |value| must fit it. Only when that fails (or
-    # finite values overflow a sum) does an exact check run, to name the tensor.
+    # one read of each tensor, one sync: a sum is non-finite when a value is NaN/inf; where the cast
+    # to the engine's dtype could overflow (fp32 -> fp16), the largest |value| must fit it. Only
+    # when that fails (or finite values overflow a sum) does an exact check run, to name the tensor.
     limit = torch.finfo(dtype).max
     narrowing = [t.dtype != dtype and torch.finfo(t.dtype).max > limit for t in tensors]
     with torch.inference_mode():
         sums = [t.sum(dtype=torch.float32) for t, n in zip(tensors, narrowing) if not n]
-        peaks = [torch.stack(torch.aminmax(t)).abs().max().float() for t, n in zip(tensors, narrowing) if n]
+        peaks = [torch.stack(torch.aminmax(t)).abs().max().float()
+                 for t, n in zip(tensors, narrowing) if n]
         total, peak = _reduce(sums, torch.sum), _reduce(peaks, torch.max)
     if not (math.isfinite(total) and peak <= limit):     # a NaN peak fails the comparison
         for name, t, n in zip(params, tensors, narrowing):
             if not torch.isfinite(t.detach()).all():
                 raise ValueError(f"state_dict[{name!r}] has non-finite values (NaN or inf)")
             if n and t.detach().abs().max() > limit:
-                raise ValueError(f"state_dict[{name!r}] has values beyond {dtype}'s range (|x| <= {limit:g}): "
-                                 f"they would be inf in the engine")
+                raise ValueError(f"state_dict[{name!r}] has values beyond {dtype}'s range (|x| <= "
+                                 f"{limit:g}): they would be inf in the engine")
     return tensors
 
 
 def _reduce(scalars, fn):
-    # a Python float from 0-d tensors, in one sync (one per device when they are spread over several)
+    # a Python float from 0-d tensors, in one sync (one per device when they are spread over
+    # several)
     if not scalars:
         return 0.0
     try:
@@ -229,8 +282,8 @@ def _reduce(scalars, fn):
 
 
 def pool_size(config, model_config, max_model_len, device, dtype):
-    """KV blocks for max_batch_size sequences at full length (what is left over serves the prefix cache),
-    capped at memory_fraction of the device's free memory."""
+    """KV blocks for max_batch_size sequences at full length (what is left over serves the prefix
+    cache), capped at memory_fraction of the device's free memory."""
     per_block = PagedKVCache.bytes_per_block(model_config, config.block_size, dtype)
     want = config.max_batch_size * -(-max_model_len // config.block_size)
     if device.type == "cuda":
@@ -241,7 +294,8 @@ def pool_size(config, model_config, max_model_len, device, dtype):
 
 
 def make_cache(config, num_blocks):
-    """'paged': block hashes over blocks of block_size tokens; 'radix': a radix tree over one-token blocks."""
+    """'paged': block hashes over blocks of block_size tokens; 'radix': a radix tree over one-token
+    blocks."""
     if config.cache_type == "radix":
         return RadixCache(num_blocks * config.block_size)
     return BlockAllocator(num_blocks, config.block_size)
@@ -264,9 +318,10 @@ def attention_choice(device_type, backend, compile, head_dim):
 
 
 def own_copy(model, device, dtype):
-    """The engine's own copy of a trainer's model, in its device and dtype: the trainer keeps stepping its
-    parameters, and the engine must never alias them."""
-    _require(isinstance(model, Transformer), f"model must be a model.Transformer, got {type(model).__name__}", TypeError)
+    """The engine's own copy of a trainer's model, in its device and dtype: the trainer keeps
+    stepping its parameters, and the engine must never alias them."""
+    _require(isinstance(model, Transformer),
+             f"model must be a model.Transformer, got {type(model).__name__}", TypeError)
     with torch.device("meta"):
         own = Transformer(model.config)
     own = own.to_empty(device=device).to(dtype)
@@ -282,11 +337,13 @@ def own_copy(model, device, dtype):
 
 
 class InferenceEngine:
-    """Continuous batching over a paged KV cache. Single-threaded: every call runs on the caller's thread.
-    self.cache is the block allocator (scheduler.BlockAllocator), self.kv the KV tensors (attention.PagedKVCache)."""
+    """Continuous batching over a paged KV cache. Single-threaded: every call runs on the caller's
+    thread. self.cache is the block allocator (scheduler.BlockAllocator), self.kv the KV tensors
+    (attention.PagedKVCache)."""
 
     def __init__(self, config: EngineConfig, model: Transformer | None = None):
-        _require(isinstance(config, EngineConfig), f"config must be an EngineConfig, got {config!r}", TypeError)
+        _require(isinstance(config, EngineConfig),
+                 f"config must be an EngineConfig, got {config!r}", TypeError)
         _require(model is not None or config.model_path is not None,
                  "EngineConfig.model_path is None and no model was given")
         self.config = config
@@ -296,25 +353,32 @@ class InferenceEngine:
         else:
             model = own_copy(model, self.device, self.dtype)
         self.model = model.eval().requires_grad_(False)
-        self._params = model.state_dict()         # name -> tensor sharing the parameter's storage (copy_ targets)
+        # name -> tensor sharing the parameter's storage (copy_ targets)
+        self._params = model.state_dict()
         self.max_model_len = config.max_model_len or model.config.max_position_embeddings
-        self.cache = make_cache(config, config.num_blocks or pool_size(config, model.config, self.max_model_len,
+        self.cache = make_cache(config,
+                                config.num_blocks
+                                or pool_size(config, model.config, self.max_model_len,
                                                                        self.device, self.dtype))
-        self.kv = PagedKVCache(model.config, self.cache.num_blocks, self.cache.block_size, self.device, self.dtype)
-        self.scheduler_config = SchedulerConfig(config.max_batch_size, config.max_num_batched_tokens,
+        self.kv = PagedKVCache(model.config, self.cache.num_blocks, self.cache.block_size,
+                               self.device, self.dtype)
+        self.scheduler_config = SchedulerConfig(config.max_batch_size,
+                                                config.max_num_batched_tokens,
                                                 self.cache.block_size)
         self.backend, self.compile = attention_choice(self.device.type, config.attention_backend,
                                                       config.compile, model.config.head_dim)
         self.version = config.weight_version
         self._staged = None                       # a non-blocking update (a Future)
         self._side = None                         # the thread that checks and copies it
-        self._updates_pending = 0                 # update_weights calls not applied yet (staged, or replaced unapplied)
+        # update_weights calls not applied yet (staged, or replaced unapplied)
+        self._updates_pending = 0
         self._rng = random.Random(config.seed)
-        self._seq_ids, self._uids = itertools.count(), itertools.count(1)   # per request, per sample
-        self.waiting, self.running = [], []       # Sequences; running in age order
-        self._undelivered = []                    # finished samples generate() took from others' requests
-        self._stats = dict(prefix_cache_hit_tokens=0, prefill_tokens=0, decode_tokens=0, preemptions=0,
-                           steps=0, forks=0, generated_tokens=0, weight_updates=0)
+        self._seq_ids, self._uids = itertools.count(), itertools.count(1)  # per request, per sample
+        # Sequences; running in age order
+        self.waiting, self.running = [], []
+        self._undelivered = []              # finished samples generate() took from others' requests
+        self._stats = dict(prefix_cache_hit_tokens=0, prefill_tokens=0, decode_tokens=0,
+                           preemptions=0, steps=0, forks=0, generated_tokens=0, weight_updates=0)
         self._closed = False
 
     # ---- requests in
@@ -332,18 +396,20 @@ class InferenceEngine:
 
     def generate(self, prompts, sampling_params: SamplingParams, num_samples_per_prompt: int = 1,
                  first_index: int = 0) -> list:
-        """Samples for every prompt, in request order: prompt 0 samples 0..G-1, prompt 1 ... Each prompt is
-        prefilled once and its blocks shared by its G samples. Every input is checked before anything is queued.
-        With a seed, prompt i draws as prompt first_index + i of one big call would (a rank's slice
-        of it)."""
+        """Samples for every prompt, in request order: prompt 0 samples 0..G-1, prompt 1 ... Each
+        prompt is prefilled once and its blocks shared by its G samples. Every input is checked
+        before anything is queued. With a seed, prompt i draws as prompt first_index + i of one big
+        call would (a rank's slice of it)."""
         params = sampling_params
         self._check_request(params, num_samples_per_prompt, "num_samples_per_prompt")
         _require(_is_int(first_index) and 0 <= first_index < 2 ** 63,
                  f"first_index must be an int in [0, 2**63), got {first_index!r}")
         checked = check_prompts(prompts, self.model.config.vocab_size, self.max_model_len)
         for i, p in enumerate(checked):
-            check_fits(p, params, num_samples_per_prompt, self.cache, self.max_model_len, f"prompts[{i}]")
-        ids = {self._add(p, params, num_samples_per_prompt, index=first_index + i) for i, p in enumerate(checked)}
+            check_fits(p, params, num_samples_per_prompt, self.cache, self.max_model_len,
+                       f"prompts[{i}]")
+        ids = {self._add(p, params, num_samples_per_prompt, index=first_index + i)
+               for i, p in enumerate(checked)}
         mine, others = [], []
         try:
             while any(s.seq_id in ids for s in self.waiting + self.running):
@@ -355,23 +421,29 @@ class InferenceEngine:
             raise
         finally:
             self._undelivered += others   # another caller's samples: step() hands them out next
-        return sorted(mine, key=lambda s: (s.seq_id, s.sample_index))   # seq_ids grow in request order
+        # seq_ids grow in request order
+        return sorted(mine, key=lambda s: (s.seq_id, s.sample_index))
 
     def has_pending(self) -> bool:
         return bool(self.waiting or self.running)
 
     def _check_request(self, params, num_samples, name):
         self._check_open()
-        _require(isinstance(params, SamplingParams), f"params must be SamplingParams, got {params!r}", TypeError)
-        _require(_is_int(num_samples) and num_samples >= 1, f"{name} must be an int >= 1, got {num_samples!r}")
+        _require(isinstance(params, SamplingParams),
+                 f"params must be SamplingParams, got {params!r}", TypeError)
+        _require(_is_int(num_samples) and num_samples >= 1,
+                 f"{name} must be an int >= 1, got {num_samples!r}")
         _require(num_samples <= self.config.max_batch_size,
                  f"{name}={num_samples} exceeds max_batch_size={self.config.max_batch_size}")
 
     def _add(self, prompt, params, num_samples, index=0):
-        # a seeded request's draws depend on (its seed, its index in the generate call, sample, position) only
+        # a seeded request's draws depend on (its seed, its index in the generate call, sample,
+        # position) only
         seq_id = next(self._seq_ids)
-        seed = mix_seed(params.seed, index) if params.seed is not None else self._rng.getrandbits(63)
-        self.waiting.append(Sequence(next(self._uids), seq_id, 0, prompt, params, num_samples, seed))
+        seed = mix_seed(params.seed,
+                        index) if params.seed is not None else self._rng.getrandbits(63)
+        self.waiting.append(Sequence(next(self._uids), seq_id, 0, prompt, params, num_samples,
+                                     seed))
         return seq_id
 
     # ---- one step: schedule, preempt, admit, allocate, forward, postprocess
@@ -393,18 +465,20 @@ class InferenceEngine:
             return out
         for seq in self.waiting[:max(self.config.max_batch_size - len(self.running), 0)]:
             self.cache.match_prefix(seq)
-        sched = schedule(self.waiting, self.running, self.cache.num_free_blocks(), self.scheduler_config)
+        sched = schedule(self.waiting, self.running, self.cache.num_free_blocks(),
+                         self.scheduler_config)
         self._stats["steps"] += 1
         by_uid = {s.uid: s for s in self.running}
         self._preempt([by_uid[uid] for uid in sched.preempted])
         by_uid.update((s.uid, s) for s in self._admit(set(sched.admitted)))
-        batch = sorted(((by_uid[uid], n) for uid, n in sched.scheduled), key=lambda x: x[1] > 1)   # decodes first
+        # decodes first
+        batch = sorted(((by_uid[uid], n) for uid, n in sched.scheduled), key=lambda x: x[1] > 1)
         if not batch:
             return out
-        for seq, n in batch:                      # after the hits were taken: a fresh block may evict a named one
+        for seq, n in batch:        # after the hits were taken: a fresh block may evict a named one
             self.cache.grow(seq, n)
         logits, ready = paged_forward(self.model, self.kv, batch, self.backend, self.compile)
-        for seq, n in batch:                      # what this step computed: prefill (catching up) or decode
+        for seq, n in batch:              # what this step computed: prefill (catching up) or decode
             self._stats["prefill_tokens" if seq.catching_up else "decode_tokens"] += n
         return out + self._postprocess(batch, logits, [batch[b][0] for b in ready])
 
@@ -413,7 +487,7 @@ class InferenceEngine:
             self.cache.release(seq, cache=seq.kv_version == self.version)
         gone = {s.uid for s in victims}
         self.running = [s for s in self.running if s.uid not in gone]
-        self.waiting[:0] = victims[::-1]          # the newest was preempted first: the oldest goes in front
+        self.waiting[:0] = victims[::-1]  # the newest was preempted first: the oldest goes in front
         self._stats["preemptions"] += len(victims)
 
     def _admit(self, uids):
@@ -431,11 +505,12 @@ class InferenceEngine:
         for seq, n in batch:
             seq.num_computed += n
             seq.catching_up = seq.num_computed < seq.num_tokens
-            if seq.kv_version == self.version:    # name the newly full blocks (never those of older weights)
+            # name the newly full blocks (never those of older weights)
+            if seq.kv_version == self.version:
                 self.cache.name_computed(seq, n)
         if not ready:
             return []
-        seqs, rows = [], []                       # a group whose prompt just finished forks: one logits row each
+        seqs, rows = [], []          # a group whose prompt just finished forks: one logits row each
         for j, seq in enumerate(ready):
             group = self._fork(seq) if seq.num_samples > 1 else [seq]
             seqs += group
@@ -455,20 +530,26 @@ class InferenceEngine:
         return finished
 
     def _fork(self, seq):
-        """The group's prompt is computed: seq becomes sample 0 and num_samples - 1 siblings share its blocks
-        (BlockAllocator.fork_table: a partial last block is copied for each)."""
+        """The group's prompt is computed: seq becomes sample 0 and num_samples - 1 siblings share
+        its blocks (BlockAllocator.fork_table: a partial last block is copied for each)."""
         forks, copies = [seq], []
         base_seed, seq.seed = seq.seed, mix_seed(seq.seed, 0)
         for k in range(1, seq.num_samples):
-            f = Sequence(next(self._uids), seq.seq_id, k, seq.tokens, seq.params, 1, mix_seed(base_seed, k))
-            f.num_prompt, f.num_computed, f.kv_version = seq.num_prompt, seq.num_computed, seq.kv_version
+            f = Sequence(next(self._uids), seq.seq_id, k, seq.tokens, seq.params, 1,
+                         mix_seed(base_seed, k))
+            f.num_prompt, f.num_computed, f.kv_version = (
+                seq.num_prompt,
+                seq.num_computed,
+                seq.kv_version,
+            )
             f.catching_up, f.block_hashes = False, list(seq.block_hashes)
             f.block_table, copy = self.cache.fork_table(seq)
             copies += [copy] if copy else []
             forks.append(f)
         if copies:
             src, dst = zip(*copies)
-            self.kv.copy_blocks(torch.tensor(src, device=self.device), torch.tensor(dst, device=self.device))
+            self.kv.copy_blocks(torch.tensor(src, device=self.device),
+                                torch.tensor(dst, device=self.device))
         seq.num_samples = 1
         i = self.running.index(seq)
         self.running[i + 1:i + 1] = forks[1:]     # siblings are as old as their leader
@@ -478,18 +559,21 @@ class InferenceEngine:
     def _finish(self, seq, reason):
         seq.finish_reason = reason
         self.cache.release(seq, cache=seq.kv_version == self.version)
-        return TrainingSample(
-            prompt_tokens=tuple(seq.tokens[:seq.num_prompt]), completion_tokens=tuple(seq.tokens[seq.num_prompt:]),
-            logprobs=tuple(seq.logprobs), weight_version=min(seq.versions), finish_reason=reason,
-            token_versions=tuple(seq.versions), seq_id=seq.seq_id, sample_index=seq.sample_index,
-            top_logprobs=tuple(seq.top_logprobs))
+        return TrainingSample(prompt_tokens=tuple(seq.tokens[:seq.num_prompt]),
+                              completion_tokens=tuple(seq.tokens[seq.num_prompt:]),
+                              logprobs=tuple(seq.logprobs), weight_version=min(seq.versions),
+                              finish_reason=reason, token_versions=tuple(seq.versions),
+                              seq_id=seq.seq_id, sample_index=seq.sample_index,
+                              top_logprobs=tuple(seq.top_logprobs))
 
     def abort(self, seq_id, sample_index=None) -> int:
-        """Drop a request's samples (all, or the forked sample sample_index) wherever they are and free their
-        blocks: they are never returned. Returns how many were dropped (0: finished or unknown)."""
+        """Drop a request's samples (all, or the forked sample sample_index) wherever they are and
+        free their blocks: they are never returned. Returns how many were dropped (0: finished or
+        unknown)."""
         self._check_open()
         def hit(s):
-            return s.seq_id == seq_id and (sample_index is None or s.sample_index == sample_index and s.num_samples == 1)
+            return s.seq_id == seq_id and (sample_index is None or s.sample_index == sample_index
+                                           and s.num_samples == 1)
         gone = [s for s in self.waiting + self.running if hit(s)]
         for seq in gone:
             self.cache.release(seq, cache=seq.kv_version == self.version)
@@ -533,7 +617,8 @@ class InferenceEngine:
         return [t.detach().to(self.device, self.dtype, copy=True) for t in tensors]
 
     def _apply_weights(self, tensors):
-        # one fused copy of every tensor (casting dtypes and crossing devices like copy_), in _params order
+        # one fused copy of every tensor (casting dtypes and crossing devices like copy_), in
+        # _params order
         with torch.inference_mode():
             torch._foreach_copy_(list(self._params.values()), tensors)
         self.version += self._updates_pending
@@ -552,12 +637,15 @@ class InferenceEngine:
         self.cache.invalidate()
 
     def stats(self) -> dict:
-        return dict(self._stats, num_blocks=self.cache.num_blocks, num_free_blocks=self.cache.num_free_blocks(),
-                    cached_blocks=self.cache.num_cached_blocks(), waiting=len(self.waiting), running=len(self.running),
-                    weight_version=self.version, attention_backend=self.backend)
+        return dict(self._stats, num_blocks=self.cache.num_blocks,
+                    num_free_blocks=self.cache.num_free_blocks(),
+                    cached_blocks=self.cache.num_cached_blocks(), waiting=len(self.waiting),
+                    running=len(self.running), weight_version=self.version,
+                    attention_backend=self.backend)
 
     def shutdown(self):
-        """Drop the model and the KV pool; queued requests are abandoned. Later calls raise RuntimeError."""
+        """Drop the model and the KV pool; queued requests are abandoned. Later calls raise
+        RuntimeError."""
         self._closed = True
         self.waiting, self.running, self._staged = [], [], None
         if self._side is not None:

@@ -1,20 +1,23 @@
 """
-The engine on its own thread, for the HTTP server: one owner runs step(), every client talks to it by message.
+The engine on its own thread, for the HTTP server: one owner runs step(), every client talks to it
+by message.
 
     loop = EngineLoop(engine, tokenizer)               # starts the owner thread
     handle = loop.submit([prompt_ids], params, n=4, stop=["\\n\\n"], emit=callback)
-    ...                                                # callback(list[Delta]) is called from the owner thread
+    ...                                      # callback(list[Delta]) is called from the owner thread
     loop.abort(handle); loop.update_weights(state_dict); loop.close()
 
-InferenceEngine is single-threaded, so exactly one thread (the owner) ever touches it. Requests, aborts and
-weight updates reach it through a queue; between two engine steps it takes everything queued, so requests that
-arrive while a step runs join the next one (continuous batching across HTTP requests). After each step it
-reports, for every sample that moved, a Delta: the new token ids, their logprobs, the new text. The text is
-detokenized here, where the stop strings are found: a sample whose text reaches one is aborted in the engine
-at once (its blocks are freed) and finishes with reason 'stop'.
+InferenceEngine is single-threaded, so exactly one thread (the owner) ever touches it. Requests,
+aborts and weight updates reach it through a queue; between two engine steps it takes everything
+queued, so requests that arrive while a step runs join the next one (continuous batching across HTTP
+requests). After each step it reports, for every sample that moved, a Delta: the new token ids,
+their logprobs, the new text. The text is detokenized here, where the stop strings are found: a
+sample whose text reaches one is aborted in the engine at once (its blocks are freed) and finishes
+with reason 'stop'.
 
-The engine keeps the tokens of a running sample in engine.running (scheduler.Sequence: tokens, num_prompt,
-logprobs, versions); a preempted sample keeps them while it waits, so what was reported is never taken back.
+The engine keeps the tokens of a running sample in engine.running (scheduler.Sequence: tokens,
+num_prompt, logprobs, versions); a preempted sample keeps them while it waits, so what was reported
+is never taken back.
 """
 
 import queue
@@ -25,20 +28,20 @@ from dataclasses import dataclass
 @dataclass
 class Delta:
     """What one sample (one choice) produced since its last Delta."""
-    index: int                # the choice: prompt_index * n + sample_index
-    token_ids: list           # new sampled ids (a stop token included; the stop string's tokens included)
-    logprobs: list            # one per new id: log_softmax(logits / T) at it
-    top_logprobs: list        # one per new id when asked: ((id, logprob), ...), else []
-    versions: list            # one per new id: the weight version that sampled it
-    text: str                 # new text (stop strings and what follows them cut, special tokens skipped)
+    index: int          # the choice: prompt_index * n + sample_index
+    token_ids: list     # new sampled ids (a stop token included; the stop string's tokens included)
+    logprobs: list      # one per new id: log_softmax(logits / T) at it
+    top_logprobs: list  # one per new id when asked: ((id, logprob), ...), else []
+    versions: list      # one per new id: the weight version that sampled it
+    text: str           # new text (stop strings and what follows them cut, special tokens skipped)
     finish_reason: str | None = None   # 'stop' | 'length' on the last Delta of a sample
     error: str | None = None  # the engine failed: the request is over
 
 
 class SampleText:
-    """One sample's ids and text so far. The text is decoded in full each time (simple and exact; fine for the
-    completion lengths this server sees) and handed out with the last few characters held back while they could
-    still be the start of a stop string, or an incomplete character."""
+    """One sample's ids and text so far. The text is decoded in full each time (simple and exact;
+    fine for the completion lengths this server sees) and handed out with the last few characters
+    held back while they could still be the start of a stop string, or an incomplete character."""
 
     def __init__(self, tokenizer, stop):
         self.tokenizer, self.stop = tokenizer, stop
@@ -46,22 +49,26 @@ class SampleText:
         self.ids, self.sent, self.finish_reason = [], 0, None
 
     def add(self, ids, final):
-        """Take new ids; returns (new text, stopped): stopped when a stop string appeared (text cut before it)."""
+        """Take new ids; returns (new text, stopped): stopped when a stop string appeared (text cut
+        before it)."""
         self.ids += ids
         text = self.tokenizer.decode(self.ids, skip_special_tokens=True)
-        cut = min((i for i in (text.find(s, max(self.sent - len(s), 0)) for s in self.stop) if i >= 0), default=-1)
+        cut = min((i for i in (text.find(s, max(self.sent - len(s), 0)) for s in self.stop)
+                   if i >= 0), default=-1)
         if cut >= 0:
             text, final = text[:cut], True
         elif not final:
             text = text[:len(text) - self.hold] if self.hold else text
-            while text.endswith("\ufffd"):          # an incomplete multi-byte character: wait for its other bytes
+            # an incomplete multi-byte character: wait for its other bytes
+            while text.endswith("\ufffd"):
                 text = text[:-1]
         new, self.sent = text[self.sent:], max(self.sent, len(text))
         return new, cut >= 0
 
 
 class Request:
-    """One server request: its prompts, each an engine request of n samples, and what each choice has so far."""
+    """One server request: its prompts, each an engine request of n samples, and what each choice
+    has so far."""
 
     def __init__(self, prompts, params, n, stop, emit, tokenizer, first_index=0):
         self.prompts, self.params, self.n, self.emit = prompts, params, n, emit
@@ -76,26 +83,29 @@ class EngineLoop:
     def __init__(self, engine, tokenizer):
         self.engine, self.tokenizer = engine, tokenizer
         self.inbox = queue.Queue()
-        self.by_seq = {}          # engine seq_id -> (Request, prompt index), for requests still running
-        self.peak_batch = 0       # the most samples one step has run (continuous batching at work)
+        self.by_seq = {}      # engine seq_id -> (Request, prompt index), for requests still running
+        self.peak_batch = 0   # the most samples one step has run (continuous batching at work)
         self.thread = threading.Thread(target=self._run, name="engine-owner", daemon=True)
         self.thread.start()
 
     # ---- called from other threads
 
     def submit(self, prompts, params, n, stop, emit, first_index=0) -> Request:
-        """Queue a request (prompts already checked against the engine's limits); emit(list[Delta]) is called
-        from the owner thread, in order, until every sample has finished (or an error Delta)."""
+        """Queue a request (prompts already checked against the engine's limits); emit(list[Delta])
+        is called from the owner thread, in order, until every sample has finished (or an error
+        Delta)."""
         request = Request(prompts, params, n, stop, emit, self.tokenizer, first_index)
         self.inbox.put(("add", request))
         return request
 
     def abort(self, request):
-        """Drop what is left of a request (its client went away): its samples stop and free their blocks."""
+        """Drop what is left of a request (its client went away): its samples stop and free their
+        blocks."""
         self.inbox.put(("abort", request))
 
     def call(self, fn):
-        """Run fn(engine) on the owner thread between two steps; returns its result (or raises its error)."""
+        """Run fn(engine) on the owner thread between two steps; returns its result (or raises its
+        error)."""
         reply = queue.Queue(maxsize=1)
         self.inbox.put(("call", (fn, reply)))
         ok, value = reply.get()
@@ -117,13 +127,15 @@ class EngineLoop:
                 try:
                     self.peak_batch = max(self.peak_batch, len(self.engine.running))
                     finished = self.engine.step()
-                except Exception as e:     # a bug, not bad input (that was refused at the door): end every request
+                except Exception as e:
+                    # a bug, not bad input (that was refused at the door): end every request
                     self._fail_all(f"engine step failed: {type(e).__name__}: {e}")
                     continue
                 self._report(finished)
 
     def _take_messages(self, block):
-        """Handle everything queued (waiting for the first message when block); False once told to stop."""
+        """Handle everything queued (waiting for the first message when block); False once told to
+        stop."""
         while True:
             try:
                 kind, payload = self.inbox.get(block=block)
@@ -151,7 +163,7 @@ class EngineLoop:
                                                  request.first_index + i)
                 request.seq_ids.append(seq_id)
                 self.by_seq[seq_id] = (request, i)
-        except Exception as e:                     # checked at the door, so not expected: refuse it whole
+        except Exception as e:               # checked at the door, so not expected: refuse it whole
             self._drop(request)
             request.emit([Delta(-1, [], [], [], [], "", None, error=f"{type(e).__name__}: {e}")])
 
@@ -160,12 +172,12 @@ class EngineLoop:
         out = {}
         for seq in self.engine.running:            # samples still going: their new tokens
             if seq.seq_id in self.by_seq and seq.num_samples == 1:
-                self._progress(out, seq.seq_id, seq.sample_index, seq.tokens[seq.num_prompt:], seq.logprobs,
-                               seq.top_logprobs, seq.versions, None)
-        for s in finished:                         # samples that finished in this step: the rest of them
+                self._progress(out, seq.seq_id, seq.sample_index, seq.tokens[seq.num_prompt:],
+                               seq.logprobs, seq.top_logprobs, seq.versions, None)
+        for s in finished:                    # samples that finished in this step: the rest of them
             if s.seq_id in self.by_seq:
-                self._progress(out, s.seq_id, s.sample_index, s.completion_tokens, s.logprobs, s.top_logprobs,
-                               s.token_versions, s.finish_reason)
+                self._progress(out, s.seq_id, s.sample_index, s.completion_tokens, s.logprobs,
+                               s.top_logprobs, s.token_versions, s.finish_reason)
         for request, deltas in out.items():
             if all(t.finish_reason for t in request.samples):
                 self._forget(request)
@@ -179,11 +191,13 @@ class EngineLoop:
         if (len(ids) == k and finish_reason is None) or sample.finish_reason:
             return
         text, stopped = sample.add(list(ids[k:]), final=finish_reason is not None)
-        if stopped and finish_reason is None:      # a stop string: this sample ends here, in the engine too
+        # a stop string: this sample ends here, in the engine too
+        if stopped and finish_reason is None:
             self.engine.abort(seq_id, sample_index)
         sample.finish_reason = "stop" if stopped else finish_reason
-        out.setdefault(request, []).append(Delta(index, list(ids[k:]), list(logprobs[k:]), list(tops[k:]),
-                                                 list(versions[k:]), text, sample.finish_reason))
+        out.setdefault(request,
+                       []).append(Delta(index, list(ids[k:]), list(logprobs[k:]), list(tops[k:]),
+                                        list(versions[k:]), text, sample.finish_reason))
 
     def _drop(self, request):
         for seq_id in request.seq_ids:

@@ -127,8 +127,9 @@ def heuristic_metrics(task, problems):
 
 
 def sampling_flops(model_config, samples, num_samples_per_prompt):
-    """Forward FLOPs the engine spent on these samples (num_samples_per_prompt consecutive ones per prompt): each
-    prompt is prefilled once for its group (its blocks are shared), each completion token is computed once."""
+    """Forward FLOPs the engine spent on these samples (num_samples_per_prompt consecutive ones per
+    prompt): each prompt is prefilled once for its group (its blocks are shared), each completion
+    token is computed once."""
     prompts = [len(s.prompt_tokens) for s in samples[::num_samples_per_prompt]]
     return train_flops(model_config, prompts + [len(s.completion_tokens) for s in samples]) / 3
 

@@ -1,7 +1,7 @@
 """
-How things are measured: interleaved medians of two callables, the peak memory a call adds, the machine's name
-(bench.py), the machine's matmul rate (the MFU denominator of every trainer), what a run has spent (Meter) and
-where its metrics go (Logger: metrics.jsonl, and wandb when asked).
+How things are measured: interleaved medians of two callables, the peak memory a call adds, the
+machine's name (bench.py), the machine's matmul rate (the MFU denominator of every trainer), what a
+run has spent (Meter) and where its metrics go (Logger: metrics.jsonl, and wandb when asked).
 
     t_a, t_b, (result_a, result_b) = timed_pair(fa, fb, repeats=5, device="cpu")
     peak_bytes = peak_of(fn, device="cpu")
@@ -37,8 +37,8 @@ def sync(device):
 
 
 def timed_pair(fa, fb, repeats, device="cpu"):
-    """(median a, median b, last results) with a and b interleaved a, b, a, b, ...: on a shared machine both
-    see the same background load, so their ratio is steadier than either time"""
+    """(median a, median b, last results) with a and b interleaved a, b, a, b, ...: on a shared
+    machine both see the same background load, so their ratio is steadier than either time"""
     fa(), fb()
     ta, tb, out = [], [], None
     for _ in range(repeats):
@@ -56,9 +56,9 @@ def timed_pair(fa, fb, repeats, device="cpu"):
 
 
 class PeakMemory:
-    """The most memory a block of code added: resident memory sampled every millisecond by a thread (CPU, after
-    handing freed memory back to the OS), or the allocator's peak (CUDA). Bytes above what was in use when the
-    block began."""
+    """The most memory a block of code added: resident memory sampled every millisecond by a thread
+    (CPU, after handing freed memory back to the OS), or the allocator's peak (CUDA). Bytes above
+    what was in use when the block began."""
 
     def __init__(self, device="cpu"):
         self.cuda = torch.device(device).type == "cuda"
@@ -69,7 +69,8 @@ class PeakMemory:
             torch.cuda.reset_peak_memory_stats()
             self.base = torch.cuda.memory_allocated()
             return self
-        release_free_memory()   # so that what the block allocates shows up as resident memory it adds
+        # so that what the block allocates shows up as resident memory it adds
+        release_free_memory()
         self.base = self.top = rss()
         self.done = threading.Event()
         self.thread = threading.Thread(target=self._watch, daemon=True)
@@ -91,7 +92,8 @@ class PeakMemory:
 
 
 def release_free_memory():
-    # glibc keeps freed memory resident for reuse; malloc_trim hands it back to the OS (elsewhere: a no-op)
+    # glibc keeps freed memory resident for reuse; malloc_trim hands it back to the OS (elsewhere: a
+    # no-op)
     try:
         import ctypes
         ctypes.CDLL("libc.so.6").malloc_trim(0)
@@ -144,9 +146,10 @@ def measure_matmul_flops(device="cpu", dtype=torch.float32):
 
 
 class Logger:
-    """One JSON object per log call in {out_dir}/metrics.jsonl ({"iter": ..., metrics}), and wandb when asked.
-    A resumed run first drops the lines after its checkpoint's iteration (the killed run may have logged past
-    it), so the file reads as one uninterrupted run; a fresh run (resume_iter None) starts an empty file."""
+    """One JSON object per log call in {out_dir}/metrics.jsonl ({"iter": ..., metrics}), and wandb
+    when asked. A resumed run first drops the lines after its checkpoint's iteration (the killed run
+    may have logged past it), so the file reads as one uninterrupted run; a fresh run (resume_iter
+    None) starts an empty file."""
 
     def __init__(self, out_dir, config, resume_iter=None):
         self.file = self.wandb = None
@@ -169,9 +172,11 @@ class Logger:
         os.replace(self.path + ".tmp", self.path)
         self.file = open(self.path, "a")
         if config.get("wandb_log"):
-            import wandb  # only when asked: it is slow to import; offline unless WANDB_MODE says otherwise
-            self.wandb = wandb.init(project=config["wandb_project"], name=config.get("wandb_run_name") or None,
-                                    config=config, dir=out_dir, mode=os.environ.get("WANDB_MODE", "offline"))
+            # only when asked: it is slow to import; offline unless WANDB_MODE says otherwise
+            import wandb
+            self.wandb = wandb.init(project=config["wandb_project"],
+                                    name=config.get("wandb_run_name") or None, config=config,
+                                    dir=out_dir, mode=os.environ.get("WANDB_MODE", "offline"))
 
     def log(self, iter_num, metrics):
         if self.file is None:
@@ -190,11 +195,13 @@ class Logger:
 
 
 class Meter:
-    """What a run has spent: FLOPs (training steps, plus any sampling the caller adds) and seconds of training
-    (evaluation excluded), kept in every checkpoint; max_flops > 0 ends a run once spent (compute-matched arms)."""
+    """What a run has spent: FLOPs (training steps, plus any sampling the caller adds) and seconds
+    of training (evaluation excluded), kept in every checkpoint; max_flops > 0 ends a run once spent
+    (compute-matched arms)."""
 
     def __init__(self, start, flops=0.0):
-        state = ((start.meta or {}).get("extra") or {}).get("meter", {"flops": flops, "seconds": 0.0})
+        state = ((start.meta or {}).get("extra") or {}).get("meter",
+                                                            {"flops": flops, "seconds": 0.0})
         self.flops, self.seconds = float(state["flops"]), float(state["seconds"])
 
     def add(self, flops, seconds):

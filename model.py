@@ -3,22 +3,24 @@ A Qwen3-style transformer (MoE or dense) that matches Hugging Face transformers 
 
     from model import ModelConfig, Transformer, load_hf_checkpoint, save_hf_checkpoint
     model = load_hf_checkpoint("path/to/hf_dir")    # qwen3_moe, qwen3, qwen2, llama; fp32 on cpu
-    logits, aux_loss = model(tokens, position_ids, cu_seqlens)     # a packed batch: [T], [T], [N+1] int32
-    save_hf_checkpoint(model, "out/hf")                            # AutoModelForCausalLM loads it back
+    # a packed batch: [T], [T], [N+1] int32
+    logits, aux_loss = model(tokens, position_ids, cu_seqlens)
+    save_hf_checkpoint(model, "out/hf")                         # AutoModelForCausalLM loads it back
 
-Everything is computed over a *packed* batch: the sequences are laid end to end in one row of T tokens and
-`cu_seqlens` marks where each one starts, so there is no padding and no attention across documents. How
-attention reads keys and values is a small object handed to the forward (`attention=`), both kinds in
-attention.py: training uses DocumentCausalAttention (the default); the inference engine hands in a
-PagedAttention that reads the paged KV cache. The HF format on disk lives in checkpoint.py.
+Everything is computed over a *packed* batch: the sequences are laid end to end in one row of T
+tokens and `cu_seqlens` marks where each one starts, so there is no padding and no attention across
+documents. How attention reads keys and values is a small object handed to the forward
+(`attention=`), both kinds in attention.py: training uses DocumentCausalAttention (the default); the
+inference engine hands in a PagedAttention that reads the paged KV cache. The HF format on disk
+lives in checkpoint.py.
 
 Semantics follow transformers' modeling_qwen3_moe.py line by line where it matters for the numbers:
-RMSNorm in fp32, per-head q/k RMSNorm before RoPE, half-split RoPE, GQA, router softmax (fp32) then top-k,
-renormalised only when `norm_topk_prob`, SwiGLU experts, dense MLP layers where `mlp_only_layers` /
-`decoder_sparse_step` say so, the Switch-style load-balancing loss. The other families users bring
-are flags of the same model (ModelConfig.family, set from config.json by checkpoint.py): Qwen2 has
-biases on q, k and v and no q/k norm; Llama 3 has no q/k norm and its 'llama3' RoPE scaling; Qwen3
-may carry YaRN scaling (rope_frequencies).
+RMSNorm in fp32, per-head q/k RMSNorm before RoPE, half-split RoPE, GQA, router softmax (fp32) then
+top-k, renormalised only when `norm_topk_prob`, SwiGLU experts, dense MLP layers where
+`mlp_only_layers` / `decoder_sparse_step` say so, the Switch-style load-balancing loss. The other
+families users bring are flags of the same model (ModelConfig.family, set from config.json by
+checkpoint.py): Qwen2 has biases on q, k and v and no q/k norm; Llama 3 has no q/k norm and its
+'llama3' RoPE scaling; Qwen3 may carry YaRN scaling (rope_frequencies).
 """
 
 import math
@@ -48,8 +50,8 @@ class ModelConfig:
     num_hidden_layers: int = 4
     num_attention_heads: int = 4
     num_key_value_heads: int = 2
-    head_dim: int = 32                     # not hidden_size // heads in general: read it from the checkpoint
-    num_experts: int = 8                   # 0 = a dense model (Qwen3)
+    head_dim: int = 32            # not hidden_size // heads in general: read it from the checkpoint
+    num_experts: int = 8          # 0 = a dense model (Qwen3)
     num_experts_per_tok: int = 2
     norm_topk_prob: bool = True
     decoder_sparse_step: int = 1
@@ -97,17 +99,24 @@ class ModelConfig:
         for name in ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
                      "num_key_value_heads", "head_dim", "decoder_sparse_step"):
             value = getattr(self, name)
-            _require(type(value) is int and value >= 1, f"ModelConfig.{name} must be a positive int, got {value!r}")
+            _require(type(value) is int and value >= 1,
+                     f"ModelConfig.{name} must be a positive int, got {value!r}")
         _require(self.num_attention_heads % self.num_key_value_heads == 0,
                  f"num_attention_heads={self.num_attention_heads} is not a multiple of "
                  f"num_key_value_heads={self.num_key_value_heads}")
         _require(not self.num_experts or 1 <= self.num_experts_per_tok <= self.num_experts,
-                 f"num_experts_per_tok={self.num_experts_per_tok} must be in [1, num_experts={self.num_experts}]")
-        _require(self.head_dim % 2 == 0, f"head_dim={self.head_dim} must be even for half-split RoPE")
+                 f"num_experts_per_tok={self.num_experts_per_tok} must be in [1, "
+                 f"num_experts={self.num_experts}]")
+        _require(self.head_dim % 2 == 0,
+                 f"head_dim={self.head_dim} must be even for half-split RoPE")
 
     def is_moe_layer(self, i):
         # the same rule as transformers' Qwen3MoeDecoderLayer
-        return self.num_experts > 0 and i not in self.mlp_only_layers and (i + 1) % self.decoder_sparse_step == 0
+        return (
+            self.num_experts > 0
+            and i not in self.mlp_only_layers
+            and (i + 1) % self.decoder_sparse_step == 0
+        )
 
     @property
     def model_type(self):
@@ -115,7 +124,8 @@ class ModelConfig:
 
 
 def as_dtype(dtype):
-    """A torch.dtype from itself or its name ('float32', 'bfloat16', ...): configs stay serialisable."""
+    """A torch.dtype from itself or its name ('float32', 'bfloat16', ...): configs stay
+    serialisable."""
     if isinstance(dtype, str):
         _require(isinstance(getattr(torch, dtype, None), torch.dtype),
                  f"unknown dtype {dtype!r}: use e.g. 'float32', 'bfloat16', 'float16'")
@@ -130,7 +140,8 @@ def as_dtype(dtype):
 
 
 def rms_norm(x, weight, eps):
-    # normalise the last dim in fp32 whatever the model dtype, then scale in the model dtype (as transformers does)
+    # normalise the last dim in fp32 whatever the model dtype, then scale in the model dtype (as
+    # transformers does)
     return weight * F.rms_norm(x.float(), x.shape[-1:], eps=eps).to(x.dtype)
 
 
@@ -191,7 +202,8 @@ def _yarn_mscale(factor, mscale, mscale_all_dim):
 
 
 def rope_cos_sin(position_ids, inv_freq, scale, dtype):
-    """cos/sin tables [T, head_dim] for half-split RoPE; angles in fp32, then cast like transformers."""
+    """cos/sin tables [T, head_dim] for half-split RoPE; angles in fp32, then cast like
+    transformers."""
     freqs = position_ids.float()[:, None] * inv_freq.to(position_ids.device)[None, :]
     emb = torch.cat((freqs, freqs), dim=-1)
     return (emb.cos() * scale).to(dtype), (emb.sin() * scale).to(dtype)
@@ -208,25 +220,31 @@ class Attention(nn.Module):
     def __init__(self, cfg: ModelConfig, layer_idx: int):
         super().__init__()
         self.layer_idx = layer_idx
-        self.n_head, self.n_kv_head, self.head_dim = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+        self.n_head, self.n_kv_head, self.head_dim = (
+            cfg.num_attention_heads,
+            cfg.num_key_value_heads,
+            cfg.head_dim,
+        )
         qkv_bias = cfg.attention_bias or cfg.qkv_bias
         self.q_proj = nn.Linear(cfg.hidden_size, self.n_head * self.head_dim, bias=qkv_bias)
         self.k_proj = nn.Linear(cfg.hidden_size, self.n_kv_head * self.head_dim, bias=qkv_bias)
         self.v_proj = nn.Linear(cfg.hidden_size, self.n_kv_head * self.head_dim, bias=qkv_bias)
-        self.o_proj = nn.Linear(self.n_head * self.head_dim, cfg.hidden_size, bias=cfg.attention_bias)
+        self.o_proj = nn.Linear(self.n_head * self.head_dim, cfg.hidden_size,
+                                bias=cfg.attention_bias)
         if cfg.qk_norm:
             self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)   # per head, before RoPE
             self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
 
     def forward(self, x, cos, sin, attention):
-        # q, k and v in one matmul, and q and k normalised and rotated together as one [T, n_head + n_kv_head, D]
-        # tensor: the same numbers as three projections, two norms and two RoPEs, in a third of the calls (at
-        # decode sizes each call costs more in overhead than in arithmetic)
+        # q, k and v in one matmul, and q and k normalised and rotated together as one [T, n_head +
+        # n_kv_head, D] tensor: the same numbers as three projections, two norms and two RoPEs, in a
+        # third of the calls (at decode sizes each call costs more in overhead than in arithmetic)
         T, Hq, Hkv, D = x.shape[0], self.n_head, self.n_kv_head, self.head_dim
         projs = (self.q_proj, self.k_proj, self.v_proj)
         bias = torch.cat([p.bias for p in projs]) if self.q_proj.bias is not None else None
         qkv = F.linear(x, torch.cat([p.weight for p in projs]), bias).view(T, Hq + 2 * Hkv, D)
-        qk, v = qkv.split([Hq + Hkv, Hkv], dim=1)       # split, not slices: its backward is one cat, no zeros
+        # split, not slices: its backward is one cat, no zeros
+        qk, v = qkv.split([Hq + Hkv, Hkv], dim=1)
         if hasattr(self, "q_norm"):   # Qwen3: q and k normalised per head (they share cfg's eps)
             norm_w = torch.cat((self.q_norm.weight.expand(Hq, D),
                                 self.k_norm.weight.expand(Hkv, D)))
@@ -255,46 +273,54 @@ class Experts(nn.Module):
 
     def __init__(self, num_experts, hidden_size, intermediate_size):
         super().__init__()
-        self.gate_up_proj = nn.Parameter(torch.empty(num_experts, 2 * intermediate_size, hidden_size))
+        self.gate_up_proj = nn.Parameter(torch.empty(num_experts, 2 * intermediate_size,
+                                                     hidden_size))
         self.down_proj = nn.Parameter(torch.empty(num_experts, hidden_size, intermediate_size))
         nn.init.normal_(self.gate_up_proj, std=0.02)
         nn.init.normal_(self.down_proj, std=0.02)
 
     def forward(self, x, top_idx, top_w):
-        # x [T, H]; top_idx / top_w [T, k]: token t goes to experts top_idx[t] with weights top_w[t].
-        # sort the T*k (token, slot) pairs by expert so each expert's tokens are one contiguous slice
+        # x [T, H]; top_idx / top_w [T, k]: token t goes to experts top_idx[t] with weights
+        # top_w[t]. sort the T*k (token, slot) pairs by expert so each expert's tokens are one
+        # contiguous slice
         T, k = top_idx.shape
         flat = top_idx.flatten()
         order = flat.argsort(stable=True)
-        xs = x.index_select(0, order // k)                   # the token of each pair, expert by expert
+        xs = x.index_select(0, order // k)                # the token of each pair, expert by expert
         counts = torch.bincount(flat, minlength=self.gate_up_proj.shape[0])
-        ys = self._grouped(xs, counts) if _use_grouped_mm(x, self) else self._loop(xs, counts.tolist())
-        # back to (token, slot) order by gathering with the inverse permutation (deterministic, unlike a
-        # scatter-add), then each token's k outputs weighted and summed
+        ys = self._grouped(xs, counts) if _use_grouped_mm(x, self) else self._loop(xs,
+                                                                                   counts.tolist())
+        # back to (token, slot) order by gathering with the inverse permutation (deterministic,
+        # unlike a scatter-add), then each token's k outputs weighted and summed
         y = ys.index_select(0, order.argsort()).view(T, k, -1)
         return (y * top_w[..., None]).sum(dim=1)
 
     def _loop(self, xs, counts):
-        # the readable path (and the one with gradients): one SwiGLU per expert over its slice. split / unbind
-        # rather than xs[a:b] / w[e]: their backward is one cat / stack, where each slice's backward would
-        # write a zero tensor the size of all of xs (or of all experts' weights) per expert
+        # the readable path (and the one with gradients): one SwiGLU per expert over its slice.
+        # split / unbind rather than xs[a:b] / w[e]: their backward is one cat / stack, where each
+        # slice's backward would write a zero tensor the size of all of xs (or of all experts'
+        # weights) per expert
         ys = []
-        for x, gate_up, down in zip(xs.split(counts), self.gate_up_proj.unbind(0), self.down_proj.unbind(0)):
+        for x, gate_up, down in zip(xs.split(counts), self.gate_up_proj.unbind(0),
+                                    self.down_proj.unbind(0)):
             if len(x):
                 gate, up = F.linear(x, gate_up).chunk(2, dim=-1)
                 ys.append(F.linear(F.silu(gate) * up, down))
         return torch.cat(ys)
 
     def _grouped(self, xs, counts):
-        # the same two matmuls for all experts in one grouped-GEMM call each (offs = where each slice ends)
+        # the same two matmuls for all experts in one grouped-GEMM call each (offs = where each
+        # slice ends)
         offs = counts.cumsum(0).to(torch.int32)
-        gate, up = torch._grouped_mm(xs, self.gate_up_proj.transpose(1, 2), offs=offs).chunk(2, dim=-1)
+        gate, up = torch._grouped_mm(xs, self.gate_up_proj.transpose(1, 2), offs=offs).chunk(2,
+                                                                                             dim=-1)
         return torch._grouped_mm(F.silu(gate) * up, self.down_proj.transpose(1, 2), offs=offs)
 
 
-# torch's grouped GEMM on CPU runs forward only (no backward: training takes the loop) and wants 16-byte row
-# strides (hidden and expert widths multiples of 4 in fp32). Where it runs, inference takes it (bench.py compares).
-# GROUPED_MM = False forces the loop everywhere (the reference the tests compare against).
+# torch's grouped GEMM on CPU runs forward only (no backward: training takes the loop) and wants
+# 16-byte row strides (hidden and expert widths multiples of 4 in fp32). Where it runs, inference
+# takes it (bench.py compares). GROUPED_MM = False forces the loop everywhere (the reference the
+# tests compare against).
 GROUPED_MM = hasattr(torch, "_grouped_mm")
 
 
@@ -316,8 +342,8 @@ class MoE(nn.Module):
         self.experts = Experts(cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size)
 
     def forward(self, x):
-        router_logits = self.gate(x)                                           # [T, E]
-        probs = F.softmax(router_logits, dim=-1, dtype=torch.float)            # softmax first, then top-k
+        router_logits = self.gate(x)                                     # [T, E]
+        probs = F.softmax(router_logits, dim=-1, dtype=torch.float)      # softmax first, then top-k
         top_w, top_idx = torch.topk(probs, self.top_k, dim=-1)
         if self.norm_topk_prob:
             top_w = top_w / top_w.sum(dim=-1, keepdim=True)
@@ -354,7 +380,9 @@ class Transformer(nn.Module):
         self.layers = nn.ModuleList(Block(config, i) for i in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         # a tied head reads the embedding matrix; an untied one has its own
-        self.lm_head = None if config.tie_word_embeddings else nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.lm_head = None if config.tie_word_embeddings else nn.Linear(config.hidden_size,
+                                                                         config.vocab_size,
+                                                                         bias=False)
         self._rope = None                  # (inv_freq, cos/sin scale), on first use
         self.apply(self._init_weights)
 
@@ -369,28 +397,32 @@ class Transformer(nn.Module):
         return sum(p.numel() for p in self.parameters())
 
     def num_active_params(self):
-        """Parameters one token touches: experts count top_k / E of their weights (for FLOP estimates)."""
+        """Parameters one token touches: experts count top_k / E of their weights (for FLOP
+        estimates)."""
         cfg, n = self.config, 0
         for name, p in self.named_parameters():
-            n += p.numel() * (cfg.num_experts_per_tok / cfg.num_experts if ".experts." in name else 1.0)
+            n += p.numel() * (cfg.num_experts_per_tok / cfg.num_experts if ".experts." in name
+                              else 1.0)
         return int(n) - self.embed_tokens.weight.numel() * (0 if cfg.tie_word_embeddings else 1)
 
-    def forward(self, tokens, position_ids, cu_seqlens=None, attention=None, logits_indices=None, aux_loss=True,
-                labels=None, temperature=1.0, branch=None):
+    def forward(self, tokens, position_ids, cu_seqlens=None, attention=None, logits_indices=None,
+                aux_loss=True, labels=None, temperature=1.0, branch=None):
         """tokens, position_ids: [T] (a packed batch); cu_seqlens: int32 [N+1] document boundaries.
-        attention: how to attend (default: causal within each document of cu_seqlens; with branch [T], documents
-        whose completions share a prompt, training.pack_groups: a row sees its own branch and branch 0).
-        logits_indices: compute logits only at these rows (the engine wants one per sequence).
-        Returns (logits / temperature [T or len(logits_indices), V], aux_loss): aux_loss is the load-balancing
-        loss over all MoE layers (transformers' load_balancing_loss_func), a 0-dim tensor, 0 for a dense model;
-        None when aux_loss=False (inference: the engine never needs it).
-        labels [T]: return log_softmax(logits / temperature)[label] per row [T] (fp32) instead of the logits,
-        made a chunk of rows at a time (head_logprobs), so no [T, V] tensor is ever whole: the trainers' path."""
+        attention: how to attend (default: causal within each document of cu_seqlens; with branch
+        [T], documents whose completions share a prompt, training.pack_groups: a row sees its own
+        branch and branch 0). logits_indices: compute logits only at these rows (the engine wants
+        one per sequence). Returns (logits / temperature [T or len(logits_indices), V], aux_loss):
+        aux_loss is the load-balancing loss over all MoE layers (transformers'
+        load_balancing_loss_func), a 0-dim tensor, 0 for a dense model; None when aux_loss=False
+        (inference: the engine never needs it). labels [T]: return log_softmax(logits /
+        temperature)[label] per row [T] (fp32) instead of the logits, made a chunk of rows at a time
+        (head_logprobs), so no [T, V] tensor is ever whole: the trainers' path."""
         _require(tokens.dim() == 1 and position_ids.shape == tokens.shape,
-                 f"tokens and position_ids must be 1-D and equal in shape, got {tuple(tokens.shape)} and "
-                 f"{tuple(position_ids.shape)}")
-        _require(attention is None or branch is None, "pass branch or attention, not both: an attention already "
-                                                      "holds its mask (DocumentCausalAttention(..., branch=...))")
+                 f"tokens and position_ids must be 1-D and equal in shape, got "
+                 f"{tuple(tokens.shape)} and {tuple(position_ids.shape)}")
+        _require(attention is None or branch is None,
+                 "pass branch or attention, not both: an attention already holds its mask "
+                 "(DocumentCausalAttention(..., branch=...))")
         T = tokens.shape[0]
         if attention is None:
             if cu_seqlens is None:
@@ -415,21 +447,23 @@ class Transformer(nn.Module):
             logits = F.linear(x, head) / temperature if temperature != 1.0 else F.linear(x, head)
         if not aux_loss:
             return logits, None
-        return logits, load_balancing_loss(router_logits, self.config.num_experts, self.config.num_experts_per_tok, x)
+        return logits, load_balancing_loss(router_logits, self.config.num_experts,
+                                           self.config.num_experts_per_tok, x)
 
 
-# -----------------------------------------------------------------------------
-# the head's logprobs, a chunk of rows at a time: at a real vocabulary (151,936) a 16k-token batch's fp32 logits
-# alone are 10 GB, and log_softmax and its gradient each want as much again
+# ----------------------------------------------------------------------------- the head's logprobs,
+# a chunk of rows at a time: at a real vocabulary (151,936) a 16k-token batch's fp32 logits alone
+# are 10 GB, and log_softmax and its gradient each want as much again
 
 
 def head_logprobs(hidden, weight, labels, temperature=1.0, chunk_bytes=256 * 2 ** 20):
-    """log_softmax(hidden @ weight.T / temperature)[label] per row, [T, D] x [V, D] -> [T] fp32, equal to the
-    whole computation; no more than chunk_bytes of fp32 logits exist at once, forward or backward (backward
-    recomputes each chunk's logits, as fused linear-cross-entropy kernels do). Under autocast the matmuls run in
-    the autocast dtype, as F.linear would."""
-    _require(hidden.dim() == 2 and labels.shape == hidden.shape[:1], f"hidden {tuple(hidden.shape)} and labels "
-             f"{tuple(labels.shape)}: expected [T, D] and [T]")
+    """log_softmax(hidden @ weight.T / temperature)[label] per row, [T, D] x [V, D] -> [T] fp32,
+    equal to the whole computation; no more than chunk_bytes of fp32 logits exist at once, forward
+    or backward (backward recomputes each chunk's logits, as fused linear-cross-entropy kernels do).
+    Under autocast the matmuls run in the autocast dtype, as F.linear would."""
+    _require(hidden.dim() == 2 and labels.shape == hidden.shape[:1],
+             f"hidden {tuple(hidden.shape)} and labels {tuple(labels.shape)}: expected [T, D] and "
+             f"[T]")
     kind = hidden.device.type
     dtype = torch.get_autocast_dtype(kind) if torch.is_autocast_enabled(kind) else hidden.dtype
     rows = max(1, chunk_bytes // (4 * weight.shape[0]))
@@ -437,8 +471,8 @@ def head_logprobs(hidden, weight, labels, temperature=1.0, chunk_bytes=256 * 2 *
 
 
 class HeadLogprobs(torch.autograd.Function):
-    """d logp_t / d logits_t = (onehot(label_t) - softmax(logits_t / T)) / T: each chunk's logits are made again
-    in backward and turned into the gradients of hidden and weight right away."""
+    """d logp_t / d logits_t = (onehot(label_t) - softmax(logits_t / T)) / T: each chunk's logits
+    are made again in backward and turned into the gradients of hidden and weight right away."""
 
     @staticmethod
     def forward(ctx, hidden, weight, labels, temperature, rows, dtype):
@@ -447,7 +481,9 @@ class HeadLogprobs(torch.autograd.Function):
             w = weight.to(dtype)
             for s in range(0, hidden.shape[0], rows):
                 logits = F.linear(hidden[s:s + rows].to(dtype), w).float() / temperature
-                out[s:s + rows] = torch.log_softmax(logits, -1).gather(1, labels[s:s + rows, None])[:, 0]
+                out[s:s + rows] = torch.log_softmax(logits, -1).gather(1,
+                                                                       labels[s:s + rows, None])[:,
+                                                                                                 0]
         ctx.save_for_backward(hidden, weight, labels)
         ctx.temperature, ctx.rows, ctx.dtype = temperature, rows, dtype
         return out
@@ -470,37 +506,46 @@ class HeadLogprobs(torch.autograd.Function):
 
 
 def load_balancing_loss(router_logits, num_experts, top_k, like):
-    """Switch-Transformer aux loss, as transformers computes it: E * sum_e(fraction routed to e * mean prob of e),
-    the fractions and means taken over every (layer, token) row together."""
+    """Switch-Transformer aux loss, as transformers computes it: E * sum_e(fraction routed to e *
+    mean prob of e), the fractions and means taken over every (layer, token) row together."""
     if not router_logits:
         return torch.zeros((), device=like.device, dtype=torch.float32)
     logits = torch.cat(router_logits, dim=0)                                  # [layers * T, E]
     probs = F.softmax(logits, dim=-1)
     _, selected = torch.topk(probs, top_k, dim=-1)
-    routed = F.one_hot(selected, num_experts).sum(dim=1).float().mean(dim=0)   # per expert, sums to top_k
+    # per expert, sums to top_k
+    routed = F.one_hot(selected, num_experts).sum(dim=1).float().mean(dim=0)
     return num_experts * torch.sum(routed * probs.float().mean(dim=0))
 
 
 def train_flops(config: ModelConfig, seqlens, pairs=None):
-    """FLOPs of one forward+backward over packed sequences of these lengths (a forward alone is a third): 6 per
-    active matmul weight per token (experts count top_k of E, the router and the head count, the embedding
-    lookup doesn't) plus attention's QK^T and AV over the causal pairs within each sequence (or over `pairs`
-    query-key pairs: a batch's sum of position_ids + 1, which also holds where completions share a prompt)."""
+    """FLOPs of one forward+backward over packed sequences of these lengths (a forward alone is a
+    third): 6 per active matmul weight per token (experts count top_k of E, the router and the head
+    count, the embedding lookup doesn't) plus attention's QK^T and AV over the causal pairs within
+    each sequence (or over `pairs` query-key pairs: a batch's sum of position_ids + 1, which also
+    holds where completions share a prompt)."""
     H, D = config.hidden_size, config.head_dim
     per_token = config.vocab_size * H
     for i in range(config.num_hidden_layers):
         per_token += H * D * (2 * config.num_attention_heads + 2 * config.num_key_value_heads)
         if config.is_moe_layer(i):
-            per_token += config.num_experts * H + config.num_experts_per_tok * 3 * H * config.moe_intermediate_size
+            per_token += (
+                config.num_experts * H
+                + config.num_experts_per_tok * 3 * H * config.moe_intermediate_size
+            )
         else:
             per_token += 3 * H * config.intermediate_size
     pairs = sum(n * (n + 1) // 2 for n in seqlens) if pairs is None else pairs
-    return 6 * per_token * sum(seqlens) + 12 * config.num_hidden_layers * config.num_attention_heads * D * pairs
+    return (
+        6 * per_token * sum(seqlens)
+        + 12 * config.num_hidden_layers * config.num_attention_heads * D * pairs
+    )
 
 
 def __getattr__(name):
-    # the HF format lives in checkpoint.py (which imports this file); `from model import load_hf_checkpoint`
-    # works too, resolved on first use so that neither module needs the other while it loads
+    # the HF format lives in checkpoint.py (which imports this file); `from model import
+    # load_hf_checkpoint` works too, resolved on first use so that neither module needs the other
+    # while it loads
     if name in ("load_hf_checkpoint", "save_hf_checkpoint"):
         import checkpoint
         return getattr(checkpoint, name)

@@ -4,7 +4,8 @@ Pretraining: next-token prediction on packed documents, every token weighted 1.
     python pretrain.py config/qwen_small.py
     python pretrain.py config/qwen_small.py --max_iters=50 --out_dir=out/try
     python pretrain.py config/qwen_small.py --init_from=resume      # continue a killed run exactly
-    torchrun --standalone --nproc_per_node=2 pretrain.py config/qwen_small.py --grad_accum=2   # data-parallel
+    # data-parallel
+    torchrun --standalone --nproc_per_node=2 pretrain.py config/qwen_small.py --grad_accum=2
 
 The data is the task's corpus (its pretrain_corpus; the embedded countdown's: blind attempts of
 steps over some digits, dead ends included), each document tokenized and closed with
@@ -23,9 +24,10 @@ from tokenizer import ENDOFTEXT, build_tokenizer
 # -----------------------------------------------------------------------------
 # settings (a config file, then --key=value, override these)
 out_dir = "out/pretrain"
-task = "task"                # the task whose corpus to learn (environment.py); 'task' = countdown
-init_from = "scratch"        # 'scratch' | 'resume' | a previous run's out_dir | a transformers model dir
-model = dict()               # ModelConfig fields for init_from='scratch' (vocab_size comes from the tokenizer)
+task = "task"     # the task whose corpus to learn (environment.py); 'task' = countdown
+# 'scratch' | 'resume' | a previous run's out_dir | a transformers model dir
+init_from = "scratch"
+model = dict()    # ModelConfig fields for init_from='scratch' (vocab_size comes from the tokenizer)
 seed = 1337
 device = "cpu"
 dtype = "float32"            # 'float32' | 'bfloat16' (autocast; master weights stay fp32)
@@ -60,7 +62,8 @@ config = configure(globals(), sys.argv[1:], stage="pretrain")
 
 
 def documents(tokenizer, the_task, n, seed):
-    """token ids of n corpus documents, each closed with <|endoftext|> so the model learns where one ends"""
+    """token ids of n corpus documents, each closed with <|endoftext|> so the model learns where one
+    ends"""
     eot = tokenizer.convert_tokens_to_ids(ENDOFTEXT)
     return [tokenizer.encode(d, add_special_tokens=False) + [eot]
             for d in the_task.pretrain_corpus(n, seed)]
@@ -77,7 +80,8 @@ if __name__ == "__main__":
     train_docs = documents(tokenizer, the_task, n_docs, seed)
     val_docs = documents(tokenizer, the_task, n_val_docs, seed + 1)
     print0(f"{len(train_docs)} documents, {sum(map(len, train_docs))} tokens")
-    loader = training.PackedLoader(train_docs, [[1.0] * len(d) for d in train_docs], batch_tokens, seed)
+    loader = training.PackedLoader(train_docs, [[1.0] * len(d) for d in train_docs], batch_tokens,
+                                   seed)
     val_batches = training.fixed_batches(val_docs, [[1.0] * len(d) for d in val_docs], batch_tokens)
 
     def eval_fn(model):

@@ -18,13 +18,13 @@ matplotlib is installed).
     python report.py out/compare 1 2 3 4 5    # the seeds to read (none given: every seed<S> there)
     python report.py --run out/qwen_small/grpo out/qwen_small/grpo.png   # one GRPO run, by step
 
-A difference is paired by seed (both arms start from the same pretrain and SFT checkpoint): with d_s = a_s - b_s
-over n seeds, the interval is mean(d) ± t_{0.975, n-1} * std(d, ddof=1) / sqrt(n) (Student's t). It covers the
-seed-to-seed variation of everything after the shared checkpoint, test-split noise included in each d_s.
-The cluster bootstrap covers the other source, which problems the test split happens to hold: each
-problem's difference is averaged over seeds, digit multisets (a split's unit) are resampled with
-replacement, and the interval is the 2.5th and 97.5th percentile of the mean difference over 2,000
-resamples.
+A difference is paired by seed (both arms start from the same pretrain and SFT checkpoint): with d_s
+= a_s - b_s over n seeds, the interval is mean(d) ± t_{0.975, n-1} * std(d, ddof=1) / sqrt(n)
+(Student's t). It covers the seed-to-seed variation of everything after the shared checkpoint,
+test-split noise included in each d_s. The cluster bootstrap covers the other source, which problems
+the test split happens to hold: each problem's difference is averaged over seeds, digit multisets (a
+split's unit) are resampled with replacement, and the interval is the 2.5th and 97.5th percentile of
+the mean difference over 2,000 resamples.
 """
 import json
 import math
@@ -39,9 +39,11 @@ COMPARISONS = (("grpo", "heuristic"), ("grpo", "sft"), ("grpo", "sft_more"), ("g
                ("grpo", "sft_all"), ("sft_more", "sft"), ("rft", "sft"))
 SIZES = ("3digits", "4digits")
 BOOTSTRAP = 2000
-CURVE_ARMS = ("grpo", "sft_more", "rft")  # the arms that train from the SFT checkpoint: the plot's curves
+# the arms that train from the SFT checkpoint: the plot's curves
+CURVE_ARMS = ("grpo", "sft_more", "rft")
 
-# t_{0.975, df}, the two-sided 95% quantile of Student's t for df = 1..30 (standard tables, 3 decimals)
+# t_{0.975, df}, the two-sided 95% quantile of Student's t for df = 1..30 (standard tables, 3
+# decimals)
 T975 = (12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262, 2.228,
         2.201, 2.179, 2.160, 2.145, 2.131, 2.120, 2.110, 2.101, 2.093, 2.086,
         2.080, 2.074, 2.069, 2.064, 2.060, 2.056, 2.052, 2.048, 2.045, 2.042)
@@ -52,7 +54,8 @@ T975 = (12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262, 2.228,
 
 
 def t975(df):
-    """t_{0.975, df}. Past df = 30 the table's last value, which is slightly wide (t tends to 1.960)."""
+    """t_{0.975, df}. Past df = 30 the table's last value, which is slightly wide (t tends to
+    1.960)."""
     if df < 1:
         raise ValueError(f"df={df}: a t interval needs at least 2 paired values")
     return T975[min(df, len(T975)) - 1]
@@ -64,11 +67,12 @@ def std(values):
 
 
 def paired_ci(a, b):
-    """(mean, lo, hi) of a - b, paired by position: the mean difference and its 95% Student-t interval.
-    One pair has no spread to estimate: lo and hi are then nan."""
+    """(mean, lo, hi) of a - b, paired by position: the mean difference and its 95% Student-t
+    interval. One pair has no spread to estimate: lo and hi are then nan."""
     a, b = np.asarray(a, dtype=float), np.asarray(b, dtype=float)
     if a.ndim != 1 or a.shape != b.shape or len(a) == 0:
-        raise ValueError(f"paired_ci needs two non-empty lists of one length, got shapes {a.shape} and {b.shape}")
+        raise ValueError(f"paired_ci needs two non-empty lists of one length, got shapes {a.shape} "
+                         f"and {b.shape}")
     d = a - b
     mean = float(d.mean())
     if len(d) == 1:
@@ -110,7 +114,8 @@ def load(out_dir, seeds):
                 raise FileNotFoundError(f"{path} is missing: run `bash compare.sh {seed}` first")
             rows = read_rows(path)
             if not rows or "eval/accuracy" not in rows[-1]:
-                raise ValueError(f"{path}: its last row has no eval/accuracy (did the evaluation finish?)")
+                raise ValueError(f"{path}: its last row has no eval/accuracy (did the evaluation "
+                                 f"finish?)")
             row = rows[-1]
             results["per_seed"].setdefault(seed, {})[arm] = row["eval/accuracy"]
             for key in row:
@@ -210,8 +215,8 @@ def tables(results):
     and the paired differences."""
     seeds, arms = list(results["per_seed"]), results.get("arms", ARMS)
     metrics = [("greedy accuracy", "per_seed")] + [(k, k) for k in pass_keys(results)]
-    lines = [f"test split, mean ± std (ddof=1) over seeds {', '.join(seeds)} (per-seed values):", "",
-             "| arm | " + " | ".join(name for name, _ in metrics) + " |",
+    lines = [f"test split, mean ± std (ddof=1) over seeds {', '.join(seeds)} (per-seed values):",
+             "", "| arm | " + " | ".join(name for name, _ in metrics) + " |",
              "|" + " --- |" * (len(metrics) + 1)]
     for arm in arms:
         cells = [cell([results[key].get(s, {}).get(arm) for s in seeds]) for _, key in metrics]
@@ -243,8 +248,9 @@ def tables(results):
 
 
 def val_curve(path):
-    """(seconds, accuracies) of a run's validation evaluations, in file order: the rows of its metrics.jsonl
-    that carry both eval/accuracy and perf/elapsed_s. Empty lists when the file is missing."""
+    """(seconds, accuracies) of a run's validation evaluations, in file order: the rows of its
+    metrics.jsonl that carry both eval/accuracy and perf/elapsed_s. Empty lists when the file is
+    missing."""
     if not os.path.exists(path):
         return [], []
     rows = [r for r in read_rows(path) if "eval/accuracy" in r and "perf/elapsed_s" in r]
@@ -252,11 +258,12 @@ def val_curve(path):
 
 
 def flops_curve(path):
-    """(FLOPs spent, accuracies) of a run's validation evaluations: the budget the arms are matched on, RFT's
-    sampling and GRPO's rollouts included. An evaluation row has no perf/flops_total, so an evaluation at
-    iteration k is placed on the line through the training rows' (iter, perf/flops_total), extended back
-    from the first two before the first log: rows (10, 5.0) and (20, 6.0) put iteration 0 at 4.0 (RFT's
-    sampling, spent before its first step). Empty lists when the file is missing or logs no FLOPs."""
+    """(FLOPs spent, accuracies) of a run's validation evaluations: the budget the arms are matched
+    on, RFT's sampling and GRPO's rollouts included. An evaluation row has no perf/flops_total, so
+    an evaluation at iteration k is placed on the line through the training rows' (iter,
+    perf/flops_total), extended back from the first two before the first log: rows (10, 5.0) and
+    (20, 6.0) put iteration 0 at 4.0 (RFT's sampling, spent before its first step). Empty lists when
+    the file is missing or logs no FLOPs."""
     if not os.path.exists(path):
         return [], []
     rows = read_rows(path)
@@ -267,14 +274,14 @@ def flops_curve(path):
     (i0, f0), (i1, f1) = spent[:2]
     iters, flops = [i for i, _ in spent], [f for _, f in spent]
     slope = (f1 - f0) / (i1 - i0)
-    x = [float(np.interp(r["iter"], iters, flops)) if r["iter"] >= i0 else f0 - (i0 - r["iter"]) * slope
-         for r in evals]
+    x = [float(np.interp(r["iter"], iters, flops)) if r["iter"] >= i0
+         else f0 - (i0 - r["iter"]) * slope for r in evals]
     return x, [r["eval/accuracy"] for r in evals]
 
 
 def mean_curve(curves, points=200):
-    """(grid, mean) of piecewise-linear curves over seeds, on the range of x that every one of them covers;
-    None when there is no such range (no curves, or one eval point each)."""
+    """(grid, mean) of piecewise-linear curves over seeds, on the range of x that every one of them
+    covers; None when there is no such range (no curves, or one eval point each)."""
     curves = [(t, a) for t, a in curves if len(t) > 0]
     if not curves:
         return None
@@ -286,9 +293,9 @@ def mean_curve(curves, points=200):
 
 
 def draw(ax, out_dir, seeds, curve, xlabel):
-    """One panel: curve(metrics path) -> (x, accuracies) for each trained arm and seed, a thin line per seed,
-    the mean over seeds in bold, and the SFT checkpoint's own validation accuracy (the GRPO run's first
-    evaluation, at iteration 0) as a dashed line."""
+    """One panel: curve(metrics path) -> (x, accuracies) for each trained arm and seed, a thin line
+    per seed, the mean over seeds in bold, and the SFT checkpoint's own validation accuracy (the
+    GRPO run's first evaluation, at iteration 0) as a dashed line."""
     for arm, color in zip(CURVE_ARMS, ("C3", "C0", "C2")):
         curves = [curve(os.path.join(out_dir, f"seed{s}", arm, "metrics.jsonl")) for s in seeds]
         for t, a in curves:
@@ -302,7 +309,8 @@ def draw(ax, out_dir, seeds, curve, xlabel):
     start = [a[0] for _, a in (val_curve(os.path.join(out_dir, f"seed{s}", "grpo", "metrics.jsonl"))
                                for s in seeds) if a]
     if start:
-        ax.axhline(np.mean(start), color="gray", ls="--", lw=1.5, label=f"sft (the start): mean of {len(start)} seeds")
+        ax.axhline(np.mean(start), color="gray", ls="--", lw=1.5,
+                   label=f"sft (the start): mean of {len(start)} seeds")
     ax.set_xlabel(xlabel)
     ax.set_ylabel("validation greedy accuracy")
     ax.set_xlim(left=0)
@@ -323,15 +331,19 @@ def pyplot():
 
 
 def plot(out_dir, seeds, path):
-    """Validation accuracy of each arm from the SFT checkpoint on, against its own training seconds (left) and
-    against the FLOPs it has spent (right). Returns the path written, or None without matplotlib."""
+    """Validation accuracy of each arm from the SFT checkpoint on, against its own training seconds
+    (left) and against the FLOPs it has spent (right). Returns the path written, or None without
+    matplotlib."""
     plt = pyplot()
     if plt is None:
         return None
     fig, (left, right) = plt.subplots(1, 2, figsize=(13, 5), sharey=True)
     draw(left, out_dir, seeds, val_curve, "wall-clock seconds of training since the SFT checkpoint")
-    draw(right, out_dir, seeds, flops_curve, "FLOPs spent since the SFT checkpoint (RFT's sampling included)")
-    fig.suptitle(f"validation accuracy against time and compute, seeds {', '.join(map(str, seeds))}")
+    draw(right, out_dir, seeds, flops_curve,
+         "FLOPs spent since the SFT checkpoint (RFT's sampling included)")
+    fig.suptitle(
+        f"validation accuracy against time and compute, seeds {', '.join(map(str, seeds))}"
+    )
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)

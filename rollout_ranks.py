@@ -1,31 +1,34 @@
 """
 Rollout ranks: the last K ranks of a torchrun job only sample, the others only train.
 
-    torchrun --standalone --nproc_per_node=2 train_grpo.py config/qwen_small.py --rollout_ranks=1 --max_staleness=1
+    torchrun --standalone --nproc_per_node=2 train_grpo.py config/qwen_small.py --rollout_ranks=1
+    --max_staleness=1
 
 Who talks to whom (distributed.split_roles makes the groups):
   - the workers share every rollout among themselves (each samples its slice,
-    environment.generate_sharded) and
-    all compute the same kept groups; the first worker sends them to trainer 0 as three tensors (encode_rollout),
-    and trainer 0 broadcasts them to the other trainers;
-  - after every iteration trainer 0 broadcasts the new weights to the workers in buckets (weight_sync.WeightSync);
-    a worker applies a version whole, between two rollouts, never inside one.
+    environment.generate_sharded) and all compute the same kept groups; the first worker sends them
+    to trainer 0 as three tensors (encode_rollout), and trainer 0 broadcasts them to the other
+    trainers;
+  - after every iteration trainer 0 broadcasts the new weights to the workers in buckets
+    (weight_sync.WeightSync); a worker applies a version whole, between two rollouts, never inside
+    one.
 
-The schedule, with s = max_staleness: rollout j (what iteration j trains on) is sampled with the weights after
-iteration j - s (the run's starting weights while j - s is before the start). So a sample is at most s versions
-behind the weights that train on it, and s = 0 is the colocated run exactly: the same weights, the same seeds,
-the same samples. With s = 1 the worker samples rollout j + 1 while the trainer trains on rollout j:
+The schedule, with s = max_staleness: rollout j (what iteration j trains on) is sampled with the
+weights after iteration j - s (the run's starting weights while j - s is before the start). So a
+sample is at most s versions behind the weights that train on it, and s = 0 is the colocated run
+exactly: the same weights, the same seeds, the same samples. With s = 1 the worker samples rollout j
++ 1 while the trainer trains on rollout j:
 
     trainer   | wait r0 | train 0 | send w1 | wait r1 | train 1 | send w2 | train 2 ...
     worker    | r0 (w0) | r1 (w0)           | recv w1 | r2 (w1)           | recv w2 | r3 (w2) ...
 
-The trainer corrects a stale sample's weight with TIS (train_grpo.apply_corrections: the ratio of the trainer's
-to the engine's probability, capped at tis_cap). Nothing is dropped for being stale: admission is the wait for
-the weights above. Every rollout carries its iteration and its problems' outcomes (the sampler's
-draw): the trainer refuses a rollout of another iteration and follows the draw with its own copy of
-the sampler, whose state it checkpoints, so a resumed run draws what the killed one would have and
-never trains on a sample twice. A resumed run restarts the schedule from its checkpoint's weights
-(with s >= 1 its first s rollouts are fresher than the killed run's were).
+The trainer corrects a stale sample's weight with TIS (train_grpo.apply_corrections: the ratio of
+the trainer's to the engine's probability, capped at tis_cap). Nothing is dropped for being stale:
+admission is the wait for the weights above. Every rollout carries its iteration and its problems'
+outcomes (the sampler's draw): the trainer refuses a rollout of another iteration and follows the
+draw with its own copy of the sampler, whose state it checkpoints, so a resumed run draws what the
+killed one would have and never trains on a sample twice. A resumed run restarts the schedule from
+its checkpoint's weights (with s >= 1 its first s rollouts are fresher than the killed run's were).
 """
 
 import time
@@ -39,8 +42,8 @@ from engine import TrainingSample, sampled_mask
 from weight_sync import WeightSync
 
 
-# -----------------------------------------------------------------------------
-# a rollout as tensors: its numbers in one float64 vector (token ids and versions are exact in float64, and so is
+# ----------------------------------------------------------------------------- a rollout as
+# tensors: its numbers in one float64 vector (token ids and versions are exact in float64, and so is
 # a float32 logprob), and its metric names as utf-8 bytes
 
 
@@ -79,7 +82,8 @@ def decode_rollout(data, names):
     draw = ([int(v) for v in take(n)], [int(v) for v in take(n)])
     num_metrics = int(take(1)[0])
     keys = bytes(names.tolist()).decode().split("\n") if num_metrics else []
-    metrics = {k: int(v) if v.is_integer() else v for k, v in zip(keys, take(num_metrics))}   # counts stay ints
+    # counts stay ints
+    metrics = {k: int(v) if v.is_integer() else v for k, v in zip(keys, take(num_metrics))}
     groups = []
     for _ in range(int(take(1)[0])):
         prompt = tuple(int(t) for t in take(int(take(1)[0])))
@@ -99,15 +103,17 @@ def decode_rollout(data, names):
 
 
 def send_rollout(tensors, dst):
-    """Start sending (data, names) to global rank dst: a header of their lengths, then each. Returns the works, and
-    the tensors on the wire (to keep alive until the works are done)."""
+    """Start sending (data, names) to global rank dst: a header of their lengths, then each. Returns
+    the works, and the tensors on the wire (to keep alive until the works are done)."""
     data, names = (t.to(distributed.comm_device()) for t in tensors)
     header = torch.tensor([data.numel(), names.numel()], dtype=torch.int64, device=data.device)
-    return [dist.isend(header, dst), dist.isend(data, dst), dist.isend(names, dst)], (data, names, header)
+    return [dist.isend(header, dst), dist.isend(data, dst), dist.isend(names, dst)], (data, names,
+                                                                                      header)
 
 
 def recv_rollout(src):
-    """What send_rollout sent from global rank src: trainer 0 receives it, and broadcasts it to the other trainers."""
+    """What send_rollout sent from global rank src: trainer 0 receives it, and broadcasts it to the
+    other trainers."""
     first = distributed.rank() == 0
 
     def fill(t):
@@ -126,17 +132,21 @@ def recv_rollout(src):
 
 
 def run_worker(config, roles, start, env, sampler, engine, rollout):
-    """A rollout rank's whole job: for each iteration, take the weights its rollout is due (admission), sample it
-    with rollout(engine, env, sampler, config, it) and hand it to trainer 0 (the first worker
-    does)."""
-    sync = WeightSync(start.model.state_dict(), src=0, bucket_mb=config["weight_bucket_mb"], group=roles.sync)
-    sync.connect()   # a model that does not match the trainer's is refused here, on every rank of the group
+    """A rollout rank's whole job: for each iteration, take the weights its rollout is due
+    (admission), sample it with rollout(engine, env, sampler, config, it) and hand it to trainer 0
+    (the first worker does)."""
+    sync = WeightSync(start.model.state_dict(), src=0, bucket_mb=config["weight_bucket_mb"],
+                      group=roles.sync)
+    # a model that does not match the trainer's is refused here, on every rank of the group
+    sync.connect()
     weights_of, t_last = start.iter_num, time.perf_counter()
-    works, _sent = [], None   # the last rollout's sends, and its tensors, kept alive until they have left
+    # the last rollout's sends, and its tensors, kept alive until they have left
+    works, _sent = [], None
     for it in range(start.iter_num, config["max_iters"]):
         t0 = time.perf_counter()
         received = 0.0
-        while weights_of < it - config["max_staleness"]:   # rollout it is sampled with the weights after it - s
+        # rollout it is sampled with the weights after it - s
+        while weights_of < it - config["max_staleness"]:
             dist.barrier(group=roles.sync)    # both sides ready: the transfer is timed alone
             tensors, seconds, _ = sync.receive()
             engine.update_weights(dict(zip(sync.names, tensors)))
@@ -148,7 +158,8 @@ def run_worker(config, roles, start, env, sampler, engine, rollout):
             work.wait()                       # the previous rollout has reached trainer 0
         waited += time.perf_counter() - t1
         now = time.perf_counter()
-        metrics.update({"perf/worker_idle_frac": waited / (now - t_last), "perf/weight_receive_s": received})
+        metrics.update({"perf/worker_idle_frac": waited / (now - t_last),
+                        "perf/weight_receive_s": received})
         t_last = now
         if distributed.rank() == 0:   # every worker holds the same groups; the first one sends them
             tensors = encode_rollout(it, draw, groups, metrics)
@@ -162,15 +173,17 @@ def run_worker(config, roles, start, env, sampler, engine, rollout):
 
 
 class RolloutRanks:
-    """train_grpo's rollout source when rollout ranks sample: groups(it) receives rollout it, publish(model)
-    broadcasts the new weights (trainer 0). The same interface as train_grpo.Colocated."""
+    """train_grpo's rollout source when rollout ranks sample: groups(it) receives rollout it,
+    publish(model) broadcasts the new weights (trainer 0). The same interface as
+    train_grpo.Colocated."""
 
     def __init__(self, config, roles, model, sampler, engine, version):
         self.config, self.roles, self.sampler = config, roles, sampler
         self.engine, self.version = engine, version
         self.sync, self._evaluated = None, version
         if dist.get_rank() == roles.trainers[0]:
-            self.sync = WeightSync(model.state_dict(), src=0, bucket_mb=config["weight_bucket_mb"], group=roles.sync)
+            self.sync = WeightSync(model.state_dict(), src=0, bucket_mb=config["weight_bucket_mb"],
+                                   group=roles.sync)
             self.sync.connect()
 
     def groups(self, it):
@@ -179,12 +192,14 @@ class RolloutRanks:
         t0 = time.perf_counter()
         iteration, draw, groups, metrics = decode_rollout(*recv_rollout(self.roles.workers[0]))
         if iteration != it:
-            raise RuntimeError(f"iteration {it} received the rollout of iteration {iteration}: the trainer and the "
-                               f"workers disagree on where the run is (resumed from different checkpoints?)")
+            raise RuntimeError(f"iteration {it} received the rollout of iteration {iteration}: the "
+                               f"trainer and the workers disagree on where the run is (resumed "
+                               f"from different checkpoints?)")
         self.sampler.follow(*draw, self.config["group_size"])   # what a checkpoint records
         lags = [self.version - v for _, _, samples, _ in groups for s in samples
                 for v, m in zip(s.token_versions, sampled_mask(s)) if m] or [0]
-        metrics.update({"rollout/staleness_mean": float(np.mean(lags)), "rollout/staleness_max": max(lags),
+        metrics.update({"rollout/staleness_mean": float(np.mean(lags)),
+                        "rollout/staleness_max": max(lags),
                         "perf/rollout_wait_s": time.perf_counter() - t0})
         return groups, metrics
 
@@ -194,7 +209,8 @@ class RolloutRanks:
         if self.sync is None or it + 1 + self.config["max_staleness"] >= self.config["max_iters"]:
             return {}
         t0 = time.perf_counter()
-        dist.barrier(group=self.roles.sync)   # the workers are done sampling what they sample meanwhile
+        # the workers are done sampling what they sample meanwhile
+        dist.barrier(group=self.roles.sync)
         waited = time.perf_counter() - t0
         seconds, nbytes = self.sync.send(model.state_dict())
         return {"perf/weight_sync_wait_s": waited, "perf/weight_sync_s": seconds,

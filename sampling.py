@@ -1,18 +1,22 @@
 """
-Sampling, as pure functions: one token per row of logits, its logprob, and reproducible seeded draws.
+Sampling, as pure functions: one token per row of logits, its logprob, and reproducible seeded
+draws.
 
-    tokens, logprobs = sample_with_logprobs(logits, temperatures, top_k=None, top_p=None, seeds=None, positions=None)
+    tokens, logprobs = sample_with_logprobs(logits, temperatures, top_k=None, top_p=None,
+    seeds=None, positions=None)
 
-The logprob is always log_softmax(logits / T) at the sampled token over the whole vocabulary (T = 1 when
-greedy), as log_softmax computes it ((x - max) / T - log sum exp((x - max) / T)), never log(softmax): the
-quantity the trainer's loss differentiates on the same weights. top_k / top_p only shape which tokens can be
-drawn. A seeded draw is a pure function of (seed, position), so a sample does not depend on what else is
-batched with it, and a preempted sequence resumes with the very tokens it would have drawn.
+The logprob is always log_softmax(logits / T) at the sampled token over the whole vocabulary (T = 1
+when greedy), as log_softmax computes it ((x - max) / T - log sum exp((x - max) / T)), never
+log(softmax): the quantity the trainer's loss differentiates on the same weights. top_k / top_p only
+shape which tokens can be drawn. A seeded draw is a pure function of (seed, position), so a sample
+does not depend on what else is batched with it, and a preempted sequence resumes with the very
+tokens it would have drawn.
 
-At a real vocabulary (151,936) the sampler could cost more than the head's matmul, so it makes as few full
-passes over the [N, V] logits as it can: exp(x / T) into a reused buffer (shifted by the row's max only in a
-row where that could overflow or vanish), and sums over blocks of 1,024 entries. The draw then inverts the CDF
-in two levels: a cumsum over the ~150 block sums finds the block, a cumsum over that block's entries the token.
+At a real vocabulary (151,936) the sampler could cost more than the head's matmul, so it makes as
+few full passes over the [N, V] logits as it can: exp(x / T) into a reused buffer (shifted by the
+row's max only in a row where that could overflow or vanish), and sums over blocks of 1,024 entries.
+The draw then inverts the CDF in two levels: a cumsum over the ~150 block sums finds the block, a
+cumsum over that block's entries the token.
 """
 
 import threading
@@ -31,7 +35,8 @@ def _require(ok, message):
 
 
 def _hash32(x):
-    # a 32-bit integer mixer (lowbias32) on int64 tensors: products wrap, and the mask keeps the low 32 bits
+    # a 32-bit integer mixer (lowbias32) on int64 tensors: products wrap, and the mask keeps the low
+    # 32 bits
     m = 0xFFFFFFFF
     x = ((x ^ (x >> 16)) * 0x7FEB352D) & m
     x = ((x ^ (x >> 15)) * 0x846CA68B) & m
@@ -39,35 +44,40 @@ def _hash32(x):
 
 
 def sampling_uniforms(seeds, positions):
-    """One uniform in (0, 1) per row [N] (float64), a pure function of (seed, position): a sample's draws do not
-    depend on what else is in the batch, so a seeded request is reproducible, and a preempted one resumes the same."""
+    """One uniform in (0, 1) per row [N] (float64), a pure function of (seed, position): a sample's
+    draws do not depend on what else is in the batch, so a seeded request is reproducible, and a
+    preempted one resumes the same."""
     m = 0xFFFFFFFF
     key = _hash32((seeds & m) ^ _hash32(((seeds >> 32) & m) ^ _hash32(positions & m)))
     return (key.double() + 0.5) * 2.0 ** -32
 
 
 def mix_seed(seed, k):
-    """The k-th sub-seed of a seed (the k-th prompt of a call, the k-th sample of a group): distinct, reproducible."""
-    return xxhash.xxh64_intdigest(int(seed).to_bytes(8, "little") + int(k).to_bytes(8, "little")) >> 1
+    """The k-th sub-seed of a seed (the k-th prompt of a call, the k-th sample of a group):
+    distinct, reproducible."""
+    return xxhash.xxh64_intdigest(int(seed).to_bytes(8, "little") + int(k).to_bytes(8,
+                                                                                    "little")) >> 1
 
 
 def sample_with_logprobs(logits, temperatures, top_k=None, top_p=None, seeds=None, positions=None):
     """Sample one token per row of logits [N, V]; return (tokens [N] int64, logprobs [N] float32).
 
-    temperatures [N]: 0 means greedy (argmax). top_k [N] ints (0 = off), top_p [N] floats (1.0 = off) shape
-    what is *sampled*: tokens outside the top k / the top-p nucleus of softmax(logits / T) are never drawn.
-    The returned logprob is always log_softmax(logits / T) at the sampled token, T = 1 for greedy rows, over the
-    *whole* vocabulary, unfiltered: the quantity the trainer computes from the same weights.
-    seeds / positions [N] int64 (optional): the draw is a pure function of them (sampling_uniforms); without
-    them, torch's global generator draws it. Sampling inverts the CDF with one uniform per row."""
+    temperatures [N]: 0 means greedy (argmax). top_k [N] ints (0 = off), top_p [N] floats (1.0 =
+    off) shape what is *sampled*: tokens outside the top k / the top-p nucleus of softmax(logits /
+    T) are never drawn. The returned logprob is always log_softmax(logits / T) at the sampled token,
+    T = 1 for greedy rows, over the *whole* vocabulary, unfiltered: the quantity the trainer
+    computes from the same weights. seeds / positions [N] int64 (optional): the draw is a pure
+    function of them (sampling_uniforms); without them, torch's global generator draws it. Sampling
+    inverts the CDF with one uniform per row."""
     _require((seeds is None) == (positions is None),
-             "sample_with_logprobs: seeds and positions go together (the draw is a function of both)")
+             "sample_with_logprobs: seeds and positions go together (the draw is a function of "
+             "both)")
     logits = logits.float()
     N, V = logits.shape
     t = torch.as_tensor(temperatures, dtype=torch.float32, device=logits.device).reshape(N)
     greedy = t == 0
     t = torch.where(greedy, 1.0, t)[:, None]
-    e, block_sums, shift = _shifted_exp(logits, t)              # exp((logits - shift) / T), and its block sums
+    e, block_sums, shift = _shifted_exp(logits, t)   # exp((logits - shift) / T), and its block sums
     total = block_sums.sum(-1)
     tokens = torch.zeros(N, 1, dtype=torch.int64, device=logits.device)
     if bool(greedy.any()):
@@ -83,8 +93,8 @@ def sample_with_logprobs(logits, temperatures, top_k=None, top_p=None, seeds=Non
         else:
             sampled = _draw(e, block_sums, u * total)
         tokens = torch.where(greedy[:, None], tokens, sampled.clamp_(max=V - 1)[:, None])
-    # log_softmax(logits / T) at the token, from what is already here: (x - shift) / T - log(sum exp((x - shift) / T)),
-    # in float64 so that the one rounding is the last
+    # log_softmax(logits / T) at the token, from what is already here: (x - shift) / T - log(sum
+    # exp((x - shift) / T)), in float64 so that the one rounding is the last
     logp = ((logits.gather(1, tokens) - shift).double() / t.double() - total.log()[:, None]).float()
     return tokens[:, 0], logp[:, 0]
 
@@ -93,10 +103,11 @@ BLOCK = 1024   # vocabulary entries per block of the two-level CDF
 
 
 def _shifted_exp(logits, t):
-    """(e, block sums, shift): e = exp((logits - shift) / t) [N, V] and the sums of its blocks of BLOCK entries
-    [N, B] (the last block may be shorter; summed in fp32, as a float64 reduction costs ten times more here).
-    shift is 0 in every row where that is safe (no entry overflows, the row's mass does not vanish), so the
-    common case reads the logits once for exp and once for the sums; other rows are redone shifted by their max."""
+    """(e, block sums, shift): e = exp((logits - shift) / t) [N, V] and the sums of its blocks of
+    BLOCK entries [N, B] (the last block may be shorter; summed in fp32, as a float64 reduction
+    costs ten times more here). shift is 0 in every row where that is safe (no entry overflows, the
+    row's mass does not vanish), so the common case reads the logits once for exp and once for the
+    sums; other rows are redone shifted by their max."""
     N, V = logits.shape
     e = _scratch(N * V, logits.device).view(N, V)
     tempered = bool((t != 1).any())
@@ -104,7 +115,8 @@ def _shifted_exp(logits, t):
     sums = _block_sums(e)
     shift = torch.zeros(N, 1, device=logits.device)
     total = sums.sum(-1)
-    # a row whose sum is tiny has its max far below 0: entries that underflow could then carry real mass
+    # a row whose sum is tiny has its max far below 0: entries that underflow could then carry real
+    # mass
     redo = (~torch.isfinite(total) | (total < 1e-10)).nonzero()[:, 0]
     if len(redo):
         shift[redo] = logits[redo].amax(-1, keepdim=True)
@@ -115,7 +127,7 @@ def _shifted_exp(logits, t):
 
 def _block_sums(e):
     N, V = e.shape
-    whole = V // BLOCK                                           # row n's block k: e[n, k * BLOCK:(k + 1) * BLOCK]
+    whole = V // BLOCK                            # row n's block k: e[n, k * BLOCK:(k + 1) * BLOCK]
     sums = e.as_strided((N, whole, BLOCK), (V, BLOCK, 1)).sum(-1)
     return torch.cat([sums, e[:, whole * BLOCK:].sum(-1, keepdim=True)], 1) if V % BLOCK else sums
 
@@ -124,39 +136,45 @@ _SCRATCH = threading.local()   # per thread: device -> a flat fp32 buffer, grown
 
 
 def _scratch(numel, device):
-    """A reusable buffer for the [N, V] exponentials: a fresh 78 MB tensor every step (128 x 151,936) would cost
-    more in page faults than the arithmetic it holds. Its contents live only within one sampling call."""
+    """A reusable buffer for the [N, V] exponentials: a fresh 78 MB tensor every step (128 x
+    151,936) would cost more in page faults than the arithmetic it holds. Its contents live only
+    within one sampling call."""
     buffers = _SCRATCH.__dict__.setdefault("buffers", {})
     buf = buffers.get(device)
     if buf is None or buf.numel() < numel:
-        with torch.inference_mode(False):   # a normal tensor: usable in and out of the engine's inference mode
+        # a normal tensor: usable in and out of the engine's inference mode
+        with torch.inference_mode(False):
             buf = buffers[device] = torch.empty(numel, device=device)
     return buf[:numel]
 
 
 def _draw(e, block_sums, target):
-    """The token where the CDF of e first reaches target, per row, in two levels: the block whose running sum
-    reaches it (a cumsum over B block sums), then the entry inside that block (a cumsum over BLOCK entries).
-    Example: block sums [2, 5, 3], target 6 -> block 1 (running sums 2, 7, 10), 4 left to find inside it."""
+    """The token where the CDF of e first reaches target, per row, in two levels: the block whose
+    running sum reaches it (a cumsum over B block sums), then the entry inside that block (a cumsum
+    over BLOCK entries). Example: block sums [2, 5, 3], target 6 -> block 1 (running sums 2, 7, 10),
+    4 left to find inside it."""
     N, V = e.shape
     running = block_sums.cumsum(-1)
     b = torch.searchsorted(running, target[:, None]).clamp_(max=block_sums.shape[1] - 1)
     left = target[:, None] - (running.gather(1, b) - block_sums.gather(1, b))
-    cols = b * BLOCK + torch.arange(BLOCK, device=e.device)      # the block's columns (past V in a short last one)
+    # the block's columns (past V in a short last one)
+    cols = b * BLOCK + torch.arange(BLOCK, device=e.device)
     inside = e.gather(1, cols.clamp(max=V - 1)).masked_fill_(cols >= V, 0.0).double().cumsum(-1)
     return b[:, 0] * BLOCK + torch.searchsorted(inside, left).clamp_(max=BLOCK - 1)[:, 0]
 
 
 def _draw_filtered(e, top_k, top_p, u):
-    # top-k / top-p on the probabilities: zero the mass outside them, then one cumsum over the vocabulary
+    # top-k / top-p on the probabilities: zero the mass outside them, then one cumsum over the
+    # vocabulary
     probs = _filter_top_k_top_p(e, top_k, top_p)
     cdf = probs.double().cumsum(-1)
     return torch.searchsorted(cdf, (u * cdf[:, -1])[:, None]).squeeze(1)
 
 
 def _filter_top_k_top_p(probs, top_k, top_p):
-    # zero the probabilities outside each row's top k and its top-p nucleus (the smallest prefix of the sorted
-    # tokens whose mass reaches p); rows with p = 1 skip top-p, where fp32 cumsum rounding could drop tail tokens
+    # zero the probabilities outside each row's top k and its top-p nucleus (the smallest prefix of
+    # the sorted tokens whose mass reaches p); rows with p = 1 skip top-p, where fp32 cumsum
+    # rounding could drop tail tokens
     N, V = probs.shape
     k = torch.zeros(N, dtype=torch.int64, device=probs.device) if top_k is None else \
         torch.as_tensor(top_k, device=probs.device).reshape(N)
@@ -175,7 +193,8 @@ def _filter_top_k_top_p(probs, top_k, top_p):
 
 
 def sample_next(seqs, logits):
-    """The next token of each sequence (one logits row each) under its own SamplingParams and seed."""
+    """The next token of each sequence (one logits row each) under its own SamplingParams and
+    seed."""
     params, dev = [s.params for s in seqs], logits.device
     meta = torch.tensor([[p.temperature, p.top_k, p.top_p] for p in params], dtype=torch.float64)
     use_k, use_p = any(p.top_k for p in params), any(p.top_p < 1.0 for p in params)
@@ -187,8 +206,9 @@ def sample_next(seqs, logits):
 
 
 def top_logprobs(seqs, logits):
-    """Per sequence: None, or its params.top_logprobs most likely ((token, logprob), ...) under log_softmax(logits /
-    T), T = 1 when greedy (the distribution the sampled token's logprob is read from)."""
+    """Per sequence: None, or its params.top_logprobs most likely ((token, logprob), ...) under
+    log_softmax(logits / T), T = 1 when greedy (the distribution the sampled token's logprob is read
+    from)."""
     want = [i for i, s in enumerate(seqs) if s.params.top_logprobs > 0]
     out = [None] * len(seqs)
     if not want:

@@ -1,28 +1,30 @@
 """
-An OpenAI-compatible HTTP server over InferenceEngine that hands back what a trainer needs: token ids, logprobs.
+An OpenAI-compatible HTTP server over InferenceEngine that hands back what a trainer needs: token
+ids, logprobs.
 
     python serve.py --model_path=out/qwen_small/grpo/ckpt                 # http://127.0.0.1:8000/v1
     python serve.py --model_path=DIR --port=8001 --api_key=secret --enable_weight_updates=True
 
-Endpoints, with vLLM's and SGLang's names and shapes, so the openai client and agent frameworks work unchanged:
-GET /health, GET /v1/models (max_model_len, stop_token_ids), POST /v1/completions and
+Endpoints, with vLLM's and SGLang's names and shapes, so the openai client and agent frameworks work
+unchanged: GET /health, GET /v1/models (max_model_len, stop_token_ids), POST /v1/completions and
 /v1/chat/completions (stream=true too), vLLM's token-in / token-out POST /inference/v1/generate,
 POST /tokenize and /detokenize, and new weights (off unless --enable_weight_updates=True): POST
 /update_weights_from_disk {"model_path": DIR}, or over a process group of the trainer's, SGLang's
 POST /init_weights_update_group then /update_weights_from_distributed per version
-(weight_sync.ServerWeights is the trainer's side). Extras on both
-generation endpoints: return_token_ids=true adds prompt_token_ids and each choice's token_ids (the exact ids
-sampled, a stop token included); each choice carries weight_version (the oldest weights that sampled a token of
-it); logprobs are log_softmax(logits / T) at the sampled token, the engine's own numbers. client.py turns a
-response into a TrainingSample and continues a conversation by token ids (chat uses the checkpoint's template).
-With a seed, /v1/completions' prompt i draws as prompt first_index + i (default 0) of one
-engine.generate call, so a rollout split across servers samples what one engine would
-(rollout_servers.py).
+(weight_sync.ServerWeights is the trainer's side). Extras on both generation endpoints:
+return_token_ids=true adds prompt_token_ids and each choice's token_ids (the exact ids sampled, a
+stop token included); each choice carries weight_version (the oldest weights that sampled a token of
+it); logprobs are log_softmax(logits / T) at the sampled token, the engine's own numbers. client.py
+turns a response into a TrainingSample and continues a conversation by token ids (chat uses the
+checkpoint's template). With a seed, /v1/completions' prompt i draws as prompt first_index + i
+(default 0) of one engine.generate call, so a rollout split across servers samples what one engine
+would (rollout_servers.py).
 
-A request's path: its handler checks the JSON (a bad field: 400, the OpenAI error body naming it, nothing queued),
-makes the prompt ids and hands them to the EngineLoop (engine_loop.py), whose one thread owns the engine and
-batches every client's samples together. Deltas come back through an asyncio queue and become one response or,
-streaming, server-sent events. A client that goes away has its samples aborted.
+A request's path: its handler checks the JSON (a bad field: 400, the OpenAI error body naming it,
+nothing queued), makes the prompt ids and hands them to the EngineLoop (engine_loop.py), whose one
+thread owns the engine and batches every client's samples together. Deltas come back through an
+asyncio queue and become one response or, streaming, server-sent events. A client that goes away has
+its samples aborted.
 """
 
 import asyncio
@@ -55,18 +57,21 @@ host = "127.0.0.1"           # only this machine, unless told otherwise
 port = 8000
 device = "cpu"
 dtype = "float32"
-served_model_name = ""       # the name clients send as "model"; '' = model_path as given
-api_key = ""                 # '' = no key; else every endpoint wants "Authorization: Bearer <api_key>"
+served_model_name = ""    # the name clients send as "model"; '' = model_path as given
+api_key = ""              # '' = no key; else every endpoint wants "Authorization: Bearer <api_key>"
 enable_weight_updates = False  # POST /update_weights_from_disk, /init_weights_update_group, ...
 max_batch_size = 64          # sequences in one engine step
 max_num_batched_tokens = 2048
 max_model_len = 0            # prompt + completion; 0 = the model's max_position_embeddings
 num_blocks = 0               # KV blocks; 0 = sized from memory
 block_size = 16
-cache_type = "paged"         # 'paged' | 'radix' (token-granular: a chat's next turn reuses all of its history)
+# 'paged' | 'radix' (token-granular: a chat's next turn reuses all of its history)
+cache_type = "paged"
 seed = 0                     # seeds the sampling of requests without a seed
-max_logprobs = 20            # the most top_logprobs a request may ask for
-log_level = "warning"        # uvicorn's
+# the most top_logprobs a request may ask for
+max_logprobs = 20
+# uvicorn's
+log_level = "warning"
 # -----------------------------------------------------------------------------
 
 
@@ -78,15 +83,23 @@ class BadRequest(Exception):
         self.message, self.param, self.status, self.kind = message, param, status, kind
 
 
-def error_body(message, param=None, status=400, kind="invalid_request_error"):   # OpenAI's error shape
+# OpenAI's error shape
+def error_body(message, param=None, status=400, kind="invalid_request_error"):
     return {"error": {"message": message, "type": kind, "param": param, "code": status}}
 
 
 class Server:
-    """What the handlers share: the engine's owner loop, the tokenizer, the served name and the rules."""
+    """What the handlers share: the engine's owner loop, the tokenizer, the served name and the
+    rules."""
 
-    def __init__(self, engine, tokenizer, name, api_key="", enable_weight_updates=False, eos_ids=(), max_logprobs=20):
-        self.engine, self.tokenizer, self.name, self.max_logprobs = engine, tokenizer, name, max_logprobs
+    def __init__(self, engine, tokenizer, name, api_key="", enable_weight_updates=False, eos_ids=(),
+                 max_logprobs=20):
+        self.engine, self.tokenizer, self.name, self.max_logprobs = (
+            engine,
+            tokenizer,
+            name,
+            max_logprobs,
+        )
         self.api_key, self.enable_weight_updates = api_key, enable_weight_updates
         self.vocab_size, self.max_model_len = engine.model.config.vocab_size, engine.max_model_len
         self.eos_ids = frozenset(eos_ids) | {tokenizer.eos_token_id} - {None}
@@ -103,19 +116,22 @@ def _field(body, name, kinds, default, ok=lambda v: True, rule=""):
     if value is None:
         return default
     if not isinstance(value, kinds) or isinstance(value, bool) and bool not in kinds:
-        raise BadRequest(f"{name} must be {' or '.join(k.__name__ for k in kinds)}, got {value!r}", name)
+        raise BadRequest(f"{name} must be {' or '.join(k.__name__ for k in kinds)}, got {value!r}",
+                         name)
     if not ok(value):
         raise BadRequest(f"{name} {rule}, got {value!r}", name)
     return value
 
 
 def _ids_list(x):   # a non-empty list of token ids
-    return isinstance(x, list) and len(x) > 0 and all(isinstance(t, int) and not isinstance(t, bool) for t in x)
+    return isinstance(x,
+                      list) and len(x) > 0 and all(isinstance(t, int) and not isinstance(t, bool)
+                                                   for t in x)
 
 
-UNSUPPORTED = dict(best_of=1, echo=False, suffix=None, logit_bias=None, presence_penalty=0, frequency_penalty=0,
-                   tools=None, response_format=None, use_beam_search=False, repetition_penalty=1,
-                   min_p=0, min_tokens=0)
+UNSUPPORTED = dict(best_of=1, echo=False, suffix=None, logit_bias=None, presence_penalty=0,
+                   frequency_penalty=0, tools=None, response_format=None, use_beam_search=False,
+                   repetition_penalty=1, min_p=0, min_tokens=0)
 
 
 def read_sampling(server, body, logprobs_k, prompts):
@@ -126,26 +142,30 @@ def read_sampling(server, body, logprobs_k, prompts):
     n = _field(body, "n", (int,), 1, lambda v: 1 <= v <= server.engine.config.max_batch_size,
                f"must be in [1, {server.engine.config.max_batch_size}]")
     default_tokens = 16 if "messages" not in body else server.max_model_len - max(map(len, prompts))
-    max_tokens = _field(body, "max_completion_tokens", (int,), None, lambda v: v >= 1, "must be >= 1")
-    max_tokens = _field(body, "max_tokens", (int,), max_tokens or default_tokens, lambda v: v >= 1, "must be >= 1")
-    temperature = _field(body, "temperature", (int, float), 1.0, lambda v: math.isfinite(v) and v >= 0,
-                         "must be a finite number >= 0")
+    max_tokens = _field(body, "max_completion_tokens", (int,), None, lambda v: v >= 1,
+                        "must be >= 1")
+    max_tokens = _field(body, "max_tokens", (int,), max_tokens or default_tokens, lambda v: v >= 1,
+                        "must be >= 1")
+    temperature = _field(body, "temperature", (int, float), 1.0,
+                         lambda v: math.isfinite(v) and v >= 0, "must be a finite number >= 0")
     top_p = _field(body, "top_p", (int, float), 1.0, lambda v: 0 < v <= 1, "must be in (0, 1]")
     top_k = _field(body, "top_k", (int,), 0, lambda v: v >= -1, "must be -1 or 0 (off), or >= 1")
     seed = _field(body, "seed", (int,), None, lambda v: 0 <= v < 2 ** 64, "must be in [0, 2**64)")
-    stop = [body["stop"]] if isinstance(body.get("stop"), str) else _field(body, "stop", (list,), [])
+    stop = [body["stop"]] if isinstance(body.get("stop"), str) else _field(body, "stop", (list,),
+                                                                           [])
     if not all(isinstance(s, str) and s for s in stop):
         raise BadRequest(f"stop must be a non-empty string or a list of them, got {stop!r}", "stop")
-    stop_ids = _field(body, "stop_token_ids", (list,), [], lambda v: all(
-        isinstance(t, int) and 0 <= t < server.vocab_size for t in v), f"must be ids in [0, {server.vocab_size})")
+    stop_ids = _field(body, "stop_token_ids", (list,), [],
+                      lambda v: all(isinstance(t, int) and 0 <= t < server.vocab_size for t in v),
+                      f"must be ids in [0, {server.vocab_size})")
     eos = set() if _field(body, "ignore_eos", (bool,), False) else server.eos_ids
     if max(map(len, prompts)) + max_tokens > server.max_model_len:
-        raise BadRequest(f"max_tokens={max_tokens} with a prompt of {max(map(len, prompts))} tokens exceeds "
-                         f"max_model_len={server.max_model_len}", "max_tokens")
+        raise BadRequest(f"max_tokens={max_tokens} with a prompt of {max(map(len, prompts))} "
+                         f"tokens exceeds max_model_len={server.max_model_len}", "max_tokens")
     try:
-        params = SamplingParams(temperature=float(temperature), max_tokens=max_tokens, top_p=float(top_p),
-                                top_k=max(top_k, 0), seed=seed, stop_token_ids=frozenset(stop_ids) | eos,
-                                top_logprobs=logprobs_k)
+        params = SamplingParams(temperature=float(temperature), max_tokens=max_tokens,
+                                top_p=float(top_p), top_k=max(top_k, 0), seed=seed,
+                                stop_token_ids=frozenset(stop_ids) | eos, top_logprobs=logprobs_k)
         for prompt in prompts:
             check_fits(prompt, params, n, server.engine.cache, server.max_model_len, "prompt")
     except ValueError as e:
@@ -159,11 +179,13 @@ def completion_prompts(server, body):
     prompt = body.get("prompt")
     if isinstance(prompt, str) or _ids_list(prompt):
         prompt = [prompt]
-    if not (isinstance(prompt, list) and prompt and all(isinstance(p, str) or _ids_list(p) for p in prompt)):
-        raise BadRequest(f"prompt must be a string, a list of token ids, or a non-empty list of either, got "
-                         f"{str(prompt)[:80]!r}", "prompt")
+    if not (isinstance(prompt, list) and prompt
+            and all(isinstance(p, str) or _ids_list(p) for p in prompt)):
+        raise BadRequest(f"prompt must be a string, a list of token ids, or a non-empty list of "
+                         f"either, got {str(prompt)[:80]!r}", "prompt")
     ids = [server.tokenizer.encode(p) if isinstance(p, str) else p for p in prompt]
-    return [_checked(server, p, f"prompt[{i}]" if len(ids) > 1 else "prompt") for i, p in enumerate(ids)]
+    return [_checked(server, p, f"prompt[{i}]" if len(ids) > 1 else "prompt")
+            for i, p in enumerate(ids)]
 
 
 def chat_prompt(server, body, add_generation_prompt=True):
@@ -171,17 +193,21 @@ def chat_prompt(server, body, add_generation_prompt=True):
     (unless add_generation_prompt=False)."""
     messages = body.get("messages")
     if not (isinstance(messages, list) and messages):
-        raise BadRequest(f"messages must be a non-empty list, got {str(messages)[:80]!r}", "messages")
+        raise BadRequest(f"messages must be a non-empty list, got {str(messages)[:80]!r}",
+                         "messages")
     plain = []
     for i, m in enumerate(messages):
         content = m.get("content") if isinstance(m, dict) else None
         if isinstance(content, list):   # content parts: text only
-            if not all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str)
-                       for p in content):
-                raise BadRequest(f"messages[{i}].content: only text parts are supported", "messages")
+            if not all(isinstance(p, dict) and p.get("type") == "text"
+                       and isinstance(p.get("text"), str) for p in content):
+                raise BadRequest(f"messages[{i}].content: only text parts are supported",
+                                 "messages")
             content = "".join(p["text"] for p in content)
-        if not (isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(content, str)):
-            raise BadRequest(f"messages[{i}] must have a string role and content, got {str(m)[:80]!r}", "messages")
+        if not (isinstance(m, dict) and isinstance(m.get("role"), str)
+                and isinstance(content, str)):
+            raise BadRequest(f"messages[{i}] must have a string role and content, got "
+                             f"{str(m)[:80]!r}", "messages")
         plain.append({"role": m["role"], "content": content})
     try:
         out = server.tokenizer.apply_chat_template(
@@ -200,7 +226,8 @@ def _checked(server, ids, where):
 
 
 def read_logprobs(server, body, chat):
-    """How many top alternatives to record per token (0: the sampled one only), and whether logprobs are on."""
+    """How many top alternatives to record per token (0: the sampled one only), and whether logprobs
+    are on."""
     if chat:
         on = _field(body, "logprobs", (bool,), False)
         k = _field(body, "top_logprobs", (int,), 0, lambda v: 0 <= v <= server.max_logprobs,
@@ -235,8 +262,9 @@ class Choice:
 
 
 async def deltas_of(server, http, prompts, params, n, stop, first_index=0):
-    """Yield lists of Deltas until every choice has finished. A client that disconnects (seen while waiting,
-    or as this generator being closed) has what is left of its request aborted in the engine."""
+    """Yield lists of Deltas until every choice has finished. A client that disconnects (seen while
+    waiting, or as this generator being closed) has what is left of its request aborted in the
+    engine."""
     queue, loop = asyncio.Queue(), asyncio.get_running_loop()
 
     def emit(deltas):   # called on the owner thread
@@ -253,7 +281,8 @@ async def deltas_of(server, http, prompts, params, n, stop, first_index=0):
                 deltas = await asyncio.wait_for(queue.get(), timeout=0.1)
             except asyncio.TimeoutError:
                 deltas = []
-            if time.monotonic() - checked > 0.1:   # is the client still there? (an instant, non-blocking look)
+            # is the client still there? (an instant, non-blocking look)
+            if time.monotonic() - checked > 0.1:
                 if await http.is_disconnected():
                     return
                 checked = time.monotonic()
@@ -268,16 +297,19 @@ async def deltas_of(server, http, prompts, params, n, stop, first_index=0):
             server.loop.abort(request)
 
 
-def token_text(tokenizer, token_id):   # a special token is shown as itself in logprobs (it is cut from the text)
+# a special token is shown as itself in logprobs (it is cut from the text)
+def token_text(tokenizer, token_id):
     return tokenizer.decode([token_id], skip_special_tokens=False)
 
 
 def completion_logprobs(tokenizer, ids, logprobs, tops, offset):
-    """OpenAI completions logprobs: tokens, token_logprobs, top_logprobs, text_offset (from offset)."""
+    """OpenAI completions logprobs: tokens, token_logprobs, top_logprobs, text_offset (from
+    offset)."""
     tokens = [token_text(tokenizer, t) for t in ids]
     offsets = [offset + sum(len(t) for t in tokens[:i]) for i in range(len(tokens))]
     top = [{token_text(tokenizer, t): lp for t, lp in alts} for alts in tops] if tops else None
-    return {"tokens": tokens, "token_logprobs": logprobs, "top_logprobs": top, "text_offset": offsets}
+    return {"tokens": tokens, "token_logprobs": logprobs, "top_logprobs": top,
+            "text_offset": offsets}
 
 
 def chat_logprobs(tokenizer, ids, logprobs, tops):
@@ -307,13 +339,14 @@ async def completions(server, http, body):
     prompts = completion_prompts(server, body)
     want_logprobs, k = read_logprobs(server, body, chat=False)
     params, n, stop = read_sampling(server, body, k, prompts)
-    ids_back, stream = _field(body, "return_token_ids", (bool,), False), _field(body, "stream", (bool,), False)
+    ids_back, stream = _field(body, "return_token_ids", (bool,), False), _field(body, "stream",
+                                                                                (bool,), False)
     # seeded: prompt i draws as prompt first_index + i of one engine.generate call (a trainer's
     # share of a rollout split across servers draws what one engine would)
     first = _field(body, "first_index", (int,), 0, lambda v: 0 <= v < 2 ** 63,
                    "must be in [0, 2**63)")
-    head = {"id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion", "created": int(time.time()),
-            "model": server.name}
+    head = {"id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion",
+            "created": int(time.time()), "model": server.name}
     choices = new_choices(prompts, n)
 
     def choice_body(ch, d=None):   # the whole choice, or (streaming) the part that Delta d added
@@ -321,8 +354,8 @@ async def completions(server, http, body):
             (d.token_ids, d.logprobs, d.top_logprobs, d.text)
         offset = len(ch.text) - len(text)
         out = {"index": ch.index, "text": text, "finish_reason": ch.finish_reason,
-               "logprobs": completion_logprobs(server.tokenizer, ids, lps, tops if k else [], offset)
-               if want_logprobs else None}
+               "logprobs": completion_logprobs(server.tokenizer, ids, lps, tops if k else [],
+                                               offset) if want_logprobs else None}
         if ids_back:
             out.update(token_ids=ids, **({"prompt_token_ids": ch.prompt_ids} if d is None or
                                          len(ch.ids) == len(ids) else {}))
@@ -343,36 +376,45 @@ async def chat_completions(server, http, body):
     prompt = chat_prompt(server, body)
     want_logprobs, k = read_logprobs(server, body, chat=True)
     params, n, stop = read_sampling(server, body, k, [prompt])
-    ids_back, stream = _field(body, "return_token_ids", (bool,), False), _field(body, "stream", (bool,), False)
-    head = {"id": f"chatcmpl-{uuid.uuid4().hex}", "object": "chat.completion", "created": int(time.time()),
-            "model": server.name}
+    ids_back, stream = _field(body, "return_token_ids", (bool,), False), _field(body, "stream",
+                                                                                (bool,), False)
+    head = {"id": f"chatcmpl-{uuid.uuid4().hex}", "object": "chat.completion",
+            "created": int(time.time()), "model": server.name}
     choices = new_choices([prompt], n)
 
     def logprobs(ids, lps, tops):
-        return chat_logprobs(server.tokenizer, ids, lps, tops if k else []) if want_logprobs else None
+        return chat_logprobs(server.tokenizer, ids, lps,
+                             tops if k else []) if want_logprobs else None
 
     def extras(ch, ids):
         return dict({"token_ids": ids} if ids_back else {},
-                    **({"weight_version": min(ch.versions, default=server.engine.version)} if ch.finish_reason else {}))
+                    **({"weight_version": min(ch.versions, default=server.engine.version)}
+                       if ch.finish_reason else {}))
 
     def chunk_choices(ch, d):   # streaming: the role first, then the content as it comes
         first = len(ch.ids) == len(d.token_ids)
         role = [{"index": ch.index, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
                  "finish_reason": None}] if first else []
-        return role + [dict({"index": ch.index, "delta": {"content": d.text}, "finish_reason": ch.finish_reason,
-                             "logprobs": logprobs(d.token_ids, d.logprobs, d.top_logprobs)}, **extras(ch, d.token_ids))]
+        return role + [dict({"index": ch.index, "delta": {"content": d.text},
+                             "finish_reason": ch.finish_reason,
+                             "logprobs": logprobs(d.token_ids, d.logprobs, d.top_logprobs)},
+                            **extras(ch, d.token_ids))]
 
     if stream:
-        head = dict(head, object="chat.completion.chunk", **({"prompt_token_ids": prompt} if ids_back else {}))
+        head = dict(head, object="chat.completion.chunk",
+                    **({"prompt_token_ids": prompt} if ids_back else {}))
         return sse(server, http, [prompt], params, n, stop, choices, body, head, chunk_choices)
     async for deltas in deltas_of(server, http, [prompt], params, n, stop):
         for d in deltas:
             choices[d.index].add(d)
-    return dict(head, choices=[dict({"index": ch.index, "message": {"role": "assistant", "content": ch.text},
-                                     "finish_reason": ch.finish_reason,
-                                     "logprobs": logprobs(ch.ids, ch.logprobs, ch.tops)}, **extras(ch, ch.ids))
-                               for ch in choices],
-                **({"prompt_token_ids": prompt} if ids_back else {}), usage=usage([prompt], n, choices))
+    return dict(head,
+                choices=[dict({"index": ch.index,
+                               "message": {"role": "assistant", "content": ch.text},
+                               "finish_reason": ch.finish_reason,
+                               "logprobs": logprobs(ch.ids, ch.logprobs, ch.tops)},
+                              **extras(ch, ch.ids)) for ch in choices],
+                **({"prompt_token_ids": prompt} if ids_back else {}),
+                usage=usage([prompt], n, choices))
 
 
 async def generate_tokens(server, http, body):
@@ -457,7 +499,8 @@ def sse(server, http, prompts, params, n, stop, choices, body, head, chunk_choic
                     for choice in chunk_choices(choices[d.index], d):
                         yield f"data: {json.dumps(dict(head, choices=[choice]))}\n\n"
             if with_usage:
-                yield f"data: {json.dumps(dict(head, choices=[], usage=usage(prompts, n, choices)))}\n\n"
+                tail = dict(head, choices=[], usage=usage(prompts, n, choices))
+                yield f"data: {json.dumps(tail)}\n\n"
         except BadRequest as e:
             yield f"data: {json.dumps(error_body(e.message, e.param, e.status, e.kind))}\n\n"
         yield "data: [DONE]\n\n"
@@ -476,8 +519,8 @@ def check_updates_on(server):
 
 
 async def update_weights_from_disk(server, http, body):
-    """Load DIR's weights, check them against the engine's (names, shapes, finite), swap them in between two
-    steps; a refused directory changes nothing."""
+    """Load DIR's weights, check them against the engine's (names, shapes, finite), swap them in
+    between two steps; a refused directory changes nothing."""
     check_updates_on(server)
     path = _field(body, "model_path", (str,), None)
     if not path:
@@ -495,7 +538,8 @@ async def update_weights_from_disk(server, http, body):
     try:
         version = await asyncio.to_thread(server.loop.call, swap)
     except (ValueError, TypeError) as e:
-        raise BadRequest(f"model_path={path!r} does not fit the served model: {e}", "model_path") from None
+        raise BadRequest(f"model_path={path!r} does not fit the served model: {e}",
+                         "model_path") from None
     return {"success": True, "message": f"loaded {path}", "weight_version": version}
 
 
@@ -589,37 +633,43 @@ _POST_ENDPOINTS = {   # a plain dict at the top level would count as a setting: 
 }
 
 
+async def body_of(server, http):
+    """The request's JSON object, or a BadRequest naming what is wrong with it."""
+    try:
+        body = json.loads(await http.body())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise BadRequest(f"the request body is not valid JSON: {e}") from None
+    if not isinstance(body, dict):
+        raise BadRequest(f"the request body must be a JSON object, got {type(body).__name__}")
+    if body.get("model") not in (None, server.name):
+        raise BadRequest(f"the model {body['model']!r} does not exist: this server serves "
+                         f"{server.name!r}", "model")
+    return body
+
+
 def build_app(server) -> FastAPI:
     @contextlib.asynccontextmanager
     async def lifespan(app):
         yield
-        await asyncio.to_thread(server.loop.close)   # on shutdown (Ctrl-C): the owner thread ends its requests
+        # on shutdown (Ctrl-C): the owner thread ends its requests
+        await asyncio.to_thread(server.loop.close)
 
-    app = FastAPI(title="nano-rl serve", docs_url=None, redoc_url=None, openapi_url=None, lifespan=lifespan)
+    app = FastAPI(title="nano-rl serve", docs_url=None, redoc_url=None, openapi_url=None,
+                  lifespan=lifespan)
     key = f"Bearer {server.api_key}".encode()
 
     @app.middleware("http")
     async def check_key(http: Request, call_next):
-        if server.api_key and not hmac.compare_digest(http.headers.get("authorization", "").encode(), key):
-            return JSONResponse(error_body("missing or wrong API key: send 'Authorization: Bearer <key>'", None, 401,
-                                           "authentication_error"), 401)
+        sent = http.headers.get("authorization", "").encode()
+        if server.api_key and not hmac.compare_digest(sent, key):
+            return JSONResponse(error_body("missing or wrong API key: send 'Authorization: "
+                                           "Bearer <key>'", None, 401, "authentication_error"), 401)
         return await call_next(http)
-
-    async def body_of(http):
-        try:
-            body = json.loads(await http.body())
-        except (json.JSONDecodeError, UnicodeDecodeError) as e:
-            raise BadRequest(f"the request body is not valid JSON: {e}") from None
-        if not isinstance(body, dict):
-            raise BadRequest(f"the request body must be a JSON object, got {type(body).__name__}")
-        if body.get("model") not in (None, server.name):
-            raise BadRequest(f"the model {body['model']!r} does not exist: this server serves {server.name!r}", "model")
-        return body
 
     def endpoint(path, handler):
         async def run(http: Request):
             try:
-                out = await handler(server, http, await body_of(http))
+                out = await handler(server, http, await body_of(server, http))
             except BadRequest as e:
                 return JSONResponse(error_body(e.message, e.param, e.status, e.kind), e.status)
             return out if isinstance(out, Response) else JSONResponse(out)
@@ -632,14 +682,16 @@ def build_app(server) -> FastAPI:
     async def health():
         return Response(status_code=200)
 
+    # the engine's counters, read on its own thread, and the largest batch it has stepped
     @app.get("/stats")
-    async def stats():   # the engine's counters, read on its own thread, and the largest batch it has stepped
+    async def stats():
         return dict(await asyncio.to_thread(server.loop.call, lambda engine: engine.stats()),
                     peak_batch=server.loop.peak_batch)
 
     @app.get("/v1/models")
     async def models():
-        card = {"id": server.name, "object": "model", "created": int(time.time()), "owned_by": "nano-rl",
+        card = {"id": server.name, "object": "model", "created": int(time.time()),
+                "owned_by": "nano-rl",
                 "max_model_len": server.max_model_len, "weight_version": server.engine.version,
                 "stop_token_ids": sorted(server.eos_ids)}   # what ends a reply unless ignore_eos
         return {"object": "list", "data": [card]}
@@ -648,7 +700,8 @@ def build_app(server) -> FastAPI:
 
 
 def eos_ids_of(path):
-    """The eos ids of DIR's generation_config.json (a checkpoint may stop on several), or () without one."""
+    """The eos ids of DIR's generation_config.json (a checkpoint may stop on several), or () without
+    one."""
     try:
         eos = json.load(open(os.path.join(path, "generation_config.json"))).get("eos_token_id")
     except (OSError, ValueError):
@@ -659,7 +712,8 @@ def eos_ids_of(path):
 def main():
     configure(globals(), sys.argv[1:], stage="serve")
     if not model_path:
-        raise ValueError("model_path is required: --model_path=DIR (a model directory with its tokenizer)")
+        raise ValueError("model_path is required: --model_path=DIR (a model directory with its "
+                         "tokenizer)")
     if not 0 <= port < 65536:
         raise ValueError(f"port must be in [0, 65536), got {port}")
     tokenizer = load_tokenizer(model_path)
@@ -667,9 +721,11 @@ def main():
         model_path=model_path, device=device, dtype=dtype, max_batch_size=max_batch_size, seed=seed,
         max_num_batched_tokens=max_num_batched_tokens, max_model_len=max_model_len or None,
         num_blocks=num_blocks or None, block_size=block_size, cache_type=cache_type))
-    server = Server(engine, tokenizer, served_model_name or model_path, api_key, enable_weight_updates,
-                    eos_ids_of(model_path) or generation_stop_ids(tokenizer), max_logprobs)
-    print(f"serving {server.name!r} on http://{host}:{port}/v1 ({engine.cache.num_blocks} KV blocks)", flush=True)
+    server = Server(engine, tokenizer, served_model_name or model_path, api_key,
+                    enable_weight_updates, eos_ids_of(model_path) or generation_stop_ids(tokenizer),
+                    max_logprobs)
+    print(f"serving {server.name!r} on http://{host}:{port}/v1 ({engine.cache.num_blocks} KV "
+          f"blocks)", flush=True)
     # keep idle connections longer than clients pool them (httpx: 5 s), so that a client never
     # reuses one the server is closing at that moment ("disconnected without a response")
     uvicorn.run(build_app(server), host=host, port=port, log_level=log_level,

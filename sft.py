@@ -1,24 +1,27 @@
 """
-Supervised fine-tuning on chat conversations: the loss is on the assistant reply only (weights = loss mask).
+Supervised fine-tuning on chat conversations: the loss is on the assistant reply only (weights =
+loss mask).
 
     python sft.py config/qwen_small.py
     python sft.py config/qwen_small.py --init_from=out/qwen_small/pretrain --max_iters=100
     python sft.py config/qwen_small.py --init_from=resume           # continue a killed run exactly
-    torchrun --standalone --nproc_per_node=2 sft.py config/qwen_small.py --grad_accum=2   # data-parallel
+    # data-parallel
+    torchrun --standalone --nproc_per_node=2 sft.py config/qwen_small.py --grad_accum=2
     python sft.py config/qwen_small.py --init_from=out/qwen_small/sft --out_dir=out/rft \
         --rft_samples=8 --rft_problems=2000 --max_flops=1e13 --keep_best=True --max_iters=1000000
 
 The data is the task's demonstrations (its sft_examples: for the embedded countdown a minority of
-the training problems, each with one right chain of steps), each made by
-tokenizer.chat_example, the same chat template the engine's prompts use.
-With rft_samples > 0 it is rejection-sampling fine-tuning instead: the starting model answers rft_problems
-training problems (the ones GRPO's prompt stream would take first, same seed) rft_samples times each at
-rft_temperature, and the distinct correct answers, token for token as sampled, are the data.
+the training problems, each with one right chain of steps), each made by tokenizer.chat_example, the
+same chat template the engine's prompts use. With rft_samples > 0 it is rejection-sampling
+fine-tuning instead: the starting model answers rft_problems training problems (the ones GRPO's
+prompt stream would take first, same seed) rft_samples times each at rft_temperature, and the
+distinct correct answers, token for token as sampled, are the data.
 
-Every eval_interval: eval/loss on demonstrations of validation problems, and eval/accuracy, the greedy accuracy
-on n_eval_problems validation problems. keep_best=True keeps the model of the best eval/accuracy in
-{out_dir}/best (early stopping on validation); max_flops > 0 stops once the run (sampling included) has spent
-that many FLOPs (a compute-matched baseline). The test split is never read here.
+Every eval_interval: eval/loss on demonstrations of validation problems, and eval/accuracy, the
+greedy accuracy on n_eval_problems validation problems. keep_best=True keeps the model of the best
+eval/accuracy in {out_dir}/best (early stopping on validation); max_flops > 0 stops once the run
+(sampling included) has spent that many FLOPs (a compute-matched baseline). The test split is never
+read here.
 """
 import json
 import os
@@ -40,20 +43,21 @@ from tokenizer import build_tokenizer, chat_example
 # settings (a config file, then --key=value, override these)
 out_dir = "out/sft"
 task = "task"                # a module name or a .py path (environment.py); 'task' = countdown
-init_from = "out/pretrain"   # 'scratch' | 'resume' | a previous run's out_dir | a transformers model dir
+# 'scratch' | 'resume' | a previous run's out_dir | a transformers model dir
+init_from = "out/pretrain"
 model = dict()               # ModelConfig fields, used only with init_from='scratch'
 seed = 1337
 device = "cpu"
 dtype = "float32"            # 'float32' | 'bfloat16' (autocast; master weights stay fp32)
 compile = False
 # data: demonstrations, or the model's own correct answers (rejection-sampling fine-tuning)
-demo_fraction = 0.1          # share of the training problems with a demonstration (task.sft_examples)
-rft_samples = 0              # > 0: answers sampled per training problem, the correct ones kept as data
-rft_problems = 0             # training problems to sample (the first of GRPO's prompt stream)
+demo_fraction = 0.1       # share of the training problems with a demonstration (task.sft_examples)
+rft_samples = 0           # > 0: answers sampled per training problem, the correct ones kept as data
+rft_problems = 0          # training problems to sample (the first of GRPO's prompt stream)
 rft_temperature = 1.0
 # optimization
 max_iters = 200
-max_flops = 0.0              # > 0: stop once the run has spent this many FLOPs (compute-matched baselines)
+max_flops = 0.0       # > 0: stop once the run has spent this many FLOPs (compute-matched baselines)
 learning_rate = 1e-3
 min_lr = 1e-4
 warmup_iters = 10
@@ -89,8 +93,9 @@ def demonstrations(tokenizer, the_task, problems):
 
 
 def rejection_samples(model, env, problems):
-    """(examples, flops): the distinct correct answers of model to each problem, as chat examples made of the exact
-    prompt and completion ids that were sampled (mask on the completion), and the FLOPs sampling them cost."""
+    """(examples, flops): the distinct correct answers of model to each problem, as chat examples
+    made of the exact prompt and completion ids that were sampled (mask on the completion), and the
+    FLOPs sampling them cost."""
     engine = evaluate.task_engine(model, env, problems, seed=seed)
     episodes = env.episodes(engine, problems, rft_samples, rft_temperature, seed)
     engine.shutdown()
@@ -101,14 +106,14 @@ def rejection_samples(model, env, problems):
     examples = [(list(s.prompt_tokens) + list(s.completion_tokens),
                  [0] * len(s.prompt_tokens) + list(sampled_mask(s))) for s in kept.values()]
     flops = evaluate.sampling_flops(model.config, samples, rft_samples)
-    print0(f"rejection sampling: {len(examples)} distinct correct answers from {len(samples)} samples of "
-           f"{len(problems)} training problems")
+    print0(f"rejection sampling: {len(examples)} distinct correct answers from {len(samples)} "
+           f"samples of {len(problems)} training problems")
     return examples, flops
 
 
 def rft_data(start, env):
-    """The rejection-sampled data, sampled by the starting model once and kept in {out_dir}/rft_data.json, so
-    that a resumed run trains on the very same data."""
+    """The rejection-sampled data, sampled by the starting model once and kept in
+    {out_dir}/rft_data.json, so that a resumed run trains on the very same data."""
     path = os.path.join(out_dir, "rft_data.json")
     if start.meta is None:
         problems = training.EpochCursor(env.task.make_problems("train"), seed).take(rft_problems)
@@ -144,13 +149,15 @@ def make_eval_fn(env, val_problems, val_batches):
 
 
 def check_settings():
-    # sft.py's own settings, refused before anything in out_dir changes (the loop's are checked by training)
+    # sft.py's own settings, refused before anything in out_dir changes (the loop's are checked by
+    # training)
     for name, value, low in (("rft_samples", rft_samples, 0), ("rft_problems", rft_problems, 0),
                              ("eval_max_tokens", eval_max_tokens, 1)):
         if type(value) is not int or value < low:
             raise ValueError(f"{name}={value!r}: expected an int >= {low}")
     if rft_samples > 0 and rft_problems < 1:
-        raise ValueError(f"rft_problems={rft_problems!r}: rejection sampling (rft_samples > 0) needs problems >= 1")
+        raise ValueError(f"rft_problems={rft_problems!r}: rejection sampling (rft_samples > 0) "
+                         f"needs problems >= 1")
     if not rft_temperature > 0:
         raise ValueError(f"rft_temperature={rft_temperature!r}: expected > 0")
     training.check_loop_settings(config)
@@ -167,7 +174,8 @@ if __name__ == "__main__":
     start = init_start(config, build_tokenizer)
     tokenizer = start.tokenizer
     env = Environment(the_task, tokenizer, eval_max_tokens)
-    if start.meta is None and distributed.is_main():   # a fresh run: no best model of an earlier run in out_dir
+    # a fresh run: no best model of an earlier run in out_dir
+    if start.meta is None and distributed.is_main():
         shutil.rmtree(os.path.join(out_dir, "best"), ignore_errors=True)
     examples, spent = [], 0.0
     if rft_samples > 0:
@@ -178,14 +186,15 @@ if __name__ == "__main__":
     val = None
     if offers(the_task, "solutions"):
         val = demonstrations(tokenizer, the_task, val_problems)
-    print0(f"{len(examples)} training conversations ({sum(sum(m) for _, m in examples)} reply tokens), "
-           f"{len(val_problems)} validation problems")
-    loader = training.PackedLoader([i for i, _ in examples], [[float(x) for x in m] for _, m in examples],
-                                   batch_tokens, seed)
+    print0(f"{len(examples)} training conversations ({sum(sum(m) for _, m in examples)} reply "
+           f"tokens), {len(val_problems)} validation problems")
+    loader = training.PackedLoader([i for i, _ in examples],
+                                   [[float(x) for x in m] for _, m in examples], batch_tokens, seed)
     val_batches = None if val is None else training.fixed_batches(
         [i for i, _ in val], [[float(x) for x in m] for _, m in val], batch_tokens)
     eval_fn = make_eval_fn(env, val_problems, val_batches)
     final = training.train(config, start, loader, eval_fn, spent)
     if "eval/accuracy" in final:
-        print0(f"validation accuracy (greedy, {len(val_problems)} problems): {final['eval/accuracy']:.3f}")
+        print0(f"validation accuracy (greedy, {len(val_problems)} problems): "
+               f"{final['eval/accuracy']:.3f}")
     distributed.teardown()

@@ -1,15 +1,15 @@
 #!/usr/bin/env bash
-# The main job on a fresh machine: a virtualenv, the requirements, then pretrain -> sft -> train_grpo on the
-# embedded default (config/qwen_small.py), then one evaluation of the SFT and GRPO models on the test split;
-# the README says how long it takes on 2 CPU cores.
+# The main job on a fresh machine: a virtualenv, the requirements, then pretrain -> sft ->
+# train_grpo on the embedded default (config/qwen_small.py), then one evaluation of the SFT and GRPO
+# models on the test split; the README says how long it takes on 2 CPU cores.
 #
 #   bash speedrun.sh                          # the embedded default
-#   bash speedrun.sh config/qwen_small.py     # or another experiment file (each stage reads its section)
+#   bash speedrun.sh config/qwen_small.py     # or another experiment file (each stage: its section)
 #
-# Outputs: out/qwen_small/{pretrain,sft,grpo}/ckpt (transformers model dirs) and metrics.jsonl beside each;
-# out/qwen_small/test_{sft,grpo,heuristic}/ (the test evaluations: metrics.jsonl, and outcomes.jsonl
-# with each problem's answer and reward); out/qwen_small/grpo.png (validation accuracy and
-# completion length by step).
+# Outputs: out/qwen_small/{pretrain,sft,grpo}/ckpt (transformers model dirs) and metrics.jsonl
+# beside each; out/qwen_small/test_{sft,grpo,heuristic}/ (the test evaluations: metrics.jsonl, and
+# outcomes.jsonl with each problem's answer and reward); out/qwen_small/grpo.png (validation
+# accuracy and completion length by step).
 set -euo pipefail
 cd "$(dirname "$0")"
 CONFIG="${1:-config/qwen_small.py}"
@@ -18,7 +18,8 @@ if [ ! -x .venv/bin/python ]; then
     python3 -m venv .venv
 fi
 .venv/bin/pip install -q -r requirements.txt
-export WANDB_MODE="${WANDB_MODE:-offline}"   # no network here: wandb (when wandb_log=True) writes locally
+# no network here: wandb (when wandb_log=True) writes locally
+export WANDB_MODE="${WANDB_MODE:-offline}"
 PY=.venv/bin/python
 
 stage() {   # stage <script> [args]: run it on the config, say how long it took

@@ -30,17 +30,19 @@ import random
 import re
 from dataclasses import dataclass
 
-# -----------------------------------------------------------------------------
-# settings (changing any of these changes the problem space or the split: bump them together with the tests)
+# ----------------------------------------------------------------------------- settings (changing
+# any of these changes the problem space or the split: bump them together with the tests)
 
 NUM_DIGITS = (3, 4)  # a problem has this many digits
 DIGITS = range(1, 10)
 TARGETS = range(1, 100)
 OPS = "+-*"
-SPLITS = {"val": 0.1, "test": 0.1}  # share of the digit multisets held out for each; the rest is 'train'
+# share of the digit multisets held out for each; the rest is 'train'
+SPLITS = {"val": 0.1, "test": 0.1}
 SFT_FRACTION = 0.1  # share of the training problems that get a demonstration
 MAX_ANSWER_CHARS = 64  # a longer answer line is wrong unparsed (bounds the parser's recursion)
-END_OF_TURN = "<|im_end|>"  # may close a completion decoded with special tokens; ignored by the reward
+# may close a completion decoded with special tokens; ignored by the reward
+END_OF_TURN = "<|im_end|>"
 
 
 @dataclass(frozen=True)
@@ -50,7 +52,8 @@ class Problem:
 
     def __post_init__(self):
         if not isinstance(self.digits, tuple) or not self.digits:
-            raise TypeError(f"Problem.digits must be a non-empty tuple of ints, got {self.digits!r}")
+            raise TypeError(f"Problem.digits must be a non-empty tuple of ints, got "
+                            f"{self.digits!r}")
         if any(type(d) is not int or d not in DIGITS for d in self.digits):
             raise ValueError(f"Problem.digits must be ints in 1..9, got {self.digits!r}")
         if type(self.target) is not int:
@@ -69,8 +72,9 @@ def _apply(op: str, a: int, b: int) -> int:
 
 
 def _combine(left, op, right):
-    # left/right are (text, value, precedence). Parenthesise a side only when dropping the parentheses would
-    # change the value: a lower-precedence side, or a +/- right side under '-' (a-(b+c) != a-b+c).
+    # left/right are (text, value, precedence). Parenthesise a side only when dropping the
+    # parentheses would change the value: a lower-precedence side, or a +/- right side under '-'
+    # (a-(b+c) != a-b+c).
     ls, lv, lp = left
     rs, rv, rp = right
     p = _PREC[op]
@@ -106,8 +110,8 @@ def _values(digits: tuple[int, ...]) -> dict:
 
 
 def _preference(text: str):
-    # the order expression_answers() lists answers in: fewest parentheses, then plain
-    # string order (small digit first, '*' before '+' before '-'). One consistent choice is easier to imitate.
+    # the order expression_answers() lists answers in: fewest parentheses, then plain string order
+    # (small digit first, '*' before '+' before '-'). One consistent choice is easier to imitate.
     return (text.count("("), text)
 
 
@@ -141,18 +145,22 @@ def _space() -> dict:
         for digits in itertools.combinations_with_replacement(DIGITS, k):
             split = split_of(digits)
             splits[split] += [Problem(digits, t) for t in _values(digits) if t in TARGETS]
-    # a fixed pseudo-random order, so make_problems(split, n) is a representative sample, not all the 1 1 1s
-    return {s: tuple(sorted(ps, key=lambda p: _unit(_problem_key(p, "order")))) for s, ps in splits.items()}
+    # a fixed pseudo-random order, so make_problems(split, n) is a representative sample, not all
+    # the 1 1 1s
+    return {s: tuple(sorted(ps, key=lambda p: _unit(_problem_key(p, "order"))))
+            for s, ps in splits.items()}
 
 
 def make_problems(split: str, n: int | None = None) -> list[Problem]:
-    """The first n problems (all if None) of the fixed 'train', 'val' or 'test' split, in a fixed shuffled order."""
+    """The first n problems (all if None) of the fixed 'train', 'val' or 'test' split, in a fixed
+    shuffled order."""
     if split not in ("train", "val", "test"):
         raise ValueError(f"split must be 'train', 'val' or 'test', got {split!r}")
     problems = _space()[split]
     if n is not None:
         if type(n) is not int or n < 0 or n > len(problems):
-            raise ValueError(f"n must be an int in [0, {len(problems)}] for split {split!r}, got {n!r}")
+            raise ValueError(f"n must be an int in [0, {len(problems)}] for split {split!r}, got "
+                             f"{n!r}")
         problems = problems[:n]
     return list(problems)
 
@@ -249,7 +257,8 @@ class _Parser:
 
 
 def parse_answer(text: str) -> tuple[int, list[int]] | None:
-    """(value, digits used) of an answer expression, or None if it is not one. Never raises on a str."""
+    """(value, digits used) of an answer expression, or None if it is not one. Never raises on a
+    str."""
     if not isinstance(text, str):
         raise TypeError(f"answer must be a str, got {type(text).__name__}")
     text = text.strip()

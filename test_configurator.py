@@ -10,14 +10,13 @@ from configurator import configure, settings_of
 
 def fake_globals():
     # what a training script's globals() looks like right after its settings block
-    return {
-        "__name__": "__main__", "__file__": "sft.py", "_private": 1,
-        "os": os, "math": math, "configure": configure, "ValueError": ValueError, "Exception": Exception,
-        "lr": 3e-4, "batch_size": 16, "compile": False, "out_dir": "out/sft", "init_from": None,
-        "betas": (0.9, 0.95), "layers": [1, 2], "extra": {"a": 1}, "seed": 1337,
-    }
+    return {"__name__": "__main__", "__file__": "sft.py", "_private": 1, "os": os, "math": math,
+            "configure": configure, "ValueError": ValueError, "Exception": Exception, "lr": 3e-4,
+            "batch_size": 16, "compile": False, "out_dir": "out/sft", "init_from": None,
+            "betas": (0.9, 0.95), "layers": [1, 2], "extra": {"a": 1}, "seed": 1337,}
 
-SETTINGS = {"lr", "batch_size", "compile", "out_dir", "init_from", "betas", "layers", "extra", "seed"}
+SETTINGS = {"lr", "batch_size", "compile", "out_dir", "init_from", "betas", "layers", "extra",
+            "seed"}
 
 @pytest.fixture
 def cfg_file(tmp_path):
@@ -39,7 +38,8 @@ def test_returned_config_is_complete_and_json_serialisable():
     assert set(config) == SETTINGS
     assert config["init_from"] is None and config["layers"] == [1, 2]
     assert json.loads(json.dumps(config))["betas"] == [0.9, 0.95]
-    config["layers"].append(3)  # the returned dict is a copy: logging it can't alias the script's state
+    # the returned dict is a copy: logging it can't alias the script's state
+    config["layers"].append(3)
     assert g["layers"] == [1, 2]
 
 def test_non_json_value_refused():
@@ -53,8 +53,9 @@ def test_non_json_value_refused():
 
 def test_cli_overrides_and_returned():
     g = fake_globals()
-    config = configure(g, ["--batch_size=32", "--out_dir=out/x", "--layers=[4, 5]", "--betas=(0.8, 0.9)",
-                           "--extra={'b': 2}"], stage="sft")
+    config = configure(g,
+                       ["--batch_size=32", "--out_dir=out/x", "--layers=[4, 5]",
+                        "--betas=(0.8, 0.9)", "--extra={'b': 2}"], stage="sft")
     assert g["batch_size"] == 32 and type(g["batch_size"]) is int
     assert g["out_dir"] == "out/x" and g["layers"] == [4, 5] and g["betas"] == (0.8, 0.9)
     assert g["extra"] == {"b": 2}
@@ -77,7 +78,8 @@ def test_float_for_int_refused():
     with pytest.raises(TypeError, match="batch_size"):
         configure(g, ["--batch_size=1.5"], stage="sft")
 
-@pytest.mark.parametrize("text, expected", [("True", True), ("true", True), ("False", False), ("false", False)])
+@pytest.mark.parametrize("text, expected",
+                         [("True", True), ("true", True), ("False", False), ("false", False)])
 def test_bool_parsing(text, expected):
     g = fake_globals()
     g["compile"] = not expected
@@ -191,7 +193,8 @@ def test_wrong_type_in_file(cfg_file):
 
 def test_stage_section_applied_and_others_ignored(cfg_file):
     path = cfg_file("lr = 1e-3\nseed = 7\n"
-                    "pretrain = dict(lr=1e-2, tokens_per_step=1024)\n"  # unknown to sft, but not sft's section
+                    # unknown to sft, but not sft's section
+                    "pretrain = dict(lr=1e-2, tokens_per_step=1024)\n"
                     "sft = dict(lr=3e-5, init_from='out/pretrain')\n"
                     "grpo = dict(group_size=8)\n")
     g = fake_globals()
@@ -272,7 +275,7 @@ def test_real_script_end_to_end(tmp_path, cfg_file):
     path = cfg_file("batch_size = 4\ngrpo = dict(lr=1e-5)\nsft = dict(lr=1.0)\n")
     import subprocess, sys
     env = dict(os.environ, PYTHONPATH=os.path.dirname(os.path.abspath(__file__)))
-    out = subprocess.run([sys.executable, str(script), path, "--init_from=out/sft"], capture_output=True,
-                         text=True, env=env, check=True).stdout
+    out = subprocess.run([sys.executable, str(script), path, "--init_from=out/sft"],
+                         capture_output=True, text=True, env=env, check=True).stdout
     result = json.loads(out.split("RESULT ", 1)[1])
     assert result == {"lr": 1e-5, "batch_size": 4, "init_from": "out/sft"}

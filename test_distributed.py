@@ -1,6 +1,7 @@
 """
-torchrun: pretrain, SFT and GRPO on 2 gloo ranks (CPU) against the same run in one process, resume across world
-sizes, and a killed rank. Every run is a real `python -m torch.distributed.run` (torchrun) of the real script.
+torchrun: pretrain, SFT and GRPO on 2 gloo ranks (CPU) against the same run in one process, resume
+across world sizes, and a killed rank. Every run is a real `python -m torch.distributed.run`
+(torchrun) of the real script.
 
     python -m pytest -q test_distributed.py
 """
@@ -21,11 +22,10 @@ from conftest import FINISHED, run_ranks, write_task
 ROOT = os.path.dirname(os.path.abspath(__file__))
 CONFIG = os.path.join(ROOT, "config", "qwen_small.py")
 
-# Runs a script the way torchrun would, with two test-only additions: on a rank other than 0, any write under
-# OUT_DIR fails the run (only rank 0 writes), and GRPO dumps its sampled groups to
-# SAMPLES_OUT.<rank>.json.
-# (launch gives GRPO the parity task, conftest.PARITY_TASK, unless the test names another: a random
-# policy gets reward variance from it.)
+# Runs a script the way torchrun would, with two test-only additions: on a rank other than 0, any
+# write under OUT_DIR fails the run (only rank 0 writes), and GRPO dumps its sampled groups to
+# SAMPLES_OUT.<rank>.json. (launch gives GRPO the parity task, conftest.PARITY_TASK, unless the test
+# names another: a random policy gets reward variance from it.)
 LAUNCHER = r'''
 import json, os, runpy, sys
 sys.path.insert(0, os.environ["ROOT"])
@@ -64,15 +64,20 @@ else:
     runpy.run_path(script, run_name="__main__")
 ''' + FINISHED
 
-TINY = ("{'hidden_size':32,'intermediate_size':64,'moe_intermediate_size':32,'num_hidden_layers':2,"
-        "'num_attention_heads':2,'num_key_value_heads':1,'head_dim':16,'num_experts':4,'num_experts_per_tok':2,"
-        "'max_position_embeddings':128}")
-PRETRAIN = ["--n_docs=200", "--n_val_docs=16", "--batch_tokens=256", "--grad_accum=2", f"--model={TINY}",
-            "--log_interval=1", "--eval_interval=5", "--lr_decay_iters=5", "--warmup_iters=1"]
+TINY = (
+    "{'hidden_size':32,'intermediate_size':64,'moe_intermediate_size':32,'num_hidden_layers':2,"
+    "'num_attention_heads':2,'num_key_value_heads':1,'head_dim':16,'num_experts':4,"
+    "'num_experts_per_tok':2,"
+    "'max_position_embeddings':128}"
+)
+PRETRAIN = ["--n_docs=200", "--n_val_docs=16", "--batch_tokens=256", "--grad_accum=2",
+            f"--model={TINY}", "--log_interval=1", "--eval_interval=5", "--lr_decay_iters=5",
+            "--warmup_iters=1"]
 
 
 def launch(tmp, script, out_dir, args, nproc=1, wait=True, timeout=300):
-    """Run script (under torchrun when nproc > 1) with out_dir and args; returns the CompletedProcess (or Popen)."""
+    """Run script (under torchrun when nproc > 1) with out_dir and args; returns the
+    CompletedProcess (or Popen)."""
     launcher = tmp / "launcher.py"
     launcher.write_text(LAUNCHER)
     env = dict(os.environ, ROOT=ROOT, OUT_DIR=str(out_dir), SAMPLES_OUT=str(out_dir) + ".samples",
@@ -81,10 +86,11 @@ def launch(tmp, script, out_dir, args, nproc=1, wait=True, timeout=300):
         args = [f"--task={write_task(str(tmp))}", *args]
     argv = [launcher, os.path.join(ROOT, script), CONFIG, f"--out_dir={out_dir}", *args]
     if not wait:
-        run = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"] \
+        run = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+               f"--nproc_per_node={nproc}"] \
             if nproc > 1 else [sys.executable]
-        return subprocess.Popen(run + [str(a) for a in argv], env=env, cwd=tmp, stdout=subprocess.PIPE,
-                                stderr=subprocess.STDOUT, text=True)
+        return subprocess.Popen(run + [str(a) for a in argv], env=env, cwd=tmp,
+                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     done = run_ranks(argv, nproc, env, cwd=tmp, timeout=timeout)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     return done
@@ -123,7 +129,9 @@ def pretrained(tmp_path_factory):
 
 def test_pretrain_on_two_ranks_steps_like_one_process(pretrained):
     _, one, two = pretrained
-    assert_same_run(one, two, ("train/loss", "train/aux_loss", "train/grad_norm", "train/tokens", "eval/loss"))
+    assert_same_run(one, two,
+                    ("train/loss", "train/aux_loss", "train/grad_norm", "train/tokens",
+                     "eval/loss"))
     a, b = weights(one), weights(two)
     assert all(torch.allclose(a[n], b[n], rtol=1e-4, atol=1e-6) for n in a)
     # rank 1 wrote nothing (the launcher fails any write of it under out_dir); rank 0 wrote it all
@@ -133,7 +141,8 @@ def test_pretrain_on_two_ranks_steps_like_one_process(pretrained):
 def test_grad_accum_must_split_over_the_ranks(pretrained):
     tmp = pretrained[0]
     with pytest.raises(AssertionError, match="grad_accum=1: expected a multiple of the 2 ranks"):
-        launch(tmp, "pretrain.py", tmp / "bad", PRETRAIN + ["--max_iters=1", "--grad_accum=1"], nproc=2)
+        launch(tmp, "pretrain.py", tmp / "bad", PRETRAIN + ["--max_iters=1", "--grad_accum=1"],
+               nproc=2)
 
 
 def test_a_two_rank_checkpoint_resumes_on_one_rank_exactly(pretrained):
@@ -142,34 +151,44 @@ def test_a_two_rank_checkpoint_resumes_on_one_rank_exactly(pretrained):
     launch(tmp, "pretrain.py", half, PRETRAIN + ["--max_iters=3", "--ckpt_interval=3"], nproc=2)
     launch(tmp, "pretrain.py", half, PRETRAIN + ["--max_iters=5", "--init_from=resume"])
     # (the 2-rank run also evaluated at its last step, 3)
-    assert_same_run(one, half, ("train/loss", "train/grad_norm"), only=lambda row: "train/loss" in row)
-    assert abs(rows(one)[-1]["eval/loss"] - rows(half)[-1]["eval/loss"]) < 1e-5 * rows(one)[-1]["eval/loss"]
+    assert_same_run(one, half, ("train/loss", "train/grad_norm"),
+                    only=lambda row: "train/loss" in row)
+    assert (
+        abs(rows(one)[-1]["eval/loss"] - rows(half)[-1]["eval/loss"])
+        < 1e-5 * rows(one)[-1]["eval/loss"]
+    )
 
 
 def test_sft_on_two_ranks_steps_like_one_process(pretrained):
     tmp, one, _ = pretrained
-    args = [f"--init_from={one}", "--max_iters=5", "--grad_accum=2", "--batch_tokens=256", "--n_eval_problems=12",
-            "--eval_interval=5", "--log_interval=1", "--demo_fraction=0.02"]
+    args = [f"--init_from={one}", "--max_iters=5", "--grad_accum=2", "--batch_tokens=256",
+            "--n_eval_problems=12", "--eval_interval=5", "--log_interval=1", "--demo_fraction=0.02"]
     launch(tmp, "sft.py", tmp / "sft1", args)
     launch(tmp, "sft.py", tmp / "sft2", args, nproc=2)
-    assert_same_run(tmp / "sft1", tmp / "sft2", ("train/loss", "train/grad_norm", "eval/loss", "eval/accuracy"))
+    assert_same_run(tmp / "sft1", tmp / "sft2",
+                    ("train/loss", "train/grad_norm", "eval/loss", "eval/accuracy"))
 
 
 def test_grpo_on_two_ranks_samples_and_steps_like_one_process(tmp_path):
-    args = ["--init_from=scratch", f"--model={TINY}", "--max_iters=5", "--prompts_per_step=5", "--group_size=4",
-            "--max_new_tokens=8", "--n_eval_problems=6", "--pass_k=2", "--learning_rate=3e-3", "--warmup_iters=0",
-            "--eval_interval=5", "--log_interval=1", "--batch_tokens=128"]
+    args = ["--init_from=scratch", f"--model={TINY}", "--max_iters=5", "--prompts_per_step=5",
+            "--group_size=4", "--max_new_tokens=8", "--n_eval_problems=6", "--pass_k=2",
+            "--learning_rate=3e-3", "--warmup_iters=0", "--eval_interval=5", "--log_interval=1",
+            "--batch_tokens=128"]
     one, two = tmp_path / "one", tmp_path / "two"
     launch(tmp_path, "train_grpo.py", one, args)
     launch(tmp_path, "train_grpo.py", two, args, nproc=2)
-    assert_same_run(one, two, ("train/loss", "train/grad_norm", "rollout/reward_mean", "rollout/problems",
-                               "train/tokens", "eval/accuracy", "eval/pass@1"))
-    assert all(r["train/logprob_mismatch"] < 1e-5 for r in rows(two) if "train/loss" in r)   # fp32 rounding only
+    assert_same_run(one, two,
+                    ("train/loss", "train/grad_norm", "rollout/reward_mean", "rollout/problems",
+                     "train/tokens", "eval/accuracy", "eval/pass@1"))
+    # fp32 rounding only
+    assert all(r["train/logprob_mismatch"] < 1e-5 for r in rows(two) if "train/loss" in r)
     single = json.loads((tmp_path / "one.samples.0.json").read_text())
     for r in (0, 1):   # every rank saw every group, and they are the single process's samples
         ranked = json.loads((tmp_path / f"two.samples.{r}.json").read_text())
-        assert [[s[0] for s in step] for step in ranked] == [[s[0] for s in step] for step in single]
-        assert max(abs(x - y) for a, b in zip(ranked, single) for s, t in zip(a, b) for x, y in zip(s[1], t[1])) < 1e-5
+        assert [[s[0] for s in step] for step in ranked] == [[s[0] for s in step]
+                                                             for step in single]
+        assert max(abs(x - y) for a, b in zip(ranked, single) for s, t in zip(a, b)
+                   for x, y in zip(s[1], t[1])) < 1e-5
     assert sum(len(step) for step in single) >= 5 * 4
 
 
@@ -193,8 +212,9 @@ def test_multi_turn_grpo_on_two_ranks_steps_like_one_process(tmp_path):
 def test_a_killed_rank_ends_the_job_and_resume_works(pretrained):
     tmp, _, _ = pretrained
     out = tmp / "killed"
-    job = launch(tmp, "pretrain.py", out, PRETRAIN + ["--max_iters=100000", "--lr_decay_iters=100000",
-                                                      "--ckpt_interval=2", "--dist_timeout_s=30"], nproc=2, wait=False)
+    job = launch(tmp, "pretrain.py", out,
+                 PRETRAIN + ["--max_iters=100000", "--lr_decay_iters=100000", "--ckpt_interval=2",
+                             "--dist_timeout_s=30"], nproc=2, wait=False)
     try:
         deadline = time.time() + 120
         while not (out / "ckpt").exists() or len(rows(out)) < 3:
@@ -258,11 +278,13 @@ def test_a_bad_collective_timeout_is_refused():
 
 @pytest.mark.parametrize("finish_first", [True, False])
 def test_only_an_abort_after_every_rank_finished_is_forgiven(tmp_path, finish_first):
-    # the harness's allowance for gloo's exit race (conftest.run_ranks) must not hide a rank that died mid-job
+    # the harness's allowance for gloo's exit race (conftest.run_ranks) must not hide a rank that
+    # died mid-job
     script = tmp_path / "aborts.py"
     body = ["import os, sys", "sys.stderr.write('terminate called without an active exception\\n')",
             "sys.stderr.flush()", "os.abort() if os.environ['RANK'] == '1' else None"]
-    script.write_text("\n".join([FINISHED.strip()] + body if finish_first else body + [FINISHED.strip()]) + "\n")
+    script.write_text("\n".join([FINISHED.strip()] + body if finish_first
+                                else body + [FINISHED.strip()]) + "\n")
     env = dict(os.environ, OMP_NUM_THREADS="1")
     done = run_ranks([script], 2, env, timeout=120)
     assert (done.returncode == 0) == finish_first, done.stderr[-2000:]

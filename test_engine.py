@@ -16,15 +16,15 @@ from model import ModelConfig, load_hf_checkpoint
 VOCAB = 96
 BLOCK = 16
 
-HF_CONFIGS = {
-    "moe": lambda: Qwen3MoeConfig(
-        vocab_size=VOCAB, hidden_size=32, intermediate_size=64, moe_intermediate_size=16, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, head_dim=8, num_experts=8, num_experts_per_tok=2,
-        norm_topk_prob=True, tie_word_embeddings=False),
-    "dense": lambda: Qwen3Config(
-        vocab_size=VOCAB, hidden_size=32, intermediate_size=80, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=1, head_dim=16, tie_word_embeddings=True),
-}
+HF_CONFIGS = {"moe": lambda: Qwen3MoeConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64,
+                                            moe_intermediate_size=16, num_hidden_layers=2,
+                                            num_attention_heads=4, num_key_value_heads=2,
+                                            head_dim=8, num_experts=8, num_experts_per_tok=2,
+                                            norm_topk_prob=True, tie_word_embeddings=False),
+              "dense": lambda: Qwen3Config(vocab_size=VOCAB, hidden_size=32, intermediate_size=80,
+                                           num_hidden_layers=2, num_attention_heads=4,
+                                           num_key_value_heads=1, head_dim=16,
+                                           tie_word_embeddings=True),}
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -33,7 +33,8 @@ def _one_thread(one_thread):
 
 
 def make_checkpoint(name, tmp_path_factory, seed=0):
-    return write_hf_checkpoint(HF_CONFIGS[name](), str(tmp_path_factory.mktemp(f"{name}{seed}")), seed)
+    return write_hf_checkpoint(HF_CONFIGS[name](), str(tmp_path_factory.mktemp(f"{name}{seed}")),
+                               seed)
 
 
 @pytest.fixture(scope="module", params=list(HF_CONFIGS))
@@ -81,17 +82,26 @@ def test_greedy_matches_transformers_generate(checkpoint):
     name, hf, path = checkpoint
     engine = engine_for(path)
     G, N = 2, 12
-    samples = engine.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=N), num_samples_per_prompt=G)
+    samples = engine.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=N),
+                              num_samples_per_prompt=G)
     assert len(samples) == G * len(PROMPTS)
     for i, s in enumerate(samples):
         prompt = PROMPTS[i // G]
         assert s.prompt_tokens == tuple(prompt) and s.sample_index == i % G
         x = torch.tensor([prompt])
-        ref = hf.generate(x, attention_mask=torch.ones_like(x), do_sample=False, max_new_tokens=N,
-                          min_new_tokens=N, eos_token_id=None, pad_token_id=0)[0, len(prompt):].tolist()
+        ref = hf.generate(
+            x,
+            attention_mask=torch.ones_like(x),
+            do_sample=False,
+            max_new_tokens=N,
+            min_new_tokens=N,
+            eos_token_id=None,
+            pad_token_id=0,
+        )[0, len(prompt) :].tolist()
         assert list(s.completion_tokens) == ref, f"[{name}] prompt {i // G} ({len(prompt)} tokens)"
         assert s.finish_reason == "length" and s.weight_version == 0
-        err = (hf_logprobs(hf, prompt, s.completion_tokens) - torch.tensor(s.logprobs)).abs().max().item()
+        err = (hf_logprobs(hf, prompt,
+                           s.completion_tokens) - torch.tensor(s.logprobs)).abs().max().item()
         assert err < 1e-3, f"[{name}] logprob error {err}"
     stats = engine.stats()
     assert stats["prefill_tokens"] + stats["prefix_cache_hit_tokens"] == sum(map(len, PROMPTS))
@@ -111,7 +121,8 @@ def test_sampled_logprobs_match_transformers(checkpoint):
             prompt = PROMPTS[i // 3]
             ref = hf_logprobs(hf, prompt, s.completion_tokens, params.temperature)
             assert (ref - torch.tensor(s.logprobs)).abs().max().item() < 1e-3
-            if params.top_k:   # every sampled token is inside the top-k and the nucleus of its distribution
+            # every sampled token is inside the top-k and the nucleus of its distribution
+            if params.top_k:
                 x = torch.tensor([prompt + list(s.completion_tokens)])
                 probs = torch.softmax(hf(x).logits[0, len(prompt) - 1:-1] / params.temperature, -1)
                 for row, tok in zip(probs, s.completion_tokens):
@@ -135,12 +146,14 @@ def test_engine_logprobs_equal_trainer_logprobs(moe):
         for s, start in zip(samples, cu[:-1].tolist()):
             P, C = len(s.prompt_tokens), len(s.completion_tokens)
             rows = logits[start + P - 1:start + P + C - 1] / T
-            ref = torch.log_softmax(rows, -1).gather(1, torch.tensor(s.completion_tokens)[:, None])[:, 0]
+            ref = torch.log_softmax(rows, -1).gather(1,
+                                                     torch.tensor(s.completion_tokens)[:, None])[:,
+                                                                                                 0]
             assert (ref - torch.tensor(s.logprobs)).abs().max().item() < 1e-4
 
 
-# -----------------------------------------------------------------------------
-# paged attention itself: mixed prefill chunks and decodes, every backend, against the training attention
+# ----------------------------------------------------------------------------- paged attention
+# itself: mixed prefill chunks and decodes, every backend, against the training attention
 
 
 @torch.no_grad()
@@ -149,18 +162,20 @@ def test_paged_attention_mixed_batch_matches_document_attention(backend):
     g = torch.Generator().manual_seed(0)
     cfg = ModelConfig(num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2, head_dim=8)
     cache = PagedKVCache(cfg, num_blocks=40, block_size=4)
-    # total length / already cached: two decodes, then a whole prefill, a chunk after a cached prefix, a 1-token one
+    # total length / already cached: two decodes, then a whole prefill, a chunk after a cached
+    # prefix, a 1-token one
     lens, done = [6, 9, 9, 7, 1], [5, 8, 0, 4, 0]
     perm = torch.randperm(40, generator=g).tolist()    # pages scattered over the pool
     tables = [perm[8 * b: 8 * b + 8] for b in range(5)]
     q, k, v = (torch.randn(sum(lens), n, 8, generator=g) for n in (4, 2, 2))
     cu = torch.tensor([0] + lens).cumsum(0)
-    for b in range(5):                                 # what is already cached goes into its slots first
+    for b in range(5):                            # what is already cached goes into its slots first
         for p in range(done[b]):
             page, off = tables[b][p // 4], p % 4
             cache.k[0, page, off], cache.v[0, page, off] = k[cu[b] + p], v[cu[b] + p]
     flat = [i for b in range(5) for i in range(cu[b] + done[b], cu[b + 1])]
-    slot_mapping = torch.tensor([tables[b][p // 4] * 4 + p % 4 for b in range(5) for p in range(done[b], lens[b])])
+    slot_mapping = torch.tensor([tables[b][p // 4] * 4 + p % 4 for b in range(5)
+                                 for p in range(done[b], lens[b])])
     decodes = PagedGroup(0, 2, torch.tensor(tables[:2]), torch.tensor([[5], [8]]))
     qlens, Qmax = [9, 3, 1], 9
     within = [[min(i, n - 1) for i in range(Qmax)] for n in qlens]
@@ -193,12 +208,14 @@ def test_flex_backend_and_chunked_prefill_give_the_same_tokens(moe):
 def test_tiny_pool_preempts_and_still_matches_roomy_pool(moe):
     _, path = moe
     prompts = PROMPTS[:4]
-    for params in (SamplingParams(temperature=0, max_tokens=20), SamplingParams(temperature=1.0, max_tokens=20)):
+    for params in (SamplingParams(temperature=0, max_tokens=20),
+                   SamplingParams(temperature=1.0, max_tokens=20)):
         roomy = engine_for(path, num_blocks=256, seed=5)
         ref = roomy.generate(prompts, params, 3)
-        tiny = engine_for(path, num_blocks=5, seed=5)                  # one 53-token sequence needs 4 pages
+        tiny = engine_for(path, num_blocks=5, seed=5)          # one 53-token sequence needs 4 pages
         got = tiny.generate(prompts, params, 3)
-        assert outputs(got) == outputs(ref)      # sampling noise is a function of (seed, position): same draws
+        # sampling noise is a function of (seed, position): same draws
+        assert outputs(got) == outputs(ref)
         assert tiny.stats()["preemptions"] > 0 and roomy.stats()["preemptions"] == 0
         assert tiny.cache.num_free_blocks() == tiny.cache.num_blocks == 5
         tiny.cache.check()
@@ -230,7 +247,7 @@ def test_group_prefills_once_and_second_generate_hits_cache(moe):
     assert engine.cache.num_free_blocks() == engine.cache.num_blocks
     engine.flush_cache()
     engine.generate([prompt], params, num_samples_per_prompt=4)
-    assert engine.stats()["prefix_cache_hit_tokens"] == 32            # nothing more: the cache was flushed
+    assert engine.stats()["prefix_cache_hit_tokens"] == 32     # nothing more: the cache was flushed
 
 
 def test_update_weights_serves_no_stale_kv(moe, tmp_path_factory):
@@ -241,10 +258,11 @@ def test_update_weights_serves_no_stale_kv(moe, tmp_path_factory):
     fresh = outputs(engine_for(new_path).generate(PROMPTS, params, 2))
     for blocking in (True, False):
         engine = engine_for(path)
-        old = outputs(engine.generate(PROMPTS, params, 2))            # fills the prefix cache with old KV
+        old = outputs(engine.generate(PROMPTS, params, 2))      # fills the prefix cache with old KV
         assert old != fresh and engine.stats()["cached_blocks"] > 0
         engine.update_weights(new_sd, blocking=blocking)
-        assert engine.get_weight_version() == (1 if blocking else 0)   # non-blocking: at the next step boundary
+        # non-blocking: at the next step boundary
+        assert engine.get_weight_version() == (1 if blocking else 0)
         hits = engine.stats()["prefix_cache_hit_tokens"]
         samples = engine.generate(PROMPTS, params, 2)
         assert outputs(samples) == fresh
@@ -253,7 +271,8 @@ def test_update_weights_serves_no_stale_kv(moe, tmp_path_factory):
         assert engine.stats()["prefix_cache_hit_tokens"] == hits      # not one old page was served
         engine.generate(PROMPTS, params, 2)                            # ... though new ones are
         assert engine.stats()["prefix_cache_hit_tokens"] > hits
-    # one version per call: a snapshot replaced before it was applied still counts, and only the newest is served
+    # one version per call: a snapshot replaced before it was applied still counts, and only the
+    # newest is served
     engine = engine_for(path)
     old_sd = {k: v.clone() for k, v in engine.model.state_dict().items()}
     engine.update_weights(old_sd, blocking=False)
@@ -265,11 +284,12 @@ def test_update_weights_serves_no_stale_kv(moe, tmp_path_factory):
     engine.update_weights(old_sd, blocking=False)
     engine.update_weights(new_sd)                                      # blocking, over a staged one
     assert engine.get_weight_version() == 4 and engine.stats()["weight_updates"] == 4
-    assert outputs(engine.generate(PROMPTS, params, 2)) == fresh      # the staged snapshot was dropped
+    assert outputs(engine.generate(PROMPTS, params, 2)) == fresh   # the staged snapshot was dropped
 
 
 def test_update_weights_checks_finiteness_in_the_engine_dtype(moe):
-    # an fp32 value that fits fp32 but not fp16 would be inf in an fp16 engine: refused, nothing changes
+    # an fp32 value that fits fp32 but not fp16 would be inf in an fp16 engine: refused, nothing
+    # changes
     _, path = moe
     name = "layers.0.self_attn.q_proj.weight"
     for dtype, big in (("float16", 1e6), ("bfloat16", 3.4e38)):
@@ -284,26 +304,30 @@ def test_update_weights_checks_finiteness_in_the_engine_dtype(moe):
             engine.step()                                    # ... refused at the next step boundary
         assert engine.get_weight_version() == 0
         assert all(torch.equal(v, before[k]) for k, v in engine.model.state_dict().items())
-        sd[name].clamp_(-1.0, 1.0)                                     # in range: taken, cast exactly
+        sd[name].clamp_(-1.0, 1.0)                                   # in range: taken, cast exactly
         engine.update_weights(sd)
-        assert engine.get_weight_version() == 1 and torch.equal(engine.model.state_dict()[name], sd[name].to(getattr(torch, dtype)))
+        assert engine.get_weight_version() == 1 and torch.equal(engine.model.state_dict()[name],
+                                                                sd[name].to(getattr(torch, dtype)))
 
 
 def test_in_process_engine_owns_its_weights(moe):
     _, path = moe
     policy = load_hf_checkpoint(path)
-    engine = InferenceEngine(EngineConfig(block_size=BLOCK, num_blocks=64, max_model_len=128), model=policy)
+    engine = InferenceEngine(EngineConfig(block_size=BLOCK, num_blocks=64, max_model_len=128),
+                             model=policy)
     params = SamplingParams(temperature=0, max_tokens=8)
     before = outputs(engine.generate(PROMPTS, params))
-    with torch.no_grad():                                            # the trainer steps: the engine must not see it
+    with torch.no_grad():                            # the trainer steps: the engine must not see it
         for p in policy.parameters():
             p.mul_(1.5)
     assert outputs(engine.generate(PROMPTS, params)) == before
     engine.update_weights(policy.state_dict())                       # trainer names == engine names
     after = outputs(engine.generate(PROMPTS, params))
-    ref = InferenceEngine(EngineConfig(block_size=BLOCK, num_blocks=64, max_model_len=128), model=policy)
+    ref = InferenceEngine(EngineConfig(block_size=BLOCK, num_blocks=64, max_model_len=128),
+                          model=policy)
     assert after == outputs(ref.generate(PROMPTS, params)) and after != before
-    half = {k: v.bfloat16() for k, v in policy.state_dict().items()}  # another dtype: cast on the way in
+    # another dtype: cast on the way in
+    half = {k: v.bfloat16() for k, v in policy.state_dict().items()}
     engine.update_weights(half)
     assert all(torch.equal(t, half[k].float()) for k, t in engine.model.state_dict().items())
 
@@ -311,18 +335,23 @@ def test_in_process_engine_owns_its_weights(moe):
 def test_step_api_and_stop_tokens(moe):
     _, path = moe
     engine = engine_for(path)
-    greedy = engine.generate([PROMPTS[0]], SamplingParams(temperature=0, max_tokens=10))[0].completion_tokens
+    greedy = engine.generate([PROMPTS[0]],
+                             SamplingParams(temperature=0, max_tokens=10))[0].completion_tokens
     stop = greedy[4]
     first = greedy.index(stop)
-    seq_id = engine.add_request(PROMPTS[0], SamplingParams(temperature=0, max_tokens=10, stop_token_ids={stop}))
-    other = engine.add_request(PROMPTS[1], SamplingParams(temperature=0, max_tokens=3), num_samples=2)
+    seq_id = engine.add_request(PROMPTS[0],
+                                SamplingParams(temperature=0, max_tokens=10, stop_token_ids={stop}))
+    other = engine.add_request(PROMPTS[1], SamplingParams(temperature=0, max_tokens=3),
+                               num_samples=2)
     done = []
     while engine.has_pending():
         done += engine.step()
     mine = [s for s in done if s.seq_id == seq_id]
-    assert len(done) == 3 and len(mine) == 1 and {s.sample_index for s in done if s.seq_id == other} == {0, 1}
+    assert len(done) == 3 and len(mine) == 1 and {s.sample_index for s in done
+                                                  if s.seq_id == other} == {0, 1}
     assert mine[0].completion_tokens == greedy[:first + 1] and mine[0].finish_reason == "stop"
-    # generate() while others' requests are queued: theirs are kept and handed out by the next step()
+    # generate() while others' requests are queued: theirs are kept and handed out by the next
+    # step()
     engine.add_request(PROMPTS[2], SamplingParams(temperature=0, max_tokens=30))
     assert len(engine.generate([PROMPTS[1]], SamplingParams(temperature=0, max_tokens=2))) == 1
     rest = []
@@ -341,7 +370,9 @@ def test_seeded_samples_do_not_depend_on_the_batch(moe):
     crowded = engine_for(path, seed=2).generate(PROMPTS, params, 3)[:3]
     assert outputs(alone) == outputs(crowded)
     assert len({s.completion_tokens for s in alone}) == 3
-    assert outputs(engine_for(path).generate(PROMPTS[:1], SamplingParams(temperature=1.0, max_tokens=12, seed=8), 3)) \
+    assert outputs(engine_for(path).generate(PROMPTS[:1],
+                                             SamplingParams(temperature=1.0, max_tokens=12, seed=8),
+                                             3)) \
         != outputs(alone)
 
 
@@ -357,7 +388,8 @@ def test_top_logprobs_match_transformers(moe):
         values, ids = row.topk(5)
         assert [t for t, _ in top] == ids.tolist()
         assert [v for _, v in top] == pytest.approx(values.tolist(), abs=1e-4)
-    assert engine_for(path).generate([PROMPTS[2]], SamplingParams(max_tokens=3))[0].top_logprobs == ()
+    assert engine_for(path).generate([PROMPTS[2]],
+                                     SamplingParams(max_tokens=3))[0].top_logprobs == ()
 
 
 def test_abort_drops_samples_and_frees_their_blocks(moe):
@@ -365,7 +397,8 @@ def test_abort_drops_samples_and_frees_their_blocks(moe):
     engine = engine_for(path)
     free = engine.cache.num_free_blocks()
     keep = engine.add_request(PROMPTS[0], SamplingParams(temperature=0, max_tokens=8))
-    group = engine.add_request(PROMPTS[3], SamplingParams(temperature=1.0, max_tokens=40), num_samples=3)
+    group = engine.add_request(PROMPTS[3], SamplingParams(temperature=1.0, max_tokens=40),
+                               num_samples=3)
     engine.step()
     engine.step()                                 # the group has forked: three samples running
     assert engine.abort(group, sample_index=1) == 1
@@ -375,7 +408,8 @@ def test_abort_drops_samples_and_frees_their_blocks(moe):
     while engine.has_pending():
         done += engine.step()
     assert [s.seq_id for s in done] == [keep]
-    assert engine.cache.num_free_blocks() == free  # every block is back (some still named: the prefix cache)
+    # every block is back (some still named: the prefix cache)
+    assert engine.cache.num_free_blocks() == free
 
 
 def test_max_model_len_ends_with_length(moe):
@@ -400,7 +434,7 @@ def test_bad_inputs_are_refused_and_change_nothing(moe):
         (([good + [VOCAB]], params), str(VOCAB)),
         (([good[:3] + [-1]], params), "-1"),
         (([rand_prompt(64, 1)], params), "max_model_len"),
-        (([good, good + [VOCAB + 5]], params), r"prompts\[1\]"),      # one bad prompt: none is queued
+        (([good, good + [VOCAB + 5]], params), r"prompts\[1\]"),    # one bad prompt: none is queued
         (([good], params, 0), "num_samples_per_prompt"),
         (([good], params, -2), "num_samples_per_prompt"),
         ((good, params), "list of token-id lists"),
@@ -413,9 +447,10 @@ def test_bad_inputs_are_refused_and_change_nothing(moe):
         assert not engine.has_pending()
     with pytest.raises((ValueError, TypeError), match="empty"):
         engine.add_request([], params)
-    bad_params = [dict(max_tokens=0), dict(max_tokens=-3), dict(temperature=-0.5), dict(temperature=float("nan")),
-                  dict(temperature=1e-40), dict(top_p=0.0), dict(top_p=1.5), dict(top_p=float("nan")),
-                  dict(top_k=-1), dict(stop_token_ids={-4}), dict(seed=-1), dict(seed=2 ** 64)]
+    bad_params = [dict(max_tokens=0), dict(max_tokens=-3), dict(temperature=-0.5),
+                  dict(temperature=float("nan")), dict(temperature=1e-40), dict(top_p=0.0),
+                  dict(top_p=1.5), dict(top_p=float("nan")), dict(top_k=-1),
+                  dict(stop_token_ids={-4}), dict(seed=-1), dict(seed=2 ** 64)]
     for kw in bad_params:
         with pytest.raises((ValueError, TypeError), match=list(kw)[0]):
             SamplingParams(**kw)
@@ -424,9 +459,11 @@ def test_bad_inputs_are_refused_and_change_nothing(moe):
     nan = dict(sd, **{name: torch.full_like(sd[name], float("nan"))})
     inf = dict(sd, **{name: sd[name].clone().index_fill_(0, torch.tensor([3]), float("inf"))})
     neg_inf = dict(sd, **{name: sd[name].clone().index_fill_(1, torch.tensor([0]), -float("inf"))})
-    bad_sd = [({k: v for k, v in sd.items() if k != name}, name), (dict(sd, extra=sd[name]), "extra"),
-              (dict(sd, **{name: sd[name][:-1]}), name), (nan, name), (inf, name), (neg_inf, name),
-              (dict(sd, **{name: sd[name].long()}), name), (dict(sd, **{name: [1.0]}), name), ([1, 2], "mapping")]
+    bad_sd = [({k: v for k, v in sd.items() if k != name}, name),
+              (dict(sd, extra=sd[name]), "extra"), (dict(sd, **{name: sd[name][:-1]}), name),
+              (nan, name), (inf, name), (neg_inf, name),
+              (dict(sd, **{name: sd[name].long()}), name), (dict(sd, **{name: [1.0]}), name),
+              ([1, 2], "mapping")]
     for bad, match in bad_sd:
         for blocking in (True, False):
             with pytest.raises((ValueError, TypeError), match=match):

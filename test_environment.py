@@ -187,7 +187,7 @@ def test_multi_turn_logprobs_match_the_trainer_and_later_turns_reuse_the_cache(t
               for i in range(0, len(episodes), 4)]
     c = {"group_size": 4, "scale_rewards": False, "share_prompt": True, "batch_tokens": 4096}
     batches = train_grpo.build_batches(groups, c)
-    masks = train_grpo.completion_masks(groups, c)
+    masks = [b.loss_mask for b in batches]
     assert sum(int(m.sum()) for m in masks) == sum(sum(e.mask) for e in episodes)
     for b, m in zip(batches, masks):
         lp = training.batch_logprobs(model, b)[0]

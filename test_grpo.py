@@ -1,10 +1,11 @@
 """
-train_grpo.py: advantages and zero-variance filtering on hand-made groups, the batch it trains on, a few-iteration
-run on a tiny model (weight versions advance, samples carry them, the loss is finite, engine == trainer logprobs),
-the skip-the-step path when no group has variance, and a run killed mid-way that resumes exactly.
+train_grpo.py: advantages and zero-variance filtering on hand-made groups, the batch it trains on, a
+few-iteration run on a tiny model (weight versions advance, samples carry them, the loss is finite,
+engine == trainer logprobs), the skip-the-step path when no group has variance, and a run killed
+mid-way that resumes exactly.
 
-The tiny model starts from scratch, so the task's real reward would be 0 everywhere; these tests swap in a
-reward with variance (completion length parity), which exercises the same loop.
+The tiny model starts from scratch, so the task's real reward would be 0 everywhere; these tests
+swap in a reward with variance (completion length parity), which exercises the same loop.
 """
 import dataclasses
 import json
@@ -69,21 +70,24 @@ def test_batch_weights_are_advantage_on_completion_only():
     def sample(comp, lps):
         return TrainingSample(prompt_tokens=(1, 5, 6), completion_tokens=comp, logprobs=lps)
     prompt = [1, 5, 6]
-    groups = [(None, prompt, [sample((7, 2), (-0.1, -0.2)), sample((8, 9, 2), (-0.3, -0.4, -0.5))], [1.0, 0.0])]
+    groups = [(None, prompt, [sample((7, 2), (-0.1, -0.2)), sample((8, 9, 2), (-0.3, -0.4, -0.5))],
+               [1.0, 0.0])]
     c = {"group_size": 2, "scale_rewards": False, "share_prompt": False, "batch_tokens": 64}
     (b,) = build_batches(groups, c)
     assert b.tokens.tolist() == [1, 5, 6, 7, 2, 1, 5, 6, 8, 9, 2]
     # row j is scored on labels[j]: the prompt's last row predicts the first completion token
     assert b.token_weights.tolist() == [0, 0, 0.5, 0.5, 0, 0, 0, -0.5, -0.5, -0.5, 0]
     assert b.labels.tolist() == [5, 6, 7, 2, 0, 5, 6, 8, 9, 2, 0]
-    assert torch.allclose(b.log_probs, torch.tensor([0, 0, -0.1, -0.2, 0, 0, 0, -0.3, -0.4, -0.5, 0]))
+    assert torch.allclose(b.log_probs,
+                          torch.tensor([0, 0, -0.1, -0.2, 0, 0, 0, -0.3, -0.4, -0.5, 0]))
     assert b.position_ids.tolist() == [0, 1, 2, 3, 4, 0, 1, 2, 3, 4, 5] and b.seqlens() == [5, 6]
     # share_prompt: the prompt's rows once (but its last token, which starts each sample's branch)
     (b,) = build_batches(groups, {**c, "share_prompt": True})
     assert b.tokens.tolist() == [1, 5, 6, 7, 2, 6, 8, 9, 2]
     assert b.branch.tolist() == [0, 0, 1, 1, 1, 2, 2, 2, 2]
     assert b.position_ids.tolist() == [0, 1, 2, 3, 4, 2, 3, 4, 5] and b.seqlens() == [9]
-    assert b.labels.tolist() == [5, 6, 7, 2, 6, 8, 9, 2, 0]      # a branch's last row: a placeholder, weight 0
+    # a branch's last row: a placeholder, weight 0
+    assert b.labels.tolist() == [5, 6, 7, 2, 6, 8, 9, 2, 0]
     assert b.token_weights.tolist() == [0, 0, 0.5, 0.5, 0, -0.5, -0.5, -0.5, 0]
     assert torch.allclose(b.log_probs, torch.tensor([0, 0, -0.1, -0.2, 0, -0.3, -0.4, -0.5, 0]))
 
@@ -92,8 +96,8 @@ def test_batch_weights_are_advantage_on_completion_only():
 # tiny runs
 
 TINY = dict(hidden_size=32, intermediate_size=64, moe_intermediate_size=32, num_hidden_layers=2,
-            num_attention_heads=2, num_key_value_heads=1, head_dim=16, num_experts=4, num_experts_per_tok=2,
-            max_position_embeddings=128)
+            num_attention_heads=2, num_key_value_heads=1, head_dim=16, num_experts=4,
+            num_experts_per_tok=2, max_position_embeddings=128)
 
 
 def tiny_config(out_dir, *extra):
@@ -101,9 +105,9 @@ def tiny_config(out_dir, *extra):
     settings = {k: v for k, v in vars(train_grpo).items() if not k.startswith("_")}
     parity = write_task(os.path.dirname(str(out_dir)))
     args = [f"--task={parity}", "--init_from=scratch", f"--out_dir={out_dir}",
-            f"--model={TINY!r}".replace(" ", ""),
-            "--prompts_per_step=4", "--group_size=4", "--max_new_tokens=8", "--n_eval_problems=8", "--pass_k=2",
-            "--learning_rate=3e-3", "--warmup_iters=0", "--eval_interval=100", "--log_interval=1", *extra]
+            f"--model={TINY!r}".replace(" ", ""), "--prompts_per_step=4", "--group_size=4",
+            "--max_new_tokens=8", "--n_eval_problems=8", "--pass_k=2", "--learning_rate=3e-3",
+            "--warmup_iters=0", "--eval_interval=100", "--log_interval=1", *extra]
     return configure(settings, args, stage="grpo")
 
 
@@ -125,7 +129,8 @@ def test_tiny_run_versions_advance_and_loss_is_finite(tmp_path, monkeypatch):
     out = tmp_path / "run"
     final = train_grpo.main(tiny_config(out, "--max_iters=3", "--ckpt_interval=100"))
 
-    assert [(it, v) for it, v, _ in seen] == [(0, 0), (1, 1), (2, 2)]   # one hot-swap per optimizer step
+    # one hot-swap per optimizer step
+    assert [(it, v) for it, v, _ in seen] == [(0, 0), (1, 1), (2, 2)]
     for it, v, samples in seen:
         assert samples, "the parity reward must leave groups with variance"
         assert all(s.weight_version == v and set(s.token_versions) == {v} for s in samples)
@@ -133,7 +138,7 @@ def test_tiny_run_versions_advance_and_loss_is_finite(tmp_path, monkeypatch):
     assert [r["iter"] for r in rows] == [1, 2, 3]
     for r in rows:
         assert math.isfinite(r["train/loss"]) and math.isfinite(r["train/grad_norm"])
-        assert r["train/logprob_mismatch"] < 1e-4      # fp32 engine and trainer hold the same weights
+        assert r["train/logprob_mismatch"] < 1e-4    # fp32 engine and trainer hold the same weights
         drawn = r["rollout/valid_groups"] + r["rollout/zero_var_groups"]
         assert drawn == 4 == r["rollout/problems"]
         assert 0 <= r["rollout/reward_mean"] <= 1
@@ -148,10 +153,12 @@ def test_tiny_run_versions_advance_and_loss_is_finite(tmp_path, monkeypatch):
 
 
 def test_rollouts_at_another_temperature_are_trained_on_policy(tmp_path, monkeypatch):
-    # the engine's logprobs are log_softmax(logits / T): the trainer must score the same distribution (scoring
-    # it at T = 1 measured a mismatch of ~0.1 at T = 0.5, and TIS would then correct by p_1 / p_T)
+    # the engine's logprobs are log_softmax(logits / T): the trainer must score the same
+    # distribution (scoring it at T = 1 measured a mismatch of ~0.1 at T = 0.5, and TIS would then
+    # correct by p_1 / p_T)
     out = tmp_path / "cool"
-    train_grpo.main(tiny_config(out, "--max_iters=2", "--temperature=0.5", "--tis_cap=2.0", "--ckpt_interval=100"))
+    train_grpo.main(tiny_config(out, "--max_iters=2", "--temperature=0.5", "--tis_cap=2.0",
+                                "--ckpt_interval=100"))
     rows = [r for r in metrics(out) if "train/loss" in r]
     assert len(rows) == 2 and all(r["train/logprob_mismatch"] < 1e-4 for r in rows)
     assert all(math.isfinite(r["train/loss"]) for r in rows)
@@ -172,7 +179,8 @@ def test_no_variance_skips_the_step_and_the_sampler_turns_away(tmp_path, monkeyp
     assert state["taken"] == 8 and sum(state["samples"]) == 32
     assert sum(state["successes"]) == 0
     assert sorted(set(sampler.weights().round(4).tolist())) == [round(5 / 36, 4), 0.25]
-    # no step, but a version per iteration (the same weights): rollout ranks count on one per iteration
+    # no step, but a version per iteration (the same weights): rollout ranks count on one per
+    # iteration
     assert [r["rollout/weight_version"] for r in rows] == [0, 1]
 
 
@@ -203,7 +211,8 @@ def test_killed_run_resumes_exactly(tmp_path, monkeypatch):
     a, b = metrics(whole), metrics(killed)
     assert [r["iter"] for r in a] == [r["iter"] for r in b]
     for ra, rb in zip(a, b):
-        for k in ("train/loss", "rollout/reward_mean", "rollout/weight_version", "eval/accuracy", "eval/pass@1"):
+        for k in ("train/loss", "rollout/reward_mean", "rollout/weight_version", "eval/accuracy",
+                  "eval/pass@1"):
             if k in ra:
                 assert abs(ra[k] - rb[k]) <= 1e-5, (ra["iter"], k, ra[k], rb[k])
     wa = checkpoint.load_hf_checkpoint(str(whole / "ckpt")).state_dict()
@@ -224,15 +233,18 @@ def test_bad_settings_are_refused(tmp_path):
 
 
 def test_bad_rollout_rank_settings_are_refused_before_any_work(tmp_path):
-    for bad, says in (("--rollout_ranks=-1", "rollout_ranks=-1"), ("--max_staleness=1", "set rollout_ranks"),
+    for bad, says in (("--rollout_ranks=-1", "rollout_ranks=-1"),
+                      ("--max_staleness=1", "set rollout_ranks"),
                       ("--weight_bucket_mb=0", "weight_bucket_mb=0")):
         with pytest.raises(ValueError, match=says):
             train_grpo.check_settings(tiny_config(tmp_path, bad))
-    with pytest.raises(ValueError, match="max_staleness=2 trains on samples of older weights: set tis_cap"):
+    with pytest.raises(ValueError,
+                       match="max_staleness=2 trains on samples of older weights: set tis_cap"):
         train_grpo.check_settings(tiny_config(tmp_path, "--rollout_ranks=1", "--max_staleness=2"))
     # one process has no rank to spare for sampling: refused before out_dir exists
-    with pytest.raises(ValueError, match="rollout_ranks=1: expected an int >= 1 that leaves at least one of the "
-                                         "job's 1 ranks"):
+    with pytest.raises(ValueError,
+                       match="rollout_ranks=1: expected an int >= 1 that leaves at least one of "
+                       "the job's 1 ranks"):
         train_grpo.main(tiny_config(tmp_path / "none", "--rollout_ranks=1"))
     assert not (tmp_path / "none").exists()
 
@@ -281,8 +293,8 @@ def test_problem_sampler_weighs_a_hand_made_record_by_p_times_1_minus_p():
             copy.load_state_dict(bad)
 
 
-# -----------------------------------------------------------------------------
-# the reward of a truncated completion, the loss normalizers, TIS and the KL term, on hand-made numbers
+# ----------------------------------------------------------------------------- the reward of a
+# truncated completion, the loss normalizers, TIS and the KL term, on hand-made numbers
 
 
 def test_a_truncated_completion_scores_zero():
@@ -291,8 +303,8 @@ def test_a_truncated_completion_scores_zero():
     ids = tok.encode("3*5+7", add_special_tokens=False)
     stopped = TrainingSample(prompt_tokens=(1,), completion_tokens=tuple(ids + [tok.eos_token_id]),
                              logprobs=(0.0,) * (len(ids) + 1), finish_reason="stop")
-    cut = TrainingSample(prompt_tokens=(1,), completion_tokens=tuple(ids), logprobs=(0.0,) * len(ids),
-                         finish_reason="length")
+    cut = TrainingSample(prompt_tokens=(1,), completion_tokens=tuple(ids),
+                         logprobs=(0.0,) * len(ids), finish_reason="length")
     env = Environment(task, tok, max_new_tokens=16)
 
     def scored(sample):
@@ -307,27 +319,30 @@ def two_groups(engine_logprob=None):
     # two groups of 2; sample completions of 2, 3, 1 and 2 tokens after a 3-token prompt
     def sample(comp, lps):
         lps = lps if engine_logprob is None else (engine_logprob,) * len(lps)
-        return TrainingSample(prompt_tokens=(1, 5, 6), completion_tokens=comp, logprobs=lps, finish_reason="stop")
+        return TrainingSample(prompt_tokens=(1, 5, 6), completion_tokens=comp, logprobs=lps,
+                              finish_reason="stop")
     prompt = [1, 5, 6]
-    return [(None, prompt, [sample((7, 2), (-0.1, -0.2)), sample((8, 9, 2), (-0.3, -0.4, -0.5))], [1.0, 0.0]),
+    return [(None, prompt, [sample((7, 2), (-0.1, -0.2)), sample((8, 9, 2), (-0.3, -0.4, -0.5))],
+             [1.0, 0.0]),
             (None, prompt, [sample((2,), (-0.6,)), sample((9, 2), (-0.7, -0.8))], [0.0, 1.0])]
 
 
 def test_loss_normalizers_on_hand_made_batches():
     groups = two_groups()
-    c = {"group_size": 2, "scale_rewards": False, "share_prompt": True, "batch_tokens": 8, "prompts_per_step": 4,
-         "max_new_tokens": 16, "max_turns": 1}
+    c = {"group_size": 2, "scale_rewards": False, "share_prompt": True, "batch_tokens": 8,
+         "prompts_per_step": 4, "max_new_tokens": 16, "max_turns": 1}
     batches = build_batches(groups, c)
-    assert len(batches) > 1                                      # the normalizer spans micro-batches
-    masks = train_grpo.completion_masks(groups, c)
+    assert len(batches) > 1                                     # the normalizer spans micro-batches
+    masks = [b.loss_mask for b in batches]
     assert sum(int(m.sum()) for m in masks) == 2 + 3 + 1 + 2      # the completion tokens
-    assert train_grpo.loss_normalizer(batches, masks, {**c, "loss_norm": "constant"}) == 4 * 2 * 16
-    assert train_grpo.loss_normalizer(batches, masks, {**c, "loss_norm": "tokens"}) == 8
-    assert train_grpo.loss_normalizer(batches, masks, {**c, "loss_norm": "weights"}) == pytest.approx(8 * 0.5)
-    # the constant normalizer does not move with the batch: a step with fewer samples keeps the same denominator
+    assert train_grpo.loss_normalizer(batches, {**c, "loss_norm": "constant"}) == 4 * 2 * 16
+    assert train_grpo.loss_normalizer(batches, {**c, "loss_norm": "tokens"}) == 8
+    assert train_grpo.loss_normalizer(batches,
+                                      {**c, "loss_norm": "weights"}) == pytest.approx(8 * 0.5)
+    # the constant normalizer does not move with the batch: a step with fewer samples keeps the same
+    # denominator
     one = build_batches(groups[:1], c)
-    assert train_grpo.loss_normalizer(one, train_grpo.completion_masks(groups[:1], c),
-                                      {**c, "loss_norm": "constant"}) == 4 * 2 * 16
+    assert train_grpo.loss_normalizer(one, {**c, "loss_norm": "constant"}) == 4 * 2 * 16
 
 
 class FixedLogits:
@@ -337,34 +352,36 @@ class FixedLogits:
         self.logprob_of_label = logprob_of_label
 
     def with_labels(self, batch_labels):
-        # row t puts logprob_of_label[t] on its label and spreads the rest of the mass evenly; with labels=
-        # (the trainers' path) it returns the label logprobs, as Transformer.forward does
+        # row t puts logprob_of_label[t] on its label and spreads the rest of the mass evenly; with
+        # labels= (the trainers' path) it returns the label logprobs, as Transformer.forward does
         def forward(tokens, position_ids, cu_seqlens, labels=None, branch=None):
             T = tokens.numel()
             p = torch.exp(self.logprob_of_label)
             rest = ((1 - p) / 15).clamp(min=1e-12).log()
             logits = rest[:, None].repeat(1, 16)
             logits[torch.arange(T), batch_labels] = self.logprob_of_label
-            return (logits if labels is None else torch.log_softmax(logits, -1).gather(1, labels[:, None])[:, 0]), None
+            return (logits if labels is None
+                    else torch.log_softmax(logits, -1).gather(1, labels[:, None])[:, 0]), None
         return forward
 
 
 def test_tis_is_the_papers_estimator_outside_the_normalizer():
     groups = two_groups(engine_logprob=-2.0)
-    c = {"group_size": 2, "scale_rewards": False, "share_prompt": True, "batch_tokens": 64, "prompts_per_step": 2,
-         "max_new_tokens": 4, "max_turns": 1,
-         "loss_norm": "weights", "tis_cap": 2.0, "kl_coef": 0.0}
+    c = {"group_size": 2, "scale_rewards": False, "share_prompt": True, "batch_tokens": 64,
+         "prompts_per_step": 2, "max_new_tokens": 4, "max_turns": 1, "loss_norm": "weights",
+         "tis_cap": 2.0, "kl_coef": 0.0}
     (b,) = build_batches(groups, c)
-    masks = train_grpo.completion_masks(groups, c)
-    normalizer = train_grpo.loss_normalizer([b], masks, c)
-    # the trainer's logprob of each label: the engine's + log(3) on the first completion row (ratio 3, capped
-    # at 2), - log(2) on every other completion row (ratio 0.5)
+    masks = [b.loss_mask]
+    normalizer = train_grpo.loss_normalizer([b], c)
+    # the trainer's logprob of each label: the engine's + log(3) on the first completion row (ratio
+    # 3, capped at 2), - log(2) on every other completion row (ratio 0.5)
     trainer = b.log_probs.clone()
     rows = masks[0].nonzero().flatten()
     trainer[rows] += torch.log(torch.tensor(0.5))
     trainer[rows[0]] = b.log_probs[rows[0]] + torch.log(torch.tensor(3.0))
     model = FixedLogits(trainer).with_labels(b.labels)
-    (out,) = train_grpo.apply_corrections([b], masks, model, None, torch.autocast("cpu", enabled=False), c)
+    (out,) = train_grpo.apply_corrections([b], model, None,
+                                          torch.autocast("cpu", enabled=False), c)
     ratio = torch.where(masks[0], torch.full_like(trainer, 0.5), torch.ones_like(trainer))
     ratio[rows[0]] = 2.0
     assert torch.allclose(out.token_weights, b.token_weights * ratio, atol=1e-5)
@@ -374,19 +391,21 @@ def test_tis_is_the_papers_estimator_outside_the_normalizer():
 def test_the_steps_own_forward_measures_the_mismatch_and_no_logprob_pass_runs_without_corrections():
     torch.manual_seed(0)
     cfg = ModelConfig(vocab_size=16, hidden_size=32, intermediate_size=64, moe_intermediate_size=16,
-                      num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1, head_dim=16, num_experts=4)
+                      num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,
+                      head_dim=16, num_experts=4)
     model = Transformer(cfg)
     groups = two_groups()
-    c = {"group_size": 2, "scale_rewards": False, "share_prompt": True, "batch_tokens": 64, "prompts_per_step": 2,
-         "max_new_tokens": 4, "max_turns": 1,
-         "loss_norm": "constant", "tis_cap": 0.0, "kl_coef": 0.0}
+    c = {"group_size": 2, "scale_rewards": False, "share_prompt": True, "batch_tokens": 64,
+         "prompts_per_step": 2, "max_new_tokens": 4, "max_turns": 1, "loss_norm": "constant",
+         "tis_cap": 0.0, "kl_coef": 0.0}
     (b,) = build_batches(groups, c)
-    masks = train_grpo.completion_masks(groups, c)
+    masks = [b.loss_mask]
 
     def no_pass(*args, **kwargs):
         raise AssertionError("a logprob pass ran with nothing to fold")
-    assert train_grpo.apply_corrections([b], masks, no_pass, None, None, c) == [b]
-    # the sampler's logprobs: the model's own, off by 0.3 on the first completion row and by 0.1 on the others
+    assert train_grpo.apply_corrections([b], no_pass, None, None, c) == [b]
+    # the sampler's logprobs: the model's own, off by 0.3 on the first completion row and by 0.1 on
+    # the others
     off = torch.where(masks[0], torch.full_like(b.log_probs, 0.1), torch.zeros_like(b.log_probs))
     off[masks[0].nonzero().flatten()[0]] = 0.3
     own = train_grpo.trainer_logprobs(model, b, torch.autocast("cpu", enabled=False))
@@ -401,7 +420,8 @@ def test_the_steps_own_forward_measures_the_mismatch_and_no_logprob_pass_runs_wi
 def test_kl_coef_pulls_the_policy_back_toward_the_reference():
     torch.manual_seed(0)
     cfg = ModelConfig(vocab_size=16, hidden_size=32, intermediate_size=64, moe_intermediate_size=16,
-                      num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1, head_dim=16, num_experts=4)
+                      num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,
+                      head_dim=16, num_experts=4)
     reference = Transformer(cfg).eval()
     policy = Transformer(cfg)
     policy.load_state_dict(reference.state_dict())
@@ -409,26 +429,30 @@ def test_kl_coef_pulls_the_policy_back_toward_the_reference():
         for p in policy.parameters():
             p.add_(0.05 * torch.randn_like(p))
     groups = two_groups()
-    c = {"group_size": 2, "scale_rewards": False, "share_prompt": True, "batch_tokens": 64, "prompts_per_step": 2,
-         "max_new_tokens": 4, "max_turns": 1,
-         "loss_norm": "tokens", "tis_cap": 0.0, "kl_coef": 1.0}
+    c = {"group_size": 2, "scale_rewards": False, "share_prompt": True, "batch_tokens": 64,
+         "prompts_per_step": 2, "max_new_tokens": 4, "max_turns": 1, "loss_norm": "tokens",
+         "tis_cap": 0.0, "kl_coef": 1.0}
     (b,) = build_batches(groups, c)
-    b = dataclasses.replace(b, token_weights=torch.zeros_like(b.token_weights))   # no advantage: the KL term alone
-    masks = train_grpo.completion_masks(groups, c)
+    # no advantage: the KL term alone
+    b = dataclasses.replace(b, token_weights=torch.zeros_like(b.token_weights))
+    masks = [b.loss_mask]
     off = torch.autocast("cpu", enabled=False)
 
     def gap():
-        # the weights -(log p - log p_ref) make the step a gradient step on 1/2 sum (log p - log p_ref)^2 over
-        # these tokens (and, over tokens sampled from the policy, on the KL to the reference)
-        lp, ref = train_grpo.trainer_logprobs(policy, b, off), train_grpo.trainer_logprobs(reference, b, off)
+        # the weights -(log p - log p_ref) make the step a gradient step on 1/2 sum (log p - log
+        # p_ref)^2 over these tokens (and, over tokens sampled from the policy, on the KL to the
+        # reference)
+        lp, ref = train_grpo.trainer_logprobs(policy, b,
+                                              off), train_grpo.trainer_logprobs(reference, b, off)
         return float(((lp - ref)[masks[0]] ** 2).sum() / 2)
 
     before = gap()
     assert before > 0
-    (weighted,) = train_grpo.apply_corrections([b], masks, policy, reference, off, c)
+    (weighted,) = train_grpo.apply_corrections([b], policy, reference, off, c)
     lp = train_grpo.trainer_logprobs(policy, b, off)
     ref = train_grpo.trainer_logprobs(reference, b, off)
-    assert torch.allclose(weighted.token_weights, torch.where(masks[0], -(lp - ref), 0.0), atol=1e-6)
+    assert torch.allclose(weighted.token_weights, torch.where(masks[0], -(lp - ref), 0.0),
+                          atol=1e-6)
     optimizer = torch.optim.SGD(policy.parameters(), lr=1e-3)
     training.train_step(policy, optimizer, [weighted], lr=1e-3, grad_clip=0.0, normalizer=1.0)
     assert gap() < before                                 # one step toward the reference
@@ -440,19 +464,23 @@ def test_top_p_is_refused_in_grpo(tmp_path):
     with pytest.raises(ValueError, match="loss_norm"):
         train_grpo.check_settings(tiny_config(tmp_path, "--loss_norm=mean"))
     with pytest.raises(ValueError, match="kl_coef"):
-        train_grpo.check_settings(tiny_config(tmp_path, "--kl_coef=0.1"))   # tiny_config starts from scratch
+        # tiny_config starts from scratch
+        train_grpo.check_settings(tiny_config(tmp_path, "--kl_coef=0.1"))
 
 
 def test_keep_best_saves_the_best_validation_model_and_survives_resume(tmp_path, monkeypatch):
     out = tmp_path / "es"
-    train_grpo.main(tiny_config(out, "--max_iters=4", "--eval_interval=1", "--ckpt_interval=2", "--keep_best=True"))
+    train_grpo.main(tiny_config(out, "--max_iters=4", "--eval_interval=1", "--ckpt_interval=2",
+                                "--keep_best=True"))
     evals = [r for r in metrics(out) if "eval/accuracy" in r]
     top = max(r["eval/accuracy"] for r in evals)
     meta = checkpoint.read_checkpoint_meta(checkpoint.find_checkpoint(str(out)))
-    assert meta["extra"]["best"] == {"accuracy": top, "iter": min(r["iter"] for r in evals if r["eval/accuracy"] == top)}
+    assert meta["extra"]["best"] == {"accuracy": top,
+                                     "iter": min(r["iter"] for r in evals
+                                                 if r["eval/accuracy"] == top)}
     best = checkpoint.load_hf_checkpoint(str(out / "best"))
     assert best.config.vocab_size > 0 and (out / "best" / "tokenizer.json").exists()
     # the best model is the one of its iteration: scored again, it gets the logged accuracy
-    again = train_grpo.main(tiny_config(tmp_path / "again", f"--init_from={out / 'best'}", "--max_iters=0",
-                                        "--n_eval_problems=8"))
+    again = train_grpo.main(tiny_config(tmp_path / "again", f"--init_from={out / 'best'}",
+                                        "--max_iters=0", "--n_eval_problems=8"))
     assert again["eval/accuracy"] == top

@@ -1,5 +1,6 @@
 """
-model.py against transformers: random tiny checkpoints written by transformers itself, logits compared in fp32.
+model.py against transformers: random tiny checkpoints written by transformers itself, logits
+compared in fp32.
 
     python -m pytest -q test_model.py
 """
@@ -16,36 +17,55 @@ from attention import DocumentCausalAttention
 from conftest import randomise, write_hf_checkpoint
 from checkpoint import config_from_hf, config_to_hf
 import training
-from model import ModelConfig, Transformer, head_logprobs, load_hf_checkpoint, save_hf_checkpoint, train_flops
+from model import (
+    ModelConfig,
+    Transformer,
+    head_logprobs,
+    load_hf_checkpoint,
+    save_hf_checkpoint,
+    train_flops,
+)
 
 VOCAB = 96
 
-# three shapes of Qwen3-MoE and one dense Qwen3; "awkward" bends every rule a lazy port would get wrong
+# three shapes of Qwen3-MoE and one dense Qwen3; "awkward" bends every rule a lazy port would get
+# wrong
 HF_CONFIGS = {
     "moe": lambda: Qwen3MoeConfig(
-        vocab_size=VOCAB, hidden_size=32, intermediate_size=64, moe_intermediate_size=16, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, head_dim=8, num_experts=8, num_experts_per_tok=2,
+        vocab_size=VOCAB, hidden_size=32, intermediate_size=64, moe_intermediate_size=16,
+                                  num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=8, num_experts=8,
+                                  num_experts_per_tok=2,
         norm_topk_prob=True, tie_word_embeddings=False),
     "awkward": lambda: Qwen3MoeConfig(
-        vocab_size=VOCAB, hidden_size=48, intermediate_size=40, moe_intermediate_size=24, num_hidden_layers=4,
-        num_attention_heads=3, num_key_value_heads=1, head_dim=20,            # MQA, head_dim != 48 / 3
+        vocab_size=VOCAB, hidden_size=48, intermediate_size=40, moe_intermediate_size=24,
+                                      num_hidden_layers=4,
+        num_attention_heads=3, num_key_value_heads=1, head_dim=20,         # MQA, head_dim != 48 / 3
         num_experts=6, num_experts_per_tok=3, norm_topk_prob=False,
-        mlp_only_layers=[0], decoder_sparse_step=2,                          # layers 0 and 2 dense, 1 and 3 MoE
-        tie_word_embeddings=True, rms_norm_eps=1e-5, rope_parameters={"rope_type": "default", "rope_theta": 500.0}),
+        mlp_only_layers=[0], decoder_sparse_step=2,              # layers 0 and 2 dense, 1 and 3 MoE
+        tie_word_embeddings=True, rms_norm_eps=1e-5,
+                                      rope_parameters={"rope_type": "default",
+                                                       "rope_theta": 500.0}),
     "moe_bias": lambda: Qwen3MoeConfig(
-        vocab_size=VOCAB, hidden_size=32, intermediate_size=64, moe_intermediate_size=8, num_hidden_layers=3,
-        num_attention_heads=8, num_key_value_heads=8, head_dim=4, num_experts=4, num_experts_per_tok=1,
-        norm_topk_prob=True, attention_bias=True, rope_parameters={"rope_type": "default", "rope_theta": 1e6}),
+        vocab_size=VOCAB, hidden_size=32, intermediate_size=64, moe_intermediate_size=8,
+                                       num_hidden_layers=3,
+        num_attention_heads=8, num_key_value_heads=8, head_dim=4, num_experts=4,
+                                       num_experts_per_tok=1,
+        norm_topk_prob=True, attention_bias=True,
+                                       rope_parameters={"rope_type": "default", "rope_theta": 1e6}),
     "dense": lambda: Qwen3Config(
-        vocab_size=VOCAB, hidden_size=32, intermediate_size=80, num_hidden_layers=3, num_attention_heads=4,
+        vocab_size=VOCAB, hidden_size=32, intermediate_size=80, num_hidden_layers=3,
+                                 num_attention_heads=4,
         num_key_value_heads=2, head_dim=16, tie_word_embeddings=False),
 }
 
 
 @pytest.fixture(scope="module", params=list(HF_CONFIGS))
 def checkpoint(request, tmp_path_factory):
-    """(name, hf_model, path) for a random tiny checkpoint that transformers itself wrote to disk."""
-    return request.param, *write_hf_checkpoint(HF_CONFIGS[request.param](), str(tmp_path_factory.mktemp(request.param)))
+    """(name, hf_model, path) for a random tiny checkpoint that transformers itself wrote to
+    disk."""
+    return request.param, *write_hf_checkpoint(HF_CONFIGS[request.param](),
+                                               str(tmp_path_factory.mktemp(request.param)))
 
 
 def packed(seqs):
@@ -73,13 +93,15 @@ def test_logits_match_transformers(checkpoint):
 
 
 def test_cpu_padded_path_matches_flex_path(checkpoint):
-    # on CPU the document-causal attention runs as padded causal SDPA (flex has no CPU backward and is slow
-    # eagerly); the flex path (CUDA's) must give the same logits on the same mask, and the CPU path trains
+    # on CPU the document-causal attention runs as padded causal SDPA (flex has no CPU backward and
+    # is slow eagerly); the flex path (CUDA's) must give the same logits on the same mask, and the
+    # CPU path trains
     _, hf, path = checkpoint
     ours = load_hf_checkpoint(path)
     tokens, pos, cu = packed([torch.randint(0, VOCAB, (n,)) for n in (5, 19, 1, 12)])
     with torch.no_grad():
-        flex, _ = ours(tokens, pos, cu, attention=DocumentCausalAttention(cu, len(tokens), "cpu", flex=True))
+        flex, _ = ours(tokens, pos, cu,
+                       attention=DocumentCausalAttention(cu, len(tokens), "cpu", flex=True))
     padded, aux = ours(tokens, pos, cu)
     assert padded.requires_grad
     assert (flex - padded).abs().max().item() < 1e-5
@@ -91,7 +113,8 @@ def test_cpu_padded_path_matches_flex_path(checkpoint):
 def test_packed_batch_equals_each_sequence_alone(checkpoint):
     _, hf, path = checkpoint
     ours = load_hf_checkpoint(path)
-    seqs = [torch.randint(0, VOCAB, (n,), generator=torch.Generator().manual_seed(n)) for n in (7, 1, 30, 16)]
+    seqs = [torch.randint(0, VOCAB, (n,), generator=torch.Generator().manual_seed(n))
+            for n in (7, 1, 30, 16)]
     tokens, pos, cu = packed(seqs)
     together, _ = ours(tokens, pos, cu)
     for s, start in zip(seqs, cu[:-1].tolist()):
@@ -101,38 +124,54 @@ def test_packed_batch_equals_each_sequence_alone(checkpoint):
 
 
 def test_completions_sharing_their_prompt_score_as_transformers_does_alone(checkpoint):
-    # training.pack_groups: each prompt's rows once, its completions on branches that attend to them; every
-    # completion token's logprob must be what transformers gives the prompt + completion alone, on the CPU path
-    # and on flex's mask, and the weighted loss's gradient must equal the one of the plain packing
+    # training.pack_groups: each prompt's rows once, its completions on branches that attend to
+    # them; every completion token's logprob must be what transformers gives the prompt + completion
+    # alone, on the CPU path and on flex's mask, and the weighted loss's gradient must equal the one
+    # of the plain packing
     _, hf, path = checkpoint
     ours = load_hf_checkpoint(path)
     g = torch.Generator().manual_seed(3)
     prompts = [torch.randint(0, VOCAB, (n,), generator=g).tolist() for n in (6, 1, 9)]
-    comps = [[torch.randint(0, VOCAB, (n,), generator=g).tolist() for n in lens] for lens in ((3, 1, 5), (2, 2), (4,))]
+    comps = [[torch.randint(0, VOCAB, (n,), generator=g).tolist() for n in lens]
+             for lens in ((3, 1, 5), (2, 2), (4,))]
     weights = [[[0.5 + j] * len(c) for j, c in enumerate(cs)] for cs in comps]
     shared = training.pack_groups(prompts, comps, weights)
     plain = training.pack_sequences([p + c for p, cs in zip(prompts, comps) for c in cs],
-                                    [[0.0] * len(p) + w for p, ws in zip(prompts, weights) for w in ws])
+                                    [[0.0] * len(p) + w for p, ws in zip(prompts, weights)
+                                     for w in ws])
     with torch.no_grad():
-        want = torch.cat([torch.log_softmax(hf(torch.tensor(p + c)[None]).logits[0], -1)[len(p) - 1:-1]
-                          .gather(-1, torch.tensor(c)[:, None])[:, 0] for p, cs in zip(prompts, comps) for c in cs])
-        flex = DocumentCausalAttention(shared.cu_seqlens, shared.num_tokens, "cpu", flex=True, branch=shared.branch)
+        want = torch.cat([torch.log_softmax(hf(torch.tensor(p + c)[None]).logits[0],
+                                            -1)[len(p) - 1:-1]
+                          .gather(-1, torch.tensor(c)[:, None])[:, 0]
+                          for p, cs in zip(prompts, comps) for c in cs])
+        flex = DocumentCausalAttention(shared.cu_seqlens, shared.num_tokens, "cpu", flex=True,
+                                       branch=shared.branch)
         logits, _ = ours(shared.tokens, shared.position_ids, shared.cu_seqlens, attention=flex)
         got_flex = torch.log_softmax(logits, -1).gather(-1, shared.labels[:, None])[:, 0]
     got, _ = training.batch_logprobs(ours, shared)
     scored = shared.token_weights != 0
-    assert (got[scored] - want).abs().max().item() < 1e-4 and (got_flex[scored] - want).abs().max().item() < 1e-4
-    assert shared.num_tokens == (5 + 4 + 2 + 6) + (0 + 3 + 3) + (8 + 5) < plain.num_tokens == (9 + 7 + 11) + 6 + 13
+    assert (got[scored] - want).abs().max().item() < 1e-4 and (
+        got_flex[scored] - want
+    ).abs().max().item() < 1e-4
+    assert (
+        shared.num_tokens
+        == (5 + 4 + 2 + 6) + (0 + 3 + 3) + (8 + 5)
+        < plain.num_tokens
+        == (9 + 7 + 11) + 6 + 13
+    )
     grads = []
     for batch in (shared, plain):
         ours.zero_grad()
-        training.weighted_loss(training.batch_logprobs(ours, batch)[0], batch, normalizer=10.0).backward()
+        training.unified_loss(training.batch_logprobs(ours, batch)[0], batch,
+                               normalizer=10.0).backward()
         grads.append(torch.cat([p.grad.flatten() for p in ours.parameters() if p.grad is not None]))
     assert (grads[0] - grads[1]).abs().max().item() < 1e-5
     # FLOPs: the causal query-key pairs of the shared layout are the position_ids + 1 of its rows
     cfg = ours.config
-    assert train_flops(cfg, [shared.num_tokens], pairs=int((shared.position_ids + 1).sum())) < train_flops(
-        cfg, plain.seqlens()) == train_flops(cfg, [plain.num_tokens], pairs=int((plain.position_ids + 1).sum()))
+    assert train_flops(cfg, [shared.num_tokens],
+                       pairs=int((shared.position_ids + 1).sum())) < train_flops(
+        cfg, plain.seqlens()) == train_flops(cfg, [plain.num_tokens],
+                                             pairs=int((plain.position_ids + 1).sum()))
 
 
 @torch.no_grad()
@@ -144,7 +183,8 @@ def test_aux_loss_matches_transformers_on_padded_batch(checkpoint):
     if name == "dense":   # no router, no aux loss: transformers' dense Qwen3 has none either
         assert ours(torch.arange(5), torch.arange(5))[1].item() == 0.0
         return
-    seqs = [torch.randint(0, VOCAB, (n,), generator=torch.Generator().manual_seed(10 + n)) for n in (9, 23, 4)]
+    seqs = [torch.randint(0, VOCAB, (n,), generator=torch.Generator().manual_seed(10 + n))
+            for n in (9, 23, 4)]
     S = max(len(s) for s in seqs)
     ids = torch.zeros(len(seqs), S, dtype=torch.long)
     mask = torch.zeros(len(seqs), S, dtype=torch.long)
@@ -171,7 +211,8 @@ def test_save_then_transformers_load_gives_identical_logits(checkpoint, tmp_path
         assert abs(out.aux_loss.item() - aux.item()) < 1e-5
     # and our own loader reads our own files back to the same model
     again = load_hf_checkpoint(str(tmp_path))
-    assert all(torch.equal(a, b) for a, b in zip(ours.state_dict().values(), again.state_dict().values()))
+    assert all(torch.equal(a, b)
+               for a, b in zip(ours.state_dict().values(), again.state_dict().values()))
 
 
 @torch.no_grad()
@@ -215,7 +256,8 @@ def test_embedded_default_shape_builds():
     # a branch beside a ready attention would be silently ignored: refused
     attention = DocumentCausalAttention(torch.tensor([0, 3], dtype=torch.int32), 3, "cpu")
     with pytest.raises(ValueError, match="branch or attention, not both"):
-        model(torch.tensor([1, 2, 3]), torch.arange(3), attention=attention, branch=torch.zeros(3, dtype=torch.long))
+        model(torch.tensor([1, 2, 3]), torch.arange(3), attention=attention,
+              branch=torch.zeros(3, dtype=torch.long))
 
 
 # -----------------------------------------------------------------------------
@@ -245,13 +287,16 @@ def test_missing_directory_or_file(tmp_path, moe_dir):
 
 
 def test_wrong_shape_is_named(moe_dir):
-    _rewrite_tensors(moe_dir, lambda t: t.__setitem__("model.layers.1.self_attn.k_proj.weight", torch.zeros(3, 32)))
+    _rewrite_tensors(moe_dir,
+                     lambda t: t.__setitem__("model.layers.1.self_attn.k_proj.weight",
+                                             torch.zeros(3, 32)))
     with pytest.raises(ValueError, match=r"model\.layers\.1\.self_attn\.k_proj\.weight.*\(3, 32\)"):
         load_hf_checkpoint(str(moe_dir))
 
 
 def test_unknown_and_missing_keys_are_named(moe_dir):
-    _rewrite_tensors(moe_dir, lambda t: t.__setitem__("model.layers.0.mystery.weight", torch.zeros(2)))
+    _rewrite_tensors(moe_dir,
+                     lambda t: t.__setitem__("model.layers.0.mystery.weight", torch.zeros(2)))
     with pytest.raises(ValueError, match=r"unknown.*mystery"):
         load_hf_checkpoint(str(moe_dir))
     _rewrite_tensors(moe_dir, lambda t: (t.pop("model.layers.0.mystery.weight"),
@@ -309,8 +354,9 @@ def test_grouped_gemm_experts_equal_the_loop(monkeypatch):
 
 @torch.no_grad()
 def test_grouped_gemm_path_is_the_inference_default_and_equals_the_loop(checkpoint, monkeypatch):
-    # the whole model, both expert paths, against each other and transformers; and widths torch's grouped GEMM
-    # cannot take (row strides not 16-byte multiples) fall back to the loop instead of raising
+    # the whole model, both expert paths, against each other and transformers; and widths torch's
+    # grouped GEMM cannot take (row strides not 16-byte multiples) fall back to the loop instead of
+    # raising
     import model
     name, hf, path = checkpoint
     ours = load_hf_checkpoint(path)
@@ -334,8 +380,8 @@ def test_grouped_gemm_path_is_the_inference_default_and_equals_the_loop(checkpoi
     assert (odd(h, top_idx, top_w) - ref).abs().max().item() < 1e-5
 
 
-# -----------------------------------------------------------------------------
-# the head's logprobs a chunk of rows at a time (model(..., labels=...)): the same numbers, no [T, V] tensor
+# ----------------------------------------------------------------------------- the head's logprobs
+# a chunk of rows at a time (model(..., labels=...)): the same numbers, no [T, V] tensor
 
 
 @pytest.mark.parametrize("temperature", [1.0, 0.7])
@@ -345,9 +391,12 @@ def test_head_logprobs_equal_the_whole_computation(temperature):
     weight = torch.randn(50, 16, generator=g, requires_grad=True)
     labels = torch.randint(0, 50, (37,), generator=g)
     upstream = torch.randn(37, generator=g)
-    whole = torch.log_softmax(F.linear(hidden, weight) / temperature, -1).gather(1, labels[:, None])[:, 0]
+    whole = torch.log_softmax(F.linear(hidden, weight) / temperature, -1).gather(1,
+                                                                                 labels[:, None])[:,
+                                                                                                  0]
     want = torch.autograd.grad((whole * upstream).sum(), (hidden, weight))
-    chunked = head_logprobs(hidden, weight, labels, temperature, chunk_bytes=4 * 50 * 5)   # 5 rows a chunk
+    # 5 rows a chunk
+    chunked = head_logprobs(hidden, weight, labels, temperature, chunk_bytes=4 * 50 * 5)
     got = torch.autograd.grad((chunked * upstream).sum(), (hidden, weight))
     assert torch.allclose(chunked, whole, atol=1e-6, rtol=1e-6)
     for a, b in zip(got, want):
@@ -356,12 +405,15 @@ def test_head_logprobs_equal_the_whole_computation(temperature):
 
 def test_model_labels_path_equals_logits_path():
     cfg = ModelConfig(vocab_size=64, hidden_size=32, intermediate_size=64, moe_intermediate_size=16,
-                      num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=8, num_experts=4,
-                      num_experts_per_tok=2)
+                      num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+                      num_experts=4, num_experts_per_tok=2)
     torch.manual_seed(0)
     model = Transformer(cfg)
     tokens = torch.randint(0, 64, (24,))
-    position_ids, cu = torch.cat([torch.arange(10), torch.arange(14)]), torch.tensor([0, 10, 24], dtype=torch.int32)
+    position_ids, cu = (
+        torch.cat([torch.arange(10), torch.arange(14)]),
+        torch.tensor([0, 10, 24], dtype=torch.int32),
+    )
     labels = torch.randint(0, 64, (24,))
     logits, _ = model(tokens, position_ids, cu, temperature=0.5)
     whole = torch.log_softmax(logits, -1).gather(1, labels[:, None])[:, 0]

@@ -1,6 +1,7 @@
 """
-EngineConfig(cache_type='radix') (radix.py): the same outputs as 'paged' and as transformers, prefix hits at token
-granularity, and a property test of the tree. Random tiny checkpoints written by transformers, CPU, fp32.
+EngineConfig(cache_type='radix') (radix.py): the same outputs as 'paged' and as transformers, prefix
+hits at token granularity, and a property test of the tree. Random tiny checkpoints written by
+transformers, CPU, fp32.
 
     python -m pytest -q test_radix.py
 """
@@ -51,13 +52,22 @@ def test_radix_greedy_matches_transformers_and_paged(checkpoint):
     for i, s in enumerate(got):
         prompt = PROMPTS[i // 2]
         x = torch.tensor([prompt])
-        ref = hf.generate(x, attention_mask=torch.ones_like(x), do_sample=False, max_new_tokens=12,
-                          min_new_tokens=12, eos_token_id=None, pad_token_id=0)[0, len(prompt):].tolist()
+        ref = hf.generate(
+            x,
+            attention_mask=torch.ones_like(x),
+            do_sample=False,
+            max_new_tokens=12,
+            min_new_tokens=12,
+            eos_token_id=None,
+            pad_token_id=0,
+        )[0, len(prompt) :].tolist()
         assert list(s.completion_tokens) == ref, f"[{name}] prompt {i // 2}"
-        assert (hf_logprobs(hf, prompt, s.completion_tokens) - torch.tensor(s.logprobs)).abs().max() < 1e-3
+        assert (hf_logprobs(hf, prompt,
+                            s.completion_tokens) - torch.tensor(s.logprobs)).abs().max() < 1e-3
     paged = engine_for(path).generate(PROMPTS, params, num_samples_per_prompt=2)
     assert outputs(got) == outputs(paged) and close(got, paged)
-    assert radix.cache.num_free_blocks() == radix.cache.num_blocks == 64 * 16   # the same memory, one-token blocks
+    # the same memory, one-token blocks
+    assert radix.cache.num_free_blocks() == radix.cache.num_blocks == 64 * 16
     radix.cache.check()
 
 
@@ -65,7 +75,8 @@ def test_radix_seeded_sampling_equals_paged(checkpoint):
     _, _, path = checkpoint
     for params in (SamplingParams(temperature=1.0, max_tokens=10, seed=3),
                    SamplingParams(temperature=0.8, max_tokens=10, top_k=8, top_p=0.9, seed=4)):
-        got = engine_for(path, cache_type="radix").generate(PROMPTS, params, num_samples_per_prompt=3)
+        got = engine_for(path, cache_type="radix").generate(PROMPTS, params,
+                                                            num_samples_per_prompt=3)
         ref = engine_for(path).generate(PROMPTS, params, num_samples_per_prompt=3)
         assert len({s.completion_tokens for s in got}) > len(PROMPTS)   # samples of a group differ
         assert outputs(got) == outputs(ref) and close(got, ref)
@@ -74,14 +85,21 @@ def test_radix_seeded_sampling_equals_paged(checkpoint):
 def test_radix_tiny_pool_preempts_evicts_and_still_matches_paged(moe):
     _, path = moe
     prompts = PROMPTS[:4] + [PROMPTS[3][:30] + rand_prompt(4, 7)]
-    for params in (SamplingParams(temperature=0, max_tokens=20), SamplingParams(temperature=1.0, max_tokens=20, seed=11)):
+    for params in (SamplingParams(temperature=0, max_tokens=20),
+                   SamplingParams(temperature=1.0, max_tokens=20, seed=11)):
         ref = engine_for(path, num_blocks=256, seed=5).generate(prompts, params, 3)
         tiny = engine_for(path, cache_type="radix", num_blocks=5, seed=5)   # 80 one-token slots
         got = tiny.generate(prompts, params, 3)
-        again = tiny.generate(prompts, params, 3)                           # now partly from the tree
-        assert outputs(got) == outputs(ref) == outputs(again) and close(got, ref, 1e-4) and close(again, ref, 1e-4)
+        again = tiny.generate(prompts, params, 3)                         # now partly from the tree
+        assert outputs(got) == outputs(ref) == outputs(again) and close(got, ref,
+                                                                        1e-4) and close(again, ref,
+                                                                                        1e-4)
         st = tiny.stats()
-        assert st["preemptions"] > 0 and tiny.cache.num_evicted > 0 and st["prefix_cache_hit_tokens"] > 0
+        assert (
+            st["preemptions"] > 0
+            and tiny.cache.num_evicted > 0
+            and st["prefix_cache_hit_tokens"] > 0
+        )
         assert tiny.cache.num_free_blocks() == tiny.cache.num_blocks == 80
         tiny.cache.check()
 
@@ -92,7 +110,8 @@ def test_radix_tiny_pool_preempts_evicts_and_still_matches_paged(moe):
 
 def test_shared_prefix_not_a_multiple_of_the_block_is_reused_in_full(moe):
     _, path = moe
-    a, b = PROMPTS[3][:21] + rand_prompt(6, 1), PROMPTS[3][:21] + rand_prompt(9, 2)   # 21 common tokens
+    # 21 common tokens
+    a, b = PROMPTS[3][:21] + rand_prompt(6, 1), PROMPTS[3][:21] + rand_prompt(9, 2)
     params = SamplingParams(temperature=0, max_tokens=5)
     hits = {}
     for cache_type in ("radix", "paged"):
@@ -104,7 +123,8 @@ def test_shared_prefix_not_a_multiple_of_the_block_is_reused_in_full(moe):
         hits[cache_type, "out"] = outputs(first + second)
     assert hits["radix"] == 21 and hits["paged"] == 16
     assert hits["radix", "out"] == hits["paged", "out"]
-    # a group of G: the prompt is prefilled once; a second request for it computes only its last token
+    # a group of G: the prompt is prefilled once; a second request for it computes only its last
+    # token
     engine = engine_for(path, cache_type="radix")
     engine.generate([a], SamplingParams(temperature=1.0, max_tokens=4), num_samples_per_prompt=4)
     assert engine.stats()["prefill_tokens"] == len(a) and engine.stats()["forks"] == 3
@@ -121,17 +141,25 @@ def test_second_turn_computes_only_the_tokens_it_never_had(moe):
         engine = engine_for(path, cache_type=cache_type)
         turn1 = engine.generate([user1], params)[0]
         before = engine.stats()["prefill_tokens"]
-        prompt2 = user1 + list(turn1.completion_tokens) + user2      # 26 tokens of history, then 5 new
+        prompt2 = user1 + list(turn1.completion_tokens) + user2   # 26 tokens of history, then 5 new
         turn2 = engine.generate([prompt2], params)[0]
         computed = engine.stats()["prefill_tokens"] - before
         if extra is not None:
-            # the new tokens, and the last sampled token of turn 1 (sampled, but its KV never computed)
+            # the new tokens, and the last sampled token of turn 1 (sampled, but its KV never
+            # computed)
             assert computed == len(user2) + 1
         else:
-            assert computed == len(prompt2) - 16                     # paged recomputes the partial block
+            assert computed == len(prompt2) - 16                # paged recomputes the partial block
         x = torch.tensor([prompt2])
-        ref = hf.generate(x, attention_mask=torch.ones_like(x), do_sample=False, max_new_tokens=7,
-                          min_new_tokens=7, eos_token_id=None, pad_token_id=0)[0, len(prompt2):].tolist()
+        ref = hf.generate(
+            x,
+            attention_mask=torch.ones_like(x),
+            do_sample=False,
+            max_new_tokens=7,
+            min_new_tokens=7,
+            eos_token_id=None,
+            pad_token_id=0,
+        )[0, len(prompt2) :].tolist()
         assert list(turn2.completion_tokens) == ref
 
 
@@ -169,8 +197,10 @@ def test_radix_update_weights_serves_no_stale_kv(moe, tmp_path_factory):
 def test_radix_abort_and_bad_input_leave_the_cache_whole(moe):
     _, path = moe
     engine = engine_for(path, cache_type="radix")
-    keep = engine.add_request(PROMPTS[3], SamplingParams(temperature=1.0, max_tokens=50), num_samples=4)
-    drop = engine.add_request(PROMPTS[2], SamplingParams(temperature=1.0, max_tokens=50), num_samples=4)
+    keep = engine.add_request(PROMPTS[3], SamplingParams(temperature=1.0, max_tokens=50),
+                              num_samples=4)
+    drop = engine.add_request(PROMPTS[2], SamplingParams(temperature=1.0, max_tokens=50),
+                              num_samples=4)
     for _ in range(3):
         engine.step()
     assert engine.abort(drop) == 4
@@ -194,7 +224,8 @@ VOCAB_PLUS = 10 ** 6   # a token id outside any vocabulary here
 
 
 def tree_paths(cache):
-    """(prefix tokens up to and including each tree slot's token, slot) for every slot in the tree."""
+    """(prefix tokens up to and including each tree slot's token, slot) for every slot in the
+    tree."""
     out, stack = [], [(cache.root, ())]
     while stack:
         node, prefix = stack.pop()
@@ -204,17 +235,20 @@ def tree_paths(cache):
     return out
 
 
-OPS = ["add"] * 3 + ["compute"] * 5 + ["release", "keep", "keep", "evict", "invalidate"]   # weighted by repeats
+# weighted by repeats
+OPS = ["add"] * 3 + ["compute"] * 5 + ["release", "keep", "keep", "evict", "invalidate"]
 
 
 @settings(max_examples=200, deadline=None)
-@given(st.lists(st.tuples(st.sampled_from(OPS), st.integers(0, 10 ** 6)), min_size=20, max_size=100))
+@given(st.lists(st.tuples(st.sampled_from(OPS), st.integers(0, 10 ** 6)), min_size=20,
+                max_size=100))
 def test_radix_tree_invariants(ops):
     S = 40
     cache, kv, running, stale, uids = RadixCache(S), {}, [], set(), itertools.count()
     for op, x in ops:
         rng = random.Random(x)
-        if op == "add":   # a prompt over 3 token ids, often a running one's start or copy: prefixes get shared
+        # a prompt over 3 token ids, often a running one's start or copy: prefixes get shared
+        if op == "add":
             base = running[x % len(running)].tokens if running and x % 3 else []
             cut = len(base) if x % 3 == 1 else rng.randint(0, len(base))
             prompt = base[:cut] + [rng.randrange(3) for _ in range(rng.randint(0 if cut else 1, 8))]
@@ -225,7 +259,7 @@ def test_radix_tree_invariants(ops):
                 cache.take_prefix(seq)
                 assert len(seq.block_table) == seq.num_computed == seq.num_cached_tokens
                 running.append(seq)
-        elif op == "compute" and running:   # a prefill chunk, or a decode (a new token, then its KV)
+        elif op == "compute" and running:  # a prefill chunk, or a decode (a new token, then its KV)
             seq = running[x % len(running)]
             if seq.num_computed == seq.num_tokens:
                 seq.tokens.append(rng.randrange(3))
@@ -233,7 +267,8 @@ def test_radix_tree_invariants(ops):
             if n <= cache.num_free_blocks():
                 cache.grow(seq, n)
                 for p in range(seq.num_computed, seq.num_computed + n):
-                    kv[seq.block_table[p]] = tuple(seq.tokens[:p + 1])   # "the KV" of token p: its prefix
+                    # "the KV" of token p: its prefix
+                    kv[seq.block_table[p]] = tuple(seq.tokens[:p + 1])
                 seq.num_computed += n
                 if seq.uid not in stale:
                     cache.name_computed(seq, n)
@@ -243,16 +278,19 @@ def test_radix_tree_invariants(ops):
         elif op == "evict":
             free_before, need = cache.num_free_blocks(), x % (S + 1)
             cache.evict(need)
-            assert len(cache.free) >= min(need, free_before)    # what is counted free can be reclaimed
+            # what is counted free can be reclaimed
+            assert len(cache.free) >= min(need, free_before)
         elif op == "invalidate":
             cache.invalidate()
             stale |= {s.uid for s in running}
         cache.check()
-        # refcounts are exactly the holders: so a held slot was never evicted, and none is owned twice
+        # refcounts are exactly the holders: so a held slot was never evicted, and none is owned
+        # twice
         holders = Counter(slot for seq in running for slot in seq.block_table)
         assert all(cache.refcount[s] == holders[s] + cache.in_tree[s] for s in range(S))
         for seq in running:
-            assert all(kv[slot] == tuple(seq.tokens[:p + 1]) for p, slot in enumerate(seq.block_table[:seq.num_computed]))
+            assert all(kv[slot] == tuple(seq.tokens[:p + 1])
+                       for p, slot in enumerate(seq.block_table[:seq.num_computed]))
         paths = tree_paths(cache)                               # what a later match would hand out
         assert all(kv[slot] == prefix for prefix, slot in paths)
         assert len(paths) == cache.num_cached_blocks() == sum(len(n.key) for n in cache._nodes())

@@ -1,4 +1,5 @@
-# tests for report.py (the statistics and the plot of compare.sh) on hand-made numbers. CPU, a second.
+# tests for report.py (the statistics and the plot of compare.sh) on hand-made numbers. CPU, a
+# second.
 
 import json
 import math
@@ -11,8 +12,8 @@ import pytest
 import report
 from report import ARMS, load, paired_ci, plot, summarize, t975
 
-# a fake comparison, 3 seeds: test greedy accuracy, pass@1 and pass@8 of each arm, chosen so that the paired
-# differences are exact in binary floating point (multiples of 1/8 and 1/16)
+# a fake comparison, 3 seeds: test greedy accuracy, pass@1 and pass@8 of each arm, chosen so that
+# the paired differences are exact in binary floating point (multiples of 1/8 and 1/16)
 ACC = {"1": {"sft": 0.25, "sft_more": 0.375, "rft": 0.25, "grpo": 0.5},
        "2": {"sft": 0.125, "sft_more": 0.25, "rft": 0.25, "grpo": 0.5},
        "3": {"sft": 0.25, "sft_more": 0.25, "rft": 0.375, "grpo": 0.625}}
@@ -25,18 +26,21 @@ def write_rows(path, rows):
 
 
 def fake_tree(root, acc=ACC):
-    """out/compare as compare.sh leaves it: each seed's test_<arm> evaluation (a stale row first, the last row
-    counts) and each trained arm's run with validation evaluations against wall-clock seconds."""
+    """out/compare as compare.sh leaves it: each seed's test_<arm> evaluation (a stale row first,
+    the last row counts) and each trained arm's run with validation evaluations against wall-clock
+    seconds."""
     for seed, arms in acc.items():
         d = os.path.join(root, f"seed{seed}")
         for arm, a in arms.items():
             write_rows(os.path.join(d, f"test_{arm}", "metrics.jsonl"),
                        [{"iter": 0, "eval/accuracy": 0.0},
-                        {"iter": 0, "eval/accuracy": a, "eval/pass@1": a / 2, "eval/pass@8": 1 - a}])
+                        {"iter": 0, "eval/accuracy": a, "eval/pass@1": a / 2,
+                         "eval/pass@8": 1 - a}])
         for k, arm in enumerate(report.CURVE_ARMS):
-            rows = [{"iter": 10 * i, "eval/accuracy": 0.1 + 0.05 * i + 0.01 * k, "perf/elapsed_s": 5.0 + 30 * i}
-                    for i in range(5)]
-            rows.insert(1, {"iter": 5, "train/loss": 1.0, "perf/elapsed_s": 12.0})  # a training row: not a point
+            rows = [{"iter": 10 * i, "eval/accuracy": 0.1 + 0.05 * i + 0.01 * k,
+                     "perf/elapsed_s": 5.0 + 30 * i} for i in range(5)]
+            # a training row: not a point
+            rows.insert(1, {"iter": 5, "train/loss": 1.0, "perf/elapsed_s": 12.0})
             write_rows(os.path.join(d, arm, "metrics.jsonl"), rows)
 
 
@@ -83,14 +87,17 @@ def test_load_and_summarize_fake_tree(tmp_path):
     assert results["per_seed"] == ACC  # the last row of each evaluation, seeds as strings
     assert results["pass@1"]["2"]["grpo"] == 0.25 and results["pass@8"]["3"]["sft"] == 0.75
     grpo = [ACC[s]["grpo"] for s in "123"]
-    assert results["summary"]["grpo"] == {"mean": pytest.approx(np.mean(grpo)), "std": pytest.approx(0.0721687836)}
+    assert results["summary"]["grpo"] == {"mean": pytest.approx(np.mean(grpo)),
+                                          "std": pytest.approx(0.0721687836)}
     assert set(results["summary"]) == set(results["arms"])
-    assert list(results["paired"]) == ["grpo-sft", "grpo-sft_more", "grpo-rft", "sft_more-sft", "rft-sft"]
+    assert list(results["paired"]) == ["grpo-sft", "grpo-sft_more", "grpo-rft", "sft_more-sft",
+                                       "rft-sft"]
     p = results["paired"]["grpo-sft"]  # differences 0.25, 0.375, 0.375
     half = 4.303 * np.std([0.25, 0.375, 0.375], ddof=1) / math.sqrt(3)
     assert p["n"] == 3 and p["mean"] == pytest.approx(1 / 3)
     assert p["ci95"] == pytest.approx([1 / 3 - half, 1 / 3 + half])
-    assert results["paired"]["grpo-rft"]["mean"] == pytest.approx(0.25)  # differences 0.25, 0.25, 0.25
+    # differences 0.25, 0.25, 0.25
+    assert results["paired"]["grpo-rft"]["mean"] == pytest.approx(0.25)
     assert results["paired"]["grpo-rft"]["ci95"] == pytest.approx([0.25, 0.25])
 
 
@@ -114,7 +121,8 @@ def test_missing_evaluation_names_its_file(tmp_path):
 
 def test_main_writes_results_json_and_tables(tmp_path, capsys, monkeypatch):
     fake_tree(str(tmp_path))
-    monkeypatch.setitem(sys.modules, "matplotlib", None)  # as if not installed: said, and no plot, no crash
+    # as if not installed: said, and no plot, no crash
+    monkeypatch.setitem(sys.modules, "matplotlib", None)
     assert report.main([str(tmp_path)]) == 0  # no seeds given: every seed<S> directory
     with open(tmp_path / "results.json") as f:
         written = json.load(f)
@@ -178,21 +186,24 @@ def test_plot_run_writes_a_png(tmp_path):
 
 
 def test_mean_curve_on_the_common_range():
-    grid, mean = report.mean_curve([([0, 10], [0.0, 1.0]), ([2, 20], [0.2, 0.2]), ([], [])], points=3)
+    grid, mean = report.mean_curve([([0, 10], [0.0, 1.0]), ([2, 20], [0.2, 0.2]), ([], [])],
+                                   points=3)
     assert list(grid) == [2, 6, 10]
     assert mean == pytest.approx([(0.2 + 0.2) / 2, (0.6 + 0.2) / 2, (1.0 + 0.2) / 2])
     assert report.mean_curve([([5], [0.3])]) is None
 
 
 def test_flops_curve_places_evaluations_on_the_logged_flops(tmp_path):
-    # training rows log (iter, FLOPs) every 10 steps; evaluations at 0, 15 and 30 fall before, between and on
-    # them: 0 on the line extended back from the first two rows (RFT's sampling spent before step 1)
+    # training rows log (iter, FLOPs) every 10 steps; evaluations at 0, 15 and 30 fall before,
+    # between and on them: 0 on the line extended back from the first two rows (RFT's sampling spent
+    # before step 1)
     path = str(tmp_path / "rft" / "metrics.jsonl")
     write_rows(path, [{"iter": 0, "eval/accuracy": 0.1}, {"iter": 10, "perf/flops_total": 5.0},
                       {"iter": 20, "perf/flops_total": 6.0}, {"iter": 15, "eval/accuracy": 0.2},
                       {"iter": 30, "perf/flops_total": 8.0, "eval/accuracy": 0.3}])
     assert report.flops_curve(path) == ([4.0, 5.5, 8.0], [0.1, 0.2, 0.3])
-    write_rows(path, [{"iter": 0, "eval/accuracy": 0.1}])  # no FLOPs logged: no curve rather than a guess
+    # no FLOPs logged: no curve rather than a guess
+    write_rows(path, [{"iter": 0, "eval/accuracy": 0.1}])
     assert report.flops_curve(path) == ([], [])
 
 

@@ -1,6 +1,6 @@
 """
-The engine's pure parts, without a model: block hashing, the sampler (logprobs, top-k / top-p, seeded draws),
-schedule() and the block allocator's invariants (a hypothesis property test).
+The engine's pure parts, without a model: block hashing, the sampler (logprobs, top-k / top-p,
+seeded draws), schedule() and the block allocator's invariants (a hypothesis property test).
 
     python -m pytest -q test_scheduler.py
 """
@@ -11,14 +11,22 @@ import pytest
 import torch
 from hypothesis import given, settings, strategies as st
 
-from engine import BlockAllocator, SchedulerConfig, compute_block_hash, sample_with_logprobs, schedule
+from engine import (
+    BlockAllocator,
+    SchedulerConfig,
+    compute_block_hash,
+    sample_with_logprobs,
+    schedule,
+)
 
 
 def test_compute_block_hash():
     h = compute_block_hash([1, 23], None)
     assert h != compute_block_hash([12, 3], None)                    # fixed width: no ambiguity
-    assert compute_block_hash([300, 5], None) != compute_block_hash([44, 5], None)   # ids past 255
-    assert h == compute_block_hash([1, 23], None) != compute_block_hash([1, 23], h)  # the parent is in the name
+    # ids past 255
+    assert compute_block_hash([300, 5], None) != compute_block_hash([44, 5], None)
+    # the parent is in the name
+    assert h == compute_block_hash([1, 23], None) != compute_block_hash([1, 23], h)
     assert isinstance(h, int)
 
 
@@ -26,9 +34,12 @@ def test_sample_with_logprobs():
     g = torch.Generator().manual_seed(0)
     logits = torch.randn(6, 50, generator=g) * 3
     T = torch.tensor([0.0, 1.0, 0.5, 2.0, 1.0, 1.0])
-    tokens, lp = sample_with_logprobs(logits, T, seeds=torch.arange(6), positions=torch.zeros(6, dtype=torch.long))
+    tokens, lp = sample_with_logprobs(logits, T, seeds=torch.arange(6),
+                                      positions=torch.zeros(6, dtype=torch.long))
     assert tokens[0] == logits[0].argmax()
-    ref = torch.log_softmax(logits / torch.where(T == 0, 1.0, T)[:, None], -1).gather(1, tokens[:, None])[:, 0]
+    ref = torch.log_softmax(logits / torch.where(T == 0, 1.0, T)[:, None], -1).gather(
+        1, tokens[:, None]
+    )[:, 0]
     assert torch.allclose(lp, ref, atol=1e-6)
     # top_k=1 and a tiny top_p are greedy; their logprob is still of the unfiltered distribution
     for kw in (dict(top_k=torch.full((6,), 1)), dict(top_p=torch.full((6,), 1e-4))):
@@ -43,19 +54,21 @@ def test_sample_with_logprobs():
     freq = torch.bincount(draws, minlength=8).float() / n
     p = torch.softmax(one[0] / 0.8, -1)
     assert (freq - p).abs().max().item() < 4 * math.sqrt(0.25 / n)
-    again, _ = sample_with_logprobs(one.expand(10, 8), torch.full((10,), 0.8), seeds=torch.arange(10),
-                                    positions=torch.full((10,), 3))
+    again, _ = sample_with_logprobs(one.expand(10, 8), torch.full((10,), 0.8),
+                                    seeds=torch.arange(10), positions=torch.full((10,), 3))
     assert torch.equal(again, draws[:10])
     with pytest.raises(ValueError, match="positions"):
         sample_with_logprobs(one.expand(10, 8), torch.ones(10), seeds=torch.arange(10))
 
 
 def test_two_level_draw_is_the_inverse_cdf_over_the_whole_vocabulary():
-    # several blocks and a partial one: the same token as one cumsum over all V, and the exact logprob
+    # several blocks and a partial one: the same token as one cumsum over all V, and the exact
+    # logprob
     g = torch.Generator().manual_seed(1)
     N, V = 64, 2 * 1024 + 300
     logits = torch.randn(N, V, generator=g) * 4
-    logits[:4] += torch.tensor([300.0, -300.0, 80.0, -90.0])[:, None]   # rows whose exp would overflow or vanish
+    # rows whose exp would overflow or vanish
+    logits[:4] += torch.tensor([300.0, -300.0, 80.0, -90.0])[:, None]
     T = torch.rand(N, generator=g) + 0.3
     seeds, positions = torch.arange(N), torch.full((N,), 7)
     tokens, lp = sample_with_logprobs(logits, T, seeds=seeds, positions=positions)
@@ -70,7 +83,8 @@ def test_two_level_draw_is_the_inverse_cdf_over_the_whole_vocabulary():
 
 
 class FakeSeq:
-    def __init__(self, uid, num_tokens, num_computed, block_table=(), num_samples=1, cached=0, cached_free=0):
+    def __init__(self, uid, num_tokens, num_computed, block_table=(), num_samples=1, cached=0,
+                 cached_free=0):
         self.uid, self.num_tokens, self.num_computed = uid, num_tokens, num_computed
         self.block_table, self.num_samples = list(block_table), num_samples
         self.num_cached_tokens, self.num_cached_free_blocks = cached, cached_free
@@ -83,18 +97,25 @@ def test_schedule_oldest_first_chunks_prefill_and_preempts_newest():
     dec_new_page = FakeSeq(3, 9, 8, [4, 5])                # decode at position 8: needs a page
     waiting = [FakeSeq(4, 12, 0), FakeSeq(5, 3, 0)]
     out = schedule(waiting, [dec, dec_new_page, prefill], 10, cfg)
-    assert out.scheduled == ((2, 1), (3, 1), (1, 5), (4, 3)) and out.admitted == (4,) and out.preempted == ()
-    # the oldest is never preempted while another runs, even mid-prefill with a newer decode wanting a page
+    assert (
+        out.scheduled == ((2, 1), (3, 1), (1, 5), (4, 3))
+        and out.admitted == (4,)
+        and out.preempted == ()
+    )
+    # the oldest is never preempted while another runs, even mid-prefill with a newer decode wanting
+    # a page
     out = schedule([], [FakeSeq(1, 12, 4, [0]), FakeSeq(2, 9, 8, [1, 2])], 0,
                    SchedulerConfig(max_batch_size=8, max_num_batched_tokens=4, block_size=4))
-    assert out.preempted == (2,) and out.scheduled == ((1, 4),)            # its pages went to the oldest
-    # no free page: the newest running sequence is preempted (its pages count once nobody else holds them)
+    assert out.preempted == (2,) and out.scheduled == ((1, 4),)       # its pages went to the oldest
+    # no free page: the newest running sequence is preempted (its pages count once nobody else holds
+    # them)
     out = schedule(waiting, [dec, dec_new_page, FakeSeq(6, 6, 5, [6, 7])], 0, cfg)
     assert out.preempted == (6,) and out.scheduled == ((2, 1), (3, 1)) and out.admitted == ()
     shared = FakeSeq(7, 6, 5, [4, 8])                      # shares page 4 with dec_new_page
     out = schedule([], [dec_new_page, shared], 0, cfg)
     assert out.preempted == (7,) and out.scheduled == ((3, 1),)
-    # a group counts as num_samples sequences, and reserves pages for its copies of a partial last page
+    # a group counts as num_samples sequences, and reserves pages for its copies of a partial last
+    # page
     out = schedule([FakeSeq(8, 6, 0, num_samples=9)], [], 100, cfg)
     assert out.scheduled == ()                            # 9 samples > max_batch_size
     out = schedule([FakeSeq(8, 6, 0, num_samples=4)], [], 4, cfg)
@@ -104,8 +125,8 @@ def test_schedule_oldest_first_chunks_prefill_and_preempts_newest():
 
 
 @settings(max_examples=60, deadline=None)
-@given(st.lists(st.tuples(st.sampled_from(["alloc", "share", "free", "register", "hit", "invalidate"]),
-                          st.integers(0, 1000)), max_size=80))
+@given(st.lists(st.tuples(st.sampled_from(["alloc", "share", "free", "register", "hit",
+                                           "invalidate"]), st.integers(0, 1000)), max_size=80))
 def test_allocator_invariants(ops):
     alloc = BlockAllocator(num_blocks=6, block_size=4)
     held = []                                              # one entry per reference we hold

@@ -1,6 +1,6 @@
 """
-serve.py through the real openai client against a real server process, checked against transformers and the
-engine in-process on the same checkpoint; client.py's token-exact conversations.
+serve.py through the real openai client against a real server process, checked against transformers
+and the engine in-process on the same checkpoint; client.py's token-exact conversations.
 """
 
 import dataclasses
@@ -30,14 +30,16 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 
 
 def tiny_config(vocab_size):
-    return Qwen3MoeConfig(vocab_size=vocab_size, hidden_size=32, intermediate_size=64, moe_intermediate_size=16,
-                          num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
-                          num_experts=4, num_experts_per_tok=2, max_position_embeddings=256,
-                          tie_word_embeddings=False, decoder_sparse_step=1, mlp_only_layers=[])
+    return Qwen3MoeConfig(vocab_size=vocab_size, hidden_size=32, intermediate_size=64,
+                          moe_intermediate_size=16, num_hidden_layers=2, num_attention_heads=4,
+                          num_key_value_heads=2, head_dim=8, num_experts=4, num_experts_per_tok=2,
+                          max_position_embeddings=256, tie_word_embeddings=False,
+                          decoder_sparse_step=1, mlp_only_layers=[])
 
 
 def model_dir(path, seed):
-    """A random transformers checkpoint with the project's tokenizer: what serve.py is pointed at."""
+    """A random transformers checkpoint with the project's tokenizer: what serve.py is pointed
+    at."""
     tok = build_tokenizer()
     hf, _ = write_hf_checkpoint(tiny_config(len(tok)), path, seed=seed)
     save_tokenizer(tok, path)
@@ -57,10 +59,12 @@ class Served:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         env = dict(os.environ, OMP_NUM_THREADS="1")
-        self.proc = subprocess.Popen([sys.executable, os.path.join(HERE, "serve.py"), f"--model_path={path}",
-                                      f"--port={self.port}", "--max_model_len=256", *args], env=env, cwd=HERE,
+        self.proc = subprocess.Popen([sys.executable, os.path.join(HERE, "serve.py"),
+                                      f"--model_path={path}", f"--port={self.port}",
+                                      "--max_model_len=256", *args], env=env, cwd=HERE,
                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-        headers = {"Authorization": f"Bearer {KEY}"} if any(a.startswith("--api_key") for a in args) else {}
+        headers = {"Authorization": f"Bearer {KEY}"} if any(a.startswith("--api_key")
+                                                            for a in args) else {}
         for _ in range(600):
             if self.proc.poll() is not None:
                 raise RuntimeError(f"serve.py exited: {self.proc.stdout.read()}")
@@ -85,15 +89,18 @@ def setup(tmp_path_factory):
     root = tmp_path_factory.mktemp("serve")
     hf = model_dir(root / "a", seed=1)
     model_dir(root / "b", seed=2)
-    server = Served(root / "a", f"--api_key={KEY}", "--enable_weight_updates=True", "--served_model_name=tiny")
-    yield dict(root=root, hf=hf, server=server, api=OpenAI(base_url=server.url + "/v1", api_key=KEY, max_retries=0),
+    server = Served(root / "a", f"--api_key={KEY}", "--enable_weight_updates=True",
+                    "--served_model_name=tiny")
+    yield dict(root=root, hf=hf, server=server,
+               api=OpenAI(base_url=server.url + "/v1", api_key=KEY, max_retries=0),
                tok=build_tokenizer())
     assert server.stop() == 0, "Ctrl-C must shut the server down cleanly"
 
 
 @pytest.fixture(scope="module")
 def engine(setup):
-    return InferenceEngine(EngineConfig(model_path=str(setup["root"] / "a"), max_model_len=256, num_blocks=256))
+    return InferenceEngine(EngineConfig(model_path=str(setup["root"] / "a"), max_model_len=256,
+                                        num_blocks=256))
 
 
 def post(setup, path, body, key=KEY):
@@ -102,7 +109,8 @@ def post(setup, path, body, key=KEY):
 
 
 def greedy(stop, max_tokens=8, **kw):
-    return SamplingParams(temperature=0.0, max_tokens=max_tokens, stop_token_ids=frozenset(stop), **kw)
+    return SamplingParams(temperature=0.0, max_tokens=max_tokens, stop_token_ids=frozenset(stop),
+                          **kw)
 
 
 def hf_greedy(hf, prompt, n, stop):
@@ -122,11 +130,13 @@ PROMPTS = [[1, 100, 4, 103, 5, 24, 5, 26], [7, 8, 9], list(range(10, 40))]
 def test_greedy_completions_equal_engine_and_transformers(setup, engine):
     api, stop = setup["api"], generation_stop_ids(setup["tok"])
     mine = engine.generate(PROMPTS, greedy(stop))
-    r = api.completions.create(model="tiny", prompt=PROMPTS, max_tokens=8, temperature=0, logprobs=0, extra_body=EXTRA)
+    r = api.completions.create(model="tiny", prompt=PROMPTS, max_tokens=8, temperature=0,
+                               logprobs=0, extra_body=EXTRA)
     for prompt, ours, choice in zip(PROMPTS, mine, r.choices):
         extra = choice.model_extra
         assert extra["prompt_token_ids"] == prompt
-        assert extra["token_ids"] == list(ours.completion_tokens) == hf_greedy(setup["hf"], prompt, 8, stop)
+        assert extra["token_ids"] == list(ours.completion_tokens) == hf_greedy(setup["hf"], prompt,
+                                                                               8, stop)
         assert choice.logprobs.token_logprobs == pytest.approx(list(ours.logprobs), abs=1e-5)
         assert choice.text == setup["tok"].decode(ours.completion_tokens, skip_special_tokens=True)
         assert extra["weight_version"] == 0
@@ -135,34 +145,43 @@ def test_greedy_completions_equal_engine_and_transformers(setup, engine):
 
 def test_chat_uses_the_checkpoints_template(setup, engine):
     api, stop, root = setup["api"], generation_stop_ids(setup["tok"]), setup["root"]
-    messages = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "digits 3 5 7 target 22"}]
-    r = api.chat.completions.create(model="tiny", messages=messages, max_tokens=8, temperature=0, logprobs=True,
-                                    top_logprobs=3, extra_body=EXTRA)
-    expected = AutoTokenizer.from_pretrained(root / "a").apply_chat_template(messages, add_generation_prompt=True,
-                                                                              return_dict=False)
+    messages = [{"role": "system", "content": "be brief"},
+                {"role": "user", "content": "digits 3 5 7 target 22"}]
+    r = api.chat.completions.create(model="tiny", messages=messages, max_tokens=8, temperature=0,
+                                    logprobs=True, top_logprobs=3, extra_body=EXTRA)
+    tokenizer = AutoTokenizer.from_pretrained(root / "a")
+    expected = tokenizer.apply_chat_template(messages, add_generation_prompt=True,
+                                             return_dict=False)
     assert r.model_extra["prompt_token_ids"] == list(expected)
     ours = engine.generate([expected], greedy(stop))[0]
     choice = r.choices[0]
-    assert choice.model_extra["token_ids"] == list(ours.completion_tokens) == hf_greedy(setup["hf"], expected, 8, stop)
-    assert [c.logprob for c in choice.logprobs.content] == pytest.approx(list(ours.logprobs), abs=1e-5)
-    for c in choice.logprobs.content:   # greedy: the sampled token is the most likely, and the list is sorted
-        assert c.top_logprobs[0].logprob == pytest.approx(c.logprob, abs=1e-6) and len(c.top_logprobs) == 3
-        assert [t.logprob for t in c.top_logprobs] == sorted((t.logprob for t in c.top_logprobs), reverse=True)
+    assert choice.model_extra["token_ids"] == list(ours.completion_tokens) == hf_greedy(setup["hf"],
+                                                                                        expected, 8,
+                                                                                        stop)
+    assert [c.logprob for c in choice.logprobs.content] == pytest.approx(list(ours.logprobs),
+                                                                         abs=1e-5)
+    # greedy: the sampled token is the most likely, and the list is sorted
+    for c in choice.logprobs.content:
+        assert c.top_logprobs[0].logprob == pytest.approx(c.logprob,
+                                                          abs=1e-6) and len(c.top_logprobs) == 3
+        assert [t.logprob for t in c.top_logprobs] == sorted((t.logprob for t in c.top_logprobs),
+                                                             reverse=True)
 
 
 def test_top_logprobs_equal_transformers(setup):
     api, hf = setup["api"], setup["hf"]
     prompt = PROMPTS[0]
-    r = api.completions.create(model="tiny", prompt=prompt, max_tokens=1, temperature=0.7, logprobs=4, seed=3,
-                               extra_body=EXTRA)
+    r = api.completions.create(model="tiny", prompt=prompt, max_tokens=1, temperature=0.7,
+                               logprobs=4, seed=3, extra_body=EXTRA)
     with torch.no_grad():
         ref = torch.log_softmax(hf(torch.tensor([prompt])).logits[0, -1] / 0.7, -1)
     values, ids = ref.topk(4)
     tops = r.choices[0].logprobs.top_logprobs[0]
     assert list(tops) == [setup["tok"].decode([i]) for i in ids.tolist()]
     assert list(tops.values()) == pytest.approx(values.tolist(), abs=1e-4)
-    assert r.choices[0].logprobs.token_logprobs[0] == pytest.approx(ref[r.choices[0].model_extra["token_ids"][0]].item(),
-                                                                    abs=1e-4)
+    assert r.choices[0].logprobs.token_logprobs[0] == pytest.approx(
+        ref[r.choices[0].model_extra["token_ids"][0]].item(), abs=1e-4
+    )
 
 
 def collect_stream(stream, chat):
@@ -184,50 +203,67 @@ def test_streamed_equals_non_streamed(setup, n):
     api = setup["api"]
     kw = dict(model="tiny", max_tokens=12, temperature=0.9, seed=11, n=n, extra_body=EXTRA)
     whole = api.completions.create(prompt=PROMPTS[1], logprobs=0, **kw)
-    text, ids, logprobs, finish = collect_stream(api.completions.create(prompt=PROMPTS[1], logprobs=0, stream=True,
+    text, ids, logprobs, finish = collect_stream(api.completions.create(prompt=PROMPTS[1],
+                                                                        logprobs=0, stream=True,
                                                                         **kw), chat=False)
     for c in whole.choices:
-        assert (text[c.index], ids[c.index], finish[c.index]) == (c.text, c.model_extra["token_ids"], c.finish_reason)
-        # the same tokens; logprobs to fp32 rounding, which depends on the rows the engine computed together
+        assert (text[c.index], ids[c.index], finish[c.index]) == (c.text,
+                                                                  c.model_extra["token_ids"],
+                                                                  c.finish_reason)
+        # the same tokens; logprobs to fp32 rounding, which depends on the rows the engine computed
+        # together
         assert logprobs[c.index] == pytest.approx(c.logprobs.token_logprobs, abs=1e-5)
     messages = [{"role": "user", "content": "digits 1 2 3 target 6"}]
     whole = api.chat.completions.create(messages=messages, logprobs=True, **kw)
-    text, ids, logprobs, finish = collect_stream(api.chat.completions.create(messages=messages, logprobs=True,
-                                                                             stream=True, **kw), chat=True)
+    text, ids, logprobs, finish = collect_stream(api.chat.completions.create(messages=messages,
+                                                                             logprobs=True,
+                                                                             stream=True, **kw),
+                                                 chat=True)
     for c in whole.choices:
-        assert (text[c.index], ids[c.index], finish[c.index]) == (c.message.content, c.model_extra["token_ids"],
-                                                                   c.finish_reason)
+        assert (text[c.index], ids[c.index], finish[c.index]) == (c.message.content,
+                                                                  c.model_extra["token_ids"],
+                                                                  c.finish_reason)
         assert logprobs[c.index] == pytest.approx([x.logprob for x in c.logprobs.content], abs=1e-5)
 
 
 def test_seeded_n4_repeats_and_stop_strings(setup):
     api = setup["api"]
-    kw = dict(model="tiny", prompt=PROMPTS[0], max_tokens=10, temperature=1.0, n=4, seed=1234, extra_body=EXTRA)
+    kw = dict(model="tiny", prompt=PROMPTS[0], max_tokens=10, temperature=1.0, n=4, seed=1234,
+              extra_body=EXTRA)
     a, b = api.completions.create(**kw), api.completions.create(**kw)
     ids = [c.model_extra["token_ids"] for c in a.choices]
     assert ids == [c.model_extra["token_ids"] for c in b.choices]
-    assert len({tuple(x) for x in ids}) > 1, "four samples of a random model should not all be the same"
-    # a stop string: the text ends before it, and the sample ends at the token that completed it (same seed)
+    assert len({tuple(x)
+                for x in ids}) > 1, "four samples of a random model should not all be the same"
+    # a stop string: the text ends before it, and the sample ends at the token that completed it
+    # (same seed)
     tok, stop = setup["tok"], a.choices[0].text[3:5]
     cut = api.completions.create(stop=[stop], **kw)
     for whole, part in zip(a.choices, cut.choices):
         full_ids, ids = whole.model_extra["token_ids"], part.model_extra["token_ids"]
         if stop not in whole.text:
-            assert (part.text, ids, part.finish_reason) == (whole.text, full_ids, whole.finish_reason)
+            assert (part.text, ids, part.finish_reason) == (whole.text, full_ids,
+                                                            whole.finish_reason)
             continue
         assert part.finish_reason == "stop" and part.text == whole.text[:whole.text.index(stop)]
-        assert ids == full_ids[:len(ids)] and stop in tok.decode(ids) and stop not in tok.decode(ids[:-1])
+        assert (
+            ids == full_ids[: len(ids)]
+            and stop in tok.decode(ids)
+            and stop not in tok.decode(ids[:-1])
+        )
 
 
 def test_64_concurrent_requests_batch_and_match(setup):
     api = setup["api"]
     prompts = [[1 + (i % 90), 5, 2 + (i * 7) % 90, 4] for i in range(64)]
     kw = dict(model="tiny", max_tokens=32, temperature=0, extra_body=dict(EXTRA, ignore_eos=True))
-    alone = [api.completions.create(prompt=p, **kw).choices[0].model_extra["token_ids"] for p in prompts]
+    alone = [api.completions.create(prompt=p, **kw).choices[0].model_extra["token_ids"]
+             for p in prompts]
     results = [None] * 64
 
     def one(i):
-        results[i] = api.completions.create(prompt=prompts[i], **kw).choices[0].model_extra["token_ids"]
+        results[i] = api.completions.create(prompt=prompts[i],
+                                            **kw).choices[0].model_extra["token_ids"]
 
     threads = [threading.Thread(target=one, args=(i,)) for i in range(64)]
     for t in threads:
@@ -236,7 +272,8 @@ def test_64_concurrent_requests_batch_and_match(setup):
         t.join()
     assert all(r is not None for r in results)
     assert results == alone
-    stats = httpx.get(setup["server"].url + "/stats", headers={"Authorization": f"Bearer {KEY}"}).json()
+    stats = httpx.get(setup["server"].url + "/stats",
+                      headers={"Authorization": f"Bearer {KEY}"}).json()
     assert stats["peak_batch"] >= 16, stats
 
 
@@ -258,7 +295,8 @@ BAD = [
     ("/v1/chat/completions", dict(messages=[]), "messages"),
     ("/v1/chat/completions", dict(messages=[{"role": "tool", "content": "x"}]), "messages"),
     ("/v1/chat/completions", dict(messages=[{"role": "user"}]), "messages"),
-    ("/v1/chat/completions", dict(messages=[{"role": "user", "content": "x"}], top_logprobs=2), "top_logprobs"),
+    ("/v1/chat/completions", dict(messages=[{"role": "user", "content": "x"}], top_logprobs=2),
+     "top_logprobs"),
 ]
 
 
@@ -267,25 +305,30 @@ def test_bad_request_is_400_naming_the_field(setup, path, body, param):
     r = post(setup, path, body)
     assert r.status_code == 400, r.text
     error = r.json()["error"]
-    assert error["param"] == param and error["type"] == "invalid_request_error" and error["message"], error
+    assert (
+        error["param"] == param and error["type"] == "invalid_request_error" and error["message"]
+    ), error
     good = post(setup, "/v1/completions", dict(prompt=[1, 2], max_tokens=2))
     assert good.status_code == 200 and len(good.json()["choices"][0]["text"]) >= 0
 
 
 def test_malformed_json_and_auth(setup):
     url = setup["server"].url
-    r = httpx.post(url + "/v1/completions", content=b"{not json", headers={"Authorization": f"Bearer {KEY}"})
+    r = httpx.post(url + "/v1/completions", content=b"{not json",
+                   headers={"Authorization": f"Bearer {KEY}"})
     assert r.status_code == 400 and "JSON" in r.json()["error"]["message"]
     for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": KEY}):
         for path in ("/health", "/v1/models"):
             assert httpx.get(url + path, headers=headers).status_code == 401
-        assert httpx.post(url + "/v1/completions", json=dict(prompt=[1]), headers=headers).status_code == 401
+        assert httpx.post(url + "/v1/completions", json=dict(prompt=[1]),
+                          headers=headers).status_code == 401
     assert [m.id for m in setup["api"].models.list()] == ["tiny"]
 
 
 def test_disconnect_mid_stream_frees_its_sequences(setup):
     url, headers = setup["server"].url, {"Authorization": f"Bearer {KEY}"}
-    body = dict(prompt=PROMPTS[1], max_tokens=250, temperature=1.0, n=4, stream=True, ignore_eos=True)
+    body = dict(prompt=PROMPTS[1], max_tokens=250, temperature=1.0, n=4, stream=True,
+                ignore_eos=True)
     before = httpx.get(url + "/stats", headers=headers).json()["generated_tokens"]
     with httpx.stream("POST", url + "/v1/completions", json=body, headers=headers, timeout=60) as r:
         next(r.iter_lines())   # one event, then hang up
@@ -295,30 +338,37 @@ def test_disconnect_mid_stream_frees_its_sequences(setup):
             break
         time.sleep(0.1)
     assert stats["running"] == 0 and stats["waiting"] == 0, stats
-    assert stats["generated_tokens"] - before < 4 * 250, f"the aborted samples ran to the end: {stats}"
+    assert stats["generated_tokens"] - before < 4 * 250, (
+        f"the aborted samples ran to the end: {stats}"
+    )
 
 
 def test_update_weights_from_disk(setup):
     root, api, stop = setup["root"], setup["api"], generation_stop_ids(setup["tok"])
-    before = api.completions.create(model="tiny", prompt=PROMPTS[0], max_tokens=8, temperature=0, extra_body=EXTRA)
+    before = api.completions.create(model="tiny", prompt=PROMPTS[0], max_tokens=8, temperature=0,
+                                    extra_body=EXTRA)
     for bad in (root / "missing", root):   # no such directory; a directory without a checkpoint
         r = post(setup, "/update_weights_from_disk", {"model_path": str(bad)})
         assert r.status_code == 400 and r.json()["error"]["param"] == "model_path", r.text
     other = root / "wide"                  # a checkpoint of another shape: refused whole
     write_hf_checkpoint(_wider(), other)
     assert post(setup, "/update_weights_from_disk", {"model_path": str(other)}).status_code == 400
-    same = api.completions.create(model="tiny", prompt=PROMPTS[0], max_tokens=8, temperature=0, extra_body=EXTRA)
-    assert same.choices[0].model_extra == before.choices[0].model_extra   # nothing changed, version included
+    same = api.completions.create(model="tiny", prompt=PROMPTS[0], max_tokens=8, temperature=0,
+                                  extra_body=EXTRA)
+    # nothing changed, version included
+    assert same.choices[0].model_extra == before.choices[0].model_extra
     r = post(setup, "/update_weights_from_disk", {"model_path": str(root / "b")})
     assert r.status_code == 200 and r.json()["weight_version"] == 1, r.text
-    after = api.completions.create(model="tiny", prompt=PROMPTS[0], max_tokens=8, temperature=0, logprobs=0,
-                                   extra_body=EXTRA)
-    ref = InferenceEngine(EngineConfig(model_path=str(root / "b"), max_model_len=256, num_blocks=64))
+    after = api.completions.create(model="tiny", prompt=PROMPTS[0], max_tokens=8, temperature=0,
+                                   logprobs=0, extra_body=EXTRA)
+    ref = InferenceEngine(EngineConfig(model_path=str(root / "b"), max_model_len=256,
+                                       num_blocks=64))
     want = ref.generate([PROMPTS[0]], greedy(stop))[0]
     assert after.choices[0].model_extra["token_ids"] == list(want.completion_tokens)
     assert after.choices[0].logprobs.token_logprobs == pytest.approx(list(want.logprobs), abs=1e-5)
     assert after.choices[0].model_extra["weight_version"] == 1
-    assert post(setup, "/update_weights_from_disk", {"model_path": str(root / "a")}).json()["weight_version"] == 2
+    assert post(setup, "/update_weights_from_disk",
+                {"model_path": str(root / "a")}).json()["weight_version"] == 2
 
 
 def _wider():
@@ -330,9 +380,12 @@ def _wider():
 def test_weight_updates_refused_unless_enabled(setup):
     server = Served(setup["root"] / "a")
     try:
-        r = httpx.post(server.url + "/update_weights_from_disk", json={"model_path": str(setup["root"] / "b")})
+        r = httpx.post(server.url + "/update_weights_from_disk",
+                       json={"model_path": str(setup["root"] / "b")})
         assert r.status_code == 403 and "enable_weight_updates" in r.json()["error"]["message"]
-        assert httpx.get(server.url + "/v1/models").json()["data"][0]["id"] == str(setup["root"] / "a")
+        assert httpx.get(server.url + "/v1/models").json()["data"][0]["id"] == str(
+            setup["root"] / "a"
+        )
     finally:
         assert server.stop() == 0
 
@@ -340,27 +393,36 @@ def test_weight_updates_refused_unless_enabled(setup):
 def test_two_turn_conversation_is_one_token_sequence(setup):
     api, tok, root = setup["api"], setup["tok"], setup["root"]
     messages = [{"role": "user", "content": "digits 3 5 7 target 22"}]
-    r1 = api.chat.completions.create(model="tiny", messages=messages, max_tokens=6, temperature=0, logprobs=True,
-                                     extra_body=EXTRA)
+    r1 = api.chat.completions.create(model="tiny", messages=messages, max_tokens=6, temperature=0,
+                                     logprobs=True, extra_body=EXTRA)
     s1 = sample_from_response(r1)
     turn2 = [{"role": "user", "content": "and the target 15?"}]
     ids = next_turn_prompt(tok, s1, messages, turn2)
-    r2 = api.completions.create(model="tiny", prompt=ids, max_tokens=6, temperature=0, logprobs=0, extra_body=EXTRA)
+    r2 = api.completions.create(model="tiny", prompt=ids, max_tokens=6, temperature=0, logprobs=0,
+                                extra_body=EXTRA)
     s2 = sample_from_response(r2, sent=ids)
-    conversation = messages + [{"role": "assistant", "content": r1.choices[0].message.content}] + turn2
-    template = AutoTokenizer.from_pretrained(root / "a").apply_chat_template(conversation, add_generation_prompt=True,
-                                                                              return_dict=False)
+    conversation = messages + [{"role": "assistant",
+                                "content": r1.choices[0].message.content}] + turn2
+    template = AutoTokenizer.from_pretrained(root / "a").apply_chat_template(
+        conversation, add_generation_prompt=True, return_dict=False
+    )
     assert list(s2.prompt_tokens) == list(template)
     assert list(s2.prompt_tokens[:len(s1.prompt_tokens) + len(s1.completion_tokens)]) == \
         list(s1.prompt_tokens + s1.completion_tokens)
-    assert s2.logprobs == tuple(r2.choices[0].logprobs.token_logprobs) and len(s2.logprobs) == len(s2.completion_tokens)
-    # the same reply, re-tokenized: "user" spelled as four character ids where the tokenizer has one word id
+    assert s2.logprobs == tuple(r2.choices[0].logprobs.token_logprobs) and len(s2.logprobs) == len(
+        s2.completion_tokens
+    )
+    # the same reply, re-tokenized: "user" spelled as four character ids where the tokenizer has one
+    # word id
     chars = [tok.convert_tokens_to_ids(c) for c in "user"]
-    retokenized = dataclasses.replace(s1, completion_tokens=tuple(chars) + (tok.convert_tokens_to_ids(IM_END),))
+    retokenized = dataclasses.replace(
+        s1, completion_tokens=tuple(chars) + (tok.convert_tokens_to_ids(IM_END),)
+    )
     with pytest.raises(ValueError, match=f"position {len(s1.prompt_tokens)}"):
         next_turn_prompt(tok, retokenized, messages, turn2)
     with pytest.raises(ValueError, match="position 0"):   # a prompt that is not this conversation's
-        next_turn_prompt(tok, dataclasses.replace(s1, prompt_tokens=(4,) + s1.prompt_tokens[1:]), messages, turn2)
+        next_turn_prompt(tok, dataclasses.replace(s1, prompt_tokens=(4,) + s1.prompt_tokens[1:]),
+                         messages, turn2)
 
 
 @pytest.mark.parametrize("n", [1, 2])

@@ -1,4 +1,5 @@
-# tests for task.py (mini-countdown) and tokenizer.py (the embedded ChatML tokenizer). CPU, a few seconds.
+# tests for task.py (mini-countdown) and tokenizer.py (the embedded ChatML tokenizer). CPU, a few
+# seconds.
 
 import ast
 import collections
@@ -16,7 +17,16 @@ from hypothesis import strategies as st
 from transformers import AutoTokenizer
 
 import task
-from task import Problem, make_problems, parse_answer, pretrain_corpus, prompt_messages, reward, sft_examples, solutions
+from task import (
+    Problem,
+    make_problems,
+    parse_answer,
+    pretrain_corpus,
+    prompt_messages,
+    reward,
+    sft_examples,
+    solutions,
+)
 from tokenizer import (
     ENDOFTEXT,
     IM_END,
@@ -36,7 +46,8 @@ def tok():
 
 
 def _trusted_eval(text: str) -> int:
-    # reference evaluator for expressions the test itself generated: Python's own parser, + - * on ints only
+    # reference evaluator for expressions the test itself generated: Python's own parser, + - * on
+    # ints only
     ops = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul}
 
     def ev(node):
@@ -235,8 +246,9 @@ def test_parser_matches_python(text):
 
 
 def _shape(text):
-    # identifies an expression up to redundant parentheses: its digit order, and its value with the k-th digit
-    # replaced by a large distinct number (so a coincidence like 5-7*1 == (5-7)*1 cannot hide a difference)
+    # identifies an expression up to redundant parentheses: its digit order, and its value with the
+    # k-th digit replaced by a large distinct number (so a coincidence like 5-7*1 == (5-7)*1 cannot
+    # hide a difference)
     big = iter([1009, 10007, 100003, 1000003])
     generic = re.sub(r"\d", lambda m: str(next(big)), text)
     return re.sub(r"\D", "", text), _trusted_eval(generic)
@@ -254,8 +266,9 @@ def _brute_force(digits):
 
 @functools.cache
 def _reachable(digits):
-    """Every value an expression over exactly this multiset (a sorted tuple) reaches: split it into two
-    non-empty parts every way, combine their values with + - * (an independent count, by values not texts)."""
+    """Every value an expression over exactly this multiset (a sorted tuple) reaches: split it into
+    two non-empty parts every way, combine their values with + - * (an independent count, by values
+    not texts)."""
     if len(digits) == 1:
         return frozenset(digits)
     out = set()
@@ -276,9 +289,11 @@ def test_problem_space_is_every_reachable_target():
     for p in space:
         by_digits.setdefault(p.digits, set()).add(p.target)
     three = list(itertools.combinations_with_replacement(range(1, 10), 3))
-    four = random.Random(0).sample(list(itertools.combinations_with_replacement(range(1, 10), 4)), 40)
+    four = random.Random(0).sample(list(itertools.combinations_with_replacement(range(1, 10), 4)),
+                                   40)
     for digits in three + four:
-        assert by_digits.get(digits, set()) == {v for v in _reachable(digits) if 1 <= v <= 99}, digits
+        assert by_digits.get(digits,
+                             set()) == {v for v in _reachable(digits) if 1 <= v <= 99}, digits
     for digits in three:   # the two counts agree for three digits too (texts, by Python's own eval)
         assert {v for v in _brute_force(digits) if 1 <= v <= 99} == by_digits[digits]
     assert set(map(len, by_digits)) == {3, 4} and len(space) == 22251
@@ -286,7 +301,8 @@ def test_problem_space_is_every_reachable_target():
 
 def test_every_solution_is_rewarded_and_complete():
     rng = random.Random(0)
-    problems = [p for p in make_problems("train") + make_problems("val") + make_problems("test") if len(p.digits) == 3]
+    problems = [p for p in make_problems("train") + make_problems("val") + make_problems("test")
+                if len(p.digits) == 3]
     four = rng.sample([p for p in make_problems("train") if len(p.digits) == 4], 200)
     for p in problems + four:
         sols = task.expression_answers(p)
@@ -348,12 +364,20 @@ def test_split_is_fixed_and_disjoint_by_digit_multiset():
     assert (len(train), len(val), len(test)) == (17465, 2503, 2283)
     assert test[:3] == TEST_HEAD
     multisets = [{p.digits for p in split} for split in (train, val, test)]
-    assert not multisets[0] & multisets[1] and not multisets[0] & multisets[2] and not multisets[1] & multisets[2]
-    assert all(task.split_of(p.digits) == name for name, split in (("train", train), ("val", val), ("test", test))
-               for p in split)
+    assert (
+        not multisets[0] & multisets[1]
+        and not multisets[0] & multisets[2]
+        and not multisets[1] & multisets[2]
+    )
+    assert all(task.split_of(p.digits) == name
+               for name, split in (("train", train), ("val", val), ("test", test)) for p in split)
     for split in (val, test):
         assert len(split) >= 1500 and {len(p.digits) for p in split} == {3, 4}
-    assert make_problems("test") == test and make_problems("val") == val and make_problems("train") == train
+    assert (
+        make_problems("test") == test
+        and make_problems("val") == val
+        and make_problems("train") == train
+    )
     assert make_problems("train", 10) == train[:10]
     assert make_problems("test", 0) == []
 
@@ -383,7 +407,8 @@ def _honest_attempt(digits, line):
     pool = sorted(digits)
     start = need = int(re.match(r"[0-9]+", line)[0])
     for word in steps:
-        x, op, d, y, left = re.fullmatch(r"([0-9]+)([-+/])([1-9])=([0-9]+)\[([1-9]+)\]", word).groups()
+        x, op, d, y, left = re.fullmatch(r"([0-9]+)([-+/])([1-9])=([0-9]+)\[([1-9]+)\]",
+                                         word).groups()
         x, d, y = int(x), int(d), int(y)
         assert x == need and d in pool and y >= 1
         assert y == {"+": x + d, "-": x - d, "/": x // d}[op] and (op != "/" or x % d == 0)
@@ -402,7 +427,8 @@ def _honest_attempt(digits, line):
     if last == f"{need}=?":
         assert need not in makes
         return start, False
-    assert last in (f"{need}={a}{o}{b}" for o in "+-*") or last in (f"{need}={b}{o}{a}" for o in "+-*")
+    assert last in (f"{need}={a}{o}{b}" for o in "+-*") or last in (f"{need}={b}{o}{a}"
+                                                                    for o in "+-*")
     assert need in makes and _trusted_eval(last.split("=")[1]) == need
     return start, True
 
@@ -483,7 +509,8 @@ def test_no_demonstration_answers_a_held_out_problem_even_in_its_tail():
     # tail answers 5 9 9 -> 76 (a held-out problem), which no demonstration may show
     spoiled = "76/1=76[599] 76+5=81[99] 81=9*9"
     assert spoiled in task.chain_answers(Problem((1, 5, 9, 9), 76))
-    assert _tail_problem(spoiled) in held_out and task.demonstration(Problem((1, 5, 9, 9), 76)) != spoiled
+    assert _tail_problem(spoiled) in held_out and task.demonstration(Problem((1, 5, 9, 9),
+                                                                             76)) != spoiled
 
 
 def test_sft_examples_are_a_fixed_minority_of_train():
@@ -508,7 +535,8 @@ def test_sft_examples_are_a_fixed_minority_of_train():
 
 
 def test_prompt_messages():
-    assert prompt_messages(Problem((3, 5, 7), 22)) == [{"role": "user", "content": "digits 3 5 7 target 22"}]
+    assert prompt_messages(Problem((3, 5, 7), 22)) == [{"role": "user",
+                                                        "content": "digits 3 5 7 target 22"}]
     assert prompt_messages(Problem((1, 8, 9), -71))[0]["content"] == "digits 1 8 9 target -71"
 
 
@@ -539,17 +567,22 @@ def test_text_round_trips(tok):
 def test_chat_prompt_ids(tok):
     ids = chat_prompt_ids(tok, prompt_messages(P))
     assert type(ids) is list and all(type(i) is int for i in ids)
-    assert tok.decode(ids) == f"{IM_START}user\ndigits 3 5 7 target 22{IM_END}\n{IM_START}assistant\n"
+    assert (
+        tok.decode(ids) == f"{IM_START}user\ndigits 3 5 7 target 22{IM_END}\n{IM_START}assistant\n"
+    )
     lengths = [len(chat_prompt_ids(tok, prompt_messages(p))) for p in make_problems("test")]
     assert 15 <= min(lengths) and max(lengths) <= 25
 
 
 def test_chat_example_mask_covers_exactly_the_reply(tok):
-    convs = sft_examples(0)[:100] + [
-        [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello there"}],
-        [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}, {"role": "user", "content": "c"}, {"role": "assistant", "content": "3*5+7"}],
-        [{"role": "assistant", "content": "7+5*3"}],
-    ]
+    convs = sft_examples(0)[:100] + [[{"role": "system", "content": "be brief"},
+                                      {"role": "user", "content": "hi"},
+                                      {"role": "assistant", "content": "hello there"}],
+                                     [{"role": "user", "content": "a"},
+                                      {"role": "assistant", "content": "b"},
+                                      {"role": "user", "content": "c"},
+                                      {"role": "assistant", "content": "3*5+7"}],
+                                     [{"role": "assistant", "content": "7+5*3"}],]
     im_end = tok.convert_tokens_to_ids(IM_END)
     for conv in convs:
         ids, mask = chat_example(tok, conv)
@@ -566,14 +599,16 @@ def test_chat_example_mask_covers_exactly_the_reply(tok):
         assert ids[first + len(learned) - 1] == im_end
         assert tok.decode(ids[first + len(learned) :]) == "\n" and mask[-1] == 0
         assert tok.decode(ids) == tok.apply_chat_template(conv, tokenize=False)
-    # the learned span is what the engine would generate: the reward accepts it, as the trainers decode it
+    # the learned span is what the engine would generate: the reward accepts it, as the trainers
+    # decode it
     conv = sft_examples(0)[0]
     ids, mask = chat_example(tok, conv)
     completion = [t for t, m in zip(ids, mask) if m]
     by_prompt = {prompt_messages(p)[0]["content"]: p for p in make_problems("train")}
     p = by_prompt[conv[0]["content"]]
     assert reward(p, completion_text(tok, completion)) == 1.0
-    # ... but not with a special token inside it (skipping special tokens when decoding would hide them)
+    # ... but not with a special token inside it (skipping special tokens when decoding would hide
+    # them)
     for name in (IM_START, ENDOFTEXT, IM_END):
         special = tok.convert_tokens_to_ids(name)
         assert reward(p, completion_text(tok, completion[:1] + [special] + completion[1:])) == 0.0
@@ -585,9 +620,12 @@ def test_chat_bad_input(tok):
     with pytest.raises(ValueError, match="tool"):
         chat_prompt_ids(tok, [{"role": "tool", "content": "x"}])
     with pytest.raises(ValueError, match="im_end"):
-        chat_example(tok, [{"role": "user", "content": "x"}, {"role": "assistant", "content": "1<|im_end|>2"}])
+        chat_example(tok,
+                     [{"role": "user", "content": "x"},
+                      {"role": "assistant", "content": "1<|im_end|>2"}])
     with pytest.raises(ValueError, match="round-trip"):
-        chat_example(tok, [{"role": "user", "content": "x"}, {"role": "assistant", "content": "café"}])
+        chat_example(tok,
+                     [{"role": "user", "content": "x"}, {"role": "assistant", "content": "café"}])
     with pytest.raises(ValueError):
         chat_prompt_ids(tok, [])
     with pytest.raises(TypeError):

@@ -1,6 +1,6 @@
-"""tests for training.py, pretrain.py and sft.py: the loss against torch's cross_entropy, packing, a real
-SIGKILL + resume, init_from a transformers checkpoint, bad checkpoints and bad config keys, greedy eval
-against transformers' generate"""
+"""tests for training.py, pretrain.py and sft.py: the loss against torch's cross_entropy, packing, a
+real SIGKILL + resume, init_from a transformers checkpoint, bad checkpoints and bad config keys,
+greedy eval against transformers' generate"""
 import json
 import os
 import runpy
@@ -23,7 +23,8 @@ from training import PackedBatch, PackedLoader, pack_sequences, unified_loss
 
 ROOT = os.path.dirname(os.path.abspath(__file__))
 TINY = dict(hidden_size=32, intermediate_size=64, moe_intermediate_size=32, num_hidden_layers=2,
-            num_attention_heads=2, num_key_value_heads=1, head_dim=16, num_experts=4, num_experts_per_tok=2)
+            num_attention_heads=2, num_key_value_heads=1, head_dim=16, num_experts=4,
+            num_experts_per_tok=2)
 
 
 def tiny_model(seed=0, **kw):
@@ -39,11 +40,12 @@ def rand_seqs(n, lo=3, hi=12, vocab=105, seed=0):
 
 def base_config(out_dir, **kw):
     """every key training.train reads, as pretrain.py declares them"""
-    c = dict(out_dir=str(out_dir), init_from="scratch", model=TINY, seed=0, device="cpu", dtype="float32",
-             compile=False, max_iters=3, learning_rate=1e-2, min_lr=1e-3, warmup_iters=1, lr_decay_iters=0,
-             weight_decay=0.1, beta1=0.9, beta2=0.95, grad_clip=1.0, aux_loss_coef=0.01, batch_tokens=64,
-             grad_accum=1, log_interval=1, eval_interval=100, ckpt_interval=100, wandb_log=False,
-             wandb_project="test", wandb_run_name="")
+    c = dict(out_dir=str(out_dir), init_from="scratch", model=TINY, seed=0, device="cpu",
+             dtype="float32", compile=False, max_iters=3, learning_rate=1e-2, min_lr=1e-3,
+             warmup_iters=1, lr_decay_iters=0, weight_decay=0.1, beta1=0.9, beta2=0.95,
+             grad_clip=1.0, aux_loss_coef=0.01, batch_tokens=64, grad_accum=1, log_interval=1,
+             eval_interval=100, ckpt_interval=100, wandb_log=False, wandb_project="test",
+             wandb_run_name="")
     return {**c, **kw}
 
 
@@ -72,7 +74,8 @@ def test_unified_loss_is_ignore_index_mean_for_a_mask():
     ref = F.cross_entropy(logits, labels.masked_fill(mask == 0, -100), ignore_index=-100)
     assert mask.sum() > 0 and abs(unified_loss(logits, b).item() - ref.item()) < 1e-6
     # an explicit normalizer replaces the default one, nothing else
-    assert abs(unified_loss(logits, b, normalizer=7.0).item() - ref.item() * mask.sum().item() / 7.0) < 1e-5
+    assert abs(unified_loss(logits, b,
+                            normalizer=7.0).item() - ref.item() * mask.sum().item() / 7.0) < 1e-5
     # an all-zero mask is a zero loss, not a NaN
     zero = PackedBatch(**{**b.__dict__, "token_weights": torch.zeros(T)})
     assert unified_loss(logits, zero).item() == 0.0
@@ -98,7 +101,8 @@ def test_token_logprobs_is_log_softmax_in_fp32():
     labels = torch.randint(0, 20, (5,))
     lp = training.token_logprobs(logits, labels)
     assert lp.dtype == torch.float32
-    assert torch.allclose(lp, torch.log_softmax(logits.float(), -1).gather(1, labels[:, None])[:, 0])
+    assert torch.allclose(lp,
+                          torch.log_softmax(logits.float(), -1).gather(1, labels[:, None])[:, 0])
 
 
 # -----------------------------------------------------------------------------
@@ -113,7 +117,8 @@ def test_pack_sequences_layout():
     assert b.cu_seqlens.dtype == torch.int32 and b.cu_seqlens.tolist() == [0, 3, 4, 8]
     assert b.tokens.tolist() == [5, 6, 7, 8, 9, 10, 11, 12]
     assert b.position_ids.tolist() == [0, 1, 2, 0, 0, 1, 2, 3]
-    # row j is labelled with the sequence's token j+1 and carries that token's weight / logprob; last rows 0
+    # row j is labelled with the sequence's token j+1 and carries that token's weight / logprob;
+    # last rows 0
     assert b.labels.tolist() == [6, 7, 0, 0, 10, 11, 12, 0]
     assert torch.allclose(b.token_weights, torch.tensor([0.2, 0.3, 0, 0, 0.6, 0.7, 0.8, 0]))
     assert torch.allclose(b.log_probs, torch.tensor([-2.0, -3.0, 0, 0, -6.0, -7.0, -8.0, 0]))
@@ -178,8 +183,10 @@ def test_loader_respects_budget_covers_each_epoch_and_resumes():
     while loader.epoch == 0:
         b = loader.next_batch()
         assert b.num_tokens <= 40
-        seen += [tuple(b.tokens[int(lo):int(hi)].tolist()) for lo, hi in zip(b.cu_seqlens[:-1], b.cu_seqlens[1:])]
-    assert sorted(seen[:30]) == sorted(tuple(s) for s in seqs)   # each sequence exactly once per epoch
+        seen += [tuple(b.tokens[int(lo):int(hi)].tolist())
+                 for lo, hi in zip(b.cu_seqlens[:-1], b.cu_seqlens[1:])]
+    # each sequence exactly once per epoch
+    assert sorted(seen[:30]) == sorted(tuple(s) for s in seqs)
     state = loader.state_dict()
     json.dumps(state)
     expect = [loader.next_batch().tokens for _ in range(5)]
@@ -214,7 +221,8 @@ def test_micro_batches_step_equals_one_big_batch():
     params = []
     for split in ([seqs], [seqs[:2], seqs[2:]]):
         model = tiny_model()
-        opt = torch.optim.SGD(model.parameters(), lr=1.0)   # the step is exactly -grad: compare gradients
+        # the step is exactly -grad: compare gradients
+        opt = torch.optim.SGD(model.parameters(), lr=1.0)
         batches = [pack_sequences(part, [[1.0] * len(s) for s in part]) for part in split]
         m = training.train_step(model, opt, batches, lr=1.0, grad_clip=0.0, aux_loss_coef=0.0)
         assert m["train/tokens"] == sum(len(s) for s in seqs)
@@ -252,28 +260,36 @@ def test_train_flops_counts_active_matmul_weights():
 def test_init_from_transformers_checkpoint_trains(tmp_path):
     from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
     torch.manual_seed(0)
-    hf_cfg = Qwen3MoeConfig(vocab_size=128, hidden_size=32, intermediate_size=64, moe_intermediate_size=32,
-                            num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1, head_dim=16,
-                            num_experts=4, num_experts_per_tok=2)
+    hf_cfg = Qwen3MoeConfig(vocab_size=128, hidden_size=32, intermediate_size=64,
+                            moe_intermediate_size=32, num_hidden_layers=2, num_attention_heads=2,
+                            num_key_value_heads=1, head_dim=16, num_experts=4,
+                            num_experts_per_tok=2)
     Qwen3MoeForCausalLM(hf_cfg).save_pretrained(tmp_path / "hf")
     c = base_config(tmp_path / "run", init_from=str(tmp_path / "hf"), max_iters=4)
-    start = checkpoint.init_start(c, build_tokenizer)   # no tokenizer in the dir: the embedded one fits
+    # no tokenizer in the dir: the embedded one fits
+    start = checkpoint.init_start(c, build_tokenizer)
     seqs = rand_seqs(20, 4, 12, seed=9)
     loader = PackedLoader(seqs, [[1.0] * len(s) for s in seqs], 64, seed=0)
     training.train(c, start, loader)
     rows = [json.loads(line) for line in open(tmp_path / "run" / "metrics.jsonl")]
     assert [r["iter"] for r in rows] == [1, 2, 3, 4]
     assert rows[-1]["train/loss"] < rows[0]["train/loss"]
-    assert all(k in rows[0] for k in ("perf/tokens_per_sec", "perf/step_time_s", "perf/mfu", "train/aux_loss"))
+    assert all(k in rows[0]
+               for k in ("perf/tokens_per_sec", "perf/step_time_s", "perf/mfu", "train/aux_loss"))
     # the run's checkpoint is a transformers directory with a tokenizer: the next stage's init_from
     from transformers import AutoModelForCausalLM, AutoTokenizer
     ckpt = tmp_path / "run" / "ckpt"
     assert AutoModelForCausalLM.from_pretrained(ckpt).config.vocab_size == 128
     assert len(AutoTokenizer.from_pretrained(ckpt)) == 105
-    nxt = checkpoint.init_start(base_config(tmp_path / "next", init_from=str(tmp_path / "run")), build_tokenizer)
+    nxt = checkpoint.init_start(base_config(tmp_path / "next", init_from=str(tmp_path / "run")),
+                                build_tokenizer)
     assert nxt.iter_num == 0 and nxt.source == str(ckpt)
     meta = json.load(open(ckpt / "checkpoint.json"))
-    assert meta["iter"] == 4 and meta["config"]["max_iters"] == 4 and meta["data_state"] == loader.state_dict()
+    assert (
+        meta["iter"] == 4
+        and meta["config"]["max_iters"] == 4
+        and meta["data_state"] == loader.state_dict()
+    )
 
 
 def test_missing_and_corrupt_checkpoints_are_clear_errors(tmp_path):
@@ -286,7 +302,8 @@ def test_missing_and_corrupt_checkpoints_are_clear_errors(tmp_path):
     with pytest.raises(ValueError, match="neither a run directory"):
         checkpoint.init_start({**c, "init_from": str(tmp_path / "empty")}, build_tokenizer)
     seqs = rand_seqs(10, 4, 12)
-    training.train(c, checkpoint.init_start(c, build_tokenizer), PackedLoader(seqs, [[1.0] * len(s) for s in seqs], 64, 0))
+    training.train(c, checkpoint.init_start(c, build_tokenizer),
+                   PackedLoader(seqs, [[1.0] * len(s) for s in seqs], 64, 0))
     resume = {**c, "init_from": "resume"}
     assert checkpoint.init_start(resume, build_tokenizer).iter_num == 2
     ckpt = tmp_path / "run" / "ckpt"
@@ -320,18 +337,21 @@ def test_bad_model_settings_are_clear_errors(tmp_path):
     with pytest.raises(ValueError, match="unknown ModelConfig field.*hidden_sise"):
         checkpoint.init_start(base_config(tmp_path, model={"hidden_sise": 32}), build_tokenizer)
     with pytest.raises(ValueError, match="vocab_size=50 is smaller"):
-        checkpoint.init_start(base_config(tmp_path, model={**TINY, "vocab_size": 50}), build_tokenizer)
+        checkpoint.init_start(base_config(tmp_path, model={**TINY, "vocab_size": 50}),
+                              build_tokenizer)
     with pytest.raises(ValueError, match="float16"):
         training.precision(base_config(tmp_path, dtype="float16"))
 
 
 def test_loop_settings_are_refused_before_any_work(tmp_path):
     out = tmp_path / "run"
-    for bad in (dict(grad_accum=0), dict(log_interval=0), dict(eval_interval=0), dict(ckpt_interval=0),
-                dict(max_iters=1.5), dict(warmup_iters=-1), dict(learning_rate=0.0), dict(min_lr=-0.5),
-                dict(min_lr=0.5), dict(grad_clip=float("nan")), dict(weight_decay=-0.1)):
+    for bad in (dict(grad_accum=0), dict(log_interval=0), dict(eval_interval=0),
+                dict(ckpt_interval=0), dict(max_iters=1.5), dict(warmup_iters=-1),
+                dict(learning_rate=0.0), dict(min_lr=-0.5), dict(min_lr=0.5),
+                dict(grad_clip=float("nan")), dict(weight_decay=-0.1)):
         with pytest.raises(ValueError, match=list(bad)[0]):
-            training.train(base_config(out, **bad), start=None, loader=None)   # refused before it reads them
+            # refused before it reads them
+            training.train(base_config(out, **bad), start=None, loader=None)
         assert not out.exists()
 
 
@@ -366,7 +386,10 @@ def test_default_config_chains_the_stages(monkeypatch):
         got[script] = runpy.run_path(os.path.join(ROOT, script), run_name="not_main")["config"]
     assert got["pretrain.py"]["init_from"] == "scratch"
     assert got["sft.py"]["init_from"] == got["pretrain.py"]["out_dir"]
-    assert got["sft.py"]["model"] == got["pretrain.py"]["model"] and got["pretrain.py"]["model"]["num_experts"] == 8
+    assert (
+        got["sft.py"]["model"] == got["pretrain.py"]["model"]
+        and got["pretrain.py"]["model"]["num_experts"] == 8
+    )
 
 
 # -----------------------------------------------------------------------------
@@ -375,15 +398,17 @@ def test_default_config_chains_the_stages(monkeypatch):
 TINY_CONFIG = f"""
 model = dict({", ".join(f"{k}={v!r}" for k, v in TINY.items())})
 seed = 3
-pretrain = dict(max_iters=60, batch_tokens=256, n_docs=300, n_val_docs=8, learning_rate=1e-2, min_lr=1e-3,
-                warmup_iters=5, log_interval=1, eval_interval=10, ckpt_interval=5)
+pretrain = dict(max_iters=60, batch_tokens=256, n_docs=300, n_val_docs=8, learning_rate=1e-2,
+                min_lr=1e-3, warmup_iters=5, log_interval=1, eval_interval=10, ckpt_interval=5)
 """
 
 
 def _run_pretrain(cfg, out_dir, *extra, wait=True):
     env = {**os.environ, "WANDB_MODE": "disabled", "OMP_NUM_THREADS": "1"}
-    args = [sys.executable, os.path.join(ROOT, "pretrain.py"), str(cfg), f"--out_dir={out_dir}", *extra]
-    p = subprocess.Popen(args, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    args = [sys.executable, os.path.join(ROOT, "pretrain.py"), str(cfg), f"--out_dir={out_dir}",
+            *extra]
+    p = subprocess.Popen(args, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                         text=True)
     if wait:
         out, _ = p.communicate(timeout=300)
         assert p.returncode == 0, out[-3000:]
@@ -438,19 +463,21 @@ def test_sigkill_then_resume_matches_uninterrupted_run(tmp_path):
 
 
 def test_sft_rejection_sampling_keep_best_and_flop_budget(tmp_path, monkeypatch):
-    # rft: the starting model's own answers, kept when the scorer accepts them (a length-parity scorer here:
-    # a model this tiny never solves the task); max_flops: the sampling alone spends the budget, so the run
-    # stops after its first step; keep_best: the best validation model is a loadable model directory
+    # rft: the starting model's own answers, kept when the scorer accepts them (a length-parity
+    # scorer here: a model this tiny never solves the task); max_flops: the sampling alone spends
+    # the budget, so the run stops after its first step; keep_best: the best validation model is a
+    # loadable model directory
     cfg = tmp_path / "tiny.py"
     cfg.write_text(TINY_CONFIG)
     _run_pretrain(cfg, tmp_path / "pre", "--max_iters=5")
     out = tmp_path / "rft"
     parity = write_task(str(tmp_path))   # conftest.PARITY_TASK: countdown, scored by parity
-    monkeypatch.setattr(sys, "argv", ["sft.py", str(cfg), f"--init_from={tmp_path / 'pre'}", f"--out_dir={out}",
-                                      f"--task={parity}",
-                                      "--rft_samples=4", "--rft_problems=8", "--max_iters=50", "--max_flops=1.0",
-                                      "--keep_best=True", "--n_eval_problems=8", "--eval_max_tokens=6",
-                                      "--batch_tokens=256", "--log_interval=1", "--eval_interval=10"])
+    monkeypatch.setattr(sys, "argv",
+                        ["sft.py", str(cfg), f"--init_from={tmp_path / 'pre'}", f"--out_dir={out}",
+                         f"--task={parity}", "--rft_samples=4", "--rft_problems=8",
+                         "--max_iters=50", "--max_flops=1.0", "--keep_best=True",
+                         "--n_eval_problems=8", "--eval_max_tokens=6", "--batch_tokens=256",
+                         "--log_interval=1", "--eval_interval=10"])
     runpy.run_path(os.path.join(ROOT, "sft.py"), run_name="__main__")
     rows = [json.loads(line) for line in open(out / "metrics.jsonl")]
     assert [r["iter"] for r in rows if "train/loss" in r] == [1]
@@ -464,14 +491,16 @@ def test_sft_rejection_sampling_keep_best_and_flop_budget(tmp_path, monkeypatch)
     assert best.config.vocab_size == 105 and os.path.isfile(out / "best" / "tokenizer.json")
 
 
-@pytest.mark.parametrize("bad", ["--rft_samples=-1", "--rft_samples=4", "--rft_temperature=0.0", "--eval_max_tokens=0",
-                                 "--n_eval_problems=99999", "--max_flops=-1.0"])
+@pytest.mark.parametrize("bad",
+                         ["--rft_samples=-1", "--rft_samples=4", "--rft_temperature=0.0",
+                          "--eval_max_tokens=0", "--n_eval_problems=99999", "--max_flops=-1.0"])
 def test_sft_refuses_bad_settings_before_touching_out_dir(bad, tmp_path, monkeypatch):
     out = tmp_path / "run"
     out.mkdir()
-    (out / "best").mkdir()                               # an earlier run's best model must survive a refused call
+    (out / "best").mkdir()                 # an earlier run's best model must survive a refused call
     monkeypatch.setattr(sys, "argv", ["sft.py", f"--out_dir={out}", "--init_from=scratch", bad])
-    with pytest.raises(ValueError, match=bad[2:].split("=")[0] if "n_eval" not in bad else "n must be"):
+    with pytest.raises(ValueError,
+                       match=bad[2:].split("=")[0] if "n_eval" not in bad else "n must be"):
         runpy.run_path(os.path.join(ROOT, "sft.py"), run_name="__main__")
     assert os.listdir(out) == ["best"]
 
@@ -480,9 +509,10 @@ REAL_VOCAB_STEP = """
 import resource, torch, training
 from model import ModelConfig, Transformer
 torch.manual_seed(0)
-cfg = ModelConfig(vocab_size=151936, hidden_size=256, intermediate_size=512, moe_intermediate_size=128,
-                  num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=64, num_experts=8,
-                  num_experts_per_tok=2, tie_word_embeddings=True)
+cfg = ModelConfig(vocab_size=151936, hidden_size=256, intermediate_size=512,
+                  moe_intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2, head_dim=64, num_experts=8, num_experts_per_tok=2,
+                  tie_word_embeddings=True)
 model = Transformer(cfg)
 optimizer = training.configure_optimizer(model, 1e-3, 0.1, (0.9, 0.95), "cpu")
 docs = [torch.randint(0, cfg.vocab_size, (1024,)).tolist() for _ in range(16)]
@@ -493,11 +523,13 @@ print(loss, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)
 
 
 def test_a_16k_token_step_at_qwen3_vocabulary_fits_in_4_gib():
-    # 16,384 tokens x 151,936 logits would be 10 GB in fp32 alone; the trainers' path (model(..., labels=...))
-    # never holds more than a chunk of them, forward or backward
-    out = subprocess.run([sys.executable, "-c", REAL_VOCAB_STEP], capture_output=True, text=True, timeout=600,
-                         cwd=os.path.dirname(os.path.abspath(__file__)), env=dict(os.environ, OMP_NUM_THREADS="2"))
+    # 16,384 tokens x 151,936 logits would be 10 GB in fp32 alone; the trainers' path (model(...,
+    # labels=...)) never holds more than a chunk of them, forward or backward
+    out = subprocess.run([sys.executable, "-c", REAL_VOCAB_STEP], capture_output=True, text=True,
+                         timeout=600, cwd=os.path.dirname(os.path.abspath(__file__)),
+                         env=dict(os.environ, OMP_NUM_THREADS="2"))
     assert out.returncode == 0, out.stderr[-2000:]
     loss, peak = out.stdout.split()
-    assert abs(float(loss) - torch.log(torch.tensor(151936.0)).item()) < 1.0   # an untrained model: about ln V
+    # an untrained model: about ln V
+    assert abs(float(loss) - torch.log(torch.tensor(151936.0)).item()) < 1.0
     assert int(peak) < 4 * 2 ** 30, f"peak resident memory {int(peak) / 2 ** 30:.2f} GiB"

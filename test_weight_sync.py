@@ -1,6 +1,7 @@
 """
-weight_sync.py on 2 gloo ranks under real torchrun: rank 0 sends, rank 1's engine receives and serves the new
-weights exactly; buckets smaller than a tensor; a mismatched model refused at connect.
+weight_sync.py on 2 gloo ranks under real torchrun: rank 0 sends, rank 1's engine receives and
+serves the new weights exactly; buckets smaller than a tensor; a mismatched model refused at
+connect.
 
     python -m pytest -q test_weight_sync.py
 """
@@ -28,9 +29,11 @@ dist.init_process_group("gloo")
 rank = dist.get_rank()
 def make(seed, hidden=32):
     torch.manual_seed(seed)
-    return Transformer(ModelConfig(vocab_size=64, hidden_size=hidden, intermediate_size=64, moe_intermediate_size=16,
-                                   num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
-                                   num_experts=4, num_experts_per_tok=2, max_position_embeddings=64))
+    return Transformer(ModelConfig(vocab_size=64, hidden_size=hidden, intermediate_size=64,
+                                   moe_intermediate_size=16, num_hidden_layers=2,
+                                   num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+                                   num_experts=4, num_experts_per_tok=2,
+                                   max_position_embeddings=64))
 # the trainer holds weights "new"; the worker's engine starts from other weights
 model = make(1) if rank == 0 else make(2, hidden_on_1)
 engine = InferenceEngine(EngineConfig(num_blocks=32, max_model_len=64), model=model)
@@ -50,10 +53,12 @@ if rank == 0:
 else:
     tensors, seconds, nbytes = sync.receive()
     engine.update_weights(dict(zip(sync.names, tensors)))
-    assert all(torch.equal(a, b) for a, b in zip(tensors, make(1).state_dict().values()))   # bitwise
+    # bitwise
+    assert all(torch.equal(a, b) for a, b in zip(tensors, make(1).state_dict().values()))
 samples = engine.generate(prompts, params)
 with open(f"{out}.{rank}.json", "w") as f:
-    json.dump({"tokens": [s.completion_tokens for s in samples], "logprobs": [s.logprobs for s in samples],
+    json.dump({"tokens": [s.completion_tokens for s in samples],
+               "logprobs": [s.logprobs for s in samples],
                "version": engine.get_weight_version(), "bytes": nbytes}, f)
 dist.destroy_process_group()
 FINISHED
@@ -70,27 +75,30 @@ def run(tmp_path, bucket_mb, hidden_on_1=32):
     return done.stdout, out
 
 
-@pytest.mark.parametrize("bucket_mb", [64, 0.002])   # one bucket; 2 KiB buckets, smaller than most tensors
+# one bucket; 2 KiB buckets, smaller than most tensors
+@pytest.mark.parametrize("bucket_mb", [64, 0.002])
 def test_worker_serves_exactly_the_senders_weights(tmp_path, bucket_mb):
     _, out = run(tmp_path, bucket_mb)
     sender, worker = (json.loads((tmp_path / f"out.{r}.json").read_text()) for r in (0, 1))
     assert worker["tokens"] == sender["tokens"] and worker["version"] == 1
-    assert max(abs(a - b) for x, y in zip(worker["logprobs"], sender["logprobs"]) for a, b in zip(x, y)) < 1e-5
+    assert max(abs(a - b) for x, y in zip(worker["logprobs"], sender["logprobs"])
+               for a, b in zip(x, y)) < 1e-5
     assert worker["bytes"] == sender["bytes"] > 2 * 1024 * 20
 
 
 def test_a_mismatched_model_is_refused_at_connect_naming_the_tensor(tmp_path):
     stdout, _ = run(tmp_path, 64, hidden_on_1=48)
-    assert stdout.count("refused: weight sync refused at connect: tensor 0 'embed_tokens.weight'") == 2, stdout
+    assert stdout.count("refused: weight sync refused at connect: tensor 0 "
+                        "'embed_tokens.weight'") == 2, stdout
 
 
 def test_buckets_cut_tensors_and_join_them_again():
-    tensors = [torch.arange(10, dtype=torch.float32), torch.ones(3, dtype=torch.bfloat16), torch.zeros(0),
-               torch.tensor([7], dtype=torch.int64)]
+    tensors = [torch.arange(10, dtype=torch.float32), torch.ones(3, dtype=torch.bfloat16),
+               torch.zeros(0), torch.tensor([7], dtype=torch.int64)]
     total = sum(t.numel() * t.element_size() for t in tensors)
     assert spans(10, 4) == [(0, 4), (4, 8), (8, 10)]
     stream, flat = ByteStream(tensors), torch.empty(total, dtype=torch.uint8)
-    for start, end in spans(total, 7):                       # 7-byte buckets: every float is cut somewhere
+    for start, end in spans(total, 7):                # 7-byte buckets: every float is cut somewhere
         stream.fill(flat[start:end])
     joined = torch.cat([t.contiguous().view(-1).view(torch.uint8) for t in tensors])
     assert torch.equal(flat, joined)

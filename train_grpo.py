@@ -5,13 +5,16 @@ their group's mean.
 
     python train_grpo.py config/qwen_small.py
     python train_grpo.py config/qwen_small.py --max_iters=20 --out_dir=out/try
-    python train_grpo.py config/qwen_small.py --init_from=resume          # continue a killed run exactly
-    python train_grpo.py config/countdown_feedback.py                      # a multi-turn task
-    torchrun --standalone --nproc_per_node=2 train_grpo.py config/qwen_small.py   # data-parallel, one engine each
+    python train_grpo.py config/qwen_small.py --init_from=resume     # continue a killed run exactly
+    python train_grpo.py config/countdown_feedback.py                # a multi-turn task
+    # data-parallel, one engine each
+    torchrun --standalone --nproc_per_node=2 train_grpo.py config/qwen_small.py
+    # rank 1 only samples, a step ahead of rank 0's training (rollout_ranks.py)
     torchrun --standalone --nproc_per_node=2 train_grpo.py config/qwen_small.py --rollout_ranks=1 \
-        --max_staleness=1 --tis_cap=2       # rank 1 only samples, a step ahead of rank 0's training (rollout_ranks.py)
-    python train_grpo.py config/qwen_small.py --max_iters=0 --out_dir=out/eval_sft --eval_split=test \
-        --n_eval_problems=0                                                # only evaluate init_from, on test
+        --max_staleness=1 --tis_cap=2
+    # only evaluate init_from, on test
+    python train_grpo.py config/qwen_small.py --max_iters=0 --out_dir=out/eval_sft \
+        --eval_split=test --n_eval_problems=0
 
 One iteration:
   1. draw prompts_per_step training problems with the sampler (ProblemSampler: in proportion to
@@ -32,29 +35,31 @@ One iteration:
      into the weights: TIS (tis_cap > 0) and the KL to the starting policy (kl_coef > 0), from a
      logprob pass that runs only for them; the shared training.train_step (unified_loss) takes
      one step;
-  5. engine.update_weights(model.state_dict()): in place, version += 1, prefix cache flushed (a version per
-     iteration, even one without a step);
+  5. engine.update_weights(model.state_dict()): in place, version += 1, prefix cache flushed (a
+     version per iteration, even one without a step);
   then log, evaluate on the validation split (every eval_interval) and checkpoint (with the
   sampler's record).
 
-loss_norm, the denominator of unified_loss: 'constant' (the default, Dr. GRPO: prompts_per_step x group_size
-x max_new_tokens, the same every step, so a step's size follows how much its samples have to teach and not how
-many of them there are), 'tokens' (the completion tokens of the step: a per-token mean, DAPO) or 'weights'
-(sum |advantage| over completion tokens: a weighted mean whose scale ignores how many groups succeed).
-No KL term unless kl_coef > 0: it is the k1 estimate log p - log p_start per completion token, a per-token
-penalty in the weights, as in KL-in-reward.
+loss_norm, the denominator of unified_loss: 'constant' (the default, Dr. GRPO: prompts_per_step x
+group_size x max_new_tokens, the same every step, so a step's size follows how much its samples have
+to teach and not how many of them there are), 'tokens' (the completion tokens of the step: a
+per-token mean, DAPO) or 'weights' (sum |advantage| over completion tokens: a weighted mean whose
+scale ignores how many groups succeed). No KL term unless kl_coef > 0: it is the k1 estimate log p -
+log p_start per completion token, a per-token penalty in the weights, as in KL-in-reward.
 
-The trainer keeps fp32 master weights; the engine holds its own copy (its dtype) and never aliases them. The
-trainer scores log_softmax(logits / T), the distribution the engine samples at temperature T (top-p / top-k
-would sample another, and are refused). train/logprob_mismatch is the mean |engine - trainer logprob| over the
-step's weighted completion tokens, measured by the step's own forward (before the update): fp32 rounding when both
-hold the same fp32 weights, and the staleness too with rollout ranks.
+The trainer keeps fp32 master weights; the engine holds its own copy (its dtype) and never aliases
+them. The trainer scores log_softmax(logits / T), the distribution the engine samples at temperature
+T (top-p / top-k would sample another, and are refused). train/logprob_mismatch is the mean |engine
+- trainer logprob| over the step's weighted completion tokens, measured by the step's own forward
+(before the update): fp32 rounding when both hold the same fp32 weights, and the staleness too with
+rollout ranks.
 """
 import dataclasses
 import os
 import shutil
 import sys
 import time
+import typing
 
 import numpy as np
 import torch
@@ -74,27 +79,38 @@ from tokenizer import build_tokenizer
 # -----------------------------------------------------------------------------
 # settings (a config file, then --key=value, override these)
 out_dir = "out/grpo"
-task = "task"                # a module name or a .py path (environment.py); 'task' = countdown
-init_from = "out/sft"        # 'resume' | a previous run's out_dir | a transformers model dir ('scratch' works too)
-model = dict()               # ModelConfig fields, used only with init_from='scratch'
+# a module name or a .py path (environment.py); 'task' = countdown
+task = "task"
+# 'resume' | a previous run's out_dir | a transformers model dir ('scratch' works too)
+init_from = "out/sft"
+# ModelConfig fields, used only with init_from='scratch'
+model = dict()
 seed = 1337
 device = "cpu"
-dtype = "float32"            # the trainer's autocast: 'float32' | 'bfloat16' (master weights stay fp32)
+dtype = "float32"        # the trainer's autocast: 'float32' | 'bfloat16' (master weights stay fp32)
 compile = False
 # rollouts
-prompts_per_step = 16        # problems drawn per step, a group each (zero-variance ones dropped)
-group_size = 8               # samples per prompt (G)
-temperature = 1.0            # of the rollouts; the trainer scores softmax(logits / T) too (on-policy)
-top_p = 1.0                  # only 1.0: the trainer scores the whole distribution, never a nucleus
-max_new_tokens = 16          # reply budget; a reply that reaches it without stopping scores 0
-max_turns = 1                # replies per episode, at most (> 1: the task's env_response between)
-max_episode_tokens = 0       # multi-turn: every id after the first prompt, at most (environment.py)
-share_prompt = True          # train on a group's prompt once, its samples attending to it (training.pack_groups)
-scale_rewards = False        # divide advantages by the group std (GRPO) instead of only centring (Dr. GRPO)
-loss_norm = "constant"       # 'constant' | 'tokens' | 'weights' (see the top of this file)
-tis_cap = 0.0                # > 0: weights *= min(exp(trainer - engine logprob), tis_cap), detached (TIS)
-kl_coef = 0.0                # > 0: weights -= kl_coef * (log p - log p_start) on completion tokens
-engine_dtype = "float32"     # the engine's copy of the weights ('bfloat16' on a GPU)
+# problems drawn per step, a group each (zero-variance ones dropped)
+prompts_per_step = 16
+group_size = 8         # samples per prompt (G)
+# of the rollouts; the trainer scores softmax(logits / T) too (on-policy)
+temperature = 1.0
+top_p = 1.0            # only 1.0: the trainer scores the whole distribution, never a nucleus
+# reply budget; a reply that reaches it without stopping scores 0
+max_new_tokens = 16
+max_turns = 1          # replies per episode, at most (> 1: the task's env_response between)
+# multi-turn: every id after the first prompt, at most (environment.py)
+max_episode_tokens = 0
+# train on a group's prompt once, its samples attending to it (training.pack_groups)
+share_prompt = True
+# divide advantages by the group std (GRPO) instead of only centring (Dr. GRPO)
+scale_rewards = False
+# 'constant' | 'tokens' | 'weights' (see the top of this file)
+loss_norm = "constant"
+tis_cap = 0.0          # > 0: weights *= min(exp(trainer - engine logprob), tis_cap), detached (TIS)
+kl_coef = 0.0          # > 0: weights -= kl_coef * (log p - log p_start) on completion tokens
+# the engine's copy of the weights ('bfloat16' on a GPU)
+engine_dtype = "float32"
 engine_block_size = 16
 # optimization
 max_iters = 100
@@ -106,23 +122,28 @@ weight_decay = 0.0
 beta1 = 0.9
 beta2 = 0.95
 grad_clip = 1.0
-aux_loss_coef = 0.01         # times the router's load-balancing loss
-batch_tokens = 4096          # tokens per micro-batch; a step is however many micro-batches its samples need
-dist_timeout_s = 300         # torchrun: a collective waiting longer than this ends the job
+# times the router's load-balancing loss
+aux_loss_coef = 0.01
+batch_tokens = 4096  # tokens per micro-batch; a step is however many micro-batches its samples need
+# torchrun: a collective waiting longer than this ends the job
+dist_timeout_s = 300
 # rollout ranks (torchrun; see rollout_ranks.py)
-rollout_ranks = 0            # the last K ranks only sample, the others only train; 0 = every rank does both
-max_staleness = 0            # rollout j samples with the weights after iteration j - s; s >= 1 needs tis_cap > 0
-weight_bucket_mb = 64.0      # bucket size of the trainer-to-workers (and -servers) weight broadcast
+# the last K ranks only sample, the others only train; 0 = every rank does both
+rollout_ranks = 0
+# rollout j samples with the weights after iteration j - s; s >= 1 needs tis_cap > 0
+max_staleness = 0
+# bucket size of the trainer-to-workers (and -servers) weight broadcast
+weight_bucket_mb = 64.0
 # rollouts from running serve.py processes (rollout_servers.py)
 rollout_urls = ""            # 'http://host:port[,...]': they sample, the trainer pushes weights
 rollout_api_key = ""         # the servers' --api_key
 weight_master_address = "127.0.0.1"  # where the servers reach this trainer for the weight group
 weight_backend = "gloo"      # the weight group's backend: 'gloo', or 'nccl' with device='cuda'
 # evaluation (with the engine; 'test' is for the final comparison only)
-eval_split = "val"           # 'val' | 'test'
-n_eval_problems = 500        # the first n of the split (0 = all of it)
-keep_best = False            # keep the model of the best eval/accuracy in {out_dir}/best (early stopping)
-pass_k = 8                   # samples per problem for eval/pass@1 and pass@k at T (0 = none)
+eval_split = "val"     # 'val' | 'test'
+n_eval_problems = 500  # the first n of the split (0 = all of it)
+keep_best = False      # keep the model of the best eval/accuracy in {out_dir}/best (early stopping)
+pass_k = 8             # samples per problem for eval/pass@1 and pass@k at T (0 = none)
 # logging and checkpoints
 log_interval = 1
 eval_interval = 25
@@ -144,11 +165,13 @@ def _require(ok, message):
 
 
 def group_advantages(rewards, group_size, scale_rewards=False, eps=1e-6):
-    """reward - mean of its group, for rewards laid out group by group ([num_groups * G] -> same shape).
-    With scale_rewards the centred rewards are divided by the group's std (+eps), as in the GRPO paper."""
+    """reward - mean of its group, for rewards laid out group by group ([num_groups * G] -> same
+    shape). With scale_rewards the centred rewards are divided by the group's std (+eps), as in the
+    GRPO paper."""
     r = torch.as_tensor(rewards, dtype=torch.float32)
     _require(r.dim() == 1 and r.numel() > 0 and r.numel() % group_size == 0,
-             f"rewards must be a flat list of whole groups of {group_size}, got shape {tuple(r.shape)}")
+             f"rewards must be a flat list of whole groups of {group_size}, got shape "
+             f"{tuple(r.shape)}")
     g = r.view(-1, group_size)
     adv = g - g.mean(dim=1, keepdim=True)
     if scale_rewards:
@@ -157,7 +180,8 @@ def group_advantages(rewards, group_size, scale_rewards=False, eps=1e-6):
 
 
 def zero_variance_groups(rewards, group_size):
-    """[num_groups] bool: True where every sample of the group got the same reward (nothing to learn)."""
+    """[num_groups] bool: True where every sample of the group got the same reward (nothing to
+    learn)."""
     g = torch.as_tensor(rewards, dtype=torch.float32).view(-1, group_size)
     return (g == g[:, :1]).all(dim=1)
 
@@ -269,47 +293,55 @@ def rollout(engine, env, sampler, config, it):
     return kept, (indices, successes), metrics
 
 
-def build_batches(groups, config, completion_weight=None):
-    """Packed batches, token_weights = the sample's advantage on its completion tokens (or completion_weight,
-    for completion_masks), 0 on the prompt; log_probs = the engine's logprob of each completion token. A document
-    is a whole group whose samples share its prompt's rows (share_prompt, training.pack_groups) or one sample.
-    Whole documents are split under batch_tokens."""
-    docs = []   # (prompt, completions, weights, logprobs) of each document
+def build_batches(groups, config):
+    """The step's packed batches: token_weights = the sample's advantage on its sampled tokens, 0 on
+    the prompt (and on a multi-turn episode's environment tokens); loss_mask = 1 on the sampled
+    tokens; log_probs = the engine's logprob of each. A document is a whole group whose samples
+    share its prompt's rows (share_prompt, training.pack_groups) or one sample. Whole documents are
+    split under batch_tokens."""
+    docs = []   # (prompt, completions, weights, logprobs, masks) of each document
     for _, prompt, samples, group_rewards in groups:
-        adv = group_advantages(group_rewards, config["group_size"], config["scale_rewards"]).tolist() \
-            if completion_weight is None else [completion_weight] * len(samples)
-        rows = [(list(s.completion_tokens), [a * m for m in sampled_mask(s)], list(s.logprobs))
-                for s, a in zip(samples, adv)]
-        # share_prompt: the group is one document (or as few as fit in batch_tokens); else each sample is one
-        parts = training.budget_groups([len(c) + 1 for c, _, _ in rows], config["batch_tokens"] - len(prompt) + 1) \
-            if config["share_prompt"] else [[i] for i in range(len(rows))]
+        adv = group_advantages(group_rewards, config["group_size"], config["scale_rewards"])
+        rows = [(list(s.completion_tokens), [a * m for m in sampled_mask(s)], list(s.logprobs),
+                 list(sampled_mask(s))) for s, a in zip(samples, adv.tolist())]
+        # share_prompt: the group is one document (or as few as fit in batch_tokens); else each
+        # sample is one
+        parts = [[i] for i in range(len(rows))]
+        if config["share_prompt"]:
+            parts = training.budget_groups([len(c) + 1 for c, *_ in rows],
+                                           config["batch_tokens"] - len(prompt) + 1)
         for part in parts:
-            docs.append((list(prompt), *([rows[i][k] for i in part] for k in range(3))))
-    sizes = [len(prompt) - 1 + sum(len(c) + 1 for c in comps) for prompt, comps, _, _ in docs]
+            docs.append((list(prompt), *([rows[i][k] for i in part] for k in range(4))))
+    sizes = [len(prompt) - 1 + sum(len(c) + 1 for c in comps) for prompt, comps, *_ in docs]
     return [training.pack_groups(*zip(*(docs[i] for i in g)))
             for g in training.budget_groups(sizes, config["batch_tokens"])]
 
 
-def completion_masks(groups, config):
-    """[T] bool per batch of build_batches(groups, config): the rows scored on a completion token."""
-    return [b.token_weights > 0 for b in build_batches(groups, config, completion_weight=1.0)]
-
-
-def loss_normalizer(batches, masks, config):
-    """The denominator of the step's loss, fixed before any correction is folded into the weights (so TIS is
-    the paper's estimator, its ratio outside the normalizer): see loss_norm at the top of this file."""
+def loss_normalizer(batches, config):
+    """The denominator of the step's loss, fixed before any correction is folded into the weights
+    (so TIS is the paper's estimator, its ratio outside the normalizer): see loss_norm at the top of
+    this file."""
     if config["loss_norm"] == "constant":
         return float(config["prompts_per_step"] * config["group_size"] * config["max_new_tokens"]
                      * config["max_turns"])
     if config["loss_norm"] == "tokens":
-        return float(max(sum(int(m.sum()) for m in masks), 1))
+        return float(max(sum(int(b.loss_mask.sum()) for b in batches), 1))
     return float(max(sum(b.token_weights.abs().sum().item() for b in batches), 1.0))
 
 
+def policy_loss(logp, batch, normalizer):
+    """GRPO's objective on a batch: the shared unified_loss, -(token_weights * log p).sum() /
+    normalizer, with token_weights = advantage x loss mask (times TIS's ratio and minus the KL
+    term, when on). A fork changes the objective here: e.g. PPO's clipped ratio
+    exp(logp - batch.log_probs) against batch.token_weights, over batch.loss_mask."""
+    return training.unified_loss(logp, batch, normalizer)
+
+
 def tempered(model, temperature):
-    """model with its logits divided by temperature: the policy the engine samples from at that temperature
-    (its logprobs are log_softmax(logits / T)), so the loss, train/logprob_mismatch and TIS all score the
-    distribution that was sampled, as TRL's GRPOTrainer does. T = 1 returns model itself."""
+    """model with its logits divided by temperature: the policy the engine samples from at that
+    temperature (its logprobs are log_softmax(logits / T)), so the loss, train/logprob_mismatch and
+    TIS all score the distribution that was sampled, as TRL's GRPOTrainer does. T = 1 returns model
+    itself."""
     if temperature == 1.0:
         return model
 
@@ -325,28 +357,53 @@ def trainer_logprobs(model, batch, autocast):
         return training.batch_logprobs(model, batch)[0]
 
 
-def apply_corrections(batches, masks, model, reference, autocast, config):
-    """The per-token no-grad factors folded into the weights (the loss contract), from a logprob pass of the
-    trainer's current weights: with tis_cap > 0 the truncated importance ratio min(exp(trainer - engine), tis_cap)
-    multiplies the advantage; with kl_coef > 0, kl_coef * (trainer - reference logprob) is subtracted. Without
-    either there is nothing to fold and no pass: on-policy, the step's own forward measures the mismatch."""
+def apply_corrections(batches, model, reference, autocast, config):
+    """The per-token no-grad factors folded into the weights (the loss contract), from a logprob
+    pass of the trainer's current weights: with tis_cap > 0 the truncated importance ratio
+    min(exp(trainer - engine), tis_cap) multiplies the advantage; with kl_coef > 0, kl_coef *
+    (trainer - reference logprob) is subtracted. Without either there is nothing to fold and no
+    pass: on-policy, the step's own forward measures the mismatch."""
     if config["tis_cap"] <= 0 and config["kl_coef"] <= 0:
         return batches
     out = []
-    for b, mask in zip(batches, masks):   # this rank's share of the step's micro-batches
-        lp = trainer_logprobs(model, b, autocast)
+    for b in batches:   # this rank's share of the step's micro-batches
+        lp, mask = trainer_logprobs(model, b, autocast), b.loss_mask
         w = b.token_weights
         if config["tis_cap"] > 0:
             w = w * torch.where(mask, torch.exp(lp - b.log_probs).clamp(max=config["tis_cap"]), 1.0)
         if config["kl_coef"] > 0:
-            w = w - config["kl_coef"] * torch.where(mask, lp - trainer_logprobs(reference, b, autocast), 0.0)
+            w = w - config["kl_coef"] * torch.where(mask,
+                                                    lp - trainer_logprobs(reference, b, autocast),
+                                                    0.0)
         out.append(dataclasses.replace(b, token_weights=w))
     return out
 
 
+class RolloutSource(typing.Protocol):
+    """Where a step's groups come from and where its new weights go. Colocated (below) is the
+    engine in this process; rollout_ranks.RolloutRanks samples on other torchrun ranks and
+    rollout_servers.Servers on running serve.py processes, each a step or more ahead (bounded
+    staleness)."""
+    version: int   # the weight version the next rollout samples with
+
+    def groups(self, it):
+        """Iteration it's kept groups, each (problem, prompt_ids, samples, rewards), and the rollout
+        metrics (rollout() makes both)."""
+
+    def publish(self, model, it):
+        """Hand model's new weights to whatever samples; returns metrics (the time it took)."""
+
+    def eval_engine(self, model):
+        """An engine that holds model's current weights, for evaluation."""
+
+    def data_state(self):
+        """What a checkpoint records so that a resumed run draws the problems the killed one
+        would have (the sampler's record)."""
+
+
 class Colocated:
-    """The engine in this process: it samples with the trainer's current weights, swapped in after each step
-    (train_grpo's rollout source; rollout_ranks.RolloutRanks is the other one, with the same interface)."""
+    """The RolloutSource of one process: its engine samples with the trainer's current weights,
+    swapped in place after each step."""
 
     def __init__(self, engine, env, sampler, config):
         self.engine, self.env, self.sampler, self.config = engine, env, sampler, config
@@ -372,36 +429,54 @@ class Colocated:
 
 
 def grpo_step(source, run, reference, config, it):
-    """Iteration it: rollout (from source), build batches, normalizer, corrections, one optimizer step (none when
-    no group had reward variance), the new weights to source. Returns its metrics."""
-    t0 = time.perf_counter()
+    """One GRPO iteration, top to bottom. Returns its metrics and the FLOPs it spent."""
+    clock = {"start": time.perf_counter()}
+    # 1. sample group_size episodes for each drawn problem, score them, drop the flat groups
     groups, metrics = source.groups(it)
-    flops = metrics.pop("perf/rollout_flops")
-    if not groups:  # every group had zero variance: no gradient this step, the weights stay
-        print0(f"iter {it + 1}: no group with reward variance")
-    else:
-        forward = tempered(run.forward, config["temperature"])
-        t1 = time.perf_counter()
-        batches = build_batches(groups, config)   # every rank packs the whole step, then takes its share
-        masks = completion_masks(groups, config)
-        normalizer = loss_normalizer(batches, masks, config)
-        mine = distributed.shard([(b.to(config["device"]), m.to(config["device"])) for b, m in zip(batches, masks)])
+    clock["rollout"], batches = time.perf_counter(), []
+    if groups:   # (none: every group had zero reward variance; no step, the weights stay)
+        policy = tempered(run.forward, config["temperature"])
+        # 2. advantages x loss mask as token weights, packed; the normalizer, fixed first
+        batches = build_batches(groups, config)
+        normalizer = loss_normalizer(batches, config)
+        # 3. this rank's share, with TIS / the KL folded into its weights (when on)
+        mine = [b.to(config["device"]) for b in distributed.shard(batches)]
         ref = None if reference is None else tempered(reference, config["temperature"])
-        mine = apply_corrections([b for b, _ in mine], [m for _, m in mine], forward, ref, run.autocast, config)
-        t2 = time.perf_counter()   # the optimizer step alone from here: tokens/s and MFU measure it
-        metrics.update(training.train_step(forward, run.optimizer, mine, training.scheduled_lr(config, it),
-                                           config["grad_clip"], config["aux_loss_coef"], run.autocast, normalizer))
-        t3 = time.perf_counter()
-        step_flops = sum(train_flops(run.model.config, [b.num_tokens], pairs=int((b.position_ids + 1).sum()))
-                         for b in batches)
-        passes = (config["tis_cap"] > 0 or config["kl_coef"] > 0) + (reference is not None)
-        flops += step_flops * (3 + passes) / 3     # + the logprob pass (and the reference's) when one ran
-        metrics.update({"perf/logprob_pass_s": t2 - t1, "perf/train_time_s": t3 - t2, "train/normalizer": normalizer,
-                        "perf/tokens_per_sec": metrics["train/tokens"] / (t3 - t2),
-                        "perf/mfu": step_flops / (t3 - t2) / run.peak_flops})
+        mine = apply_corrections(mine, policy, ref, run.autocast, config)
+        clock["corrections"] = time.perf_counter()
+        # 4. one optimizer step on policy_loss
+        metrics.update(training.train_step(policy, run.optimizer, mine,
+                                           training.scheduled_lr(config, it), config["grad_clip"],
+                                           config["aux_loss_coef"], run.autocast, normalizer,
+                                           loss_fn=policy_loss))
+        metrics["train/normalizer"] = normalizer
+        clock["step"] = time.perf_counter()
+    # 5. the new weights to the sampler (in place, in this process): the next rollout is on-policy
     metrics.update(source.publish(run.model, it))
-    metrics["perf/step_time_s"] = time.perf_counter() - t0
-    if "perf/rollout_wait_s" in metrics:   # rollout ranks: the share of the step the trainer waited on the workers
+    clock["end"] = time.perf_counter()
+    return step_costs(metrics, clock, batches, run, reference, config, it)
+
+
+def step_costs(metrics, clock, batches, run, reference, config, it):
+    """The step's bookkeeping: its FLOPs (rollout, the optimizer step and any logprob pass), its
+    timings, throughput and MFU (of the optimizer step alone), and with rollout ranks the share of
+    the step the trainer waited on them. clock: grpo_step's time marks."""
+    flops = metrics.pop("perf/rollout_flops")
+    if batches:
+        step_flops = sum(train_flops(run.model.config, [b.num_tokens],
+                                     pairs=int((b.position_ids + 1).sum())) for b in batches)
+        # + the logprob pass (and the reference's) when one ran
+        passes = (config["tis_cap"] > 0 or config["kl_coef"] > 0) + (reference is not None)
+        flops += step_flops * (3 + passes) / 3
+        train_s = clock["step"] - clock["corrections"]
+        metrics.update({"perf/logprob_pass_s": clock["corrections"] - clock["rollout"],
+                        "perf/train_time_s": train_s,
+                        "perf/tokens_per_sec": metrics["train/tokens"] / train_s,
+                        "perf/mfu": step_flops / train_s / run.peak_flops})
+    else:
+        print0(f"iter {it + 1}: no group with reward variance")
+    metrics["perf/step_time_s"] = clock["end"] - clock["start"]
+    if "perf/rollout_wait_s" in metrics:
         waited = metrics["perf/rollout_wait_s"] + metrics.get("perf/weight_sync_wait_s", 0.0)
         metrics["perf/trainer_idle_frac"] = waited / metrics["perf/step_time_s"]
     return metrics, flops
@@ -412,24 +487,27 @@ def grpo_step(source, run, reference, config, it):
 
 
 def check_settings(config):
-    """GRPO's own settings, then the loop's, each refused with a ValueError naming it before any work."""
+    """GRPO's own settings, then the loop's, each refused with a ValueError naming it before any
+    work."""
     for name, low in (("prompts_per_step", 1), ("group_size", 2), ("max_new_tokens", 1),
                       ("pass_k", 0), ("n_eval_problems", 0), ("max_turns", 1),
                       ("max_episode_tokens", 0)):
-        _require(type(config[name]) is int and config[name] >= low, f"{name}={config[name]!r}: expected an int "
-                                                                     f">= {low}")
+        _require(type(config[name]) is int and config[name] >= low,
+                 f"{name}={config[name]!r}: expected an int >= {low}")
     for name in ("tis_cap", "kl_coef"):
-        _require(type(config[name]) in (int, float) and config[name] >= 0, f"{name}={config[name]!r}: expected a "
-                                                                           f"number >= 0 (0 = off)")
+        _require(type(config[name]) in (int, float) and config[name] >= 0,
+                 f"{name}={config[name]!r}: expected a number >= 0 (0 = off)")
     _require(config["loss_norm"] in ("constant", "tokens", "weights"),
              f"loss_norm={config['loss_norm']!r}: expected 'constant', 'tokens' or 'weights'")
     for name in ("rollout_ranks", "max_staleness"):
-        _require(type(config[name]) is int and config[name] >= 0, f"{name}={config[name]!r}: expected an int >= 0")
+        _require(type(config[name]) is int and config[name] >= 0,
+                 f"{name}={config[name]!r}: expected an int >= 0")
     _require(config["max_staleness"] == 0 or config["rollout_ranks"] > 0 or config["rollout_urls"],
              f"max_staleness={config['max_staleness']}: only rollout ranks or servers sample ahead "
              f"of the trainer; set rollout_ranks or rollout_urls too (or max_staleness=0)")
-    _require(config["max_staleness"] == 0 or config["tis_cap"] > 0, f"max_staleness={config['max_staleness']} "
-             f"trains on samples of older weights: set tis_cap > 0 (e.g. 2) so that TIS corrects them")
+    _require(config["max_staleness"] == 0 or config["tis_cap"] > 0,
+             f"max_staleness={config['max_staleness']} trains on samples of older weights: set "
+             f"tis_cap > 0 (e.g. 2) so that TIS corrects them")
     alone = (config["rollout_ranks"], distributed.world()) == (0, 1)
     _require(not config["rollout_urls"] or alone,
              f"rollout_urls={config['rollout_urls']!r}: serve.py rollouts run with one trainer "
@@ -443,22 +521,28 @@ def check_settings(config):
              f"or address the servers can reach")
     _require(type(config["weight_bucket_mb"]) in (int, float) and config["weight_bucket_mb"] > 0,
              f"weight_bucket_mb={config['weight_bucket_mb']!r}: expected a number > 0")
-    _require(config["eval_split"] in ("val", "test"), f"eval_split={config['eval_split']!r}: expected 'val' or 'test'")
-    SamplingParams(temperature=config["temperature"], top_p=config["top_p"])   # refuses a bad temperature / top_p
-    _require(config["temperature"] != 0, "temperature=0: GRPO needs sampled groups (greedy samples of a prompt "
-                                         "are all the same)")
-    _require(config["top_p"] == 1.0, f"top_p={config['top_p']!r}: the trainer scores the whole softmax(logits / T), "
-                                     f"so a nucleus-sampled rollout would be trained off-policy; use top_p=1.0")
+    _require(config["eval_split"] in ("val", "test"),
+             f"eval_split={config['eval_split']!r}: expected 'val' or 'test'")
+    # refuses a bad temperature / top_p
+    SamplingParams(temperature=config["temperature"], top_p=config["top_p"])
+    _require(config["temperature"] != 0,
+             "temperature=0: GRPO needs sampled groups (greedy samples of a prompt are all the "
+             "same)")
+    _require(config["top_p"] == 1.0,
+             f"top_p={config['top_p']!r}: the trainer scores the whole softmax(logits / T), so a "
+             f"nucleus-sampled rollout would be trained off-policy; use top_p=1.0")
     _require(config["kl_coef"] == 0 or config["init_from"] != "scratch",
-             "kl_coef > 0 with init_from='scratch': a KL to a random starting policy teaches nothing")
+             "kl_coef > 0 with init_from='scratch': a KL to a random starting policy teaches "
+             "nothing")
     # a bad engine dtype or block size is refused here, before the run setup touches out_dir
-    EngineConfig(device=config["device"], dtype=config["engine_dtype"], block_size=config["engine_block_size"])
+    EngineConfig(device=config["device"], dtype=config["engine_dtype"],
+                 block_size=config["engine_block_size"])
     training.check_loop_settings(config)
 
 
 def reference_model(config, start):
-    """The starting policy, frozen, for the KL term (None when kl_coef = 0). A resumed run reloads the model its
-    first run started from."""
+    """The starting policy, frozen, for the KL term (None when kl_coef = 0). A resumed run reloads
+    the model its first run started from."""
     if config["kl_coef"] == 0:
         return None
     source = config["init_from"] if start.meta is None else start.meta["config"]["init_from"]
@@ -478,7 +562,8 @@ def evaluate_and_log(engine, env, run, problems, config, done, meter, best):
         best.update(accuracy=metrics["eval/accuracy"], iter=done)
         if distributed.is_main():
             save_best(config["out_dir"], run.model, run.start.tokenizer)
-    print0(f"eval iter {done} ({config['eval_split']}): " + ", ".join(f"{k} {v:.4f}" for k, v in metrics.items()) +
+    print0(f"eval iter {done} ({config['eval_split']}): " + ", ".join(f"{k} {v:.4f}"
+                                                                      for k, v in metrics.items()) +
            f" ({time.perf_counter() - t0:.1f} s)")
     return metrics
 
@@ -486,10 +571,14 @@ def evaluate_and_log(engine, env, run, problems, config, done, meter, best):
 def log_iteration(logger, done, metrics):
     logger.log(done, metrics)
     valid, flat = metrics["rollout/valid_groups"], metrics["rollout/zero_var_groups"]
-    print0(f"iter {done}: reward {metrics['rollout/reward_mean']:.3f}, groups {valid}/{valid + flat}, "
-           f"loss {metrics.get('train/loss', 0):.4f}, mismatch {metrics.get('train/logprob_mismatch', 0):.1e}, "
-           f"len {metrics['rollout/completion_len']:.1f}, {metrics['perf/step_time_s'] * 1000:.0f} ms, "
-           f"rollout {metrics['rollout/tokens_per_s']:.0f} tok/s")
+    print0(
+        f"iter {done}: reward {metrics['rollout/reward_mean']:.3f}, groups {valid}/{valid + flat}, "
+        f"loss {metrics.get('train/loss', 0):.4f}, mismatch "
+        f"{metrics.get('train/logprob_mismatch', 0):.1e}, "
+        f"len {metrics['rollout/completion_len']:.1f}, {metrics['perf/step_time_s'] * 1000:.0f} "
+        f"ms, "
+        f"rollout {metrics['rollout/tokens_per_s']:.0f} tok/s"
+    )
 
 
 def make_engine(model, env, start, sampler, eval_problems, config):
@@ -500,7 +589,8 @@ def make_engine(model, env, start, sampler, eval_problems, config):
 
 
 def rollout_worker(config, roles, start, env, sampler, eval_problems):
-    """A rollout rank's job (rollout_ranks.run_worker): the trainers' engine, fed by the weight broadcast."""
+    """A rollout rank's job (rollout_ranks.run_worker): the trainers' engine, fed by the weight
+    broadcast."""
     if start.meta is not None:
         sampler.load_state_dict(start.meta["data_state"])
     model = start.model.to(config["device"])
@@ -537,8 +627,10 @@ def main(config):
     else:
         source = Colocated(engine, env, sampler, config)
     meter = training.Meter(run.start)
-    best = {"accuracy": -1.0, "iter": None} if start.meta is None else start.meta["extra"].get("best")
-    if start.meta is None and distributed.is_main():   # a fresh run: no best model of an earlier run in out_dir
+    best = {"accuracy": -1.0,
+            "iter": None} if start.meta is None else start.meta["extra"].get("best")
+    # a fresh run: no best model of an earlier run in out_dir
+    if start.meta is None and distributed.is_main():
         shutil.rmtree(os.path.join(config["out_dir"], "best"), ignore_errors=True)
     print0(f"{config['prompts_per_step']} prompts x {config['group_size']} samples per step, "
            f"{len(eval_problems)} {config['eval_split']} problems")
@@ -557,8 +649,8 @@ def main(config):
         if training.due(config, "ckpt_interval", done, last):
             distributed.check_in_sync(run.model)
             if distributed.is_main():
-                save_checkpoint(config["out_dir"], run.model, run.optimizer, run.start.tokenizer, done, config,
-                                source.data_state(),
+                save_checkpoint(config["out_dir"], run.model, run.optimizer, run.start.tokenizer,
+                                done, config, source.data_state(),
                                 extra={"weight_version": source.version, "best": best,
                                        "meter": meter.state_dict()})
     run.logger.close()

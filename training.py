@@ -1,14 +1,15 @@
 """
-What the three trainers share: one batch contract and one loss, packing and the data cursor, AdamW and its
-schedule, one optimizer step, logging, one run setup, and the loop of a fixed dataset (pretrain.py, sft.py).
+What the three trainers share: one batch contract and one loss, packing and the data cursor, AdamW
+and its schedule, one optimizer step, logging, one run setup, and the loop of a fixed dataset
+(pretrain.py, sft.py).
 
-    start = checkpoint.init_start(config, build_tokenizer)          # the weights; what a resume restores
-    run = setup_run(config, start, loader)                           # device, optimizer, restored state, log
+    start = checkpoint.init_start(config, build_tokenizer)   # the weights; what resume restores
+    run = setup_run(config, start, loader)                   # device, optimizer, restored state
     batch = pack_sequences([ids_a, ids_b], [weights_a, weights_b])   # a PackedBatch: no padding
-    train_step(run.forward, run.optimizer, [batch], scheduled_lr(config, it))   # unified_loss, one step
+    train_step(run.forward, run.optimizer, [batch], scheduled_lr(config, it))   # one step
 
-The data sources differ only in the per-token weights they hand to pack_sequences, never in the step (see
-unified_loss). train_grpo.py writes its own loop over these parts."""
+The data sources differ only in the per-token weights they hand to pack_sequences, never in the step
+(see unified_loss). train_grpo.py writes its own loop over these parts."""
 
 import math
 import random
@@ -38,16 +39,27 @@ def _require(ok, message, error=ValueError):
 
 @dataclass(frozen=True)
 class PackedBatch:
-    """N sequences laid end to end in one row of T tokens. Everything per token is aligned with `labels`:
-    row j of a sequence reads tokens[j] and is scored on predicting labels[j] = the sequence's next token."""
-    tokens: torch.Tensor          # [T] int64, the inputs
-    labels: torch.Tensor          # [T] int64, next token within the sequence (0 on each sequence's last row)
-    position_ids: torch.Tensor    # [T] int64, restarting at 0 for every sequence
-    cu_seqlens: torch.Tensor      # [N+1] int32, sequence i is rows cu_seqlens[i]:cu_seqlens[i+1]
-    token_weights: torch.Tensor   # [T] float32, the weight of each row's log-likelihood (0 on last rows)
-    log_probs: torch.Tensor | None = None   # [T] float32, the sampler's logprob of each label (GRPO)
-    rewards: torch.Tensor | None = None     # [N] float32, one per sequence (optional)
-    branch: torch.Tensor | None = None      # [T] int64: documents that share a prefix (pack_groups), else None
+    """N sequences laid end to end in one row of T tokens. Everything per token is aligned with
+    `labels`: row j of a sequence reads tokens[j] and is scored on predicting labels[j] = the
+    sequence's next token."""
+    # [T] int64, the inputs
+    tokens: torch.Tensor
+    # [T] int64, next token within the sequence (0 on each sequence's last row)
+    labels: torch.Tensor
+    # [T] int64, restarting at 0 for every sequence
+    position_ids: torch.Tensor
+    # [N+1] int32, sequence i is rows cu_seqlens[i]:cu_seqlens[i+1]
+    cu_seqlens: torch.Tensor
+    # [T] float32, the weight of each row's log-likelihood (0 on last rows)
+    token_weights: torch.Tensor
+    # [T] float32, the sampler's logprob of each label (GRPO)
+    log_probs: torch.Tensor | None = None
+    # [N] float32, one per sequence (optional)
+    rewards: torch.Tensor | None = None
+    # [T] int64: documents that share a prefix (pack_groups), else None
+    branch: torch.Tensor | None = None
+    # [T] bool: the rows scored on a sampled token (GRPO: not a prompt's or an environment's)
+    loss_mask: torch.Tensor | None = None
 
     @property
     def num_tokens(self):
@@ -66,64 +78,71 @@ class PackedBatch:
 
 
 def token_logprobs(logits, labels):
-    """log p(label) per row, in fp32 with log_softmax + gather (never log(softmax)): [T, V], [T] -> [T].
-    The same quantity the engine reports as a sample's logprob at temperature 1."""
-    _require(logits.dim() == 2 and labels.shape == logits.shape[:1], f"logits {tuple(logits.shape)} and labels "
-             f"{tuple(labels.shape)}: expected [T, V] and [T] (T rows, one per label)")
+    """log p(label) per row, in fp32 with log_softmax + gather (never log(softmax)): [T, V], [T] ->
+    [T]. The same quantity the engine reports as a sample's logprob at temperature 1."""
+    _require(logits.dim() == 2 and labels.shape == logits.shape[:1],
+             f"logits {tuple(logits.shape)} and labels {tuple(labels.shape)}: expected [T, V] and "
+             f"[T] (T rows, one per label)")
     return torch.log_softmax(logits.float(), dim=-1).gather(-1, labels[:, None]).squeeze(-1)
 
 
 def unified_loss(logits, batch, normalizer=None):
-    """-(token_weights * log p(labels)).sum() / normalizer, the one loss of all three trainers. The default
-    normalizer is token_weights.abs().sum().clamp(min=1), which means:
+    """-(token_weights * log p(labels)).sum() / normalizer, the one loss of all three trainers.
+    `logits` is [T, V], or the [T] log p(labels) themselves: what model(..., labels=batch.labels)
+    returns, computed a chunk of rows at a time so that no [T, V] tensor is ever whole (the
+    trainers' path; the same numbers). The default normalizer is
+    token_weights.abs().sum().clamp(min=1), which means:
       pretrain  weights 1         -> the mean next-token NLL (== F.cross_entropy's mean)
-      SFT       weights 0/1 mask  -> the mean NLL over assistant tokens (== cross_entropy with ignore_index)
-      GRPO      advantage x mask  -> sum_t A_t * (-log p_t) / sum_t |A_t| (clamped at 1); importance ratios and
-                                     other per-token, no-grad factors are folded into the weights
-    A constant denominator (Dr. GRPO's num_sequences * max_tokens) is passed as `normalizer`; train_step passes
-    the whole step's sum over micro-batches. The weights are constants (no gradient flows into them).
-    The trainers call weighted_loss on model(..., labels=batch.labels): the same numbers, no [T, V] tensor."""
-    return weighted_loss(token_logprobs(logits, batch.labels), batch, normalizer)
-
-
-def batch_logprobs(model, batch):
-    """(log p(label) per row [T], aux loss) of model on a packed batch, its shared prefixes included."""
-    shared = {} if batch.branch is None else {"branch": batch.branch}
-    return model(batch.tokens, batch.position_ids, batch.cu_seqlens, labels=batch.labels, **shared)
-
-
-def weighted_loss(logp, batch, normalizer=None):
-    """unified_loss from the label logprobs logp [T] (model(..., labels=...) makes them a chunk at a time)."""
+      SFT       weights 0/1 mask  -> the mean NLL over assistant tokens (== cross_entropy with
+                                     ignore_index)
+      GRPO      advantage x mask  -> sum_t A_t * (-log p_t) / sum_t |A_t| (clamped at 1);
+                                     importance ratios and other per-token, no-grad factors are
+                                     folded into the weights
+    A constant denominator (Dr. GRPO's num_sequences * max_tokens) is passed as `normalizer`;
+    train_step passes the whole step's sum over micro-batches. The weights are constants (no
+    gradient flows into them)."""
+    logp = logits if logits.dim() == 1 else token_logprobs(logits, batch.labels)
     w = batch.token_weights.detach().to(logp.dtype)
     if normalizer is None:
         normalizer = w.abs().sum().clamp(min=1)
     return -(w * logp).sum() / normalizer
 
 
+def batch_logprobs(model, batch):
+    """(log p(label) per row [T], aux loss) of model on a packed batch, its shared prefixes
+    included."""
+    shared = {} if batch.branch is None else {"branch": batch.branch}
+    return model(batch.tokens, batch.position_ids, batch.cu_seqlens, labels=batch.labels, **shared)
+
+
 # -----------------------------------------------------------------------------
 # packing, and the data cursor: endless epochs over a fixed list, its position the whole data state
 
 
-def pack_sequences(sequences, weights, log_probs=None, rewards=None):
+def pack_sequences(sequences, weights, log_probs=None, rewards=None, loss_masks=None):
     """Pack variable-length sequences into one PackedBatch (no padding).
 
-    sequences: token-id lists. weights: same shapes; weights[i][t] weighs predicting sequences[i][t] from the
-    tokens before it (weights[i][0] is never used). log_probs: optional, aligned like weights (the sampler's
-    logprob of token t, 0 where it did not sample). rewards: optional, one float per sequence.
-    Row j of a sequence reads token j and is labelled with token j+1, carrying weights[i][j+1]; its last row
-    has nothing to predict: label 0 (a placeholder), weight 0."""
+    sequences: token-id lists. weights: same shapes; weights[i][t] weighs predicting sequences[i][t]
+    from the tokens before it (weights[i][0] is never used). log_probs: optional, aligned like
+    weights (the sampler's logprob of token t, 0 where it did not sample). rewards: optional, one
+    float per sequence. loss_masks: optional, aligned like weights (1 where token t was sampled).
+    Row j of a sequence reads token j and is labelled with token j+1, carrying weights[i][j+1]; its
+    last row has nothing to predict: label 0 (a placeholder), weight 0."""
     n = len(sequences)
     _require(n > 0, "pack_sequences: no sequences")
-    for name, rows in (("weight lists", weights), ("log_probs lists", log_probs), ("rewards", rewards)):
+    for name, rows in (("weight lists", weights), ("log_probs lists", log_probs),
+                       ("rewards", rewards), ("loss_masks lists", loss_masks)):
         if rows is not None:
             _require(len(rows) == n, f"pack_sequences: {n} sequences but {len(rows)} {name}")
     for i, seq in enumerate(sequences):
         _require(len(seq) > 0, f"pack_sequences: sequence {i} is empty")
-        for name, rows in (("weights", weights), ("log_probs", log_probs)):
+        for name, rows in (("weights", weights), ("log_probs", log_probs),
+                           ("loss_masks", loss_masks)):
             if rows is not None:
-                _require(len(rows[i]) == len(seq), f"pack_sequences: sequence {i} has {len(seq)} tokens but "
-                                                   f"{len(rows[i])} {name}")
-    ids = torch.tensor([t for s in sequences for t in s])          # dtype inferred: floats / bools show up
+                _require(len(rows[i]) == len(seq),
+                         f"pack_sequences: sequence {i} has {len(seq)} tokens but {len(rows[i])} "
+                         f"{name}")
+    ids = torch.tensor([t for s in sequences for t in s])   # dtype inferred: floats / bools show up
     _require(not (ids.dtype == torch.bool or ids.dtype.is_floating_point or ids.dtype.is_complex),
              f"pack_sequences: token ids must be ints, got {ids.dtype} values", TypeError)
     ids = ids.long()
@@ -131,6 +150,7 @@ def pack_sequences(sequences, weights, log_probs=None, rewards=None):
     w = _finite([x for row in weights for x in row], "weights")
     lp = None if log_probs is None else _finite([x for row in log_probs for x in row], "log_probs")
     r = None if rewards is None else _finite([float(x) for x in rewards], "rewards")
+    m = None if loss_masks is None else torch.tensor([bool(x) for row in loss_masks for x in row])
 
     lengths = torch.tensor([len(s) for s in sequences])
     cu = torch.zeros(n + 1, dtype=torch.int32)
@@ -144,49 +164,61 @@ def pack_sequences(sequences, weights, log_probs=None, rewards=None):
         out[:-1] = x[1:]
         return out.masked_fill(last, 0)
     return PackedBatch(tokens=ids, labels=shift(ids), position_ids=position_ids, cu_seqlens=cu,
-                       token_weights=shift(w), log_probs=None if lp is None else shift(lp), rewards=r)
+                       token_weights=shift(w), log_probs=None if lp is None else shift(lp),
+                       rewards=r, loss_mask=None if m is None else shift(m))
 
 
-def pack_groups(prompts, completions, weights, log_probs=None):
-    """Pack groups of completions that share a prompt (GRPO's G samples of one prompt) with each prompt once:
-    the prompt's rows are computed once and every completion attends to them, so a group costs
-    P - 1 + sum(len(completion) + 1) rows instead of sum(P + len(completion)), for the same logprobs.
+def pack_groups(prompts, completions, weights, log_probs=None, loss_masks=None):
+    """Pack groups of completions that share a prompt (GRPO's G samples of one prompt) with each
+    prompt once: the prompt's rows are computed once and every completion attends to them, so a
+    group costs P - 1 + sum(len(completion) + 1) rows instead of sum(P + len(completion)), for the
+    same logprobs.
 
-    prompts[i]: token ids; completions[i]: its completions' ids; weights[i] and log_probs[i]: one list per
-    completion, aligned with its tokens. Document i is branch 0, the prompt but its last token, then for every
-    completion b = 1, 2, ... branch b: the prompt's last token again and the completion, at the positions it
-    has after the prompt. A row attends to the rows before it in its document on branch 0 or on its own branch
-    (model.py). The router's balancing loss sees each prompt once. On CPU a document's mask is dense (its L^2
-    scores), so with long completions plain packing may be faster. Prompt [5, 6, 7], completions [8, 9], [4]:
+    prompts[i]: token ids; completions[i]: its completions' ids; weights[i], log_probs[i] and
+    loss_masks[i]: one list per completion, aligned with its tokens. Document i is branch 0, the
+    prompt but its last token, then for every completion b = 1, 2, ... branch b: the prompt's last
+    token again and the completion, at the positions it has after the prompt. A row attends to the
+    rows before it in its document on branch 0 or on its own branch (model.py). The router's
+    balancing loss sees each prompt once. On CPU a document's mask is dense (its L^2 scores), so
+    with long completions plain packing may be faster. Prompt [5, 6, 7], completions [8, 9], [4]:
         tokens    5  6 | 7  8  9 | 7  4
         branch    0  0 | 1  1  1 | 2  2
         position  0  1 | 2  3  4 | 2  3
         labels    6* 7*| 8  9  7*| 4  0*     (* weight 0: a prompt token, or a placeholder)"""
-    _require(len(prompts) == len(completions) == len(weights), f"pack_groups: {len(prompts)} prompts, "
-             f"{len(completions)} completion lists, {len(weights)} weight lists")
+    _require(len(prompts) == len(completions) == len(weights),
+             f"pack_groups: {len(prompts)} prompts, {len(completions)} completion lists, "
+             f"{len(weights)} weight lists")
     _require(log_probs is None or len(log_probs) == len(prompts),
              f"pack_groups: {len(prompts)} prompts but {len(log_probs or [])} log_probs lists")
-    docs, doc_weights, doc_logprobs, positions, branch = [], [], [], [], []
+    _require(loss_masks is None or len(loss_masks) == len(prompts),
+             f"pack_groups: {len(prompts)} prompts but {len(loss_masks or [])} loss_masks lists")
+    docs, doc_weights, doc_logprobs, doc_masks, positions, branch = [], [], [], [], [], []
     for i, (prompt, comps) in enumerate(zip(prompts, completions)):
         lps = [[0.0] * len(c) for c in comps] if log_probs is None else log_probs[i]
+        masks = [[1] * len(c) for c in comps] if loss_masks is None else loss_masks[i]
         _require(len(prompt) > 0, f"pack_groups: prompt {i} is empty")
-        _require(len(weights[i]) == len(lps) == len(comps), f"pack_groups: group {i} has {len(comps)} "
-                 f"completions but {len(weights[i])} weight and {len(lps)} logprob lists")
+        _require(len(weights[i]) == len(lps) == len(masks) == len(comps),
+                 f"pack_groups: group {i} has {len(comps)} completions but {len(weights[i])} "
+                 f"weight, {len(lps)} logprob and {len(masks)} loss_mask lists")
         n = len(prompt) - 1
         docs.append(list(prompt[:-1]))
         doc_weights.append([0.0] * n)
         doc_logprobs.append([0.0] * n)
+        doc_masks.append([0] * n)
         positions += range(n)
         branch += [0] * n
-        for b, (comp, w, lp) in enumerate(zip(comps, weights[i], lps), start=1):
-            _require(len(w) == len(comp) == len(lp), f"pack_groups: group {i} completion {b - 1} has {len(comp)} "
-                                                     f"tokens but {len(w)} weights and {len(lp)} log_probs")
+        for b, (comp, w, lp, m) in enumerate(zip(comps, weights[i], lps, masks), start=1):
+            _require(len(w) == len(comp) == len(lp) == len(m),
+                     f"pack_groups: group {i} completion {b - 1} has {len(comp)} tokens but "
+                     f"{len(w)} weights, {len(lp)} log_probs and {len(m)} loss_mask values")
             docs[-1] += [prompt[-1], *comp]
             doc_weights[-1] += [0.0, *w]
             doc_logprobs[-1] += [0.0, *lp]
+            doc_masks[-1] += [0, *m]
             positions += range(n, n + len(comp) + 1)
             branch += [b] * (len(comp) + 1)
-    packed = pack_sequences(docs, doc_weights, None if log_probs is None else doc_logprobs)
+    packed = pack_sequences(docs, doc_weights, None if log_probs is None else doc_logprobs,
+                            loss_masks=None if loss_masks is None else doc_masks)
     return replace(packed, position_ids=torch.tensor(positions), branch=torch.tensor(branch))
 
 
@@ -197,10 +229,12 @@ def _finite(values, name):
 
 
 def budget_groups(lengths, max_tokens):
-    """Split sequence indices, in order, into consecutive groups of at most max_tokens tokens each (greedy)."""
+    """Split sequence indices, in order, into consecutive groups of at most max_tokens tokens each
+    (greedy)."""
     groups, group, total = [], [], 0
     for i, n in enumerate(lengths):
-        _require(n <= max_tokens, f"sequence {i} has {n} tokens, more than the budget of {max_tokens}")
+        _require(n <= max_tokens,
+                 f"sequence {i} has {n} tokens, more than the budget of {max_tokens}")
         if total + n > max_tokens:
             groups.append(group)
             group, total = [], 0
@@ -220,8 +254,9 @@ def fixed_batches(sequences, weights, max_tokens):
 class EpochCursor:
     """Endless passes over a fixed list of items, in a new order every epoch.
 
-    Each epoch's order is a permutation fixed by (seed, epoch), so the position (epoch, cursor) is the whole
-    data state: a resumed run continues with exactly the items the killed one would have seen."""
+    Each epoch's order is a permutation fixed by (seed, epoch), so the position (epoch, cursor) is
+    the whole data state: a resumed run continues with exactly the items the killed one would have
+    seen."""
 
     def __init__(self, items, seed):
         self.items, self.seed = items, seed
@@ -233,7 +268,8 @@ class EpochCursor:
         if self.cursor == len(self.items):
             self.epoch, self.cursor = self.epoch + 1, 0
         if self._order_epoch != self.epoch:
-            self._order = np.random.default_rng([self.seed, self.epoch]).permutation(len(self.items)).tolist()
+            self._order = np.random.default_rng([self.seed,
+                                                 self.epoch]).permutation(len(self.items)).tolist()
             self._order_epoch = self.epoch
         return self.items[self._order[self.cursor]]
 
@@ -249,18 +285,22 @@ class EpochCursor:
 
     def load_state_dict(self, state):
         _require(isinstance(state, dict) and set(state) == {"epoch", "cursor"}
-                 and all(type(v) is int and v >= 0 for v in state.values()) and state["cursor"] <= len(self.items),
+                 and all(type(v) is int and v >= 0 for v in state.values())
+                 and state["cursor"] <= len(self.items),
                  f"{type(self).__name__}: bad data state {state!r} for {len(self.items)} items")
         self.epoch, self.cursor = state["epoch"], state["cursor"]
 
 
 class PackedLoader(EpochCursor):
-    """Endless shuffled batches of at most batch_tokens tokens from a fixed list of (ids, weights) examples."""
+    """Endless shuffled batches of at most batch_tokens tokens from a fixed list of (ids, weights)
+    examples."""
 
     def __init__(self, sequences, weights, batch_tokens, seed):
-        _require(len(sequences) > 0 and len(sequences) == len(weights), f"PackedLoader: need a non-empty list of "
-                 f"sequences with one weight list each, got {len(sequences)} and {len(weights)} weight lists")
-        budget_groups([len(s) for s in sequences], batch_tokens)  # refuses a sequence over the budget
+        _require(len(sequences) > 0 and len(sequences) == len(weights),
+                 f"PackedLoader: need a non-empty list of sequences with one weight list each, got "
+                 f"{len(sequences)} and {len(weights)} weight lists")
+        # refuses a sequence over the budget
+        budget_groups([len(s) for s in sequences], batch_tokens)
         super().__init__(list(zip(sequences, weights)), seed)
         self.batch_tokens = batch_tokens
 
@@ -277,14 +317,17 @@ class PackedLoader(EpochCursor):
 
 
 def configure_optimizer(model, learning_rate, weight_decay, betas, device_type):
-    """AdamW; weight decay only on matrices (linear weights, experts, router), never on norms, biases or the
-    embedding (decaying a tied embedding would also shrink rare tokens' rows that get no gradient)."""
+    """AdamW; weight decay only on matrices (linear weights, experts, router), never on norms,
+    biases or the embedding (decaying a tied embedding would also shrink rare tokens' rows that get
+    no gradient)."""
     decay, no_decay = [], []
     for name, p in model.named_parameters():
         if p.requires_grad:
             (decay if p.dim() >= 2 and "embed" not in name else no_decay).append(p)
-    groups = [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
-    return torch.optim.AdamW(groups, lr=learning_rate, betas=tuple(betas), fused=device_type == "cuda")
+    groups = [{"params": decay, "weight_decay": weight_decay},
+              {"params": no_decay, "weight_decay": 0.0}]
+    return torch.optim.AdamW(groups, lr=learning_rate, betas=tuple(betas),
+                             fused=device_type == "cuda")
 
 
 def get_lr(it, learning_rate, min_lr, warmup_iters, lr_decay_iters):
@@ -303,20 +346,24 @@ def scheduled_lr(config, it):
                   config["lr_decay_iters"] or config["max_iters"])
 
 
-def train_step(model, optimizer, batches, lr, grad_clip=1.0, aux_loss_coef=0.0, autocast=None, normalizer=None):
-    """One optimizer step over one or more micro-batches (already on the model's device). They share one
-    normalizer (by default the sum of |weights| over all of them), so the step is the same as one big batch;
-    the router's load-balancing loss (mean over micro-batches) is added with its coefficient. Returns metrics.
-    Under torchrun, batches are this rank's share and model is DDP-wrapped: normalizer, aux mean and metrics
-    are over every rank's micro-batches and the gradients summed (DDP averages: each loss is taken world() times),
-    so N ranks step as one process would on all of them. A rank with no micro-batch joins with a zero-weight one.
-    Batches that carry the sampler's log_probs (GRPO) also give train/logprob_mismatch: the mean |sampler -
-    trainer logprob| over the rows with a weight, from this forward, on the weights before the step."""
+def train_step(model, optimizer, batches, lr, grad_clip=1.0, aux_loss_coef=0.0, autocast=None,
+               normalizer=None, loss_fn=unified_loss):
+    """One optimizer step of loss_fn(log p(labels) [T], batch, normalizer) (unified_loss unless a
+    trainer passes its own objective) over one or more micro-batches (already on the model's
+    device). They share one normalizer (by default the sum of |weights| over all of them), so the
+    step is the same as one big batch; the router's load-balancing loss (mean over micro-batches)
+    is added with its coefficient. Returns metrics. Under torchrun, batches are this rank's share
+    and model is DDP-wrapped: normalizer, aux mean and metrics are over every rank's micro-batches
+    and the gradients summed (DDP averages: each loss is taken world() times), so N ranks step as
+    one process would on all of them. A rank with no micro-batch joins with a zero-weight one.
+    Batches that carry the sampler's log_probs (GRPO) also give train/logprob_mismatch: the mean
+    |sampler - trainer logprob| over the rows with a weight, from this forward, on the weights
+    before the step."""
     if isinstance(batches, PackedBatch):
         batches = [batches]
     device = next(p.device for g in optimizer.param_groups for p in g["params"])
-    weight_sum, count = distributed.all_sum([sum(b.token_weights.abs().sum().item() for b in batches),
-                                             len(batches)])
+    weight_sum, count = distributed.all_sum([sum(b.token_weights.abs().sum().item()
+                                                 for b in batches), len(batches)])
     normalizer = max(weight_sum, 1.0) if normalizer is None else normalizer
     for group in optimizer.param_groups:
         group["lr"] = lr
@@ -326,23 +373,26 @@ def train_step(model, optimizer, batches, lr, grad_clip=1.0, aux_loss_coef=0.0, 
         with distributed.no_sync(last=i == len(passes) - 1):
             with autocast or nullcontext():
                 logp, aux = batch_logprobs(model, b)
-            loss = weighted_loss(logp, b, normalizer)
+            loss = loss_fn(logp, b, normalizer)
             aux = aux.float() * (len(batches) > 0) / max(count, 1)
             ((loss + aux_loss_coef * aux) * distributed.world()).backward()
         loss_sum += loss.item()
         aux_sum += aux.item()
-        if b.log_probs is not None:   # the sampler's logprobs against these, on the rows the loss weighs
+        # the sampler's logprobs against these, on the rows the loss weighs
+        if b.log_probs is not None:
             weighed = b.token_weights != 0
             diff += (logp.detach().float() - b.log_probs).abs()[weighed].sum().item()
             scored += int(weighed.sum())
-    grad_norm = torch.nn.utils.clip_grad_norm_(
-        [p for g in optimizer.param_groups for p in g["params"]], grad_clip if grad_clip > 0 else float("inf"))
+    grad_norm = torch.nn.utils.clip_grad_norm_([p for g in optimizer.param_groups
+                                                for p in g["params"]],
+                                               grad_clip if grad_clip > 0 else float("inf"))
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
     loss_sum, aux_sum, tokens, diff, scored = distributed.all_sum(
         [loss_sum, aux_sum, sum(b.num_tokens for b in batches), diff, scored])
-    metrics = {"train/loss": loss_sum, "train/aux_loss": aux_sum, "train/grad_norm": float(grad_norm),
-               "train/lr": lr, "train/tokens": int(tokens), "train/weight_sum": weight_sum}
+    metrics = {"train/loss": loss_sum, "train/aux_loss": aux_sum,
+               "train/grad_norm": float(grad_norm), "train/lr": lr, "train/tokens": int(tokens),
+               "train/weight_sum": weight_sum}
     if scored:
         metrics["train/logprob_mismatch"] = diff / scored
     return metrics
@@ -350,27 +400,30 @@ def train_step(model, optimizer, batches, lr, grad_clip=1.0, aux_loss_coef=0.0, 
 
 @torch.no_grad()
 def evaluate_loss(model, batches, device):
-    """unified_loss over fixed batches, normalised over all of them together (run it under the autocast);
-    under torchrun each rank scores its share of the batches and the sums are added up."""
+    """unified_loss over fixed batches, normalised over all of them together (run it under the
+    autocast); under torchrun each rank scores its share of the batches and the sums are added
+    up."""
     total, norm = 0.0, 0.0
     for b in distributed.shard(batches):
         b = b.to(device)
         logp, _ = batch_logprobs(model, b)
-        total += weighted_loss(logp, b, normalizer=1.0).item()
+        total += unified_loss(logp, b, normalizer=1.0).item()
         norm += b.token_weights.abs().sum().item()
     total, norm = distributed.all_sum([total, norm])
     return total / max(norm, 1.0)
 
 
-# -----------------------------------------------------------------------------
-# the run: its log, the one setup every trainer shares, and the loop of a fixed dataset (pretrain, sft)
+# ----------------------------------------------------------------------------- the run: its log,
+# the one setup every trainer shares, and the loop of a fixed dataset (pretrain, sft)
 
 
 def precision(config):
-    """(device_type, autocast context) for config's device and dtype; bf16 is autocast over fp32 weights."""
+    """(device_type, autocast context) for config's device and dtype; bf16 is autocast over fp32
+    weights."""
     device_type = torch.device(config["device"]).type
-    _require(config["dtype"] in ("float32", "bfloat16"), f"dtype={config['dtype']!r}: use 'float32' or "
-             f"'bfloat16' (float16 needs a grad scaler, which this loop does not have)")
+    _require(config["dtype"] in ("float32", "bfloat16"),
+             f"dtype={config['dtype']!r}: use 'float32' or 'bfloat16' (float16 needs a grad "
+             f"scaler, which this loop does not have)")
     if device_type == "cuda":
         torch.backends.cuda.matmul.allow_tf32 = True
         torch.backends.cudnn.allow_tf32 = True
@@ -388,14 +441,15 @@ class Run:
     autocast: object         # the precision context of every forward
     device_type: str
     logger: Logger
-    peak_flops: float        # the matmul rate: the MFU denominator
-    start: Start             # where it came from: tokenizer, iter_num, the resumed checkpoint's meta
+    peak_flops: float       # the matmul rate: the MFU denominator
+    start: Start            # where it came from: tokenizer, iter_num, the resumed checkpoint's meta
 
 
 def setup_run(config, start, data):
-    """Everything between a Start and the first step, in the one order every trainer shares (it fixes the RNG
-    stream): seeds, precision, the model on its device (compiled when asked), AdamW; on resume the optimizer,
-    the data position (data.load_state_dict) and the RNG states; the log; the matmul rate."""
+    """Everything between a Start and the first step, in the one order every trainer shares (it
+    fixes the RNG stream): seeds, precision, the model on its device (compiled when asked), AdamW;
+    on resume the optimizer, the data position (data.load_state_dict) and the RNG states; the log;
+    the matmul rate."""
     random.seed(config["seed"])
     np.random.seed(config["seed"])
     torch.manual_seed(config["seed"])
@@ -409,29 +463,38 @@ def setup_run(config, start, data):
         optimizer.load_state_dict(start.trainer_state["optimizer"])
         data.load_state_dict(start.meta["data_state"])
         set_rng_state(start.trainer_state["rng"])
-    elif distributed.is_main():   # a later init_from='resume' must find this run's checkpoint, never an earlier's
+    elif distributed.is_main():
+        # a later init_from='resume' must find this run's checkpoint, never an earlier's
         removed = clear_checkpoints(config["out_dir"])
         if removed:
-            print0(f"fresh start in {config['out_dir']}: removed an earlier run's {', '.join(removed)}")
-    logger = Logger(config["out_dir"], config, resume_iter=None if start.meta is None else start.iter_num)
-    peak = measure_matmul_flops(config["device"], torch.float32 if config["dtype"] == "float32" else torch.bfloat16)
-    print0(f"{model.num_params() / 1e6:.2f}M parameters ({model.num_active_params() / 1e6:.2f}M active), from "
-           f"{start.source}, iter {start.iter_num} -> {config['max_iters']}, matmul peak {peak / 1e9:.1f} GFLOP/s")
+            print0(
+                f"fresh start in {config['out_dir']}: removed an earlier run's {', '.join(removed)}"
+            )
+    logger = Logger(config["out_dir"], config,
+                    resume_iter=None if start.meta is None else start.iter_num)
+    peak = measure_matmul_flops(config["device"],
+                                torch.float32 if config["dtype"] == "float32" else torch.bfloat16)
+    print0(f"{model.num_params() / 1e6:.2f}M parameters ({model.num_active_params() / 1e6:.2f}M "
+           f"active), from {start.source}, iter {start.iter_num} -> {config['max_iters']}, matmul "
+           f"peak {peak / 1e9:.1f} GFLOP/s")
     return Run(model, forward, optimizer, autocast, device_type, logger, peak, start)
 
 
 def check_loop_settings(config):
-    """The settings every training loop reads, each refused with a ValueError naming it before any work (those
-    of them that config has: GRPO has no grad_accum)."""
-    for name, low in (("max_iters", 0), ("warmup_iters", 0), ("lr_decay_iters", 0), ("grad_accum", 1),
-                      ("batch_tokens", 1), ("log_interval", 1), ("eval_interval", 1), ("ckpt_interval", 1)):
+    """The settings every training loop reads, each refused with a ValueError naming it before any
+    work (those of them that config has: GRPO has no grad_accum)."""
+    for name, low in (("max_iters", 0), ("warmup_iters", 0), ("lr_decay_iters", 0),
+                      ("grad_accum", 1), ("batch_tokens", 1), ("log_interval", 1),
+                      ("eval_interval", 1), ("ckpt_interval", 1)):
         _require(name not in config or type(config[name]) is int and config[name] >= low,
                  f"{name}={config.get(name)!r}: expected an int >= {low}")
-    _require(config.get("grad_accum", 0) % distributed.world() == 0, f"grad_accum={config.get('grad_accum')!r}: "
-             f"expected a multiple of the {distributed.world()} ranks (each takes its share of every step)")
+    _require(config.get("grad_accum", 0) % distributed.world() == 0,
+             f"grad_accum={config.get('grad_accum')!r}: expected a multiple of the "
+             f"{distributed.world()} ranks (each takes its share of every step)")
     lr, min_lr = config["learning_rate"], config["min_lr"]
     _require(_is_number(lr) and lr > 0, f"learning_rate={lr!r}: expected a finite number > 0")
-    _require(_is_number(min_lr) and 0 <= min_lr <= lr, f"min_lr={min_lr!r}: expected 0 <= min_lr <= {lr!r}")
+    _require(_is_number(min_lr) and 0 <= min_lr <= lr,
+             f"min_lr={min_lr!r}: expected 0 <= min_lr <= {lr!r}")
     for name in ("weight_decay", "grad_clip", "aux_loss_coef", "max_flops"):
         _require(name not in config or _is_number(config[name]) and config[name] >= 0,
                  f"{name}={config.get(name)!r}: expected a number >= 0")
@@ -442,23 +505,27 @@ def _is_number(v):
 
 
 def due(config, interval, done, last):
-    """Whether the iteration that makes `done` logs / evaluates / checkpoints: every config[interval], and last."""
+    """Whether the iteration that makes `done` logs / evaluates / checkpoints: every
+    config[interval], and last."""
     return done % config[interval] == 0 or last
 
 
 def train(config, start, loader, eval_fn=None, spent_flops=0.0):
-    """Train start.model on loader's batches per config, for max_iters steps or until max_flops are spent (with
-    spent_flops already counted); eval_fn(model) -> metrics every eval_interval and at the end. Checkpoints every
-    ckpt_interval and at the end. Returns the last evaluation's metrics."""
+    """Train start.model on loader's batches per config, for max_iters steps or until max_flops are
+    spent (with spent_flops already counted); eval_fn(model) -> metrics every eval_interval and at
+    the end. Checkpoints every ckpt_interval and at the end. Returns the last evaluation's
+    metrics."""
     check_loop_settings(config)
     run = setup_run(config, start, loader)
     meter, final = Meter(run.start, spent_flops), {}
     for it in range(run.start.iter_num, config["max_iters"]):
         t0 = time.perf_counter()
-        batches = [loader.next_batch() for _ in range(config["grad_accum"])]   # every rank reads the whole step
-        mine = [b.to(config["device"]) for b in distributed.shard(batches)]      # ... and trains on its share
-        metrics = train_step(run.forward, run.optimizer, mine, scheduled_lr(config, it), config["grad_clip"],
-                             config["aux_loss_coef"], run.autocast)
+        # every rank reads the whole step
+        batches = [loader.next_batch() for _ in range(config["grad_accum"])]
+        # ... and trains on its share
+        mine = [b.to(config["device"]) for b in distributed.shard(batches)]
+        metrics = train_step(run.forward, run.optimizer, mine, scheduled_lr(config, it),
+                             config["grad_clip"], config["aux_loss_coef"], run.autocast)
         if run.device_type == "cuda":
             torch.cuda.synchronize()
         seconds, done = time.perf_counter() - t0, it + 1
@@ -466,19 +533,24 @@ def train(config, start, loader, eval_fn=None, spent_flops=0.0):
         metrics.update(meter.add(flops, seconds))
         last = done == config["max_iters"] or 0 < config.get("max_flops", 0) <= meter.flops
         if due(config, "log_interval", done, last):
-            metrics.update({"perf/step_time_s": seconds, "perf/tokens_per_sec": metrics["train/tokens"] / seconds,
+            metrics.update({"perf/step_time_s": seconds,
+                            "perf/tokens_per_sec": metrics["train/tokens"] / seconds,
                             "perf/mfu": flops / seconds / run.peak_flops})
             run.logger.log(done, metrics)
-            print0(f"iter {done}: loss {metrics['train/loss']:.4f}, aux {metrics['train/aux_loss']:.3f}, "
-                   f"lr {metrics['train/lr']:.2e}, {seconds * 1000:.0f} ms, "
-                   f"{metrics['perf/tokens_per_sec']:.0f} tok/s, mfu {100 * metrics['perf/mfu']:.1f}%")
+            print0(
+                f"iter {done}: loss {metrics['train/loss']:.4f}, aux "
+                f"{metrics['train/aux_loss']:.3f}, "
+                f"lr {metrics['train/lr']:.2e}, {seconds * 1000:.0f} ms, "
+                f"{metrics['perf/tokens_per_sec']:.0f} tok/s, mfu {100 * metrics['perf/mfu']:.1f}%"
+            )
         if eval_fn is not None and due(config, "eval_interval", done, last):
             final = _evaluate(run, done, eval_fn, {"perf/elapsed_s": meter.seconds})
         if due(config, "ckpt_interval", done, last):
             distributed.check_in_sync(run.model)
             if distributed.is_main():
-                save_checkpoint(config["out_dir"], run.model, run.optimizer, run.start.tokenizer, done, config,
-                                loader.state_dict(), extra={"meter": meter.state_dict()})
+                save_checkpoint(config["out_dir"], run.model, run.optimizer, run.start.tokenizer,
+                                done, config, loader.state_dict(),
+                                extra={"meter": meter.state_dict()})
         if last:
             break
     run.logger.close()

@@ -1,18 +1,22 @@
 """
-New weights from a trainer rank to rollout ranks: one broadcast over torch.distributed in buckets, in the manner
-of MoonshotAI's checkpoint-engine (NCCL on GPU, gloo on CPU).
+New weights from a trainer rank to rollout ranks: one broadcast over torch.distributed in buckets,
+in the manner of MoonshotAI's checkpoint-engine (NCCL on GPU, gloo on CPU).
 
-    sync = WeightSync(model.state_dict(), src=0, bucket_mb=64)   # every rank of the group, the same order
-    sync.connect()                    # once: the workers check every name, shape and dtype against the sender's
-    sync.send(model.state_dict())     # the sender, after each optimizer step (returns seconds, bytes)
-    tensors = sync.receive()          # a worker: the whole new version, or an error; never half of one
+    # every rank of the group, the same order
+    sync = WeightSync(model.state_dict(), src=0, bucket_mb=64)
+    sync.connect()        # once: the workers check every name, shape and dtype against the sender's
+    # the sender, after each optimizer step (returns seconds, bytes)
+    sync.send(model.state_dict())
+    # a worker: the whole new version, or an error; never half of one
+    tensors = sync.receive()
     engine.update_weights(dict(zip(sync.names, tensors)))
 
-How it works: the state is one stream of bytes (every tensor flattened, in order), cut into buckets of at most
-bucket_mb, so a tensor larger than a bucket is simply split across two. The sender packs bucket k + 1 into one
-of two flat buffers while bucket k is on the wire (async broadcast), and waits for a buffer's previous broadcast
-before packing into it again. A worker receives straight into its own flat buffer of the whole state; only when
-the last bucket has arrived does it hand out views of it, so a version is applied whole or not at all.
+How it works: the state is one stream of bytes (every tensor flattened, in order), cut into buckets
+of at most bucket_mb, so a tensor larger than a bucket is simply split across two. The sender packs
+bucket k + 1 into one of two flat buffers while bucket k is on the wire (async broadcast), and waits
+for a buffer's previous broadcast before packing into it again. A worker receives straight into its
+own flat buffer of the whole state; only when the last bucket has arrived does it hand out views of
+it, so a version is applied whole or not at all.
 """
 
 import socket
@@ -33,7 +37,8 @@ def manifest(state):
 
 
 class WeightSync:
-    """One sender (src) and every other rank of group as receivers, for a fixed manifest of tensors."""
+    """One sender (src) and every other rank of group as receivers, for a fixed manifest of
+    tensors."""
 
     def __init__(self, state, src=0, bucket_mb=64, group=None, device=None):
         if not (isinstance(bucket_mb, (int, float)) and bucket_mb > 0):
@@ -45,15 +50,16 @@ class WeightSync:
         self.total = sum(self.sizes)
         self.bucket = max(1, int(bucket_mb * MB))
         self.device = device or next(iter(state.values())).device   # state may be on 'meta' 
-        self._buffers = None                      # the sender's two bucket buffers, made on first send
-        self._flat = None                         # a receiver's buffer of the whole state
+        self._buffers = None                   # the sender's two bucket buffers, made on first send
+        self._flat = None                      # a receiver's buffer of the whole state
 
     def is_sender(self):
         return dist.get_rank() == self.src
 
     def connect(self):
-        """The sender's manifest to every receiver, which compares it with its own; any mismatch raises on every
-        rank (ValueError naming the first tensor that differs), so nobody waits on a transfer that cannot fit."""
+        """The sender's manifest to every receiver, which compares it with its own; any mismatch
+        raises on every rank (ValueError naming the first tensor that differs), so nobody waits on a
+        transfer that cannot fit."""
         theirs = [self.manifest]
         dist.broadcast_object_list(theirs, src=self.src, group=self.group)
         error = "" if self.is_sender() else first_difference(theirs[0], self.manifest)
@@ -68,7 +74,8 @@ class WeightSync:
         t0 = time.perf_counter()
         if self._buffers is None:
             n = min(self.bucket, self.total)
-            self._buffers = [torch.empty(n, dtype=torch.uint8, device=self.device) for _ in range(2)]
+            self._buffers = [torch.empty(n, dtype=torch.uint8, device=self.device)
+                             for _ in range(2)]
         pending = [None, None]
         stream = ByteStream(state.values())
         for k, (start, end) in enumerate(spans(self.total, self.bucket)):
@@ -84,8 +91,8 @@ class WeightSync:
         return time.perf_counter() - t0, self.total
 
     def receive(self):
-        """The sender's next version, as tensors shaped like the manifest (views of one flat buffer, valid until
-        the next receive). Returns (tensors, seconds, bytes)."""
+        """The sender's next version, as tensors shaped like the manifest (views of one flat buffer,
+        valid until the next receive). Returns (tensors, seconds, bytes)."""
         t0 = time.perf_counter()
         if self._flat is None:
             self._flat = torch.empty(self.total, dtype=torch.uint8, device=self.device)
@@ -108,10 +115,12 @@ def first_difference(sender, mine):
     """'' when two manifests agree, else what differs first, naming the tensor."""
     for i, (a, b) in enumerate(zip(sender, mine)):
         if a != b:
-            return f"tensor {i} {a[0]!r}: the sender has shape {a[1]} {a[2]}, this model has {b[0]!r} {b[1]} {b[2]}"
+            return (f"tensor {i} {a[0]!r}: the sender has shape {a[1]} {a[2]}, "
+                    f"this model has {b[0]!r} {b[1]} {b[2]}")
     if len(sender) != len(mine):
         extra = sender[len(mine)] if len(sender) > len(mine) else mine[len(sender)]
-        return f"the sender has {len(sender)} tensors, this model {len(mine)} (first unmatched: {extra[0]!r})"
+        return (f"the sender has {len(sender)} tensors, this model {len(mine)} "
+                f"(first unmatched: {extra[0]!r})")
     return ""
 
 
@@ -121,8 +130,8 @@ def spans(total, bucket):
 
 
 class ByteStream:
-    """Tensors as one stream of bytes (each flattened, in order); fill(buf) copies the next buf.numel() bytes, so a
-    tensor cut by one bucket's end continues at the start of the next."""
+    """Tensors as one stream of bytes (each flattened, in order); fill(buf) copies the next
+    buf.numel() bytes, so a tensor cut by one bucket's end continues at the start of the next."""
 
     def __init__(self, tensors):
         self.parts = (t.detach().contiguous().view(-1).view(torch.uint8) for t in tensors)

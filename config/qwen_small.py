@@ -1,9 +1,11 @@
-# The embedded default experiment: a small Qwen3-MoE-shaped model learns mini-countdown (task.py) on a CPU.
+# The embedded default experiment: a small Qwen3-MoE-shaped model learns mini-countdown (task.py) on
+# a CPU.
 # One file for every stage, each stage's output feeding the next:
 #   python pretrain.py config/qwen_small.py      # -> out/qwen_small/pretrain
 #   python sft.py config/qwen_small.py           # init_from the pretrain run -> out/qwen_small/sft
 #   python train_grpo.py config/qwen_small.py    # init_from the sft run
-# Top-level names are shared by every stage (each script declares them); the dicts below are per stage.
+# Top-level names are shared by every stage (each script declares them); the dicts below are per
+# stage.
 
 # the model, for init_from='scratch' (vocab_size comes from the tokenizer)
 model = dict(
@@ -38,7 +40,7 @@ sft = dict(
     log_interval=10, eval_interval=200, ckpt_interval=200,
 )
 
-# chosen on the validation split (README, Results): 128 problems per step drawn by p(1 - p) in one
+# chosen on the validation split (docs/results.md): 128 problems per step drawn by p(1 - p) in one
 # rollout call, 8 samples each at temperature 1; advantages divided by the group's std (the few
 # right answers of a hard problem weigh as much as an easy problem's); the loss normalizer is the
 # constant one (Dr. GRPO); no KL term; 120 steps fill the speedrun's 10 minutes
