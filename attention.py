@@ -20,11 +20,8 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention.flex_attention import BlockMask, create_block_mask, flex_attention
 
+from checks import require
 
-
-def _require(ok, message):
-    if not ok:
-        raise ValueError(message)
 
 
 # -----------------------------------------------------------------------------
@@ -58,8 +55,8 @@ class DocumentCausalAttention:
         lengths = (cu_seqlens[1:] - cu_seqlens[:-1]).long().to(device)
         self.flex = bool(flex)
         self.doc = torch.repeat_interleave(torch.arange(len(lengths), device=device), lengths)
-        _require(self.doc.numel() == num_tokens,
-                 f"cu_seqlens covers {self.doc.numel()} tokens but the batch has {num_tokens}")
+        require(self.doc.numel() == num_tokens,
+                f"cu_seqlens covers {self.doc.numel()} tokens but the batch has {num_tokens}")
         self.num_tokens, self.device = num_tokens, device
         self.num_docs, self.max_len = len(lengths), int(lengths.max()) if len(lengths) else 0
         self.pos = torch.arange(num_tokens,
@@ -244,8 +241,8 @@ class PagedAttention:
     positions (create_block_mask is slow on CPU); compiled=True runs it through torch.compile."""
 
     def __init__(self, cache: PagedKVCache, slot_mapping, groups, backend="sdpa", compiled=False):
-        _require(backend in ("sdpa", "flex"),
-                 f"unknown paged attention backend {backend!r}: expected 'sdpa' or 'flex'")
+        require(backend in ("sdpa", "flex"),
+                f"unknown paged attention backend {backend!r}: expected 'sdpa' or 'flex'")
         self.cache, self.slot_mapping, self.groups, self.backend = (
             cache,
             slot_mapping,

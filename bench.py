@@ -61,7 +61,7 @@ import bench_peers
 import training
 from engine import EngineConfig, InferenceEngine, SamplingParams, sample_with_logprobs
 from measure import available_bytes, cpu_name, measure_matmul_flops, mib, peak_of, sync, timed_pair
-from model import load_hf_checkpoint
+from checkpoint import load_hf_checkpoint
 
 # -----------------------------------------------------------------------------
 # settings (command-line flags)

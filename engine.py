@@ -28,35 +28,19 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from checks import is_int, is_number, require
 from attention import PagedKVCache, paged_forward
 from checkpoint import load_hf_checkpoint
 from model import Transformer, as_dtype
 from radix import RadixCache
-from sampling import mix_seed, sample_next, sample_with_logprobs, top_logprobs  # noqa: F401 (API)
-from scheduler import (
-    BlockAllocator,
-    SchedulerConfig,
-    Sequence,
-    check_fits,
-    compute_block_hash,  # noqa: F401 (API)
-    schedule,
-)
+# schedule, sample_with_logprobs, compute_block_hash and SchedulerConfig: the low-level pure
+# functions, importable from here too
+from sampling import mix_seed, sample_next, sample_with_logprobs, top_logprobs
+from scheduler import (BlockAllocator, SchedulerConfig, Sequence, check_fits, compute_block_hash,
+                       schedule)
 
 # -----------------------------------------------------------------------------
 # configs and results
-
-
-def _require(ok, message, error=ValueError):
-    if not ok:
-        raise error(message)
-
-
-def _is_int(x):
-    return isinstance(x, (int, np.integer)) and not isinstance(x, bool)
-
-
-def _is_number(x):
-    return isinstance(x, (int, float)) and not isinstance(x, bool)
 
 
 @dataclass(frozen=True)
@@ -87,20 +71,20 @@ class EngineConfig:
     weight_version: int = 0        # the version of the weights it starts with (a resumed trainer's)
 
     def __post_init__(self):
-        _require(self.cache_type in ("paged", "radix"),
-                 f"unknown cache_type {self.cache_type!r}: expected 'paged' or 'radix'")
+        require(self.cache_type in ("paged", "radix"),
+                f"unknown cache_type {self.cache_type!r}: expected 'paged' or 'radix'")
         for name in ("block_size", "max_batch_size", "max_num_batched_tokens", "num_blocks",
                      "max_model_len"):
             value = getattr(self, name)
-            _require(value is None and name in ("num_blocks", "max_model_len") or _is_int(value)
-                     and value >= 1, f"EngineConfig.{name} must be an int >= 1, got {value!r}")
-        _require(_is_int(self.weight_version) and self.weight_version >= 0,
-                 f"EngineConfig.weight_version must be an int >= 0, got {self.weight_version!r}")
-        _require(_is_number(self.memory_fraction) and 0 < self.memory_fraction <= 1,
-                 f"EngineConfig.memory_fraction must be in (0, 1], got {self.memory_fraction!r}")
-        _require(self.attention_backend in ("auto", "sdpa", "flex"),
-                 f"unknown attention_backend {self.attention_backend!r}: expected 'auto', 'sdpa' "
-                 f"or 'flex'")
+            require(value is None and name in ("num_blocks", "max_model_len") or is_int(value)
+                    and value >= 1, f"EngineConfig.{name} must be an int >= 1, got {value!r}")
+        require(is_int(self.weight_version) and self.weight_version >= 0,
+                f"EngineConfig.weight_version must be an int >= 0, got {self.weight_version!r}")
+        require(is_number(self.memory_fraction) and 0 < self.memory_fraction <= 1,
+                f"EngineConfig.memory_fraction must be in (0, 1], got {self.memory_fraction!r}")
+        require(self.attention_backend in ("auto", "sdpa", "flex"),
+                f"unknown attention_backend {self.attention_backend!r}: expected 'auto', 'sdpa' "
+                f"or 'flex'")
         as_dtype(self.dtype)
         torch.device(self.device)   # raises on a malformed device string
 
@@ -125,27 +109,27 @@ class SamplingParams:
 
     def __post_init__(self):
         t, p, stop, seed = self.temperature, self.top_p, self.stop_token_ids, self.seed
-        _require(_is_number(t) and math.isfinite(t) and t >= 0,
-                 f"SamplingParams.temperature must be a finite number >= 0, got {t!r}")
-        _require(not 0 < t < MIN_TEMPERATURE,
-                 f"SamplingParams.temperature {t!r} is greedy in all but name: use 0 for greedy, "
-                 f"or at least {MIN_TEMPERATURE}")
-        _require(_is_int(self.max_tokens) and self.max_tokens >= 1,
-                 f"SamplingParams.max_tokens must be an int >= 1, got {self.max_tokens!r}")
-        _require(_is_int(self.top_k) and self.top_k >= 0,
-                 f"SamplingParams.top_k must be an int >= 0 (0 = off), got {self.top_k!r}")
+        require(is_number(t) and math.isfinite(t) and t >= 0,
+                f"SamplingParams.temperature must be a finite number >= 0, got {t!r}")
+        require(not 0 < t < MIN_TEMPERATURE,
+                f"SamplingParams.temperature {t!r} is greedy in all but name: use 0 for greedy, "
+                f"or at least {MIN_TEMPERATURE}")
+        require(is_int(self.max_tokens) and self.max_tokens >= 1,
+                f"SamplingParams.max_tokens must be an int >= 1, got {self.max_tokens!r}")
+        require(is_int(self.top_k) and self.top_k >= 0,
+                f"SamplingParams.top_k must be an int >= 0 (0 = off), got {self.top_k!r}")
         # NaN fails
-        _require(_is_number(p) and 0 < p <= 1, f"SamplingParams.top_p must be in (0, 1], got {p!r}")
-        _require(hasattr(stop, "__iter__") and not isinstance(stop, (str, bytes)),
-                 f"SamplingParams.stop_token_ids must be a set of ints, got {stop!r}", TypeError)
-        bad = [s for s in stop if not (_is_int(s) and s >= 0)]
-        _require(not bad, f"SamplingParams.stop_token_ids must be ints >= 0, got {bad[:1]!r}")
-        _require(seed is None or _is_int(seed),
-                 f"SamplingParams.seed must be an int or None, got {seed!r}", TypeError)
-        _require(seed is None or 0 <= seed < 2 ** 64,
-                 f"SamplingParams.seed must be in [0, 2**64), got {seed!r}")
-        _require(_is_int(self.top_logprobs) and self.top_logprobs >= 0,
-                 f"SamplingParams.top_logprobs must be an int >= 0, got {self.top_logprobs!r}")
+        require(is_number(p) and 0 < p <= 1, f"SamplingParams.top_p must be in (0, 1], got {p!r}")
+        require(hasattr(stop, "__iter__") and not isinstance(stop, (str, bytes)),
+                f"SamplingParams.stop_token_ids must be a set of ints, got {stop!r}", TypeError)
+        bad = [s for s in stop if not (is_int(s) and s >= 0)]
+        require(not bad, f"SamplingParams.stop_token_ids must be ints >= 0, got {bad[:1]!r}")
+        require(seed is None or is_int(seed),
+                f"SamplingParams.seed must be an int or None, got {seed!r}", TypeError)
+        require(seed is None or 0 <= seed < 2 ** 64,
+                f"SamplingParams.seed must be in [0, 2**64), got {seed!r}")
+        require(is_int(self.top_logprobs) and self.top_logprobs >= 0,
+                f"SamplingParams.top_logprobs must be an int >= 0, got {self.top_logprobs!r}")
         object.__setattr__(self, "stop_token_ids", frozenset(stop))
 
 
@@ -163,7 +147,7 @@ class TrainingSample:
     finish_reason: str = "length"
     # the weight version that sampled each completion token
     token_versions: tuple = ()
-    seq_id: int = -1          # what add_request returned
+    request_id: int = -1          # what add_request returned
     # 0..num_samples-1 within its request
     sample_index: int = 0
     # per completion token: ((token, logprob), ...) most likely first, if asked
@@ -185,34 +169,34 @@ def sampled_mask(sample):
 def check_prompt(prompt, vocab_size, max_model_len, where="prompt"):
     """A prompt as a list of ints, or a TypeError / ValueError naming what is wrong with it."""
     if isinstance(prompt, torch.Tensor):
-        _require(prompt.dim() == 1 and not prompt.dtype.is_floating_point
-                 and prompt.dtype != torch.bool,
-                 f"{where} must be a 1-D integer tensor or a list of ints, got {prompt.dtype} of "
-                 f"shape {tuple(prompt.shape)}", TypeError)
+        require(prompt.dim() == 1 and not prompt.dtype.is_floating_point
+                and prompt.dtype != torch.bool,
+                f"{where} must be a 1-D integer tensor or a list of ints, got {prompt.dtype} of "
+                f"shape {tuple(prompt.shape)}", TypeError)
     prompt = prompt.tolist() if isinstance(prompt, (torch.Tensor, np.ndarray)) else prompt
-    _require(hasattr(prompt, "__len__") and not isinstance(prompt, (str, bytes)),
-             f"{where} must be a list of token ids, got {type(prompt).__name__}", TypeError)
-    _require(len(prompt) > 0, f"{where} is empty: a prompt needs at least one token")
-    # (a plain loop, not _require: a message is formatted only when raised)
+    require(hasattr(prompt, "__len__") and not isinstance(prompt, (str, bytes)),
+            f"{where} must be a list of token ids, got {type(prompt).__name__}", TypeError)
+    require(len(prompt) > 0, f"{where} is empty: a prompt needs at least one token")
+    # (a plain loop, not require: a message is formatted only when raised)
     for i, tok in enumerate(prompt):
-        if not _is_int(tok):
+        if not is_int(tok):
             raise TypeError(f"{where}[{i}] = {tok!r} is not an int token id")
         if not 0 <= tok < vocab_size:
             raise ValueError(f"{where}[{i}] = {tok} is outside the vocabulary [0, {vocab_size})")
-    _require(len(prompt) < max_model_len,
-             f"{where} has {len(prompt)} tokens: longer than max_model_len={max_model_len} allows "
-             f"(at most {max_model_len - 1}, to leave room for one new token)")
+    require(len(prompt) < max_model_len,
+            f"{where} has {len(prompt)} tokens: longer than max_model_len={max_model_len} allows "
+            f"(at most {max_model_len - 1}, to leave room for one new token)")
     return [int(t) for t in prompt]
 
 
 def check_prompts(prompts, vocab_size, max_model_len):
     """A list of prompts (token-id lists), each checked by check_prompt; returns them as lists of
     ints."""
-    _require(hasattr(prompts, "__len__") and not isinstance(prompts, (str, bytes, torch.Tensor)),
-             f"prompts must be a list of token-id lists, got {type(prompts).__name__}", TypeError)
-    _require(not (len(prompts) and _is_int(prompts[0])),
-             "prompts must be a list of token-id lists, got a flat list of ints (wrap it: "
-             "[prompt])", TypeError)
+    require(hasattr(prompts, "__len__") and not isinstance(prompts, (str, bytes, torch.Tensor)),
+            f"prompts must be a list of token-id lists, got {type(prompts).__name__}", TypeError)
+    require(not (len(prompts) and is_int(prompts[0])),
+            "prompts must be a list of token-id lists, got a flat list of ints (wrap it: "
+            "[prompt])", TypeError)
     return [check_prompt(p, vocab_size, max_model_len, f"prompts[{i}]")
             for i, p in enumerate(prompts)]
 
@@ -220,17 +204,17 @@ def check_prompts(prompts, vocab_size, max_model_len):
 def check_layout(state_dict, params):
     """The tensors of state_dict in params' order, after checking names, shapes and dtypes (cheap:
     no value is read); otherwise a ValueError / TypeError naming the tensor."""
-    _require(hasattr(state_dict, "keys") and hasattr(state_dict, "__getitem__"),
-             f"state_dict must be a mapping of name -> tensor, got {type(state_dict).__name__}",
-             TypeError)
+    require(hasattr(state_dict, "keys") and hasattr(state_dict, "__getitem__"),
+            f"state_dict must be a mapping of name -> tensor, got {type(state_dict).__name__}",
+            TypeError)
     if state_dict.keys() != params.keys():
         missing, unknown = (
             sorted(set(params) - set(state_dict.keys())),
             sorted(set(state_dict.keys()) - set(params)),
         )
-        _require(not missing,
-                 f"state_dict is missing {missing[:5]}{' ...' if len(missing) > 5 else ''}")
-        _require(
+        require(not missing,
+                f"state_dict is missing {missing[:5]}{' ...' if len(missing) > 5 else ''}")
+        require(
             not unknown,
             f"state_dict has unknown tensor(s) {unknown[:5]}{' ...' if len(unknown) > 5 else ''}",
         )
@@ -311,17 +295,17 @@ def attention_choice(device_type, backend, compile, head_dim):
     backend = "sdpa" if backend == "auto" else backend
     if compile is None:
         compile = backend == "flex" and device_type == "cuda"
-    _require(head_dim >= 16 or device_type != "cuda" or not (backend == "flex" and compile),
-             f"compiled FlexAttention on CUDA needs head_dim >= 16, the model has {head_dim}: use "
-             f"attention_backend='sdpa'")
+    require(head_dim >= 16 or device_type != "cuda" or not (backend == "flex" and compile),
+            f"compiled FlexAttention on CUDA needs head_dim >= 16, the model has {head_dim}: use "
+            f"attention_backend='sdpa'")
     return backend, compile
 
 
 def own_copy(model, device, dtype):
     """The engine's own copy of a trainer's model, in its device and dtype: the trainer keeps
     stepping its parameters, and the engine must never alias them."""
-    _require(isinstance(model, Transformer),
-             f"model must be a model.Transformer, got {type(model).__name__}", TypeError)
+    require(isinstance(model, Transformer),
+            f"model must be a model.Transformer, got {type(model).__name__}", TypeError)
     with torch.device("meta"):
         own = Transformer(model.config)
     own = own.to_empty(device=device).to(dtype)
@@ -338,14 +322,14 @@ def own_copy(model, device, dtype):
 
 class InferenceEngine:
     """Continuous batching over a paged KV cache. Single-threaded: every call runs on the caller's
-    thread. self.cache is the block allocator (scheduler.BlockAllocator), self.kv the KV tensors
-    (attention.PagedKVCache)."""
+    thread. self.cache is the block allocator (scheduler.BlockAllocator), self.kv_pool the KV
+    tensors (attention.PagedKVCache)."""
 
     def __init__(self, config: EngineConfig, model: Transformer | None = None):
-        _require(isinstance(config, EngineConfig),
-                 f"config must be an EngineConfig, got {config!r}", TypeError)
-        _require(model is not None or config.model_path is not None,
-                 "EngineConfig.model_path is None and no model was given")
+        require(isinstance(config, EngineConfig),
+                f"config must be an EngineConfig, got {config!r}", TypeError)
+        require(model is not None or config.model_path is not None,
+                "EngineConfig.model_path is None and no model was given")
         self.config = config
         self.device, self.dtype = torch.device(config.device), as_dtype(config.dtype)
         if model is None:
@@ -356,24 +340,24 @@ class InferenceEngine:
         # name -> tensor sharing the parameter's storage (copy_ targets)
         self._params = model.state_dict()
         self.max_model_len = config.max_model_len or model.config.max_position_embeddings
-        self.cache = make_cache(config,
-                                config.num_blocks
-                                or pool_size(config, model.config, self.max_model_len,
-                                                                       self.device, self.dtype))
-        self.kv = PagedKVCache(model.config, self.cache.num_blocks, self.cache.block_size,
-                               self.device, self.dtype)
+        num_blocks = config.num_blocks or pool_size(config, model.config, self.max_model_len,
+                                                    self.device, self.dtype)
+        self.cache = make_cache(config, num_blocks)
+        self.kv_pool = PagedKVCache(model.config, self.cache.num_blocks, self.cache.block_size,
+                                    self.device, self.dtype)
         self.scheduler_config = SchedulerConfig(config.max_batch_size,
                                                 config.max_num_batched_tokens,
                                                 self.cache.block_size)
         self.backend, self.compile = attention_choice(self.device.type, config.attention_backend,
                                                       config.compile, model.config.head_dim)
-        self.version = config.weight_version
+        self._version = config.weight_version
         self._staged = None                       # a non-blocking update (a Future)
         self._side = None                         # the thread that checks and copies it
         # update_weights calls not applied yet (staged, or replaced unapplied)
         self._updates_pending = 0
         self._rng = random.Random(config.seed)
-        self._seq_ids, self._uids = itertools.count(), itertools.count(1)  # per request, per sample
+        # per request, per sample
+        self._request_ids, self._uids = itertools.count(), itertools.count(1)
         # Sequences; running in age order
         self.waiting, self.running = [], []
         self._undelivered = []              # finished samples generate() took from others' requests
@@ -385,11 +369,12 @@ class InferenceEngine:
 
     def add_request(self, prompt, params: SamplingParams, num_samples: int = 1,
                     index: int = 0) -> int:
-        """Queue a prompt (token ids) for num_samples samples; returns its seq_id
-        (TrainingSample.seq_id). With params.seed, it draws as prompt `index` of a generate call."""
+        """Queue a prompt (token ids) for num_samples samples; returns its request_id
+        (TrainingSample.request_id). With params.seed, it draws as prompt `index` of a generate
+        call."""
         self._check_request(params, num_samples, "num_samples")
-        _require(_is_int(index) and 0 <= index < 2 ** 63,
-                 f"index must be an int in [0, 2**63), got {index!r}")
+        require(is_int(index) and 0 <= index < 2 ** 63,
+                f"index must be an int in [0, 2**63), got {index!r}")
         prompt = check_prompt(prompt, self.model.config.vocab_size, self.max_model_len)
         check_fits(prompt, params, num_samples, self.cache, self.max_model_len, "prompt")
         return self._add(prompt, params, num_samples, index)
@@ -402,8 +387,8 @@ class InferenceEngine:
         call would (a rank's slice of it)."""
         params = sampling_params
         self._check_request(params, num_samples_per_prompt, "num_samples_per_prompt")
-        _require(_is_int(first_index) and 0 <= first_index < 2 ** 63,
-                 f"first_index must be an int in [0, 2**63), got {first_index!r}")
+        require(is_int(first_index) and 0 <= first_index < 2 ** 63,
+                f"first_index must be an int in [0, 2**63), got {first_index!r}")
         checked = check_prompts(prompts, self.model.config.vocab_size, self.max_model_len)
         for i, p in enumerate(checked):
             check_fits(p, params, num_samples_per_prompt, self.cache, self.max_model_len,
@@ -412,39 +397,39 @@ class InferenceEngine:
                for i, p in enumerate(checked)}
         mine, others = [], []
         try:
-            while any(s.seq_id in ids for s in self.waiting + self.running):
+            while any(s.request_id in ids for s in self.waiting + self.running):
                 for s in self.step():
-                    (mine if s.seq_id in ids else others).append(s)
+                    (mine if s.request_id in ids else others).append(s)
         except Exception:   # a refused weight update, ...: this call's requests go, nothing else
-            for seq_id in ids:
-                self.abort(seq_id)
+            for request_id in ids:
+                self.abort(request_id)
             raise
         finally:
             self._undelivered += others   # another caller's samples: step() hands them out next
-        # seq_ids grow in request order
-        return sorted(mine, key=lambda s: (s.seq_id, s.sample_index))
+        # request_ids grow in request order
+        return sorted(mine, key=lambda s: (s.request_id, s.sample_index))
 
     def has_pending(self) -> bool:
         return bool(self.waiting or self.running)
 
     def _check_request(self, params, num_samples, name):
         self._check_open()
-        _require(isinstance(params, SamplingParams),
-                 f"params must be SamplingParams, got {params!r}", TypeError)
-        _require(_is_int(num_samples) and num_samples >= 1,
-                 f"{name} must be an int >= 1, got {num_samples!r}")
-        _require(num_samples <= self.config.max_batch_size,
-                 f"{name}={num_samples} exceeds max_batch_size={self.config.max_batch_size}")
+        require(isinstance(params, SamplingParams),
+                f"params must be SamplingParams, got {params!r}", TypeError)
+        require(is_int(num_samples) and num_samples >= 1,
+                f"{name} must be an int >= 1, got {num_samples!r}")
+        require(num_samples <= self.config.max_batch_size,
+                f"{name}={num_samples} exceeds max_batch_size={self.config.max_batch_size}")
 
     def _add(self, prompt, params, num_samples, index=0):
         # a seeded request's draws depend on (its seed, its index in the generate call, sample,
         # position) only
-        seq_id = next(self._seq_ids)
+        request_id = next(self._request_ids)
         seed = mix_seed(params.seed,
                         index) if params.seed is not None else self._rng.getrandbits(63)
-        self.waiting.append(Sequence(next(self._uids), seq_id, 0, prompt, params, num_samples,
+        self.waiting.append(Sequence(next(self._uids), request_id, 0, prompt, params, num_samples,
                                      seed))
-        return seq_id
+        return request_id
 
     # ---- one step: schedule, preempt, admit, allocate, forward, postprocess
 
@@ -477,14 +462,14 @@ class InferenceEngine:
             return out
         for seq, n in batch:        # after the hits were taken: a fresh block may evict a named one
             self.cache.grow(seq, n)
-        logits, ready = paged_forward(self.model, self.kv, batch, self.backend, self.compile)
+        logits, ready = paged_forward(self.model, self.kv_pool, batch, self.backend, self.compile)
         for seq, n in batch:              # what this step computed: prefill (catching up) or decode
             self._stats["prefill_tokens" if seq.catching_up else "decode_tokens"] += n
         return out + self._postprocess(batch, logits, [batch[b][0] for b in ready])
 
     def _preempt(self, victims):
         for seq in victims:
-            self.cache.release(seq, cache=seq.kv_version == self.version)
+            self.cache.release(seq, cache=seq.kv_version == self._version)
         gone = {s.uid for s in victims}
         self.running = [s for s in self.running if s.uid not in gone]
         self.waiting[:0] = victims[::-1]  # the newest was preempted first: the oldest goes in front
@@ -495,7 +480,7 @@ class InferenceEngine:
         seqs = [s for s in self.waiting[:len(uids)] if s.uid in uids]
         for seq in seqs:
             self.cache.take_prefix(seq)
-            seq.kv_version = self.version
+            seq.kv_version = self._version
             self._stats["prefix_cache_hit_tokens"] += seq.num_cached_tokens
         self.waiting = self.waiting[len(seqs):]
         self.running += seqs
@@ -506,7 +491,7 @@ class InferenceEngine:
             seq.num_computed += n
             seq.catching_up = seq.num_computed < seq.num_tokens
             # name the newly full blocks (never those of older weights)
-            if seq.kv_version == self.version:
+            if seq.kv_version == self._version:
                 self.cache.name_computed(seq, n)
         if not ready:
             return []
@@ -521,7 +506,7 @@ class InferenceEngine:
         tops = top_logprobs(seqs, logits)
         finished = []
         for seq, token, logprob, top in zip(seqs, tokens.tolist(), logprobs.tolist(), tops):
-            reason = seq.append(token, logprob, self.version, self.max_model_len, top)
+            reason = seq.append(token, logprob, self._version, self.max_model_len, top)
             if reason is not None:
                 finished.append(self._finish(seq, reason))
         self._stats["generated_tokens"] += len(seqs)
@@ -535,7 +520,7 @@ class InferenceEngine:
         forks, copies = [seq], []
         base_seed, seq.seed = seq.seed, mix_seed(seq.seed, 0)
         for k in range(1, seq.num_samples):
-            f = Sequence(next(self._uids), seq.seq_id, k, seq.tokens, seq.params, 1,
+            f = Sequence(next(self._uids), seq.request_id, k, seq.tokens, seq.params, 1,
                          mix_seed(base_seed, k))
             f.num_prompt, f.num_computed, f.kv_version = (
                 seq.num_prompt,
@@ -548,8 +533,8 @@ class InferenceEngine:
             forks.append(f)
         if copies:
             src, dst = zip(*copies)
-            self.kv.copy_blocks(torch.tensor(src, device=self.device),
-                                torch.tensor(dst, device=self.device))
+            self.kv_pool.copy_blocks(torch.tensor(src, device=self.device),
+                                     torch.tensor(dst, device=self.device))
         seq.num_samples = 1
         i = self.running.index(seq)
         self.running[i + 1:i + 1] = forks[1:]     # siblings are as old as their leader
@@ -558,25 +543,26 @@ class InferenceEngine:
 
     def _finish(self, seq, reason):
         seq.finish_reason = reason
-        self.cache.release(seq, cache=seq.kv_version == self.version)
+        self.cache.release(seq, cache=seq.kv_version == self._version)
         return TrainingSample(prompt_tokens=tuple(seq.tokens[:seq.num_prompt]),
                               completion_tokens=tuple(seq.tokens[seq.num_prompt:]),
                               logprobs=tuple(seq.logprobs), weight_version=min(seq.versions),
                               finish_reason=reason, token_versions=tuple(seq.versions),
-                              seq_id=seq.seq_id, sample_index=seq.sample_index,
+                              request_id=seq.request_id, sample_index=seq.sample_index,
                               top_logprobs=tuple(seq.top_logprobs))
 
-    def abort(self, seq_id, sample_index=None) -> int:
+    def abort(self, request_id, sample_index=None) -> int:
         """Drop a request's samples (all, or the forked sample sample_index) wherever they are and
         free their blocks: they are never returned. Returns how many were dropped (0: finished or
         unknown)."""
         self._check_open()
         def hit(s):
-            return s.seq_id == seq_id and (sample_index is None or s.sample_index == sample_index
-                                           and s.num_samples == 1)
+            return s.request_id == request_id and (sample_index is None
+                                                   or s.sample_index == sample_index
+                                                   and s.num_samples == 1)
         gone = [s for s in self.waiting + self.running if hit(s)]
         for seq in gone:
-            self.cache.release(seq, cache=seq.kv_version == self.version)
+            self.cache.release(seq, cache=seq.kv_version == self._version)
         self.waiting = [s for s in self.waiting if not hit(s)]
         self.running = [s for s in self.running if not hit(s)]
         self._undelivered = [s for s in self._undelivered if not hit(s)]
@@ -621,13 +607,13 @@ class InferenceEngine:
         # _params order
         with torch.inference_mode():
             torch._foreach_copy_(list(self._params.values()), tensors)
-        self.version += self._updates_pending
+        self._version += self._updates_pending
         self._stats["weight_updates"] += self._updates_pending
         self._updates_pending = 0
         self.cache.invalidate()
 
     def get_weight_version(self) -> int:
-        return self.version
+        return self._version
 
     # ---- housekeeping
 
@@ -640,7 +626,7 @@ class InferenceEngine:
         return dict(self._stats, num_blocks=self.cache.num_blocks,
                     num_free_blocks=self.cache.num_free_blocks(),
                     cached_blocks=self.cache.num_cached_blocks(), waiting=len(self.waiting),
-                    running=len(self.running), weight_version=self.version,
+                    running=len(self.running), weight_version=self._version,
                     attention_backend=self.backend)
 
     def shutdown(self):
@@ -650,7 +636,7 @@ class InferenceEngine:
         self.waiting, self.running, self._staged = [], [], None
         if self._side is not None:
             self._side.shutdown(wait=False)
-        self.kv = self.model = None
+        self.kv_pool = self.model = None
 
     def _check_open(self):
         if self._closed:

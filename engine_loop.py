@@ -3,9 +3,11 @@ The engine on its own thread, for the HTTP server: one owner runs step(), every 
 by message.
 
     loop = EngineLoop(engine, tokenizer)               # starts the owner thread
-    handle = loop.submit([prompt_ids], params, n=4, stop=["\\n\\n"], emit=callback)
-    ...                                      # callback(list[Delta]) is called from the owner thread
-    loop.abort(handle); loop.update_weights(state_dict); loop.close()
+    request = loop.submit([prompt_ids], params, n=4, stop=["\\n\\n"], emit=callback)
+    ...                                    # callback(list[Delta]) is called from the owner thread
+    loop.abort(request)                               # its client went away
+    version = loop.call(lambda engine: engine.update_weights(state_dict))   # between two steps
+    loop.close()
 
 InferenceEngine is single-threaded, so exactly one thread (the owner) ever touches it. Requests,
 aborts and weight updates reach it through a queue; between two engine steps it takes everything
@@ -74,7 +76,7 @@ class Request:
         self.prompts, self.params, self.n, self.emit = prompts, params, n, emit
         self.first_index = first_index   # seeded: prompt i draws as prompt first_index + i
         self.samples = [SampleText(tokenizer, stop) for _ in range(len(prompts) * n)]
-        self.seq_ids = []         # the engine's seq_id of each prompt, once added
+        self.request_ids = []         # the engine's request_id of each prompt, once added
 
 
 class EngineLoop:
@@ -83,7 +85,8 @@ class EngineLoop:
     def __init__(self, engine, tokenizer):
         self.engine, self.tokenizer = engine, tokenizer
         self.inbox = queue.Queue()
-        self.by_seq = {}      # engine seq_id -> (Request, prompt index), for requests still running
+        # engine request_id -> (Request, prompt index), for requests still running
+        self.by_request = {}
         self.peak_batch = 0   # the most samples one step has run (continuous batching at work)
         self.thread = threading.Thread(target=self._run, name="engine-owner", daemon=True)
         self.thread.start()
@@ -159,10 +162,10 @@ class EngineLoop:
     def _add(self, request):
         try:
             for i, prompt in enumerate(request.prompts):
-                seq_id = self.engine.add_request(prompt, request.params, request.n,
-                                                 request.first_index + i)
-                request.seq_ids.append(seq_id)
-                self.by_seq[seq_id] = (request, i)
+                request_id = self.engine.add_request(prompt, request.params, request.n,
+                                                     request.first_index + i)
+                request.request_ids.append(request_id)
+                self.by_request[request_id] = (request, i)
         except Exception as e:               # checked at the door, so not expected: refuse it whole
             self._drop(request)
             request.emit([Delta(-1, [], [], [], [], "", None, error=f"{type(e).__name__}: {e}")])
@@ -171,20 +174,21 @@ class EngineLoop:
         """One Delta per sample that moved in this step, sent per request."""
         out = {}
         for seq in self.engine.running:            # samples still going: their new tokens
-            if seq.seq_id in self.by_seq and seq.num_samples == 1:
-                self._progress(out, seq.seq_id, seq.sample_index, seq.tokens[seq.num_prompt:],
+            if seq.request_id in self.by_request and seq.num_samples == 1:
+                self._progress(out, seq.request_id, seq.sample_index, seq.tokens[seq.num_prompt:],
                                seq.logprobs, seq.top_logprobs, seq.versions, None)
         for s in finished:                    # samples that finished in this step: the rest of them
-            if s.seq_id in self.by_seq:
-                self._progress(out, s.seq_id, s.sample_index, s.completion_tokens, s.logprobs,
+            if s.request_id in self.by_request:
+                self._progress(out, s.request_id, s.sample_index, s.completion_tokens, s.logprobs,
                                s.top_logprobs, s.token_versions, s.finish_reason)
         for request, deltas in out.items():
             if all(t.finish_reason for t in request.samples):
                 self._forget(request)
             request.emit(deltas)
 
-    def _progress(self, out, seq_id, sample_index, ids, logprobs, tops, versions, finish_reason):
-        request, p = self.by_seq[seq_id]
+    def _progress(self, out, request_id, sample_index, ids, logprobs, tops, versions,
+                  finish_reason):
+        request, p = self.by_request[request_id]
         index = p * request.n + sample_index
         sample = request.samples[index]
         k = len(sample.ids)
@@ -193,22 +197,22 @@ class EngineLoop:
         text, stopped = sample.add(list(ids[k:]), final=finish_reason is not None)
         # a stop string: this sample ends here, in the engine too
         if stopped and finish_reason is None:
-            self.engine.abort(seq_id, sample_index)
+            self.engine.abort(request_id, sample_index)
         sample.finish_reason = "stop" if stopped else finish_reason
         out.setdefault(request,
                        []).append(Delta(index, list(ids[k:]), list(logprobs[k:]), list(tops[k:]),
                                         list(versions[k:]), text, sample.finish_reason))
 
     def _drop(self, request):
-        for seq_id in request.seq_ids:
-            self.engine.abort(seq_id)
+        for request_id in request.request_ids:
+            self.engine.abort(request_id)
         self._forget(request)
 
     def _forget(self, request):
-        for seq_id in request.seq_ids:
-            self.by_seq.pop(seq_id, None)
+        for request_id in request.request_ids:
+            self.by_request.pop(request_id, None)
 
     def _fail_all(self, message):
-        for request in {r for r, _ in self.by_seq.values()}:
+        for request in {r for r, _ in self.by_request.values()}:
             self._drop(request)
             request.emit([Delta(-1, [], [], [], [], "", None, error=message)])

@@ -52,9 +52,9 @@ def outcome(env, episode):
     """One line of outcomes.jsonl: what report.py's per-problem analysis reads."""
     fields = described(env.task, episode.problem)
     replies = episode.replies()
+    multi = {"replies": replies} if env.max_turns > 1 else {}
     return {**fields, "reward": episode.reward, "turns": episode.turns,
-            "completion": replies[-1] if replies else "", **({"replies": replies}
-                                                            if env.max_turns > 1 else {})}
+            "completion": replies[-1] if replies else "", **multi}
 
 
 def greedy_outcomes(engine, env, problems):

@@ -30,15 +30,11 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from checks import require
 from attention import DocumentCausalAttention
 
 # -----------------------------------------------------------------------------
 # config
-
-
-def _require(ok, message):
-    if not ok:
-        raise ValueError(message)
 
 
 @dataclass(frozen=True)
@@ -79,36 +75,36 @@ class ModelConfig:
         if isinstance(self.rope_scaling, dict):
             object.__setattr__(self, "rope_scaling", tuple(sorted(self.rope_scaling.items())))
         object.__setattr__(self, "rope_scaling", tuple(tuple(kv) for kv in self.rope_scaling))
-        _require(self.family in ("qwen3", "qwen2", "llama"),
-                 f"ModelConfig.family must be 'qwen3', 'qwen2' or 'llama', got {self.family!r}")
-        _require(self.family == "qwen3" or not self.num_experts,
-                 f"ModelConfig: num_experts={self.num_experts}, but experts are Qwen3-MoE's, not "
-                 f"{self.family}'s (num_experts=0 for a dense model)")
+        require(self.family in ("qwen3", "qwen2", "llama"),
+                f"ModelConfig.family must be 'qwen3', 'qwen2' or 'llama', got {self.family!r}")
+        require(self.family == "qwen3" or not self.num_experts,
+                f"ModelConfig: num_experts={self.num_experts}, but experts are Qwen3-MoE's, not "
+                f"{self.family}'s (num_experts=0 for a dense model)")
         # qk_norm, qkv_bias: what the family has (Qwen3 the norm, Qwen2 the biases, Llama neither)
         flags = {"qwen3": (True, False), "qwen2": (False, True),
                  "llama": (False, False)}[self.family]
         for name, value in zip(("qk_norm", "qkv_bias"), flags):
             if getattr(self, name) is None:
                 object.__setattr__(self, name, value)
-            _require(getattr(self, name) == value, f"ModelConfig: family={self.family!r} has "
-                                                   f"{name}={value}, got {getattr(self, name)!r}")
+            require(getattr(self, name) == value, f"ModelConfig: family={self.family!r} has "
+                    f"{name}={value}, got {getattr(self, name)!r}")
         rope_type = dict(self.rope_scaling).get("rope_type")
-        _require(rope_type in ("llama3", "yarn") or not self.rope_scaling,
-                 f"ModelConfig.rope_scaling: rope_type must be 'llama3' or 'yarn', got "
-                 f"{rope_type!r}")
+        require(rope_type in ("llama3", "yarn") or not self.rope_scaling,
+                f"ModelConfig.rope_scaling: rope_type must be 'llama3' or 'yarn', got "
+                f"{rope_type!r}")
         for name in ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
                      "num_key_value_heads", "head_dim", "decoder_sparse_step"):
             value = getattr(self, name)
-            _require(type(value) is int and value >= 1,
-                     f"ModelConfig.{name} must be a positive int, got {value!r}")
-        _require(self.num_attention_heads % self.num_key_value_heads == 0,
-                 f"num_attention_heads={self.num_attention_heads} is not a multiple of "
-                 f"num_key_value_heads={self.num_key_value_heads}")
-        _require(not self.num_experts or 1 <= self.num_experts_per_tok <= self.num_experts,
-                 f"num_experts_per_tok={self.num_experts_per_tok} must be in [1, "
-                 f"num_experts={self.num_experts}]")
-        _require(self.head_dim % 2 == 0,
-                 f"head_dim={self.head_dim} must be even for half-split RoPE")
+            require(type(value) is int and value >= 1,
+                    f"ModelConfig.{name} must be a positive int, got {value!r}")
+        require(self.num_attention_heads % self.num_key_value_heads == 0,
+                f"num_attention_heads={self.num_attention_heads} is not a multiple of "
+                f"num_key_value_heads={self.num_key_value_heads}")
+        require(not self.num_experts or 1 <= self.num_experts_per_tok <= self.num_experts,
+                f"num_experts_per_tok={self.num_experts_per_tok} must be in [1, "
+                f"num_experts={self.num_experts}]")
+        require(self.head_dim % 2 == 0,
+                f"head_dim={self.head_dim} must be even for half-split RoPE")
 
     def is_moe_layer(self, i):
         # the same rule as transformers' Qwen3MoeDecoderLayer
@@ -127,8 +123,8 @@ def as_dtype(dtype):
     """A torch.dtype from itself or its name ('float32', 'bfloat16', ...): configs stay
     serialisable."""
     if isinstance(dtype, str):
-        _require(isinstance(getattr(torch, dtype, None), torch.dtype),
-                 f"unknown dtype {dtype!r}: use e.g. 'float32', 'bfloat16', 'float16'")
+        require(isinstance(getattr(torch, dtype, None), torch.dtype),
+                f"unknown dtype {dtype!r}: use e.g. 'float32', 'bfloat16', 'float16'")
         return getattr(torch, dtype)
     if not isinstance(dtype, torch.dtype):
         raise TypeError(f"dtype must be a torch.dtype or its name, got {dtype!r}")
@@ -417,12 +413,12 @@ class Transformer(nn.Module):
         (inference: the engine never needs it). labels [T]: return log_softmax(logits /
         temperature)[label] per row [T] (fp32) instead of the logits, made a chunk of rows at a time
         (head_logprobs), so no [T, V] tensor is ever whole: the trainers' path."""
-        _require(tokens.dim() == 1 and position_ids.shape == tokens.shape,
-                 f"tokens and position_ids must be 1-D and equal in shape, got "
-                 f"{tuple(tokens.shape)} and {tuple(position_ids.shape)}")
-        _require(attention is None or branch is None,
-                 "pass branch or attention, not both: an attention already holds its mask "
-                 "(DocumentCausalAttention(..., branch=...))")
+        require(tokens.dim() == 1 and position_ids.shape == tokens.shape,
+                f"tokens and position_ids must be 1-D and equal in shape, got "
+                f"{tuple(tokens.shape)} and {tuple(position_ids.shape)}")
+        require(attention is None or branch is None,
+                "pass branch or attention, not both: an attention already holds its mask "
+                "(DocumentCausalAttention(..., branch=...))")
         T = tokens.shape[0]
         if attention is None:
             if cu_seqlens is None:
@@ -461,9 +457,9 @@ def head_logprobs(hidden, weight, labels, temperature=1.0, chunk_bytes=256 * 2 *
     equal to the whole computation; no more than chunk_bytes of fp32 logits exist at once, forward
     or backward (backward recomputes each chunk's logits, as fused linear-cross-entropy kernels do).
     Under autocast the matmuls run in the autocast dtype, as F.linear would."""
-    _require(hidden.dim() == 2 and labels.shape == hidden.shape[:1],
-             f"hidden {tuple(hidden.shape)} and labels {tuple(labels.shape)}: expected [T, D] and "
-             f"[T]")
+    require(hidden.dim() == 2 and labels.shape == hidden.shape[:1],
+            f"hidden {tuple(hidden.shape)} and labels {tuple(labels.shape)}: expected [T, D] and "
+            f"[T]")
     kind = hidden.device.type
     dtype = torch.get_autocast_dtype(kind) if torch.is_autocast_enabled(kind) else hidden.dtype
     rows = max(1, chunk_bytes // (4 * weight.shape[0]))
@@ -543,9 +539,9 @@ def train_flops(config: ModelConfig, seqlens, pairs=None):
 
 
 def __getattr__(name):
-    # the HF format lives in checkpoint.py (which imports this file); `from model import
-    # load_hf_checkpoint` works too, resolved on first use so that neither module needs the other
-    # while it loads
+    # the HF format lives in checkpoint.py, which imports this file; the project imports it from
+    # there. `from model import load_hf_checkpoint` (the design's usage block) is resolved here, on
+    # first use, so that model.py never imports checkpoint.py while either loads
     if name in ("load_hf_checkpoint", "save_hf_checkpoint"):
         import checkpoint
         return getattr(checkpoint, name)

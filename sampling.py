@@ -24,10 +24,7 @@ import threading
 import torch
 import xxhash
 
-
-def _require(ok, message):
-    if not ok:
-        raise ValueError(message)
+from checks import require
 
 
 # -----------------------------------------------------------------------------
@@ -69,9 +66,9 @@ def sample_with_logprobs(logits, temperatures, top_k=None, top_p=None, seeds=Non
     computes from the same weights. seeds / positions [N] int64 (optional): the draw is a pure
     function of them (sampling_uniforms); without them, torch's global generator draws it. Sampling
     inverts the CDF with one uniform per row."""
-    _require((seeds is None) == (positions is None),
-             "sample_with_logprobs: seeds and positions go together (the draw is a function of "
-             "both)")
+    require((seeds is None) == (positions is None),
+            "sample_with_logprobs: seeds and positions go together (the draw is a function of "
+            "both)")
     logits = logits.float()
     N, V = logits.shape
     t = torch.as_tensor(temperatures, dtype=torch.float32, device=logits.device).reshape(N)

@@ -37,9 +37,9 @@ class Sequence:
     """One sample being generated (or, before its prompt is prefilled, a whole group of
     num_samples)."""
 
-    def __init__(self, uid, seq_id, sample_index, prompt, params, num_samples, seed):
+    def __init__(self, uid, request_id, sample_index, prompt, params, num_samples, seed):
         self.uid = uid                            # unique per sample: what schedule() names it by
-        self.seq_id, self.sample_index, self.params = seq_id, sample_index, params
+        self.request_id, self.sample_index, self.params = request_id, sample_index, params
         self.tokens = list(prompt)                # prompt + completion so far
         self.num_prompt = len(prompt)
         # > 1: fork into this many samples when the prompt is done

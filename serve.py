@@ -360,7 +360,7 @@ async def completions(server, http, body):
             out.update(token_ids=ids, **({"prompt_token_ids": ch.prompt_ids} if d is None or
                                          len(ch.ids) == len(ids) else {}))
         if ch.finish_reason:
-            out["weight_version"] = min(ch.versions, default=server.engine.version)
+            out["weight_version"] = min(ch.versions, default=server.engine.get_weight_version())
         return out
 
     if stream:
@@ -388,7 +388,8 @@ async def chat_completions(server, http, body):
 
     def extras(ch, ids):
         return dict({"token_ids": ids} if ids_back else {},
-                    **({"weight_version": min(ch.versions, default=server.engine.version)}
+                    **({"weight_version": min(ch.versions,
+                                              default=server.engine.get_weight_version())}
                        if ch.finish_reason else {}))
 
     def chunk_choices(ch, d):   # streaming: the role first, then the content as it comes
@@ -454,9 +455,9 @@ async def generate_tokens(server, http, body):
     return {"request_id": f"gen-{uuid.uuid4().hex}", "prompt_token_ids": prompt,
             "choices": [{"index": ch.index, "token_ids": ch.ids, "finish_reason": ch.finish_reason,
                          "logprobs": logprobs(ch) if k is not None else None,
-                         "weight_version": min(ch.versions, default=server.engine.version)}
-                        for ch in choices],
-            "usage": usage([prompt], n, choices)}
+                         "weight_version": min(ch.versions,
+                                               default=server.engine.get_weight_version())}
+                        for ch in choices], "usage": usage([prompt], n, choices)}
 
 
 async def tokenize(server, http, body):
@@ -692,7 +693,8 @@ def build_app(server) -> FastAPI:
     async def models():
         card = {"id": server.name, "object": "model", "created": int(time.time()),
                 "owned_by": "nano-rl",
-                "max_model_len": server.max_model_len, "weight_version": server.engine.version,
+                "max_model_len": server.max_model_len,
+                "weight_version": server.engine.get_weight_version(),
                 "stop_token_ids": sorted(server.eos_ids)}   # what ends a reply unless ignore_eos
         return {"object": "list", "data": [card]}
 

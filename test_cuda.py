@@ -11,8 +11,8 @@ import torch
 
 import train_grpo
 from engine import EngineConfig, InferenceEngine, SamplingParams
-from model import load_hf_checkpoint
-from test_engine import PROMPTS, hf_logprobs, make_checkpoint
+from checkpoint import load_hf_checkpoint
+from test_engine import PROMPTS, make_checkpoint
 from test_grpo import metrics, tiny_config
 from test_rollout_servers import MODEL, assert_same
 from test_serve import Served

@@ -11,7 +11,8 @@ from transformers import Qwen3Config, Qwen3MoeConfig
 from attention import DocumentCausalAttention, PagedAttention, PagedGroup, PagedKVCache
 from conftest import write_hf_checkpoint
 from engine import EngineConfig, InferenceEngine, SamplingParams
-from model import ModelConfig, load_hf_checkpoint
+from checkpoint import load_hf_checkpoint
+from model import ModelConfig
 
 VOCAB = 96
 BLOCK = 16
@@ -339,16 +340,16 @@ def test_step_api_and_stop_tokens(moe):
                              SamplingParams(temperature=0, max_tokens=10))[0].completion_tokens
     stop = greedy[4]
     first = greedy.index(stop)
-    seq_id = engine.add_request(PROMPTS[0],
-                                SamplingParams(temperature=0, max_tokens=10, stop_token_ids={stop}))
+    request_id = engine.add_request(PROMPTS[0], SamplingParams(temperature=0, max_tokens=10,
+                                                               stop_token_ids={stop}))
     other = engine.add_request(PROMPTS[1], SamplingParams(temperature=0, max_tokens=3),
                                num_samples=2)
     done = []
     while engine.has_pending():
         done += engine.step()
-    mine = [s for s in done if s.seq_id == seq_id]
+    mine = [s for s in done if s.request_id == request_id]
     assert len(done) == 3 and len(mine) == 1 and {s.sample_index for s in done
-                                                  if s.seq_id == other} == {0, 1}
+                                                  if s.request_id == other} == {0, 1}
     assert mine[0].completion_tokens == greedy[:first + 1] and mine[0].finish_reason == "stop"
     # generate() while others' requests are queued: theirs are kept and handed out by the next
     # step()
@@ -402,12 +403,12 @@ def test_abort_drops_samples_and_frees_their_blocks(moe):
     engine.step()
     engine.step()                                 # the group has forked: three samples running
     assert engine.abort(group, sample_index=1) == 1
-    assert {(s.seq_id, s.sample_index) for s in engine.running} >= {(group, 0), (group, 2)}
+    assert {(s.request_id, s.sample_index) for s in engine.running} >= {(group, 0), (group, 2)}
     assert engine.abort(group) == 2 and engine.abort(group) == 0
     done = []
     while engine.has_pending():
         done += engine.step()
-    assert [s.seq_id for s in done] == [keep]
+    assert [s.request_id for s in done] == [keep]
     # every block is back (some still named: the prefix cache)
     assert engine.cache.num_free_blocks() == free
 
@@ -524,7 +525,7 @@ def test_the_design_documents_usage_block_runs_as_written(moe):
     seq_id = engine.add_request(prompt, params)
     while engine.has_pending():
         for s in engine.step():
-            assert s.seq_id == seq_id
+            assert s.request_id == seq_id
     assert engine.get_weight_version() == 2
     out = schedule(waiting, running, num_free_blocks, scheduler_config)
     tokens, logprobs = sample_with_logprobs(logits, temperatures)

@@ -20,7 +20,7 @@ import task_jsonl
 import train_grpo
 import training
 from conftest import write_task
-from engine import SamplingParams, TrainingSample
+from engine import TrainingSample
 from environment import Environment, load_task
 from evaluate import task_engine
 from model import ModelConfig, Transformer

@@ -17,7 +17,6 @@ import pytest
 import torch
 
 import checkpoint
-import evaluate
 import task
 import train_grpo
 import training

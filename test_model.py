@@ -17,14 +17,8 @@ from attention import DocumentCausalAttention
 from conftest import randomise, write_hf_checkpoint
 from checkpoint import config_from_hf, config_to_hf
 import training
-from model import (
-    ModelConfig,
-    Transformer,
-    head_logprobs,
-    load_hf_checkpoint,
-    save_hf_checkpoint,
-    train_flops,
-)
+from checkpoint import load_hf_checkpoint, save_hf_checkpoint
+from model import ModelConfig, Transformer, head_logprobs, train_flops
 
 VOCAB = 96
 
@@ -163,7 +157,7 @@ def test_completions_sharing_their_prompt_score_as_transformers_does_alone(check
     for batch in (shared, plain):
         ours.zero_grad()
         training.unified_loss(training.batch_logprobs(ours, batch)[0], batch,
-                               normalizer=10.0).backward()
+                              normalizer=10.0).backward()
         grads.append(torch.cat([p.grad.flatten() for p in ours.parameters() if p.grad is not None]))
     assert (grads[0] - grads[1]).abs().max().item() < 1e-5
     # FLOPs: the causal query-key pairs of the shared layout are the position_ids + 1 of its rows

@@ -178,7 +178,7 @@ def test_radix_update_weights_serves_no_stale_kv(moe, tmp_path_factory):
     old = outputs(engine.generate(PROMPTS, params, 2))
     assert old != fresh and engine.stats()["cached_blocks"] > 0
     # a sequence running across the update keeps its old KV, and none of it enters the new tree
-    seq_id = engine.add_request(PROMPTS[0], SamplingParams(temperature=0, max_tokens=30))
+    request_id = engine.add_request(PROMPTS[0], SamplingParams(temperature=0, max_tokens=30))
     engine.step()
     engine.update_weights(new_sd)
     assert engine.stats()["cached_blocks"] == 0
@@ -190,7 +190,7 @@ def test_radix_update_weights_serves_no_stale_kv(moe, tmp_path_factory):
     assert engine.stats()["prefix_cache_hit_tokens"] == hits        # not one old token was served
     engine.generate(PROMPTS, params, 2)
     assert engine.stats()["prefix_cache_hit_tokens"] > hits         # ... though new ones are
-    assert engine.cache.num_free_blocks() == engine.cache.num_blocks and seq_id == len(PROMPTS)
+    assert engine.cache.num_free_blocks() == engine.cache.num_blocks and request_id == len(PROMPTS)
     engine.cache.check()
 
 
@@ -211,7 +211,7 @@ def test_radix_abort_and_bad_input_leave_the_cache_whole(moe):
     done = []
     while engine.has_pending():
         done += engine.step()
-    assert {s.seq_id for s in done} == {keep} and len(done) == 4
+    assert {s.request_id for s in done} == {keep} and len(done) == 4
     assert engine.cache.num_free_blocks() == engine.cache.num_blocks
     engine.cache.check()
 

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 import report
-from report import ARMS, load, paired_ci, plot, summarize, t975
+from report import load, paired_ci, plot, summarize, t975
 
 # a fake comparison, 3 seeds: test greedy accuracy, pass@1 and pass@8 of each arm, chosen so that
 # the paired differences are exact in binary floating point (multiples of 1/8 and 1/16)

@@ -511,7 +511,7 @@ def test_tokenize_and_detokenize_as_vllm_spells_them(setup):
     messages = [{"role": "user", "content": "digits 3 5 7 target 22"}]
     r = post(setup, "/tokenize", {"model": "tiny", "messages": messages}).json()
     assert r["tokens"] == list(tok.apply_chat_template(messages, add_generation_prompt=True,
-                                                      return_dict=False))
+                                                       return_dict=False))
     assert r["count"] == len(r["tokens"]) and r["max_model_len"] == 256
     bare = post(setup, "/tokenize", {"messages": messages, "add_generation_prompt": False}).json()
     assert r["tokens"][:bare["count"]] == bare["tokens"] and bare["count"] < r["count"]

@@ -14,10 +14,10 @@ import torch
 import torch.nn.functional as F
 
 import checkpoint
-import evaluate
 import training
 from conftest import write_task
-from model import ModelConfig, Transformer, load_hf_checkpoint, save_hf_checkpoint
+from checkpoint import load_hf_checkpoint
+from model import ModelConfig, Transformer
 from tokenizer import build_tokenizer
 from training import PackedBatch, PackedLoader, pack_sequences, unified_loss
 
@@ -170,10 +170,10 @@ def test_pack_groups_bad_input(args, match):
         training.pack_groups(*args)
 
 
-def test_budget_groups():
-    assert training.budget_groups([3, 4, 2, 5, 1], 7) == [[0, 1], [2, 3], [4]]
+def test_split_under_budget():
+    assert training.split_under_budget([3, 4, 2, 5, 1], 7) == [[0, 1], [2, 3], [4]]
     with pytest.raises(ValueError, match="sequence 1 has 9 tokens"):
-        training.budget_groups([3, 9], 8)
+        training.split_under_budget([3, 9], 8)
 
 
 def test_loader_respects_budget_covers_each_epoch_and_resumes():

@@ -30,11 +30,11 @@ One iteration:
      GRPO shows the division biases toward easy/hard groups); a group whose rewards are all equal
      teaches nothing: it is dropped and counted (rollout/zero_var_groups), and the sampler's record
      makes its problem rarer; one rollout call per step, never a refill;
-  4. token_weights = advantage x loss mask (1 on sampled tokens), packed into PackedBatches; the
-     loss normalizer is fixed now (loss_norm, below); then the per-token no-grad corrections fold
-     into the weights: TIS (tis_cap > 0) and the KL to the starting policy (kl_coef > 0), from a
-     logprob pass that runs only for them; the shared training.train_step (unified_loss) takes
-     one step;
+  4. token_weights = advantage x loss mask (1 on sampled tokens), packed into PackedBatches (which
+     carry the mask); the loss normalizer is fixed now (loss_norm, below); then the per-token
+     no-grad corrections fold into the weights: TIS (tis_cap > 0) and the KL to the starting policy
+     (kl_coef > 0), from a logprob pass that runs only for them; the shared training.train_step
+     takes one step on policy_loss (the shared unified_loss: a fork changes the objective there);
   5. engine.update_weights(model.state_dict()): in place, version += 1, prefix cache flushed (a
      version per iteration, even one without a step);
   then log, evaluate on the validation split (every eval_interval) and checkpoint (with the
@@ -64,6 +64,7 @@ import typing
 import numpy as np
 import torch
 
+from checks import require
 import distributed
 import evaluate
 import rollout_ranks as ranks
@@ -73,6 +74,7 @@ from environment import Environment, load_task, solved
 from checkpoint import init_start, load_model, model_dir_of, save_best, save_checkpoint
 from configurator import configure, print0
 from engine import EngineConfig, SamplingParams, sampled_mask
+from measure import Meter
 from model import train_flops
 from tokenizer import build_tokenizer
 
@@ -154,12 +156,6 @@ wandb_run_name = ""
 # -----------------------------------------------------------------------------
 
 
-def _require(ok, message):
-    # one line per input rule, at the entry point
-    if not ok:
-        raise ValueError(message)
-
-
 # -----------------------------------------------------------------------------
 # advantages: pure functions over a flat list of rewards, G consecutive samples per group
 
@@ -169,9 +165,9 @@ def group_advantages(rewards, group_size, scale_rewards=False, eps=1e-6):
     shape). With scale_rewards the centred rewards are divided by the group's std (+eps), as in the
     GRPO paper."""
     r = torch.as_tensor(rewards, dtype=torch.float32)
-    _require(r.dim() == 1 and r.numel() > 0 and r.numel() % group_size == 0,
-             f"rewards must be a flat list of whole groups of {group_size}, got shape "
-             f"{tuple(r.shape)}")
+    require(r.dim() == 1 and r.numel() > 0 and r.numel() % group_size == 0,
+            f"rewards must be a flat list of whole groups of {group_size}, got shape "
+            f"{tuple(r.shape)}")
     g = r.view(-1, group_size)
     adv = g - g.mean(dim=1, keepdim=True)
     if scale_rewards:
@@ -241,16 +237,16 @@ class ProblemSampler:
     def load_state_dict(self, state):
         n, keys = len(self.items), {"draws", "taken", "successes", "samples"}
         counts = ("successes", "samples")
-        _require(isinstance(state, dict) and set(state) == keys
-                 and all(type(state[k]) is int and state[k] >= 0 for k in ("draws", "taken"))
-                 and all(isinstance(state[k], list) and len(state[k]) == n for k in counts)
-                 and all(type(v) is int for k in counts for v in state[k]),
-                 f"ProblemSampler: bad data state for {n} problems: expected {sorted(keys)} with a "
-                 f"count per problem, got {sorted(state) if isinstance(state, dict) else state!r}")
+        require(isinstance(state, dict) and set(state) == keys
+                and all(type(state[k]) is int and state[k] >= 0 for k in ("draws", "taken"))
+                and all(isinstance(state[k], list) and len(state[k]) == n for k in counts)
+                and all(type(v) is int for k in counts for v in state[k]),
+                f"ProblemSampler: bad data state for {n} problems: expected {sorted(keys)} with a "
+                f"count per problem, got {sorted(state) if isinstance(state, dict) else state!r}")
         successes = np.array(state["successes"], dtype=np.int64)
         samples = np.array(state["samples"], dtype=np.int64)
-        _require(bool((successes >= 0).all() and (successes <= samples).all()),
-                 "ProblemSampler: bad data state: successes must be in [0, samples]")
+        require(bool((successes >= 0).all() and (successes <= samples).all()),
+                "ProblemSampler: bad data state: successes must be in [0, samples]")
         self.draws, self.taken = state["draws"], state["taken"]
         self.successes, self.samples = successes, samples
 
@@ -308,13 +304,13 @@ def build_batches(groups, config):
         # sample is one
         parts = [[i] for i in range(len(rows))]
         if config["share_prompt"]:
-            parts = training.budget_groups([len(c) + 1 for c, *_ in rows],
-                                           config["batch_tokens"] - len(prompt) + 1)
+            parts = training.split_under_budget([len(c) + 1 for c, *_ in rows],
+                                                config["batch_tokens"] - len(prompt) + 1)
         for part in parts:
             docs.append((list(prompt), *([rows[i][k] for i in part] for k in range(4))))
     sizes = [len(prompt) - 1 + sum(len(c) + 1 for c in comps) for prompt, comps, *_ in docs]
     return [training.pack_groups(*zip(*(docs[i] for i in g)))
-            for g in training.budget_groups(sizes, config["batch_tokens"])]
+            for g in training.split_under_budget(sizes, config["batch_tokens"])]
 
 
 def loss_normalizer(batches, config):
@@ -492,48 +488,48 @@ def check_settings(config):
     for name, low in (("prompts_per_step", 1), ("group_size", 2), ("max_new_tokens", 1),
                       ("pass_k", 0), ("n_eval_problems", 0), ("max_turns", 1),
                       ("max_episode_tokens", 0)):
-        _require(type(config[name]) is int and config[name] >= low,
-                 f"{name}={config[name]!r}: expected an int >= {low}")
+        require(type(config[name]) is int and config[name] >= low,
+                f"{name}={config[name]!r}: expected an int >= {low}")
     for name in ("tis_cap", "kl_coef"):
-        _require(type(config[name]) in (int, float) and config[name] >= 0,
-                 f"{name}={config[name]!r}: expected a number >= 0 (0 = off)")
-    _require(config["loss_norm"] in ("constant", "tokens", "weights"),
-             f"loss_norm={config['loss_norm']!r}: expected 'constant', 'tokens' or 'weights'")
+        require(type(config[name]) in (int, float) and config[name] >= 0,
+                f"{name}={config[name]!r}: expected a number >= 0 (0 = off)")
+    require(config["loss_norm"] in ("constant", "tokens", "weights"),
+            f"loss_norm={config['loss_norm']!r}: expected 'constant', 'tokens' or 'weights'")
     for name in ("rollout_ranks", "max_staleness"):
-        _require(type(config[name]) is int and config[name] >= 0,
-                 f"{name}={config[name]!r}: expected an int >= 0")
-    _require(config["max_staleness"] == 0 or config["rollout_ranks"] > 0 or config["rollout_urls"],
-             f"max_staleness={config['max_staleness']}: only rollout ranks or servers sample ahead "
-             f"of the trainer; set rollout_ranks or rollout_urls too (or max_staleness=0)")
-    _require(config["max_staleness"] == 0 or config["tis_cap"] > 0,
-             f"max_staleness={config['max_staleness']} trains on samples of older weights: set "
-             f"tis_cap > 0 (e.g. 2) so that TIS corrects them")
+        require(type(config[name]) is int and config[name] >= 0,
+                f"{name}={config[name]!r}: expected an int >= 0")
+    require(config["max_staleness"] == 0 or config["rollout_ranks"] > 0 or config["rollout_urls"],
+            f"max_staleness={config['max_staleness']}: only rollout ranks or servers sample ahead "
+            f"of the trainer; set rollout_ranks or rollout_urls too (or max_staleness=0)")
+    require(config["max_staleness"] == 0 or config["tis_cap"] > 0,
+            f"max_staleness={config['max_staleness']} trains on samples of older weights: set "
+            f"tis_cap > 0 (e.g. 2) so that TIS corrects them")
     alone = (config["rollout_ranks"], distributed.world()) == (0, 1)
-    _require(not config["rollout_urls"] or alone,
-             f"rollout_urls={config['rollout_urls']!r}: serve.py rollouts run with one trainer "
-             f"process (no rollout_ranks, no torchrun) for now")
-    _require(config["weight_backend"] in ("gloo", "nccl"),
-             f"weight_backend={config['weight_backend']!r}: expected 'gloo' or 'nccl'")
-    _require(config["weight_backend"] == "gloo" or config["device"].startswith("cuda"),
-             f"weight_backend='nccl' broadcasts from a GPU: set device='cuda' (or use 'gloo')")
-    _require(type(config["weight_master_address"]) is str and config["weight_master_address"],
-             f"weight_master_address={config['weight_master_address']!r}: expected a host name "
-             f"or address the servers can reach")
-    _require(type(config["weight_bucket_mb"]) in (int, float) and config["weight_bucket_mb"] > 0,
-             f"weight_bucket_mb={config['weight_bucket_mb']!r}: expected a number > 0")
-    _require(config["eval_split"] in ("val", "test"),
-             f"eval_split={config['eval_split']!r}: expected 'val' or 'test'")
+    require(not config["rollout_urls"] or alone,
+            f"rollout_urls={config['rollout_urls']!r}: serve.py rollouts run with one trainer "
+            f"process (no rollout_ranks, no torchrun) for now")
+    require(config["weight_backend"] in ("gloo", "nccl"),
+            f"weight_backend={config['weight_backend']!r}: expected 'gloo' or 'nccl'")
+    require(config["weight_backend"] == "gloo" or config["device"].startswith("cuda"),
+            "weight_backend='nccl' broadcasts from a GPU: set device='cuda' (or use 'gloo')")
+    require(type(config["weight_master_address"]) is str and config["weight_master_address"],
+            f"weight_master_address={config['weight_master_address']!r}: expected a host name "
+            f"or address the servers can reach")
+    require(type(config["weight_bucket_mb"]) in (int, float) and config["weight_bucket_mb"] > 0,
+            f"weight_bucket_mb={config['weight_bucket_mb']!r}: expected a number > 0")
+    require(config["eval_split"] in ("val", "test"),
+            f"eval_split={config['eval_split']!r}: expected 'val' or 'test'")
     # refuses a bad temperature / top_p
     SamplingParams(temperature=config["temperature"], top_p=config["top_p"])
-    _require(config["temperature"] != 0,
-             "temperature=0: GRPO needs sampled groups (greedy samples of a prompt are all the "
-             "same)")
-    _require(config["top_p"] == 1.0,
-             f"top_p={config['top_p']!r}: the trainer scores the whole softmax(logits / T), so a "
-             f"nucleus-sampled rollout would be trained off-policy; use top_p=1.0")
-    _require(config["kl_coef"] == 0 or config["init_from"] != "scratch",
-             "kl_coef > 0 with init_from='scratch': a KL to a random starting policy teaches "
-             "nothing")
+    require(config["temperature"] != 0,
+            "temperature=0: GRPO needs sampled groups (greedy samples of a prompt are all the "
+            "same)")
+    require(config["top_p"] == 1.0,
+            f"top_p={config['top_p']!r}: the trainer scores the whole softmax(logits / T), so a "
+            f"nucleus-sampled rollout would be trained off-policy; use top_p=1.0")
+    require(config["kl_coef"] == 0 or config["init_from"] != "scratch",
+            "kl_coef > 0 with init_from='scratch': a KL to a random starting policy teaches "
+            "nothing")
     # a bad engine dtype or block size is refused here, before the run setup touches out_dir
     EngineConfig(device=config["device"], dtype=config["engine_dtype"],
                  block_size=config["engine_block_size"])
@@ -611,9 +607,9 @@ def main(config):
                       config["max_episode_tokens"])
     eval_problems = the_task.make_problems(config["eval_split"], config["n_eval_problems"] or None)
     sampler = ProblemSampler(the_task.make_problems("train"), config["seed"])   # out_dir untouched
-    _require(config["prompts_per_step"] <= len(sampler.items),
-             f"prompts_per_step={config['prompts_per_step']}: a step's problems are distinct, and "
-             f"there are {len(sampler.items)} training problems")
+    require(config["prompts_per_step"] <= len(sampler.items),
+            f"prompts_per_step={config['prompts_per_step']}: a step's problems are distinct, and "
+            f"there are {len(sampler.items)} training problems")
     if roles is not None and roles.is_worker:
         return rollout_worker(config, roles, start, env, sampler, eval_problems)
     reference = reference_model(config, start)
@@ -626,7 +622,7 @@ def main(config):
         source = ranks.RolloutRanks(config, roles, run.model, sampler, engine, version)
     else:
         source = Colocated(engine, env, sampler, config)
-    meter = training.Meter(run.start)
+    meter = Meter(run.start)
     best = {"accuracy": -1.0,
             "iter": None} if start.meta is None else start.meta["extra"].get("best")
     # a fresh run: no best model of an earlier run in out_dir

@@ -20,17 +20,12 @@ from dataclasses import dataclass, fields, replace
 import numpy as np
 import torch
 
+from checks import is_finite_number, require
 import distributed
 from checkpoint import Start, clear_checkpoints, save_checkpoint, set_rng_state
 from configurator import print0
-from measure import Logger, Meter, measure_matmul_flops  # noqa: F401 (training.Meter: train_grpo's)
-from model import Transformer, train_flops  # noqa: F401 (train_flops: the trainers' FLOP count)
-
-
-def _require(ok, message, error=ValueError):
-    # one line per input rule, at the public entry point
-    if not ok:
-        raise error(message)
+from measure import Logger, Meter, measure_matmul_flops
+from model import Transformer, train_flops
 
 
 # -----------------------------------------------------------------------------
@@ -80,9 +75,9 @@ class PackedBatch:
 def token_logprobs(logits, labels):
     """log p(label) per row, in fp32 with log_softmax + gather (never log(softmax)): [T, V], [T] ->
     [T]. The same quantity the engine reports as a sample's logprob at temperature 1."""
-    _require(logits.dim() == 2 and labels.shape == logits.shape[:1],
-             f"logits {tuple(logits.shape)} and labels {tuple(labels.shape)}: expected [T, V] and "
-             f"[T] (T rows, one per label)")
+    require(logits.dim() == 2 and labels.shape == logits.shape[:1],
+            f"logits {tuple(logits.shape)} and labels {tuple(labels.shape)}: expected [T, V] and "
+            f"[T] (T rows, one per label)")
     return torch.log_softmax(logits.float(), dim=-1).gather(-1, labels[:, None]).squeeze(-1)
 
 
@@ -129,24 +124,24 @@ def pack_sequences(sequences, weights, log_probs=None, rewards=None, loss_masks=
     Row j of a sequence reads token j and is labelled with token j+1, carrying weights[i][j+1]; its
     last row has nothing to predict: label 0 (a placeholder), weight 0."""
     n = len(sequences)
-    _require(n > 0, "pack_sequences: no sequences")
+    require(n > 0, "pack_sequences: no sequences")
     for name, rows in (("weight lists", weights), ("log_probs lists", log_probs),
                        ("rewards", rewards), ("loss_masks lists", loss_masks)):
         if rows is not None:
-            _require(len(rows) == n, f"pack_sequences: {n} sequences but {len(rows)} {name}")
+            require(len(rows) == n, f"pack_sequences: {n} sequences but {len(rows)} {name}")
     for i, seq in enumerate(sequences):
-        _require(len(seq) > 0, f"pack_sequences: sequence {i} is empty")
+        require(len(seq) > 0, f"pack_sequences: sequence {i} is empty")
         for name, rows in (("weights", weights), ("log_probs", log_probs),
                            ("loss_masks", loss_masks)):
             if rows is not None:
-                _require(len(rows[i]) == len(seq),
-                         f"pack_sequences: sequence {i} has {len(seq)} tokens but {len(rows[i])} "
-                         f"{name}")
+                require(len(rows[i]) == len(seq),
+                        f"pack_sequences: sequence {i} has {len(seq)} tokens but {len(rows[i])} "
+                        f"{name}")
     ids = torch.tensor([t for s in sequences for t in s])   # dtype inferred: floats / bools show up
-    _require(not (ids.dtype == torch.bool or ids.dtype.is_floating_point or ids.dtype.is_complex),
-             f"pack_sequences: token ids must be ints, got {ids.dtype} values", TypeError)
+    require(not (ids.dtype == torch.bool or ids.dtype.is_floating_point or ids.dtype.is_complex),
+            f"pack_sequences: token ids must be ints, got {ids.dtype} values", TypeError)
     ids = ids.long()
-    _require(ids.min() >= 0, f"pack_sequences: negative token id {int(ids.min())}")
+    require(ids.min() >= 0, f"pack_sequences: negative token id {int(ids.min())}")
     w = _finite([x for row in weights for x in row], "weights")
     lp = None if log_probs is None else _finite([x for row in log_probs for x in row], "log_probs")
     r = None if rewards is None else _finite([float(x) for x in rewards], "rewards")
@@ -185,21 +180,21 @@ def pack_groups(prompts, completions, weights, log_probs=None, loss_masks=None):
         branch    0  0 | 1  1  1 | 2  2
         position  0  1 | 2  3  4 | 2  3
         labels    6* 7*| 8  9  7*| 4  0*     (* weight 0: a prompt token, or a placeholder)"""
-    _require(len(prompts) == len(completions) == len(weights),
-             f"pack_groups: {len(prompts)} prompts, {len(completions)} completion lists, "
-             f"{len(weights)} weight lists")
-    _require(log_probs is None or len(log_probs) == len(prompts),
-             f"pack_groups: {len(prompts)} prompts but {len(log_probs or [])} log_probs lists")
-    _require(loss_masks is None or len(loss_masks) == len(prompts),
-             f"pack_groups: {len(prompts)} prompts but {len(loss_masks or [])} loss_masks lists")
+    require(len(prompts) == len(completions) == len(weights),
+            f"pack_groups: {len(prompts)} prompts, {len(completions)} completion lists, "
+            f"{len(weights)} weight lists")
+    require(log_probs is None or len(log_probs) == len(prompts),
+            f"pack_groups: {len(prompts)} prompts but {len(log_probs or [])} log_probs lists")
+    require(loss_masks is None or len(loss_masks) == len(prompts),
+            f"pack_groups: {len(prompts)} prompts but {len(loss_masks or [])} loss_masks lists")
     docs, doc_weights, doc_logprobs, doc_masks, positions, branch = [], [], [], [], [], []
     for i, (prompt, comps) in enumerate(zip(prompts, completions)):
         lps = [[0.0] * len(c) for c in comps] if log_probs is None else log_probs[i]
         masks = [[1] * len(c) for c in comps] if loss_masks is None else loss_masks[i]
-        _require(len(prompt) > 0, f"pack_groups: prompt {i} is empty")
-        _require(len(weights[i]) == len(lps) == len(masks) == len(comps),
-                 f"pack_groups: group {i} has {len(comps)} completions but {len(weights[i])} "
-                 f"weight, {len(lps)} logprob and {len(masks)} loss_mask lists")
+        require(len(prompt) > 0, f"pack_groups: prompt {i} is empty")
+        require(len(weights[i]) == len(lps) == len(masks) == len(comps),
+                f"pack_groups: group {i} has {len(comps)} completions but {len(weights[i])} "
+                f"weight, {len(lps)} logprob and {len(masks)} loss_mask lists")
         n = len(prompt) - 1
         docs.append(list(prompt[:-1]))
         doc_weights.append([0.0] * n)
@@ -208,9 +203,9 @@ def pack_groups(prompts, completions, weights, log_probs=None, loss_masks=None):
         positions += range(n)
         branch += [0] * n
         for b, (comp, w, lp, m) in enumerate(zip(comps, weights[i], lps, masks), start=1):
-            _require(len(w) == len(comp) == len(lp) == len(m),
-                     f"pack_groups: group {i} completion {b - 1} has {len(comp)} tokens but "
-                     f"{len(w)} weights, {len(lp)} log_probs and {len(m)} loss_mask values")
+            require(len(w) == len(comp) == len(lp) == len(m),
+                    f"pack_groups: group {i} completion {b - 1} has {len(comp)} tokens but "
+                    f"{len(w)} weights, {len(lp)} log_probs and {len(m)} loss_mask values")
             docs[-1] += [prompt[-1], *comp]
             doc_weights[-1] += [0.0, *w]
             doc_logprobs[-1] += [0.0, *lp]
@@ -224,31 +219,31 @@ def pack_groups(prompts, completions, weights, log_probs=None, loss_masks=None):
 
 def _finite(values, name):
     t = torch.tensor(values, dtype=torch.float32)
-    _require(torch.isfinite(t).all(), f"pack_sequences: {name} must be finite")
+    require(torch.isfinite(t).all(), f"pack_sequences: {name} must be finite")
     return t
 
 
-def budget_groups(lengths, max_tokens):
-    """Split sequence indices, in order, into consecutive groups of at most max_tokens tokens each
-    (greedy)."""
-    groups, group, total = [], [], 0
+def split_under_budget(lengths, max_tokens):
+    """Sequence indices, in order, split greedily into consecutive runs of at most max_tokens tokens
+    each: [3, 4, 2, 5, 1] under 7 -> [[0, 1], [2, 3], [4]]."""
+    runs, run, total = [], [], 0
     for i, n in enumerate(lengths):
-        _require(n <= max_tokens,
-                 f"sequence {i} has {n} tokens, more than the budget of {max_tokens}")
+        require(n <= max_tokens,
+                f"sequence {i} has {n} tokens, more than the budget of {max_tokens}")
         if total + n > max_tokens:
-            groups.append(group)
-            group, total = [], 0
-        group.append(i)
+            runs.append(run)
+            run, total = [], 0
+        run.append(i)
         total += n
-    if group:
-        groups.append(group)
-    return groups
+    if run:
+        runs.append(run)
+    return runs
 
 
 def fixed_batches(sequences, weights, max_tokens):
     """The sequences packed in order under a token budget: an evaluation set's batches."""
     return [pack_sequences([sequences[i] for i in g], [weights[i] for i in g])
-            for g in budget_groups([len(s) for s in sequences], max_tokens)]
+            for g in split_under_budget([len(s) for s in sequences], max_tokens)]
 
 
 class EpochCursor:
@@ -284,10 +279,10 @@ class EpochCursor:
         return {"epoch": self.epoch, "cursor": self.cursor}
 
     def load_state_dict(self, state):
-        _require(isinstance(state, dict) and set(state) == {"epoch", "cursor"}
-                 and all(type(v) is int and v >= 0 for v in state.values())
-                 and state["cursor"] <= len(self.items),
-                 f"{type(self).__name__}: bad data state {state!r} for {len(self.items)} items")
+        require(isinstance(state, dict) and set(state) == {"epoch", "cursor"}
+                and all(type(v) is int and v >= 0 for v in state.values())
+                and state["cursor"] <= len(self.items),
+                f"{type(self).__name__}: bad data state {state!r} for {len(self.items)} items")
         self.epoch, self.cursor = state["epoch"], state["cursor"]
 
 
@@ -296,11 +291,11 @@ class PackedLoader(EpochCursor):
     examples."""
 
     def __init__(self, sequences, weights, batch_tokens, seed):
-        _require(len(sequences) > 0 and len(sequences) == len(weights),
-                 f"PackedLoader: need a non-empty list of sequences with one weight list each, got "
-                 f"{len(sequences)} and {len(weights)} weight lists")
+        require(len(sequences) > 0 and len(sequences) == len(weights),
+                f"PackedLoader: need a non-empty list of sequences with one weight list each, got "
+                f"{len(sequences)} and {len(weights)} weight lists")
         # refuses a sequence over the budget
-        budget_groups([len(s) for s in sequences], batch_tokens)
+        split_under_budget([len(s) for s in sequences], batch_tokens)
         super().__init__(list(zip(sequences, weights)), seed)
         self.batch_tokens = batch_tokens
 
@@ -421,9 +416,9 @@ def precision(config):
     """(device_type, autocast context) for config's device and dtype; bf16 is autocast over fp32
     weights."""
     device_type = torch.device(config["device"]).type
-    _require(config["dtype"] in ("float32", "bfloat16"),
-             f"dtype={config['dtype']!r}: use 'float32' or 'bfloat16' (float16 needs a grad "
-             f"scaler, which this loop does not have)")
+    require(config["dtype"] in ("float32", "bfloat16"),
+            f"dtype={config['dtype']!r}: use 'float32' or 'bfloat16' (float16 needs a grad "
+            f"scaler, which this loop does not have)")
     if device_type == "cuda":
         torch.backends.cuda.matmul.allow_tf32 = True
         torch.backends.cudnn.allow_tf32 = True
@@ -486,22 +481,18 @@ def check_loop_settings(config):
     for name, low in (("max_iters", 0), ("warmup_iters", 0), ("lr_decay_iters", 0),
                       ("grad_accum", 1), ("batch_tokens", 1), ("log_interval", 1),
                       ("eval_interval", 1), ("ckpt_interval", 1)):
-        _require(name not in config or type(config[name]) is int and config[name] >= low,
-                 f"{name}={config.get(name)!r}: expected an int >= {low}")
-    _require(config.get("grad_accum", 0) % distributed.world() == 0,
-             f"grad_accum={config.get('grad_accum')!r}: expected a multiple of the "
-             f"{distributed.world()} ranks (each takes its share of every step)")
+        require(name not in config or type(config[name]) is int and config[name] >= low,
+                f"{name}={config.get(name)!r}: expected an int >= {low}")
+    require(config.get("grad_accum", 0) % distributed.world() == 0,
+            f"grad_accum={config.get('grad_accum')!r}: expected a multiple of the "
+            f"{distributed.world()} ranks (each takes its share of every step)")
     lr, min_lr = config["learning_rate"], config["min_lr"]
-    _require(_is_number(lr) and lr > 0, f"learning_rate={lr!r}: expected a finite number > 0")
-    _require(_is_number(min_lr) and 0 <= min_lr <= lr,
-             f"min_lr={min_lr!r}: expected 0 <= min_lr <= {lr!r}")
+    require(is_finite_number(lr) and lr > 0, f"learning_rate={lr!r}: expected a finite number > 0")
+    require(is_finite_number(min_lr) and 0 <= min_lr <= lr,
+            f"min_lr={min_lr!r}: expected 0 <= min_lr <= {lr!r}")
     for name in ("weight_decay", "grad_clip", "aux_loss_coef", "max_flops"):
-        _require(name not in config or _is_number(config[name]) and config[name] >= 0,
-                 f"{name}={config.get(name)!r}: expected a number >= 0")
-
-
-def _is_number(v):
-    return type(v) in (int, float) and math.isfinite(v)
+        require(name not in config or is_finite_number(config[name]) and config[name] >= 0,
+                f"{name}={config.get(name)!r}: expected a number >= 0")
 
 
 def due(config, interval, done, last):
