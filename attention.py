@@ -243,20 +243,16 @@ class PagedAttention:
     def __init__(self, cache: PagedKVCache, slot_mapping, groups, backend="sdpa", compiled=False):
         require(backend in ("sdpa", "flex"),
                 f"unknown paged attention backend {backend!r}: expected 'sdpa' or 'flex'")
-        self.cache, self.slot_mapping, self.groups, self.backend = (
-            cache,
-            slot_mapping,
-            list(groups),
-            backend,
-        )
+        self.cache, self.slot_mapping, self.groups, self.backend = (cache, slot_mapping,
+                                                                    list(groups), backend)
         flex = compile_once(flex_attention) if compiled else flex_attention
         self.flex = flex if backend == "flex" else None
         self.masks = [self._sdpa_mask(g) if backend == "sdpa" else self._block_mask(g)
                       for g in self.groups]
 
     def _sdpa_mask(self, g):
-        # additive (0 / -inf), made once per step: a boolean mask is converted inside every layer's
-        # call
+        # additive (0 / -inf), made once per step: a boolean mask is converted inside
+        # every layer's call
         kv_pos = torch.arange(g.block_tables.shape[1] * self.cache.block_size,
                               device=g.query_pos.device)
         visible = kv_pos[None, None, None, :] <= g.query_pos[:, None, :, None]     # [B, 1, Qmax, L]

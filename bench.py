@@ -247,11 +247,8 @@ def profile_top(fn):
     with profile(activities=activities) as prof:
         fn()
         sync(args.device)
-    key = (
-        "self_cuda_time_total"
-        if torch.device(args.device).type == "cuda"
-        else "self_cpu_time_total"
-    )
+    key = ("self_cuda_time_total" if torch.device(args.device).type == "cuda"
+           else "self_cpu_time_total")
     return prof.key_averages().table(sort_by=key, row_limit=args.profile)
 
 
@@ -399,12 +396,8 @@ def bench_multiturn(ours, g, stop):
     def converse(engine):
         # every timed call starts cold; the cache is what the conversation itself builds
         engine.flush_cache()
-        before, prompts, replies, prompt_tokens = (
-            engine.stats()["prefill_tokens"],
-            [system + u[0] for u in users],
-            [],
-            0,
-        )
+        before, prompts, replies, prompt_tokens = (engine.stats()["prefill_tokens"],
+                                                   [system + u[0] for u in users], [], 0)
         for turn in range(args.turns):
             samples = engine.generate(prompts, params)
             prompt_tokens += sum(map(len, prompts))

@@ -290,8 +290,8 @@ def load_hf_checkpoint(path, device="cpu", dtype=torch.float32) -> Transformer:
 
 
 def _write_atomically(path, write):
-    # write to a temp name, then rename: a crash never leaves a half-written file under the real
-    # name
+    # write to a temp name, then rename: a crash never leaves a half-written file under
+    # the real name
     write(path + ".tmp")
     os.replace(path + ".tmp", path)
 

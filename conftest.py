@@ -55,11 +55,8 @@ def one_thread():
 # each script, after destroy_process_group) before one died that way: nothing of the job's work was
 # left. Any other failure, or that abort before a marker, still fails.
 GLOO_EXIT_ABORT = "terminate called without an active exception"
-FINISHED = (
-    "import os as _os; "
-    "open(_os.path.join(_os.environ['FINISH_DIR'], 'finished.' + _os.environ.get('RANK', '0')), "
-    "'w').close()\n"
-)
+FINISHED = ("import os as _os; open(_os.path.join(_os.environ['FINISH_DIR'], 'finished.' + "
+            "_os.environ.get('RANK', '0')), " "'w').close()\n")
 
 
 def run_ranks(argv, nproc, env, **kwargs):

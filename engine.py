@@ -47,28 +47,20 @@ from scheduler import (BlockAllocator, SchedulerConfig, Sequence, check_fits, co
 class EngineConfig:
     """How the engine runs. attention_backend='auto': SDPA over the gathered blocks (see
     attention_choice for why, and when FlexAttention is compiled)."""
-    # a local HF directory; unused when a model is handed to InferenceEngine
-    model_path: str | None = None
-    # 'paged' (block-hash prefix cache) | 'radix' (radix tree, one-token blocks)
-    cache_type: str = "paged"
-    # tokens per KV block
-    block_size: int = 16
-    # KV blocks in the pool; None = size from memory (see pool_size)
-    num_blocks: int | None = None
-    # sequences in one step
-    max_batch_size: int = 256
-    # prompt + completion; None = the model's max_position_embeddings
-    max_model_len: int | None = None
+    model_path: str | None = None       # an HF directory (unused when a model is handed over)
+    cache_type: str = "paged"           # 'paged' (block hashes) | 'radix' (a radix tree)
+    block_size: int = 16                # tokens per KV block
+    num_blocks: int | None = None       # KV blocks in the pool; None = from memory (pool_size)
+    max_batch_size: int = 256           # sequences in one step
+    max_model_len: int | None = None    # prompt + completion; None = max_position_embeddings
     device: str = "cpu"
     dtype: str = "float32"
-    # new tokens in one step (prefill is chunked to fit)
-    max_num_batched_tokens: int = 2048
-    memory_fraction: float = 0.5   # of free memory for the KV pool when num_blocks is None
-    # 'sdpa' | 'flex' | 'auto'
-    attention_backend: str = "auto"
-    compile: bool | None = None    # 'flex' through torch.compile; None: on CUDA only
-    seed: int = 0                  # seeds the per-request sampling seeds
-    weight_version: int = 0        # the version of the weights it starts with (a resumed trainer's)
+    max_num_batched_tokens: int = 2048  # new tokens in one step (prefill is chunked to fit)
+    memory_fraction: float = 0.5        # of free memory, for the pool when num_blocks is None
+    attention_backend: str = "auto"     # 'sdpa' | 'flex' | 'auto'
+    compile: bool | None = None         # 'flex' through torch.compile; None: on CUDA only
+    seed: int = 0                       # seeds the per-request sampling seeds
+    weight_version: int = 0             # the version it starts at (a resumed trainer's)
 
     def __post_init__(self):
         require(self.cache_type in ("paged", "radix"),
@@ -98,14 +90,13 @@ class SamplingParams:
     """How to sample. top_k / top_p restrict what is drawn; the logprob recorded is always
     log_softmax(logits / T) over the whole vocabulary (T = 1 when greedy), see
     sample_with_logprobs."""
-    temperature: float = 1.0             # 0 = greedy
-    max_tokens: int = 256                # completion tokens at most
+    temperature: float = 1.0            # 0 = greedy
+    max_tokens: int = 256               # completion tokens at most
     stop_token_ids: frozenset = frozenset()
-    top_k: int = 0          # 0 = off
-    top_p: float = 1.0      # 1.0 = off
-    # a request with a seed samples the same tokens whatever else is batched
-    seed: int | None = None
-    top_logprobs: int = 0   # also record this many most likely tokens at each step (OpenAI's field)
+    top_k: int = 0                      # 0 = off
+    top_p: float = 1.0                  # 1.0 = off
+    seed: int | None = None             # with a seed, the same tokens whatever else is batched
+    top_logprobs: int = 0               # also record this many most likely tokens (OpenAI's)
 
     def __post_init__(self):
         t, p, stop, seed = self.temperature, self.top_p, self.stop_token_ids, self.seed
@@ -135,26 +126,21 @@ class SamplingParams:
 
 @dataclass(frozen=True)
 class TrainingSample:
+    """One sample, as a trainer takes it. Per completion token: logprobs (log_softmax(logits / T)
+    of the sampled token, T = 1 when greedy), token_versions (the weights that sampled it),
+    top_logprobs (((token, logprob), ...) most likely first, when asked) and loss_mask (1 sampled,
+    0 a multi-turn episode's environment id; () = all sampled)."""
     prompt_tokens: tuple
-    # ends with the stop token when finish_reason == 'stop'
-    completion_tokens: tuple
-    logprobs: tuple           # log_softmax(logits / T) at each completion token (T = 1 when greedy)
-    # the engine never fills it; a trainer may (dataclasses.replace)
-    ref_logprobs: tuple | None = None
-    # the oldest weights that produced a token of this sample
-    weight_version: int = 0
-    # 'stop' | 'length'
-    finish_reason: str = "length"
-    # the weight version that sampled each completion token
+    completion_tokens: tuple            # ends with the stop token when finish_reason == 'stop'
+    logprobs: tuple
+    ref_logprobs: tuple | None = None   # the engine never fills it; a trainer may
+    weight_version: int = 0             # the oldest weights that produced one of its tokens
+    finish_reason: str = "length"       # 'stop' | 'length'
     token_versions: tuple = ()
-    request_id: int = -1          # what add_request returned
-    # 0..num_samples-1 within its request
-    sample_index: int = 0
-    # per completion token: ((token, logprob), ...) most likely first, if asked
+    request_id: int = -1                # what add_request returned
+    sample_index: int = 0               # 0..num_samples-1 within its request
     top_logprobs: tuple = ()
-    # per completion token: 1 sampled, 0 a multi-turn
     loss_mask: tuple = ()
-                                         # episode's environment id; () = all sampled
 
 
 def sampled_mask(sample):
@@ -208,10 +194,8 @@ def check_layout(state_dict, params):
             f"state_dict must be a mapping of name -> tensor, got {type(state_dict).__name__}",
             TypeError)
     if state_dict.keys() != params.keys():
-        missing, unknown = (
-            sorted(set(params) - set(state_dict.keys())),
-            sorted(set(state_dict.keys()) - set(params)),
-        )
+        missing, unknown = (sorted(set(params) - set(state_dict.keys())),
+                            sorted(set(state_dict.keys()) - set(params)))
         require(not missing,
                 f"state_dict is missing {missing[:5]}{' ...' if len(missing) > 5 else ''}")
         require(
@@ -255,8 +239,8 @@ def check_values(tensors, params, dtype):
 
 
 def _reduce(scalars, fn):
-    # a Python float from 0-d tensors, in one sync (one per device when they are spread over
-    # several)
+    # a Python float from 0-d tensors, in one sync (one per device when they are
+    # spread over several)
     if not scalars:
         return 0.0
     try:
@@ -522,11 +506,8 @@ class InferenceEngine:
         for k in range(1, seq.num_samples):
             f = Sequence(next(self._uids), seq.request_id, k, seq.tokens, seq.params, 1,
                          mix_seed(base_seed, k))
-            f.num_prompt, f.num_computed, f.kv_version = (
-                seq.num_prompt,
-                seq.num_computed,
-                seq.kv_version,
-            )
+            f.num_prompt, f.num_computed, f.kv_version = (seq.num_prompt, seq.num_computed,
+                                                          seq.kv_version)
             f.catching_up, f.block_hashes = False, list(seq.block_hashes)
             f.block_table, copy = self.cache.fork_table(seq)
             copies += [copy] if copy else []

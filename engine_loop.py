@@ -2,11 +2,11 @@
 The engine on its own thread, for the HTTP server: one owner runs step(), every client talks to it
 by message.
 
-    loop = EngineLoop(engine, tokenizer)               # starts the owner thread
+    loop = EngineLoop(engine, tokenizer)       # starts the owner thread
     request = loop.submit([prompt_ids], params, n=4, stop=["\\n\\n"], emit=callback)
-    ...                                    # callback(list[Delta]) is called from the owner thread
-    loop.abort(request)                               # its client went away
-    version = loop.call(lambda engine: engine.update_weights(state_dict))   # between two steps
+    ...                                        # callback(list[Delta]) runs on the owner thread
+    loop.abort(request)                        # its client went away
+    loop.call(lambda engine: engine.update_weights(state_dict))   # runs between two steps
     loop.close()
 
 InferenceEngine is single-threaded, so exactly one thread (the owner) ever touches it. Requests,

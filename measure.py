@@ -92,8 +92,8 @@ class PeakMemory:
 
 
 def release_free_memory():
-    # glibc keeps freed memory resident for reuse; malloc_trim hands it back to the OS (elsewhere: a
-    # no-op)
+    # glibc keeps freed memory resident for reuse; malloc_trim hands it back to the OS
+    # (elsewhere: a no-op)
     try:
         import ctypes
         ctypes.CDLL("libc.so.6").malloc_trim(0)

@@ -108,11 +108,8 @@ class ModelConfig:
 
     def is_moe_layer(self, i):
         # the same rule as transformers' Qwen3MoeDecoderLayer
-        return (
-            self.num_experts > 0
-            and i not in self.mlp_only_layers
-            and (i + 1) % self.decoder_sparse_step == 0
-        )
+        return (self.num_experts > 0 and i not in self.mlp_only_layers
+                and (i + 1) % self.decoder_sparse_step == 0)
 
     @property
     def model_type(self):
@@ -216,11 +213,8 @@ class Attention(nn.Module):
     def __init__(self, cfg: ModelConfig, layer_idx: int):
         super().__init__()
         self.layer_idx = layer_idx
-        self.n_head, self.n_kv_head, self.head_dim = (
-            cfg.num_attention_heads,
-            cfg.num_key_value_heads,
-            cfg.head_dim,
-        )
+        self.n_head, self.n_kv_head, self.head_dim = (cfg.num_attention_heads,
+                                                      cfg.num_key_value_heads, cfg.head_dim)
         qkv_bias = cfg.attention_bias or cfg.qkv_bias
         self.q_proj = nn.Linear(cfg.hidden_size, self.n_head * self.head_dim, bias=qkv_bias)
         self.k_proj = nn.Linear(cfg.hidden_size, self.n_kv_head * self.head_dim, bias=qkv_bias)
@@ -447,9 +441,9 @@ class Transformer(nn.Module):
                                            self.config.num_experts_per_tok, x)
 
 
-# ----------------------------------------------------------------------------- the head's logprobs,
-# a chunk of rows at a time: at a real vocabulary (151,936) a 16k-token batch's fp32 logits alone
-# are 10 GB, and log_softmax and its gradient each want as much again
+# -----------------------------------------------------------------------------
+# the head's logprobs, a chunk of rows at a time: at a real vocabulary (151,936) a 16k-token batch's
+# fp32 logits alone are 10 GB, and log_softmax and its gradient each want as much again
 
 
 def head_logprobs(hidden, weight, labels, temperature=1.0, chunk_bytes=256 * 2 ** 20):

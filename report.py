@@ -18,8 +18,8 @@ matplotlib is installed).
     python report.py out/compare 1 2 3 4 5    # the seeds to read (none given: every seed<S> there)
     python report.py --run out/qwen_small/grpo out/qwen_small/grpo.png   # one GRPO run, by step
 
-A difference is paired by seed (both arms start from the same pretrain and SFT checkpoint): with d_s
-= a_s - b_s over n seeds, the interval is mean(d) ± t_{0.975, n-1} * std(d, ddof=1) / sqrt(n)
+A difference is paired by seed (both arms start from the same pretrain and SFT checkpoint): with
+d_s = a_s - b_s over n seeds, the interval is mean(d) ± t_{0.975, n-1} * std(d, ddof=1) / sqrt(n)
 (Student's t). It covers the seed-to-seed variation of everything after the shared checkpoint,
 test-split noise included in each d_s. The cluster bootstrap covers the other source, which problems
 the test split happens to hold: each problem's difference is averaged over seeds, digit multisets (a
@@ -42,8 +42,8 @@ BOOTSTRAP = 2000
 # the arms that train from the SFT checkpoint: the plot's curves
 CURVE_ARMS = ("grpo", "sft_more", "rft")
 
-# t_{0.975, df}, the two-sided 95% quantile of Student's t for df = 1..30 (standard tables, 3
-# decimals)
+# t_{0.975, df}, the two-sided 95% quantile of Student's t for df = 1..30 (standard
+# tables, 3 decimals)
 T975 = (12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262, 2.228,
         2.201, 2.179, 2.160, 2.145, 2.131, 2.120, 2.110, 2.101, 2.093, 2.086,
         2.080, 2.074, 2.069, 2.064, 2.060, 2.056, 2.052, 2.048, 2.045, 2.042)

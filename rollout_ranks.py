@@ -1,8 +1,8 @@
 """
 Rollout ranks: the last K ranks of a torchrun job only sample, the others only train.
 
-    torchrun --standalone --nproc_per_node=2 train_grpo.py config/qwen_small.py --rollout_ranks=1
-    --max_staleness=1
+    torchrun --standalone --nproc_per_node=2 train_grpo.py config/qwen_small.py --rollout_ranks=1 \
+        --max_staleness=1 --tis_cap=2
 
 Who talks to whom (distributed.split_roles makes the groups):
   - the workers share every rollout among themselves (each samples its slice,
@@ -16,8 +16,8 @@ Who talks to whom (distributed.split_roles makes the groups):
 The schedule, with s = max_staleness: rollout j (what iteration j trains on) is sampled with the
 weights after iteration j - s (the run's starting weights while j - s is before the start). So a
 sample is at most s versions behind the weights that train on it, and s = 0 is the colocated run
-exactly: the same weights, the same seeds, the same samples. With s = 1 the worker samples rollout j
-+ 1 while the trainer trains on rollout j:
+exactly: the same weights, the same seeds, the same samples. With s = 1 the worker samples
+rollout j + 1 while the trainer trains on rollout j:
 
     trainer   | wait r0 | train 0 | send w1 | wait r1 | train 1 | send w2 | train 2 ...
     worker    | r0 (w0) | r1 (w0)           | recv w1 | r2 (w1)           | recv w2 | r3 (w2) ...
@@ -42,9 +42,9 @@ from engine import TrainingSample, sampled_mask
 from weight_sync import WeightSync
 
 
-# ----------------------------------------------------------------------------- a rollout as
-# tensors: its numbers in one float64 vector (token ids and versions are exact in float64, and so is
-# a float32 logprob), and its metric names as utf-8 bytes
+# -----------------------------------------------------------------------------
+# a rollout as tensors: its numbers in one float64 vector (token ids and versions are exact in
+# float64, and so is a float32 logprob), and its metric names as utf-8 bytes
 
 
 def encode_rollout(iteration, draw, groups, metrics):

@@ -112,8 +112,8 @@ def _shifted_exp(logits, t):
     sums = _block_sums(e)
     shift = torch.zeros(N, 1, device=logits.device)
     total = sums.sum(-1)
-    # a row whose sum is tiny has its max far below 0: entries that underflow could then carry real
-    # mass
+    # a row whose sum is tiny has its max far below 0: entries that underflow could then
+    # carry real mass
     redo = (~torch.isfinite(total) | (total < 1e-10)).nonzero()[:, 0]
     if len(redo):
         shift[redo] = logits[redo].amax(-1, keepdim=True)
@@ -161,8 +161,8 @@ def _draw(e, block_sums, target):
 
 
 def _draw_filtered(e, top_k, top_p, u):
-    # top-k / top-p on the probabilities: zero the mass outside them, then one cumsum over the
-    # vocabulary
+    # top-k / top-p on the probabilities: zero the mass outside them, then one cumsum
+    # over the vocabulary
     probs = _filter_top_k_top_p(e, top_k, top_p)
     cdf = probs.double().cumsum(-1)
     return torch.searchsorted(cdf, (u * cdf[:, -1])[:, None]).squeeze(1)

@@ -44,6 +44,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from checkpoint import load_hf_checkpoint
+from checks import is_int
 from configurator import configure
 from engine import EngineConfig, InferenceEngine, SamplingParams, check_fits, check_prompt
 from engine_loop import EngineLoop
@@ -94,12 +95,8 @@ class Server:
 
     def __init__(self, engine, tokenizer, name, api_key="", enable_weight_updates=False, eos_ids=(),
                  max_logprobs=20):
-        self.engine, self.tokenizer, self.name, self.max_logprobs = (
-            engine,
-            tokenizer,
-            name,
-            max_logprobs,
-        )
+        self.engine, self.tokenizer, self.name, self.max_logprobs = (engine, tokenizer, name,
+                                                                     max_logprobs)
         self.api_key, self.enable_weight_updates = api_key, enable_weight_updates
         self.vocab_size, self.max_model_len = engine.model.config.vocab_size, engine.max_model_len
         self.eos_ids = frozenset(eos_ids) | {tokenizer.eos_token_id} - {None}
@@ -124,9 +121,7 @@ def _field(body, name, kinds, default, ok=lambda v: True, rule=""):
 
 
 def _ids_list(x):   # a non-empty list of token ids
-    return isinstance(x,
-                      list) and len(x) > 0 and all(isinstance(t, int) and not isinstance(t, bool)
-                                                   for t in x)
+    return isinstance(x, list) and len(x) > 0 and all(is_int(t) for t in x)
 
 
 UNSUPPORTED = dict(best_of=1, echo=False, suffix=None, logit_bias=None, presence_penalty=0,

@@ -149,8 +149,8 @@ def make_eval_fn(env, val_problems, val_batches):
 
 
 def check_settings():
-    # sft.py's own settings, refused before anything in out_dir changes (the loop's are checked by
-    # training)
+    # sft.py's own settings, refused before anything in out_dir changes (the loop's are
+    # checked by training)
     for name, value, low in (("rft_samples", rft_samples, 0), ("rft_problems", rft_problems, 0),
                              ("eval_max_tokens", eval_max_tokens, 1)):
         if type(value) is not int or value < low:

@@ -30,8 +30,9 @@ import random
 import re
 from dataclasses import dataclass
 
-# ----------------------------------------------------------------------------- settings (changing
-# any of these changes the problem space or the split: bump them together with the tests)
+# -----------------------------------------------------------------------------
+# settings (changing any of these changes the problem space or the split: bump them together with
+# the tests)
 
 NUM_DIGITS = (3, 4)  # a problem has this many digits
 DIGITS = range(1, 10)

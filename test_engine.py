@@ -90,19 +90,13 @@ def test_greedy_matches_transformers_generate(checkpoint):
         prompt = PROMPTS[i // G]
         assert s.prompt_tokens == tuple(prompt) and s.sample_index == i % G
         x = torch.tensor([prompt])
-        ref = hf.generate(
-            x,
-            attention_mask=torch.ones_like(x),
-            do_sample=False,
-            max_new_tokens=N,
-            min_new_tokens=N,
-            eos_token_id=None,
-            pad_token_id=0,
-        )[0, len(prompt) :].tolist()
+        out = hf.generate(x, attention_mask=torch.ones_like(x), do_sample=False, max_new_tokens=N,
+                          min_new_tokens=N, eos_token_id=None, pad_token_id=0)
+        ref = out[0, len(prompt):].tolist()
         assert list(s.completion_tokens) == ref, f"[{name}] prompt {i // G} ({len(prompt)} tokens)"
         assert s.finish_reason == "length" and s.weight_version == 0
-        err = (hf_logprobs(hf, prompt,
-                           s.completion_tokens) - torch.tensor(s.logprobs)).abs().max().item()
+        want = hf_logprobs(hf, prompt, s.completion_tokens)
+        err = (want - torch.tensor(s.logprobs)).abs().max().item()
         assert err < 1e-3, f"[{name}] logprob error {err}"
     stats = engine.stats()
     assert stats["prefill_tokens"] + stats["prefix_cache_hit_tokens"] == sum(map(len, PROMPTS))
@@ -153,8 +147,9 @@ def test_engine_logprobs_equal_trainer_logprobs(moe):
             assert (ref - torch.tensor(s.logprobs)).abs().max().item() < 1e-4
 
 
-# ----------------------------------------------------------------------------- paged attention
-# itself: mixed prefill chunks and decodes, every backend, against the training attention
+# -----------------------------------------------------------------------------
+# paged attention itself: mixed prefill chunks and decodes, every backend, against
+# the training attention
 
 
 @torch.no_grad()
@@ -289,8 +284,8 @@ def test_update_weights_serves_no_stale_kv(moe, tmp_path_factory):
 
 
 def test_update_weights_checks_finiteness_in_the_engine_dtype(moe):
-    # an fp32 value that fits fp32 but not fp16 would be inf in an fp16 engine: refused, nothing
-    # changes
+    # an fp32 value that fits fp32 but not fp16 would be inf in an fp16 engine:
+    # refused, nothing changes
     _, path = moe
     name = "layers.0.self_attn.q_proj.weight"
     for dtype, big in (("float16", 1e6), ("bfloat16", 3.4e38)):
@@ -351,8 +346,8 @@ def test_step_api_and_stop_tokens(moe):
     assert len(done) == 3 and len(mine) == 1 and {s.sample_index for s in done
                                                   if s.request_id == other} == {0, 1}
     assert mine[0].completion_tokens == greedy[:first + 1] and mine[0].finish_reason == "stop"
-    # generate() while others' requests are queued: theirs are kept and handed out by the next
-    # step()
+    # generate() while others' requests are queued: theirs are kept and handed out by
+    # the next step()
     engine.add_request(PROMPTS[2], SamplingParams(temperature=0, max_tokens=30))
     assert len(engine.generate([PROMPTS[1]], SamplingParams(temperature=0, max_tokens=2))) == 1
     rest = []

@@ -185,7 +185,8 @@ def test_multi_turn_logprobs_match_the_trainer_and_later_turns_reuse_the_cache(t
     # the trainer's logprobs of the packed episodes equal the engine's on every sampled token
     groups = [(None, episodes[i].prompt, [e.sample() for e in episodes[i:i + 4]], [1.0, 0, 0, 0])
               for i in range(0, len(episodes), 4)]
-    c = {"group_size": 4, "scale_rewards": False, "share_prompt": True, "batch_tokens": 4096}
+    c = {"group_size": 4, "scale_rewards": False, "turn_baseline": False, "share_prompt": True,
+         "batch_tokens": 4096}
     batches = train_grpo.build_batches(groups, c)
     masks = [b.loss_mask for b in batches]
     assert sum(int(m.sum()) for m in masks) == sum(sum(e.mask) for e in episodes)

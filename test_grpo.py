@@ -59,6 +59,31 @@ def test_zero_variance_groups():
     assert flat.tolist() == [True, True, False]
 
 
+def test_turn_baseline_scores_each_reply_against_the_episodes_that_reached_it():
+    # the docstring's example: rewards 1, 0, 1, 0 from episodes of 1, 3, 2 and 3 replies (a reply
+    # is a run of sampled ids, mask 1; the environment's ids between replies have mask 0)
+    def episode(replies):
+        mask = [1, 1] + [0, 0, 1, 1] * (replies - 1)
+        return TrainingSample(prompt_tokens=(1,), completion_tokens=tuple(range(len(mask))),
+                              logprobs=(0.0,) * len(mask), loss_mask=tuple(mask))
+    samples = [episode(n) for n in (1, 3, 2, 3)]
+    rewards = [1.0, 0.0, 1.0, 0.0]
+    c = {"group_size": 4, "scale_rewards": False, "turn_baseline": True}
+    got = train_grpo.token_advantages(samples, rewards, c)
+    third = 1 / 3
+    assert got[0] == pytest.approx([0.5, 0.5])
+    assert got[1] == pytest.approx([-0.5, -0.5, 0, 0, -third, -third, 0, 0, 0, 0])
+    assert got[2] == pytest.approx([0.5, 0.5, 0, 0, 2 * third, 2 * third])
+    assert got[3] == pytest.approx([-0.5, -0.5, 0, 0, -third, -third, 0, 0, 0, 0])
+    # without it every sampled token carries the episode's group advantage
+    plain = train_grpo.token_advantages(samples, rewards, {**c, "turn_baseline": False})
+    assert plain[2] == pytest.approx([0.5, 0.5, 0, 0, 0.5, 0.5])
+    # one-reply episodes: the same either way
+    single = [episode(1) for _ in range(4)]
+    assert train_grpo.token_advantages(single, rewards, c) == \
+        train_grpo.token_advantages(single, rewards, {**c, "turn_baseline": False})
+
+
 @pytest.mark.parametrize("rewards,g", [([1, 0, 1], 2), ([], 2), ([[1, 0]], 2)])
 def test_group_advantages_bad_shapes(rewards, g):
     with pytest.raises(ValueError, match="whole groups"):
@@ -71,7 +96,8 @@ def test_batch_weights_are_advantage_on_completion_only():
     prompt = [1, 5, 6]
     groups = [(None, prompt, [sample((7, 2), (-0.1, -0.2)), sample((8, 9, 2), (-0.3, -0.4, -0.5))],
                [1.0, 0.0])]
-    c = {"group_size": 2, "scale_rewards": False, "share_prompt": False, "batch_tokens": 64}
+    c = {"group_size": 2, "scale_rewards": False, "turn_baseline": False, "share_prompt": False,
+         "batch_tokens": 64}
     (b,) = build_batches(groups, c)
     assert b.tokens.tolist() == [1, 5, 6, 7, 2, 1, 5, 6, 8, 9, 2]
     # row j is scored on labels[j]: the prompt's last row predicts the first completion token
@@ -178,8 +204,8 @@ def test_no_variance_skips_the_step_and_the_sampler_turns_away(tmp_path, monkeyp
     assert state["taken"] == 8 and sum(state["samples"]) == 32
     assert sum(state["successes"]) == 0
     assert sorted(set(sampler.weights().round(4).tolist())) == [round(5 / 36, 4), 0.25]
-    # no step, but a version per iteration (the same weights): rollout ranks count on one per
-    # iteration
+    # no step, but a version per iteration (the same weights): rollout ranks count on
+    # one per iteration
     assert [r["rollout/weight_version"] for r in rows] == [0, 1]
 
 
@@ -292,8 +318,9 @@ def test_problem_sampler_weighs_a_hand_made_record_by_p_times_1_minus_p():
             copy.load_state_dict(bad)
 
 
-# ----------------------------------------------------------------------------- the reward of a
-# truncated completion, the loss normalizers, TIS and the KL term, on hand-made numbers
+# -----------------------------------------------------------------------------
+# the reward of a truncated completion, the loss normalizers, TIS and the KL term,
+# on hand-made numbers
 
 
 def test_a_truncated_completion_scores_zero():
@@ -328,8 +355,8 @@ def two_groups(engine_logprob=None):
 
 def test_loss_normalizers_on_hand_made_batches():
     groups = two_groups()
-    c = {"group_size": 2, "scale_rewards": False, "share_prompt": True, "batch_tokens": 8,
-         "prompts_per_step": 4, "max_new_tokens": 16, "max_turns": 1}
+    c = {"group_size": 2, "scale_rewards": False, "turn_baseline": False, "share_prompt": True,
+         "batch_tokens": 8, "prompts_per_step": 4, "max_new_tokens": 16, "max_turns": 1}
     batches = build_batches(groups, c)
     assert len(batches) > 1                                     # the normalizer spans micro-batches
     masks = [b.loss_mask for b in batches]
@@ -338,8 +365,8 @@ def test_loss_normalizers_on_hand_made_batches():
     assert train_grpo.loss_normalizer(batches, {**c, "loss_norm": "tokens"}) == 8
     assert train_grpo.loss_normalizer(batches,
                                       {**c, "loss_norm": "weights"}) == pytest.approx(8 * 0.5)
-    # the constant normalizer does not move with the batch: a step with fewer samples keeps the same
-    # denominator
+    # the constant normalizer does not move with the batch: a step with fewer samples keeps
+    # the same denominator
     one = build_batches(groups[:1], c)
     assert train_grpo.loss_normalizer(one, {**c, "loss_norm": "constant"}) == 4 * 2 * 16
 
@@ -366,9 +393,9 @@ class FixedLogits:
 
 def test_tis_is_the_papers_estimator_outside_the_normalizer():
     groups = two_groups(engine_logprob=-2.0)
-    c = {"group_size": 2, "scale_rewards": False, "share_prompt": True, "batch_tokens": 64,
-         "prompts_per_step": 2, "max_new_tokens": 4, "max_turns": 1, "loss_norm": "weights",
-         "tis_cap": 2.0, "kl_coef": 0.0}
+    c = {"group_size": 2, "scale_rewards": False, "turn_baseline": False, "share_prompt": True,
+         "batch_tokens": 64, "prompts_per_step": 2, "max_new_tokens": 4, "max_turns": 1,
+         "loss_norm": "weights", "tis_cap": 2.0, "kl_coef": 0.0}
     (b,) = build_batches(groups, c)
     masks = [b.loss_mask]
     normalizer = train_grpo.loss_normalizer([b], c)
@@ -394,9 +421,9 @@ def test_the_steps_own_forward_measures_the_mismatch_and_no_logprob_pass_runs_wi
                       head_dim=16, num_experts=4)
     model = Transformer(cfg)
     groups = two_groups()
-    c = {"group_size": 2, "scale_rewards": False, "share_prompt": True, "batch_tokens": 64,
-         "prompts_per_step": 2, "max_new_tokens": 4, "max_turns": 1, "loss_norm": "constant",
-         "tis_cap": 0.0, "kl_coef": 0.0}
+    c = {"group_size": 2, "scale_rewards": False, "turn_baseline": False, "share_prompt": True,
+         "batch_tokens": 64, "prompts_per_step": 2, "max_new_tokens": 4, "max_turns": 1,
+         "loss_norm": "constant", "tis_cap": 0.0, "kl_coef": 0.0}
     (b,) = build_batches(groups, c)
     masks = [b.loss_mask]
 
@@ -428,9 +455,9 @@ def test_kl_coef_pulls_the_policy_back_toward_the_reference():
         for p in policy.parameters():
             p.add_(0.05 * torch.randn_like(p))
     groups = two_groups()
-    c = {"group_size": 2, "scale_rewards": False, "share_prompt": True, "batch_tokens": 64,
-         "prompts_per_step": 2, "max_new_tokens": 4, "max_turns": 1, "loss_norm": "tokens",
-         "tis_cap": 0.0, "kl_coef": 1.0}
+    c = {"group_size": 2, "scale_rewards": False, "turn_baseline": False, "share_prompt": True,
+         "batch_tokens": 64, "prompts_per_step": 2, "max_new_tokens": 4, "max_turns": 1,
+         "loss_norm": "tokens", "tis_cap": 0.0, "kl_coef": 1.0}
     (b,) = build_batches(groups, c)
     # no advantage: the KL term alone
     b = dataclasses.replace(b, token_weights=torch.zeros_like(b.token_weights))
@@ -438,9 +465,9 @@ def test_kl_coef_pulls_the_policy_back_toward_the_reference():
     off = torch.autocast("cpu", enabled=False)
 
     def gap():
-        # the weights -(log p - log p_ref) make the step a gradient step on 1/2 sum (log p - log
-        # p_ref)^2 over these tokens (and, over tokens sampled from the policy, on the KL to the
-        # reference)
+        # the weights -(log p - log p_ref) make the step a gradient step on 1/2 sum (log p -
+        # log p_ref)^2 over these tokens (and, over tokens sampled from the policy, on the KL
+        # to the reference)
         lp, ref = train_grpo.trainer_logprobs(policy, b,
                                               off), train_grpo.trainer_logprobs(reference, b, off)
         return float(((lp - ref)[masks[0]] ** 2).sum() / 2)

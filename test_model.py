@@ -22,8 +22,8 @@ from model import ModelConfig, Transformer, head_logprobs, train_flops
 
 VOCAB = 96
 
-# three shapes of Qwen3-MoE and one dense Qwen3; "awkward" bends every rule a lazy port would get
-# wrong
+# three shapes of Qwen3-MoE and one dense Qwen3; "awkward" bends every rule a lazy port
+# would get wrong
 HF_CONFIGS = {
     "moe": lambda: Qwen3MoeConfig(
         vocab_size=VOCAB, hidden_size=32, intermediate_size=64, moe_intermediate_size=16,
@@ -348,9 +348,9 @@ def test_grouped_gemm_experts_equal_the_loop(monkeypatch):
 
 @torch.no_grad()
 def test_grouped_gemm_path_is_the_inference_default_and_equals_the_loop(checkpoint, monkeypatch):
-    # the whole model, both expert paths, against each other and transformers; and widths torch's
-    # grouped GEMM cannot take (row strides not 16-byte multiples) fall back to the loop instead of
-    # raising
+    # the whole model, both expert paths, against each other and transformers; and widths
+    # torch's grouped GEMM cannot take (row strides not 16-byte multiples) fall back to the loop
+    # instead of raising
     import model
     name, hf, path = checkpoint
     ours = load_hf_checkpoint(path)
@@ -374,8 +374,9 @@ def test_grouped_gemm_path_is_the_inference_default_and_equals_the_loop(checkpoi
     assert (odd(h, top_idx, top_w) - ref).abs().max().item() < 1e-5
 
 
-# ----------------------------------------------------------------------------- the head's logprobs
-# a chunk of rows at a time (model(..., labels=...)): the same numbers, no [T, V] tensor
+# -----------------------------------------------------------------------------
+# the head's logprobs a chunk of rows at a time (model(..., labels=...)): the same numbers, no [T,
+# V] tensor
 
 
 @pytest.mark.parametrize("temperature", [1.0, 0.7])
@@ -404,10 +405,8 @@ def test_model_labels_path_equals_logits_path():
     torch.manual_seed(0)
     model = Transformer(cfg)
     tokens = torch.randint(0, 64, (24,))
-    position_ids, cu = (
-        torch.cat([torch.arange(10), torch.arange(14)]),
-        torch.tensor([0, 10, 24], dtype=torch.int32),
-    )
+    position_ids, cu = (torch.cat([torch.arange(10), torch.arange(14)]),
+                        torch.tensor([0, 10, 24], dtype=torch.int32))
     labels = torch.randint(0, 64, (24,))
     logits, _ = model(tokens, position_ids, cu, temperature=0.5)
     whole = torch.log_softmax(logits, -1).gather(1, labels[:, None])[:, 0]

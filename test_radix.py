@@ -52,18 +52,12 @@ def test_radix_greedy_matches_transformers_and_paged(checkpoint):
     for i, s in enumerate(got):
         prompt = PROMPTS[i // 2]
         x = torch.tensor([prompt])
-        ref = hf.generate(
-            x,
-            attention_mask=torch.ones_like(x),
-            do_sample=False,
-            max_new_tokens=12,
-            min_new_tokens=12,
-            eos_token_id=None,
-            pad_token_id=0,
-        )[0, len(prompt) :].tolist()
+        out = hf.generate(x, attention_mask=torch.ones_like(x), do_sample=False, max_new_tokens=12,
+                          min_new_tokens=12, eos_token_id=None, pad_token_id=0)
+        ref = out[0, len(prompt):].tolist()
         assert list(s.completion_tokens) == ref, f"[{name}] prompt {i // 2}"
-        assert (hf_logprobs(hf, prompt,
-                            s.completion_tokens) - torch.tensor(s.logprobs)).abs().max() < 1e-3
+        want = hf_logprobs(hf, prompt, s.completion_tokens)
+        assert (want - torch.tensor(s.logprobs)).abs().max() < 1e-3
     paged = engine_for(path).generate(PROMPTS, params, num_samples_per_prompt=2)
     assert outputs(got) == outputs(paged) and close(got, paged)
     # the same memory, one-token blocks
@@ -95,11 +89,8 @@ def test_radix_tiny_pool_preempts_evicts_and_still_matches_paged(moe):
                                                                         1e-4) and close(again, ref,
                                                                                         1e-4)
         st = tiny.stats()
-        assert (
-            st["preemptions"] > 0
-            and tiny.cache.num_evicted > 0
-            and st["prefix_cache_hit_tokens"] > 0
-        )
+        assert (st["preemptions"] > 0 and tiny.cache.num_evicted > 0
+                and st["prefix_cache_hit_tokens"] > 0)
         assert tiny.cache.num_free_blocks() == tiny.cache.num_blocks == 80
         tiny.cache.check()
 
@@ -123,8 +114,8 @@ def test_shared_prefix_not_a_multiple_of_the_block_is_reused_in_full(moe):
         hits[cache_type, "out"] = outputs(first + second)
     assert hits["radix"] == 21 and hits["paged"] == 16
     assert hits["radix", "out"] == hits["paged", "out"]
-    # a group of G: the prompt is prefilled once; a second request for it computes only its last
-    # token
+    # a group of G: the prompt is prefilled once; a second request for it computes only
+    # its last token
     engine = engine_for(path, cache_type="radix")
     engine.generate([a], SamplingParams(temperature=1.0, max_tokens=4), num_samples_per_prompt=4)
     assert engine.stats()["prefill_tokens"] == len(a) and engine.stats()["forks"] == 3
@@ -145,21 +136,15 @@ def test_second_turn_computes_only_the_tokens_it_never_had(moe):
         turn2 = engine.generate([prompt2], params)[0]
         computed = engine.stats()["prefill_tokens"] - before
         if extra is not None:
-            # the new tokens, and the last sampled token of turn 1 (sampled, but its KV never
-            # computed)
+            # the new tokens, and the last sampled token of turn 1 (sampled, but its
+            # KV never computed)
             assert computed == len(user2) + 1
         else:
             assert computed == len(prompt2) - 16                # paged recomputes the partial block
         x = torch.tensor([prompt2])
-        ref = hf.generate(
-            x,
-            attention_mask=torch.ones_like(x),
-            do_sample=False,
-            max_new_tokens=7,
-            min_new_tokens=7,
-            eos_token_id=None,
-            pad_token_id=0,
-        )[0, len(prompt2) :].tolist()
+        out = hf.generate(x, attention_mask=torch.ones_like(x), do_sample=False, max_new_tokens=7,
+                          min_new_tokens=7, eos_token_id=None, pad_token_id=0)
+        ref = out[0, len(prompt2):].tolist()
         assert list(turn2.completion_tokens) == ref
 
 
@@ -284,8 +269,8 @@ def test_radix_tree_invariants(ops):
             cache.invalidate()
             stale |= {s.uid for s in running}
         cache.check()
-        # refcounts are exactly the holders: so a held slot was never evicted, and none is owned
-        # twice
+        # refcounts are exactly the holders: so a held slot was never evicted, and none
+        # is owned twice
         holders = Counter(slot for seq in running for slot in seq.block_table)
         assert all(cache.refcount[s] == holders[s] + cache.in_tree[s] for s in range(S))
         for seq in running:

@@ -1,5 +1,5 @@
-# tests for report.py (the statistics and the plot of compare.sh) on hand-made numbers. CPU, a
-# second.
+# tests for report.py (the statistics and the plot of compare.sh) on hand-made numbers.
+# CPU, a second.
 
 import json
 import math

@@ -59,8 +59,8 @@ def test_a_rollout_rank_without_staleness_samples_and_steps_like_the_colocated_r
     # the trainer scores the worker's tokens with the weights that sampled them: nothing stale,
     # nothing half-applied
     assert all(r["train/logprob_mismatch"] < 1e-5 for r in rows)
-    # a broadcast after every iteration whose weights a later rollout samples with (not after the
-    # last)
+    # a broadcast after every iteration whose weights a later rollout samples with (not
+    # after the last)
     assert [r["iter"] for r in rows if "perf/weight_sync_s" in r] == [1, 2, 3, 4]
     assert all(r["perf/weight_sync_GBps"] > 0 and 0 <= r["perf/trainer_idle_frac"] <= 1
                for r in rows[:4])
@@ -119,8 +119,8 @@ def test_staleness_one_overlaps_sampling_with_training(tmp_path):
     td.launch(tmp_path, "train_grpo.py", tmp_path / "async", args, nproc=2)
     rows = steps(tmp_path / "async")
     assert [r["iter"] for r in rows] == list(range(1, 9))
-    # rollout 0 and 1 sample with the starting weights, rollout j >= 1 with those after iteration j
-    # - 1
+    # rollout 0 and 1 sample with the starting weights, rollout j >= 1 with those after
+    # iteration j - 1
     assert [r["rollout/staleness_max"] for r in rows] == [0] + [1] * 7
     assert all(r["rollout/staleness_mean"] <= r["rollout/staleness_max"] for r in rows)
     # the step is shorter than sampling plus training one after the other: they ran at once

@@ -62,8 +62,8 @@ def test_sample_with_logprobs():
 
 
 def test_two_level_draw_is_the_inverse_cdf_over_the_whole_vocabulary():
-    # several blocks and a partial one: the same token as one cumsum over all V, and the exact
-    # logprob
+    # several blocks and a partial one: the same token as one cumsum over all V, and
+    # the exact logprob
     g = torch.Generator().manual_seed(1)
     N, V = 64, 2 * 1024 + 300
     logits = torch.randn(N, V, generator=g) * 4
@@ -107,15 +107,15 @@ def test_schedule_oldest_first_chunks_prefill_and_preempts_newest():
     out = schedule([], [FakeSeq(1, 12, 4, [0]), FakeSeq(2, 9, 8, [1, 2])], 0,
                    SchedulerConfig(max_batch_size=8, max_num_batched_tokens=4, block_size=4))
     assert out.preempted == (2,) and out.scheduled == ((1, 4),)       # its pages went to the oldest
-    # no free page: the newest running sequence is preempted (its pages count once nobody else holds
-    # them)
+    # no free page: the newest running sequence is preempted (its pages count once nobody
+    # else holds them)
     out = schedule(waiting, [dec, dec_new_page, FakeSeq(6, 6, 5, [6, 7])], 0, cfg)
     assert out.preempted == (6,) and out.scheduled == ((2, 1), (3, 1)) and out.admitted == ()
     shared = FakeSeq(7, 6, 5, [4, 8])                      # shares page 4 with dec_new_page
     out = schedule([], [dec_new_page, shared], 0, cfg)
     assert out.preempted == (7,) and out.scheduled == ((3, 1),)
-    # a group counts as num_samples sequences, and reserves pages for its copies of a partial last
-    # page
+    # a group counts as num_samples sequences, and reserves pages for its copies of a
+    # partial last page
     out = schedule([FakeSeq(8, 6, 0, num_samples=9)], [], 100, cfg)
     assert out.scheduled == ()                            # 9 samples > max_batch_size
     out = schedule([FakeSeq(8, 6, 0, num_samples=4)], [], 4, cfg)

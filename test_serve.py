@@ -210,8 +210,8 @@ def test_streamed_equals_non_streamed(setup, n):
         assert (text[c.index], ids[c.index], finish[c.index]) == (c.text,
                                                                   c.model_extra["token_ids"],
                                                                   c.finish_reason)
-        # the same tokens; logprobs to fp32 rounding, which depends on the rows the engine computed
-        # together
+        # the same tokens; logprobs to fp32 rounding, which depends on the rows the
+        # engine computed together
         assert logprobs[c.index] == pytest.approx(c.logprobs.token_logprobs, abs=1e-5)
     messages = [{"role": "user", "content": "digits 1 2 3 target 6"}]
     whole = api.chat.completions.create(messages=messages, logprobs=True, **kw)
@@ -233,8 +233,7 @@ def test_seeded_n4_repeats_and_stop_strings(setup):
     a, b = api.completions.create(**kw), api.completions.create(**kw)
     ids = [c.model_extra["token_ids"] for c in a.choices]
     assert ids == [c.model_extra["token_ids"] for c in b.choices]
-    assert len({tuple(x)
-                for x in ids}) > 1, "four samples of a random model should not all be the same"
+    assert len({tuple(x) for x in ids}) > 1, "four samples of a random model all the same"
     # a stop string: the text ends before it, and the sample ends at the token that completed it
     # (same seed)
     tok, stop = setup["tok"], a.choices[0].text[3:5]
@@ -246,11 +245,8 @@ def test_seeded_n4_repeats_and_stop_strings(setup):
                                                             whole.finish_reason)
             continue
         assert part.finish_reason == "stop" and part.text == whole.text[:whole.text.index(stop)]
-        assert (
-            ids == full_ids[: len(ids)]
-            and stop in tok.decode(ids)
-            and stop not in tok.decode(ids[:-1])
-        )
+        assert (ids == full_ids[: len(ids)] and stop in tok.decode(ids)
+                and stop not in tok.decode(ids[:-1]))
 
 
 def test_64_concurrent_requests_batch_and_match(setup):
@@ -338,9 +334,8 @@ def test_disconnect_mid_stream_frees_its_sequences(setup):
             break
         time.sleep(0.1)
     assert stats["running"] == 0 and stats["waiting"] == 0, stats
-    assert stats["generated_tokens"] - before < 4 * 250, (
-        f"the aborted samples ran to the end: {stats}"
-    )
+    assert stats["generated_tokens"] - before < 4 * 250, (f"the aborted samples ran to the end: "
+                                                          f"{stats}")
 
 
 def test_update_weights_from_disk(setup):

@@ -5,7 +5,8 @@ import ast
 import pathlib
 
 ROOT = pathlib.Path(__file__).parent
-FILES = sorted(p for pattern in ("*.py", "peers/*.py", "examples/*.py") for p in ROOT.glob(pattern))
+PATTERNS = ("*.py", "peers/*.py", "examples/*.py", "config/*.py", "data/*.py")
+FILES = sorted(p for pattern in PATTERNS for p in ROOT.glob(pattern))
 MAX_LINE, MAX_FUNCTION = 100, 60
 
 

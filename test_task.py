@@ -1,5 +1,5 @@
-# tests for task.py (mini-countdown) and tokenizer.py (the embedded ChatML tokenizer). CPU, a few
-# seconds.
+# tests for task.py (mini-countdown) and tokenizer.py (the embedded ChatML tokenizer). CPU,
+# a few seconds.
 
 import ast
 import collections
@@ -17,27 +17,10 @@ from hypothesis import strategies as st
 from transformers import AutoTokenizer
 
 import task
-from task import (
-    Problem,
-    make_problems,
-    parse_answer,
-    pretrain_corpus,
-    prompt_messages,
-    reward,
-    sft_examples,
-    solutions,
-)
-from tokenizer import (
-    ENDOFTEXT,
-    IM_END,
-    IM_START,
-    build_tokenizer,
-    chat_example,
-    chat_prompt_ids,
-    completion_text,
-    load_tokenizer,
-    save_tokenizer,
-)
+from task import (Problem, make_problems, parse_answer, pretrain_corpus, prompt_messages, reward,
+                  sft_examples, solutions)
+from tokenizer import (ENDOFTEXT, IM_END, IM_START, build_tokenizer, chat_example, chat_prompt_ids,
+                       completion_text, load_tokenizer, save_tokenizer)
 
 
 @pytest.fixture(scope="module")
@@ -364,20 +347,14 @@ def test_split_is_fixed_and_disjoint_by_digit_multiset():
     assert (len(train), len(val), len(test)) == (17465, 2503, 2283)
     assert test[:3] == TEST_HEAD
     multisets = [{p.digits for p in split} for split in (train, val, test)]
-    assert (
-        not multisets[0] & multisets[1]
-        and not multisets[0] & multisets[2]
-        and not multisets[1] & multisets[2]
-    )
+    assert (not multisets[0] & multisets[1] and not multisets[0] & multisets[2]
+            and not multisets[1] & multisets[2])
     assert all(task.split_of(p.digits) == name
                for name, split in (("train", train), ("val", val), ("test", test)) for p in split)
     for split in (val, test):
         assert len(split) >= 1500 and {len(p.digits) for p in split} == {3, 4}
-    assert (
-        make_problems("test") == test
-        and make_problems("val") == val
-        and make_problems("train") == train
-    )
+    assert (make_problems("test") == test and make_problems("val") == val
+            and make_problems("train") == train)
     assert make_problems("train", 10) == train[:10]
     assert make_problems("test", 0) == []
 
@@ -597,7 +574,7 @@ def test_chat_example_mask_covers_exactly_the_reply(tok):
         first = mask.index(1)
         assert all(mask[first : first + len(learned)])  # one contiguous span
         assert ids[first + len(learned) - 1] == im_end
-        assert tok.decode(ids[first + len(learned) :]) == "\n" and mask[-1] == 0
+        assert tok.decode(ids[first + len(learned):]) == "\n" and mask[-1] == 0
         assert tok.decode(ids) == tok.apply_chat_template(conv, tokenize=False)
     # the learned span is what the engine would generate: the reward accepts it, as the trainers
     # decode it
@@ -607,8 +584,8 @@ def test_chat_example_mask_covers_exactly_the_reply(tok):
     by_prompt = {prompt_messages(p)[0]["content"]: p for p in make_problems("train")}
     p = by_prompt[conv[0]["content"]]
     assert reward(p, completion_text(tok, completion)) == 1.0
-    # ... but not with a special token inside it (skipping special tokens when decoding would hide
-    # them)
+    # ... but not with a special token inside it (skipping special tokens when decoding
+    # would hide them)
     for name in (IM_START, ENDOFTEXT, IM_END):
         special = tok.convert_tokens_to_ids(name)
         assert reward(p, completion_text(tok, completion[:1] + [special] + completion[1:])) == 0.0

@@ -74,8 +74,8 @@ def test_unified_loss_is_ignore_index_mean_for_a_mask():
     ref = F.cross_entropy(logits, labels.masked_fill(mask == 0, -100), ignore_index=-100)
     assert mask.sum() > 0 and abs(unified_loss(logits, b).item() - ref.item()) < 1e-6
     # an explicit normalizer replaces the default one, nothing else
-    assert abs(unified_loss(logits, b,
-                            normalizer=7.0).item() - ref.item() * mask.sum().item() / 7.0) < 1e-5
+    explicit = unified_loss(logits, b, normalizer=7.0).item()
+    assert abs(explicit - ref.item() * mask.sum().item() / 7.0) < 1e-5
     # an all-zero mask is a zero loss, not a NaN
     zero = PackedBatch(**{**b.__dict__, "token_weights": torch.zeros(T)})
     assert unified_loss(logits, zero).item() == 0.0
@@ -285,11 +285,8 @@ def test_init_from_transformers_checkpoint_trains(tmp_path):
                                 build_tokenizer)
     assert nxt.iter_num == 0 and nxt.source == str(ckpt)
     meta = json.load(open(ckpt / "checkpoint.json"))
-    assert (
-        meta["iter"] == 4
-        and meta["config"]["max_iters"] == 4
-        and meta["data_state"] == loader.state_dict()
-    )
+    assert (meta["iter"] == 4 and meta["config"]["max_iters"] == 4
+            and meta["data_state"] == loader.state_dict())
 
 
 def test_missing_and_corrupt_checkpoints_are_clear_errors(tmp_path):
@@ -386,10 +383,8 @@ def test_default_config_chains_the_stages(monkeypatch):
         got[script] = runpy.run_path(os.path.join(ROOT, script), run_name="not_main")["config"]
     assert got["pretrain.py"]["init_from"] == "scratch"
     assert got["sft.py"]["init_from"] == got["pretrain.py"]["out_dir"]
-    assert (
-        got["sft.py"]["model"] == got["pretrain.py"]["model"]
-        and got["pretrain.py"]["model"]["num_experts"] == 8
-    )
+    assert (got["sft.py"]["model"] == got["pretrain.py"]["model"]
+            and got["pretrain.py"]["model"]["num_experts"] == 8)
 
 
 # -----------------------------------------------------------------------------

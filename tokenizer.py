@@ -73,17 +73,10 @@ def build_tokenizer() -> PreTrainedTokenizerFast:
     pattern = "|".join(WORDS) + r"|[\s\S]"
     core.pre_tokenizer = pre_tokenizers.Split(Regex(pattern), behavior="isolated")
     core.decoder = decoders.Fuse()  # concatenate the pieces back, no spaces inserted
-    tok = PreTrainedTokenizerFast(
-        tokenizer_object=core,
-        bos_token=None,
-        eos_token=IM_END,
-        pad_token=ENDOFTEXT,
-        unk_token=UNK,
-        additional_special_tokens=[IM_START],
-        chat_template=CHAT_TEMPLATE,
-        clean_up_tokenization_spaces=False,
-        model_max_length=4096,
-    )
+    tok = PreTrainedTokenizerFast(tokenizer_object=core, bos_token=None, eos_token=IM_END,
+                                  pad_token=ENDOFTEXT, unk_token=UNK,
+                                  additional_special_tokens=[IM_START], chat_template=CHAT_TEMPLATE,
+                                  clean_up_tokenization_spaces=False, model_max_length=4096)
     # the specials must keep the ids of VOCAB (add_special_tokens must not have appended new ones)
     for i, s in enumerate(SPECIAL_TOKENS):
         if tok.convert_tokens_to_ids(s) != i:
@@ -225,8 +218,8 @@ def chat_example(tok, messages) -> tuple[list[int], list[int]]:
     if full[: len(prompt)] != prompt:
         raise RuntimeError("chat template is not prefix-stable: prompt ids are not a prefix of the "
                            "full ids")
-    # the reply ends at the last <|im_end|>; what follows it is template trailer ("\n"), not to be
-    # learned
+    # the reply ends at the last <|im_end|>; what follows it is template trailer ("\n"), not
+    # to be learned
     im_end = tok.convert_tokens_to_ids(IM_END)
     end = max(i for i, t in enumerate(full) if t == im_end) + 1
     if end <= len(prompt):
@@ -235,7 +228,7 @@ def chat_example(tok, messages) -> tuple[list[int], list[int]]:
     mask = [0] * len(prompt) + [1] * (end - len(prompt)) + [0] * (len(full) - end)
     # the learned tokens must be exactly the reply text then <|im_end|> (catches unknown characters
     # -> <|unk|>)
-    learned = tok.decode(full[len(prompt) : end], skip_special_tokens=False)
+    learned = tok.decode(full[len(prompt):end], skip_special_tokens=False)
     if learned != reply + IM_END:
         raise ValueError(f"reply does not round-trip through the tokenizer: {reply!r} -> "
                          f"{learned!r}")

@@ -40,19 +40,20 @@ One iteration:
   then log, evaluate on the validation split (every eval_interval) and checkpoint (with the
   sampler's record).
 
-loss_norm, the denominator of unified_loss: 'constant' (the default, Dr. GRPO: prompts_per_step x
-group_size x max_new_tokens, the same every step, so a step's size follows how much its samples have
-to teach and not how many of them there are), 'tokens' (the completion tokens of the step: a
-per-token mean, DAPO) or 'weights' (sum |advantage| over completion tokens: a weighted mean whose
-scale ignores how many groups succeed). No KL term unless kl_coef > 0: it is the k1 estimate log p -
-log p_start per completion token, a per-token penalty in the weights, as in KL-in-reward.
+loss_norm, the denominator of unified_loss: 'constant' (the default, Dr. GRPO:
+prompts_per_step x group_size x max_new_tokens, the same every step, so a step's size follows how
+much its samples have to teach and not how many of them there are), 'tokens' (the completion tokens
+of the step: a per-token mean, DAPO) or 'weights' (sum |advantage| over completion tokens: a
+weighted mean whose scale ignores how many groups succeed). No KL term unless kl_coef > 0: it is the
+k1 estimate log p - log p_start per completion token, a per-token penalty in the weights, as in
+KL-in-reward.
 
 The trainer keeps fp32 master weights; the engine holds its own copy (its dtype) and never aliases
 them. The trainer scores log_softmax(logits / T), the distribution the engine samples at temperature
-T (top-p / top-k would sample another, and are refused). train/logprob_mismatch is the mean |engine
-- trainer logprob| over the step's weighted completion tokens, measured by the step's own forward
-(before the update): fp32 rounding when both hold the same fp32 weights, and the staleness too with
-rollout ranks.
+T (top-p / top-k would sample another, and are refused). train/logprob_mismatch is the mean
+|engine - trainer logprob| over the step's weighted completion tokens, measured by the step's own
+forward (before the update): fp32 rounding when both hold the same fp32 weights, and the staleness
+too with rollout ranks.
 """
 import dataclasses
 import os
@@ -64,7 +65,7 @@ import typing
 import numpy as np
 import torch
 
-from checks import require
+from checks import is_number, require
 import distributed
 import evaluate
 import rollout_ranks as ranks
@@ -81,71 +82,55 @@ from tokenizer import build_tokenizer
 # -----------------------------------------------------------------------------
 # settings (a config file, then --key=value, override these)
 out_dir = "out/grpo"
-# a module name or a .py path (environment.py); 'task' = countdown
-task = "task"
-# 'resume' | a previous run's out_dir | a transformers model dir ('scratch' works too)
-init_from = "out/sft"
-# ModelConfig fields, used only with init_from='scratch'
-model = dict()
+task = "task"                 # a module name or a .py path (environment.py); 'task' = countdown
+init_from = "out/sft"         # 'resume' | a previous run's out_dir | a transformers model dir
+model = dict()                # ModelConfig fields, used only with init_from='scratch'
 seed = 1337
 device = "cpu"
-dtype = "float32"        # the trainer's autocast: 'float32' | 'bfloat16' (master weights stay fp32)
+dtype = "float32"             # the trainer's autocast: 'float32' | 'bfloat16' (weights stay fp32)
 compile = False
 # rollouts
-# problems drawn per step, a group each (zero-variance ones dropped)
-prompts_per_step = 16
-group_size = 8         # samples per prompt (G)
-# of the rollouts; the trainer scores softmax(logits / T) too (on-policy)
-temperature = 1.0
-top_p = 1.0            # only 1.0: the trainer scores the whole distribution, never a nucleus
-# reply budget; a reply that reaches it without stopping scores 0
-max_new_tokens = 16
-max_turns = 1          # replies per episode, at most (> 1: the task's env_response between)
-# multi-turn: every id after the first prompt, at most (environment.py)
-max_episode_tokens = 0
-# train on a group's prompt once, its samples attending to it (training.pack_groups)
-share_prompt = True
-# divide advantages by the group std (GRPO) instead of only centring (Dr. GRPO)
-scale_rewards = False
-# 'constant' | 'tokens' | 'weights' (see the top of this file)
-loss_norm = "constant"
-tis_cap = 0.0          # > 0: weights *= min(exp(trainer - engine logprob), tis_cap), detached (TIS)
-kl_coef = 0.0          # > 0: weights -= kl_coef * (log p - log p_start) on completion tokens
-# the engine's copy of the weights ('bfloat16' on a GPU)
-engine_dtype = "float32"
+prompts_per_step = 16         # problems drawn per step, a group each (flat groups dropped)
+group_size = 8                # samples per prompt (G)
+temperature = 1.0             # of the rollouts; the trainer scores softmax(logits / T) too
+top_p = 1.0                   # only 1.0: the trainer scores the whole distribution
+max_new_tokens = 16           # reply budget; a reply that reaches it without stopping scores 0
+max_turns = 1                 # replies per episode (> 1: the task's env_response between)
+max_episode_tokens = 0        # multi-turn: every id after the first prompt, at most
+share_prompt = True           # train on a group's prompt once (training.pack_groups)
+scale_rewards = False         # divide advantages by the group's std (GRPO), not only centre them
+turn_baseline = False         # multi-turn: reply k against the episodes that reached reply k
+loss_norm = "constant"        # 'constant' | 'tokens' | 'weights' (see the top of this file)
+tis_cap = 0.0                 # > 0: weights *= min(exp(trainer - engine logprob), tis_cap)
+kl_coef = 0.0                 # > 0: weights -= kl_coef * (log p - log p_start)
+engine_dtype = "float32"      # the engine's copy of the weights ('bfloat16' on a GPU)
 engine_block_size = 16
 # optimization
 max_iters = 100
 learning_rate = 1e-4
 min_lr = 1e-5
 warmup_iters = 5
-lr_decay_iters = 0           # 0 = max_iters
+lr_decay_iters = 0            # 0 = max_iters
 weight_decay = 0.0
 beta1 = 0.9
 beta2 = 0.95
 grad_clip = 1.0
-# times the router's load-balancing loss
-aux_loss_coef = 0.01
-batch_tokens = 4096  # tokens per micro-batch; a step is however many micro-batches its samples need
-# torchrun: a collective waiting longer than this ends the job
-dist_timeout_s = 300
-# rollout ranks (torchrun; see rollout_ranks.py)
-# the last K ranks only sample, the others only train; 0 = every rank does both
-rollout_ranks = 0
-# rollout j samples with the weights after iteration j - s; s >= 1 needs tis_cap > 0
-max_staleness = 0
-# bucket size of the trainer-to-workers (and -servers) weight broadcast
-weight_bucket_mb = 64.0
-# rollouts from running serve.py processes (rollout_servers.py)
-rollout_urls = ""            # 'http://host:port[,...]': they sample, the trainer pushes weights
-rollout_api_key = ""         # the servers' --api_key
-weight_master_address = "127.0.0.1"  # where the servers reach this trainer for the weight group
-weight_backend = "gloo"      # the weight group's backend: 'gloo', or 'nccl' with device='cuda'
+aux_loss_coef = 0.01          # times the router's load-balancing loss
+batch_tokens = 4096           # tokens per micro-batch; a step takes as many as its samples need
+dist_timeout_s = 300          # torchrun: a collective waiting longer than this ends the job
+# rollout ranks (torchrun; rollout_ranks.py) and servers (rollout_servers.py)
+rollout_ranks = 0             # the last K ranks only sample, the others only train; 0 = off
+max_staleness = 0             # rollout j samples with the weights of step j - s (s >= 1: TIS)
+weight_bucket_mb = 64.0       # bucket size of the weight broadcast to workers and servers
+rollout_urls = ""             # 'http://host:port[,...]': they sample, the trainer pushes weights
+rollout_api_key = ""          # the servers' --api_key
+weight_master_address = "127.0.0.1"   # where the servers reach this trainer for the weight group
+weight_backend = "gloo"       # the weight group's backend: 'gloo', or 'nccl' with device='cuda'
 # evaluation (with the engine; 'test' is for the final comparison only)
-eval_split = "val"     # 'val' | 'test'
-n_eval_problems = 500  # the first n of the split (0 = all of it)
-keep_best = False      # keep the model of the best eval/accuracy in {out_dir}/best (early stopping)
-pass_k = 8             # samples per problem for eval/pass@1 and pass@k at T (0 = none)
+eval_split = "val"            # 'val' | 'test'
+n_eval_problems = 500         # the first n of the split (0 = all of it)
+keep_best = False             # keep the best eval/accuracy's model in {out_dir}/best
+pass_k = 8                    # samples per problem for eval/pass@1 and pass@k at T (0 = none)
 # logging and checkpoints
 log_interval = 1
 eval_interval = 25
@@ -173,6 +158,42 @@ def group_advantages(rewards, group_size, scale_rewards=False, eps=1e-6):
     if scale_rewards:
         adv = adv / (g.std(dim=1, keepdim=True, unbiased=False) + eps)
     return adv.view(-1)
+
+
+def reply_index(mask):
+    """Per token of an episode, 0 where it was not sampled, else which reply it belongs to:
+    mask [1, 1, 0, 0, 1, 1] -> [1, 1, 0, 0, 2, 2]."""
+    out, k, before = [], 0, 0
+    for m in mask:
+        k += bool(m and not before)
+        out.append(k if m else 0)
+        before = m
+    return out
+
+
+def token_advantages(samples, rewards, config):
+    """Each sample's advantage on each of its tokens, 0 where it was not sampled. By default (and
+    for one-reply episodes) the sample's group advantage on every sampled token. With turn_baseline
+    the tokens of reply k get the episode's reward minus the mean reward of the group's episodes
+    that reached reply k: a reply after feedback competes with the other replies after feedback,
+    not with first answers that were right. Worked example, one group: rewards 1, 0, 1, 0 from
+    episodes of 1, 3, 2 and 3 replies. Reply 1 (all four): baseline 0.5. Reply 2 (episodes 2, 3,
+    4): baseline 1/3, so episode 3's second reply, the one that recovered, gets +2/3 and episode 2's
+    -1/3. Reply 3 (episodes 2 and 4, both failed): baseline 0, advantage 0."""
+    masks = [sampled_mask(s) for s in samples]
+    if not config["turn_baseline"]:
+        adv = group_advantages(rewards, config["group_size"], config["scale_rewards"]).tolist()
+        return [[a * m for m in mask] for a, mask in zip(adv, masks)]
+    replies = [reply_index(mask) for mask in masks]
+    reached = [max(r, default=0) for r in replies]
+    out = [[0.0] * len(mask) for mask in masks]
+    for k in range(1, max(reached) + 1):
+        members = [i for i in range(len(samples)) if reached[i] >= k]
+        adv = group_advantages([rewards[i] for i in members], len(members),
+                               config["scale_rewards"]).tolist()
+        for i, a in zip(members, adv):
+            out[i] = [a if reply == k else w for reply, w in zip(replies[i], out[i])]
+    return out
 
 
 def zero_variance_groups(rewards, group_size):
@@ -297,9 +318,9 @@ def build_batches(groups, config):
     split under batch_tokens."""
     docs = []   # (prompt, completions, weights, logprobs, masks) of each document
     for _, prompt, samples, group_rewards in groups:
-        adv = group_advantages(group_rewards, config["group_size"], config["scale_rewards"])
-        rows = [(list(s.completion_tokens), [a * m for m in sampled_mask(s)], list(s.logprobs),
-                 list(sampled_mask(s))) for s, a in zip(samples, adv.tolist())]
+        weights = token_advantages(samples, group_rewards, config)
+        rows = [(list(s.completion_tokens), w, list(s.logprobs), list(sampled_mask(s)))
+                for s, w in zip(samples, weights)]
         # share_prompt: the group is one document (or as few as fit in batch_tokens); else each
         # sample is one
         parts = [[i] for i in range(len(rows))]
@@ -378,9 +399,8 @@ def apply_corrections(batches, model, reference, autocast, config):
 class RolloutSource(typing.Protocol):
     """Where a step's groups come from and where its new weights go. Colocated (below) is the
     engine in this process; rollout_ranks.RolloutRanks samples on other torchrun ranks and
-    rollout_servers.Servers on running serve.py processes, each a step or more ahead (bounded
-    staleness)."""
-    version: int   # the weight version the next rollout samples with
+    rollout_servers.Servers on running serve.py processes, up to max_staleness steps ahead."""
+    version: int   # the trainer's weight version (staleness is counted from it; checkpointed)
 
     def groups(self, it):
         """Iteration it's kept groups, each (problem, prompt_ids, samples, rewards), and the rollout
@@ -430,7 +450,9 @@ def grpo_step(source, run, reference, config, it):
     # 1. sample group_size episodes for each drawn problem, score them, drop the flat groups
     groups, metrics = source.groups(it)
     clock["rollout"], batches = time.perf_counter(), []
-    if groups:   # (none: every group had zero reward variance; no step, the weights stay)
+    if not groups:   # every group had zero reward variance: no step, the weights stay
+        print0(f"iter {it + 1}: no group with reward variance")
+    else:
         policy = tempered(run.forward, config["temperature"])
         # 2. advantages x loss mask as token weights, packed; the normalizer, fixed first
         batches = build_batches(groups, config)
@@ -447,13 +469,14 @@ def grpo_step(source, run, reference, config, it):
                                            loss_fn=policy_loss))
         metrics["train/normalizer"] = normalizer
         clock["step"] = time.perf_counter()
-    # 5. the new weights to the sampler (in place, in this process): the next rollout is on-policy
+    # 5. publish the new weights to the rollout source (Colocated: in place, so the next rollout
+    # is on-policy)
     metrics.update(source.publish(run.model, it))
     clock["end"] = time.perf_counter()
-    return step_costs(metrics, clock, batches, run, reference, config, it)
+    return step_costs(metrics, clock, batches, run, reference, config)
 
 
-def step_costs(metrics, clock, batches, run, reference, config, it):
+def step_costs(metrics, clock, batches, run, reference, config):
     """The step's bookkeeping: its FLOPs (rollout, the optimizer step and any logprob pass), its
     timings, throughput and MFU (of the optimizer step alone), and with rollout ranks the share of
     the step the trainer waited on them. clock: grpo_step's time marks."""
@@ -469,8 +492,6 @@ def step_costs(metrics, clock, batches, run, reference, config, it):
                         "perf/train_time_s": train_s,
                         "perf/tokens_per_sec": metrics["train/tokens"] / train_s,
                         "perf/mfu": step_flops / train_s / run.peak_flops})
-    else:
-        print0(f"iter {it + 1}: no group with reward variance")
     metrics["perf/step_time_s"] = clock["end"] - clock["start"]
     if "perf/rollout_wait_s" in metrics:
         waited = metrics["perf/rollout_wait_s"] + metrics.get("perf/weight_sync_wait_s", 0.0)
@@ -491,7 +512,7 @@ def check_settings(config):
         require(type(config[name]) is int and config[name] >= low,
                 f"{name}={config[name]!r}: expected an int >= {low}")
     for name in ("tis_cap", "kl_coef"):
-        require(type(config[name]) in (int, float) and config[name] >= 0,
+        require(is_number(config[name]) and config[name] >= 0,
                 f"{name}={config[name]!r}: expected a number >= 0 (0 = off)")
     require(config["loss_norm"] in ("constant", "tokens", "weights"),
             f"loss_norm={config['loss_norm']!r}: expected 'constant', 'tokens' or 'weights'")
@@ -515,7 +536,7 @@ def check_settings(config):
     require(type(config["weight_master_address"]) is str and config["weight_master_address"],
             f"weight_master_address={config['weight_master_address']!r}: expected a host name "
             f"or address the servers can reach")
-    require(type(config["weight_bucket_mb"]) in (int, float) and config["weight_bucket_mb"] > 0,
+    require(is_number(config["weight_bucket_mb"]) and config["weight_bucket_mb"] > 0,
             f"weight_bucket_mb={config['weight_bucket_mb']!r}: expected a number > 0")
     require(config["eval_split"] in ("val", "test"),
             f"eval_split={config['eval_split']!r}: expected 'val' or 'test'")
@@ -558,23 +579,21 @@ def evaluate_and_log(engine, env, run, problems, config, done, meter, best):
         best.update(accuracy=metrics["eval/accuracy"], iter=done)
         if distributed.is_main():
             save_best(config["out_dir"], run.model, run.start.tokenizer)
-    print0(f"eval iter {done} ({config['eval_split']}): " + ", ".join(f"{k} {v:.4f}"
-                                                                      for k, v in metrics.items()) +
-           f" ({time.perf_counter() - t0:.1f} s)")
+    values = ", ".join(f"{k} {v:.4f}" for k, v in metrics.items())
+    print0(f"eval iter {done} ({config['eval_split']}): {values} "
+           f"({time.perf_counter() - t0:.1f} s)")
     return metrics
 
 
 def log_iteration(logger, done, metrics):
     logger.log(done, metrics)
     valid, flat = metrics["rollout/valid_groups"], metrics["rollout/zero_var_groups"]
-    print0(
-        f"iter {done}: reward {metrics['rollout/reward_mean']:.3f}, groups {valid}/{valid + flat}, "
-        f"loss {metrics.get('train/loss', 0):.4f}, mismatch "
-        f"{metrics.get('train/logprob_mismatch', 0):.1e}, "
-        f"len {metrics['rollout/completion_len']:.1f}, {metrics['perf/step_time_s'] * 1000:.0f} "
-        f"ms, "
-        f"rollout {metrics['rollout/tokens_per_s']:.0f} tok/s"
-    )
+    print0(f"iter {done}: reward {metrics['rollout/reward_mean']:.3f}, "
+           f"groups {valid}/{valid + flat}, loss {metrics.get('train/loss', 0):.4f}, "
+           f"mismatch {metrics.get('train/logprob_mismatch', 0):.1e}, "
+           f"len {metrics['rollout/completion_len']:.1f}, "
+           f"{metrics['perf/step_time_s'] * 1000:.0f} ms, "
+           f"rollout {metrics['rollout/tokens_per_s']:.0f} tok/s")
 
 
 def make_engine(model, env, start, sampler, eval_problems, config):
@@ -623,8 +642,8 @@ def main(config):
     else:
         source = Colocated(engine, env, sampler, config)
     meter = Meter(run.start)
-    best = {"accuracy": -1.0,
-            "iter": None} if start.meta is None else start.meta["extra"].get("best")
+    fresh = {"accuracy": -1.0, "iter": None}
+    best = fresh if start.meta is None else start.meta["extra"].get("best")
     # a fresh run: no best model of an earlier run in out_dir
     if start.meta is None and distributed.is_main():
         shutil.rmtree(os.path.join(config["out_dir"], "best"), ignore_errors=True)

@@ -37,24 +37,15 @@ class PackedBatch:
     """N sequences laid end to end in one row of T tokens. Everything per token is aligned with
     `labels`: row j of a sequence reads tokens[j] and is scored on predicting labels[j] = the
     sequence's next token."""
-    # [T] int64, the inputs
-    tokens: torch.Tensor
-    # [T] int64, next token within the sequence (0 on each sequence's last row)
-    labels: torch.Tensor
-    # [T] int64, restarting at 0 for every sequence
-    position_ids: torch.Tensor
-    # [N+1] int32, sequence i is rows cu_seqlens[i]:cu_seqlens[i+1]
-    cu_seqlens: torch.Tensor
-    # [T] float32, the weight of each row's log-likelihood (0 on last rows)
-    token_weights: torch.Tensor
-    # [T] float32, the sampler's logprob of each label (GRPO)
-    log_probs: torch.Tensor | None = None
-    # [N] float32, one per sequence (optional)
-    rewards: torch.Tensor | None = None
-    # [T] int64: documents that share a prefix (pack_groups), else None
-    branch: torch.Tensor | None = None
-    # [T] bool: the rows scored on a sampled token (GRPO: not a prompt's or an environment's)
-    loss_mask: torch.Tensor | None = None
+    tokens: torch.Tensor                     # [T] int64, the inputs
+    labels: torch.Tensor                     # [T] int64, the next token (0 on a last row)
+    position_ids: torch.Tensor               # [T] int64, from 0 in every sequence
+    cu_seqlens: torch.Tensor                 # [N+1] int32, sequence i: rows cu[i]:cu[i+1]
+    token_weights: torch.Tensor              # [T] float32, each row's weight (0 on last rows)
+    log_probs: torch.Tensor | None = None    # [T] float32, the sampler's logprob of each label
+    rewards: torch.Tensor | None = None      # [N] float32, one per sequence (optional)
+    branch: torch.Tensor | None = None       # [T] int64, shared-prefix documents (pack_groups)
+    loss_mask: torch.Tensor | None = None    # [T] bool, rows scored on a sampled token (GRPO)
 
     @property
     def num_tokens(self):
@@ -263,8 +254,8 @@ class EpochCursor:
         if self.cursor == len(self.items):
             self.epoch, self.cursor = self.epoch + 1, 0
         if self._order_epoch != self.epoch:
-            self._order = np.random.default_rng([self.seed,
-                                                 self.epoch]).permutation(len(self.items)).tolist()
+            rng = np.random.default_rng([self.seed, self.epoch])
+            self._order = rng.permutation(len(self.items)).tolist()
             self._order_epoch = self.epoch
         return self.items[self._order[self.cursor]]
 
@@ -362,7 +353,9 @@ def train_step(model, optimizer, batches, lr, grad_clip=1.0, aux_loss_coef=0.0, 
     normalizer = max(weight_sum, 1.0) if normalizer is None else normalizer
     for group in optimizer.param_groups:
         group["lr"] = lr
-    passes = batches or [pack_sequences([[0, 0]], [[0.0, 0.0]]).to(device)]
+    # a rank with no micro-batch joins with one of zero weight (every field a loss_fn may read)
+    idle = pack_sequences([[0, 0]], [[0.0, 0.0]], log_probs=[[0.0, 0.0]], loss_masks=[[0, 0]])
+    passes = batches or [idle.to(device)]
     loss_sum, aux_sum, diff, scored = 0.0, 0.0, 0.0, 0
     for i, b in enumerate(passes):
         with distributed.no_sync(last=i == len(passes) - 1):
@@ -408,8 +401,9 @@ def evaluate_loss(model, batches, device):
     return total / max(norm, 1.0)
 
 
-# ----------------------------------------------------------------------------- the run: its log,
-# the one setup every trainer shares, and the loop of a fixed dataset (pretrain, sft)
+# -----------------------------------------------------------------------------
+# the run: its log, the one setup every trainer shares, and the loop of a fixed
+# dataset (pretrain, sft)
 
 
 def precision(config):
@@ -436,8 +430,8 @@ class Run:
     autocast: object         # the precision context of every forward
     device_type: str
     logger: Logger
-    peak_flops: float       # the matmul rate: the MFU denominator
-    start: Start            # where it came from: tokenizer, iter_num, the resumed checkpoint's meta
+    peak_flops: float        # the matmul rate: the MFU denominator
+    start: Start             # where it came from: tokenizer, iter_num, a resumed checkpoint's meta
 
 
 def setup_run(config, start, data):
@@ -528,12 +522,10 @@ def train(config, start, loader, eval_fn=None, spent_flops=0.0):
                             "perf/tokens_per_sec": metrics["train/tokens"] / seconds,
                             "perf/mfu": flops / seconds / run.peak_flops})
             run.logger.log(done, metrics)
-            print0(
-                f"iter {done}: loss {metrics['train/loss']:.4f}, aux "
-                f"{metrics['train/aux_loss']:.3f}, "
-                f"lr {metrics['train/lr']:.2e}, {seconds * 1000:.0f} ms, "
-                f"{metrics['perf/tokens_per_sec']:.0f} tok/s, mfu {100 * metrics['perf/mfu']:.1f}%"
-            )
+            print0(f"iter {done}: loss {metrics['train/loss']:.4f}, "
+                   f"aux {metrics['train/aux_loss']:.3f}, lr {metrics['train/lr']:.2e}, "
+                   f"{seconds * 1000:.0f} ms, {metrics['perf/tokens_per_sec']:.0f} tok/s, "
+                   f"mfu {100 * metrics['perf/mfu']:.1f}%")
         if eval_fn is not None and due(config, "eval_interval", done, last):
             final = _evaluate(run, done, eval_fn, {"perf/elapsed_s": meter.seconds})
         if due(config, "ckpt_interval", done, last):

@@ -4,8 +4,8 @@
 #   python pretrain.py config/qwen_small.py      # -> out/qwen_small/pretrain
 #   python sft.py config/qwen_small.py           # init_from the pretrain run -> out/qwen_small/sft
 #   python train_grpo.py config/qwen_small.py    # init_from the sft run
-# Top-level names are shared by every stage (each script declares them); the dicts below are per
-# stage.
+# Top-level names are shared by every stage (each script declares them); the dicts below
+# are per stage.
 
 # the model, for init_from='scratch' (vocab_size comes from the tokenizer)
 model = dict(
