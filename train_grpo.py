@@ -34,7 +34,7 @@ One iteration:
      carry the mask); the loss normalizer is fixed now (loss_norm, below); then the per-token
      no-grad corrections fold into the weights: TIS (tis_cap > 0) and the KL to the starting policy
      (kl_coef > 0), from a logprob pass that runs only for them; the shared training.train_step
-     takes one step on policy_loss (the shared unified_loss: a fork changes the objective there);
+     takes one step on policy_loss (unified_loss; a fork changes the objective in policy_loss);
   5. engine.update_weights(model.state_dict()): in place, version += 1, prefix cache flushed (a
      version per iteration, even one without a step);
   then log, evaluate on the validation split (every eval_interval) and checkpoint (with the
@@ -56,6 +56,7 @@ forward (before the update): fp32 rounding when both hold the same fp32 weights,
 too with rollout ranks.
 """
 import dataclasses
+import functools
 import os
 import shutil
 import sys
@@ -346,11 +347,12 @@ def loss_normalizer(batches, config):
     return float(max(sum(b.token_weights.abs().sum().item() for b in batches), 1.0))
 
 
-def policy_loss(logp, batch, normalizer):
+def policy_loss(logp, batch, normalizer, config):
     """GRPO's objective on a batch: the shared unified_loss, -(token_weights * log p).sum() /
     normalizer, with token_weights = advantage x loss mask (times TIS's ratio and minus the KL
-    term, when on). A fork changes the objective here: e.g. PPO's clipped ratio
-    exp(logp - batch.log_probs) against batch.token_weights, over batch.loss_mask."""
+    term, when on). A fork changes the objective here, reading its settings from config: e.g.
+    PPO's clipped ratio exp(logp - batch.log_probs) against batch.token_weights, over
+    batch.loss_mask (docs/forks.md)."""
     return training.unified_loss(logp, batch, normalizer)
 
 
@@ -463,10 +465,11 @@ def grpo_step(source, run, reference, config, it):
         mine = apply_corrections(mine, policy, ref, run.autocast, config)
         clock["corrections"] = time.perf_counter()
         # 4. one optimizer step on policy_loss
-        metrics.update(training.train_step(policy, run.optimizer, mine,
-                                           training.scheduled_lr(config, it), config["grad_clip"],
+        loss_fn = functools.partial(policy_loss, config=config)
+        lr = training.scheduled_lr(config, it)
+        metrics.update(training.train_step(policy, run.optimizer, mine, lr, config["grad_clip"],
                                            config["aux_loss_coef"], run.autocast, normalizer,
-                                           loss_fn=policy_loss))
+                                           loss_fn))
         metrics["train/normalizer"] = normalizer
         clock["step"] = time.perf_counter()
     # 5. publish the new weights to the rollout source (Colocated: in place, so the next rollout
