@@ -7,7 +7,7 @@ How attention reads keys and values, as small objects handed to model.Transforme
   PagedAttention            inference: each sequence's past keys and values live in blocks of
                             the paged KV cache (PagedKVCache); the engine (engine.py) decides
                             which block is whose, and paged_step turns its decisions into the
-                            step's slots, groups and masks
+                            step's slots, padded calls and masks
 
 Both compute exactly what transformers' eager attention computes (the tests compare).
 """
@@ -153,17 +153,17 @@ class PagedKVCache:
 
 
 @dataclass(frozen=True)
-class PagedGroup:
+class PaddedCall:
     """Sequences that attend in one padded call: rows [start, start + num_tokens) of the step's flat
-    batch. Sequence b's queries are the group's rows query_index[b] (padded to Qmax by repeating its
+    batch. Sequence b's queries are the call's rows query_index[b] (padded to Qmax by repeating its
     last row), they sit at positions query_pos[b], and its blocks are block_tables[b]. query_index /
-    token_row are None when every sequence of the group has Qmax new tokens (decodes: Qmax = 1): the
+    token_row are None when every sequence of the call has Qmax new tokens (decodes: Qmax = 1): the
     rows are then already [B, Qmax] row-major."""
     start: int
     num_tokens: int
     block_tables: torch.Tensor              # [B, blocks] int64
     query_pos: torch.Tensor                 # [B, Qmax] int64
-    # [B, Qmax] int64, rows within the group
+    # [B, Qmax] int64, rows within the call
     query_index: torch.Tensor | None = None
     # [num_tokens] int64: each row's place in the padded [B * Qmax]
     token_row: torch.Tensor | None = None
@@ -172,18 +172,19 @@ class PagedGroup:
 def paged_step(kv, starts, qlens, block_tables, extras=()):
     """A step's paged metadata from each sequence's (tokens already computed, new tokens, block
     table), with the sequences ordered decodes first (qlen 1), then prefill chunks: each kind
-    becomes one PagedGroup. Built in numpy and moved to the device in one copy, with `extras` (more
+    becomes one PaddedCall. Built in numpy and moved to the device in one copy, with `extras` (more
     int64 arrays the caller wants on the device) riding along. Returns (positions [T], slot_mapping
-    [T], groups, extras as tensors).
+    [T], the calls, extras as tensors).
 
     A worked example, block_size 4. Three sequences: A decodes its token 5 (blocks [3, 7]), B runs a
     prefill chunk of 3 tokens from 0 (blocks [5]), C a chunk of 2 from 4 (blocks [1, 6]):
       qlens [1, 3, 2] -> cu [0, 1, 4, 6]; row_of [0, 1, 1, 1, 2, 2]; positions [5, 0, 1, 2, 4, 5]
-      slots = block * 4 + position % 4 -> [7*4+1, 5*4+0, 5*4+1, 5*4+2, 6*4+0, 6*4+1] = [29, 20, 21,
-      22, 24, 25] decodes: rows [0, 1), Qmax 1, query_pos [[5]] prefills: rows [1, 6), Qmax 3,
-      query_pos [[0, 1, 2], [4, 5, 5]]; C has 2 < Qmax rows, so
+      slots = block * 4 + position % 4
+            -> [7*4+1, 5*4+0, 5*4+1, 5*4+2, 6*4+0, 6*4+1] = [29, 20, 21, 22, 24, 25]
+      decodes: rows [0, 1), Qmax 1, query_pos [[5]]
+      prefills: rows [1, 6), Qmax 3, query_pos [[0, 1, 2], [4, 5, 5]]; C has 2 < Qmax rows, so
         query_index [[0, 1, 2], [3, 4, 4]] (C's last row repeated) and token_row [0, 1, 2, 3, 4]
-        (row r of the group sits at place token_row[r] of the padded [B * Qmax] output)."""
+        (row r of the call sits at place token_row[r] of the padded [B * Qmax] output)."""
     bs, B = kv.block_size, len(qlens)
     ends = starts + qlens
     cu = np.zeros(B + 1, dtype=np.int64)
@@ -213,22 +214,22 @@ def paged_step(kv, starts, qlens, block_tables, extras=()):
     views = iter(torch.split(flat, [p.size for p in parts]))
     positions, slots = next(views), next(views)
     extras = [next(views) for _ in extras]
-    groups = []
+    calls = []
     for start, num, nb, n_blocks, Qmax, uniform in specs:
         table, qpos = next(views).view(nb, n_blocks), next(views).view(nb, Qmax)
         qidx, row = (None, None) if uniform else (next(views).view(nb, Qmax), next(views))
-        groups.append(PagedGroup(start, num, table, qpos, qidx, row))
-    return positions, slots, groups, extras
+        calls.append(PaddedCall(start, num, table, qpos, qidx, row))
+    return positions, slots, calls, extras
 
 
 class PagedAttention:
     """Attention for one engine step, built once and shared by every layer (the protocol of
     DocumentCausalAttention).
 
-    The step's batch is a flat row of T new tokens in groups (paged_step above). Per layer:
+    The step's batch is a flat row of T new tokens in padded calls (paged_step above). Per layer:
       1. the new tokens' k/v are written into their slots (slot_mapping [T], slot = block *
          block_size + offset),
-      2. per group, each sequence's blocks are gathered into a contiguous [B, kv_heads, L, D] view
+      2. per call, each sequence's blocks are gathered into a contiguous [B, kv_heads, L, D] view
          (L = blocks * block_size; one index_select, a memcpy per block),
       3. the padded queries [B, heads, Qmax, D] attend to it under the mask kv_pos <= query_pos:
          causal, and blind to whatever lies in a block past the sequence's length (masks are built
@@ -240,15 +241,15 @@ class PagedAttention:
     in as its extra queries. backend 'flex': FlexAttention with a BlockMask built directly from the
     positions (create_block_mask is slow on CPU); compiled=True runs it through torch.compile."""
 
-    def __init__(self, cache: PagedKVCache, slot_mapping, groups, backend="sdpa", compiled=False):
+    def __init__(self, cache: PagedKVCache, slot_mapping, calls, backend="sdpa", compiled=False):
         require(backend in ("sdpa", "flex"),
                 f"unknown paged attention backend {backend!r}: expected 'sdpa' or 'flex'")
-        self.cache, self.slot_mapping, self.groups, self.backend = (cache, slot_mapping,
-                                                                    list(groups), backend)
+        self.cache, self.slot_mapping, self.backend = cache, slot_mapping, backend
+        self.calls = list(calls)
         flex = compile_once(flex_attention) if compiled else flex_attention
         self.flex = flex if backend == "flex" else None
         self.masks = [self._sdpa_mask(g) if backend == "sdpa" else self._block_mask(g)
-                      for g in self.groups]
+                      for g in self.calls]
 
     def _sdpa_mask(self, g):
         # additive (0 / -inf), made once per step: a boolean mask is converted inside
@@ -269,9 +270,8 @@ class PagedAttention:
         last = torch.clamp(torch.arange(n_q, device=query_pos.device) * block + block - 1,
                            max=Qmax - 1)
         kv_num_blocks = (query_pos[:, last] // block + 1).to(torch.int32)[:, None, :]  # [B, 1, n_q]
-        kv_indices = torch.arange(n_kv, dtype=torch.int32, device=query_pos.device).expand(B, 1,
-                                                                                           n_q,
-                                                                                           n_kv)
+        kv_indices = torch.arange(n_kv, dtype=torch.int32, device=query_pos.device)
+        kv_indices = kv_indices.expand(B, 1, n_q, n_kv)
 
         def mask_mod(b, h, q_idx, kv_idx):
             return kv_idx <= query_pos[b, q_idx]
@@ -286,7 +286,7 @@ class PagedAttention:
         kc.view(-1, *kc.shape[2:]).index_copy_(0, self.slot_mapping, k)
         vc.view(-1, *vc.shape[2:]).index_copy_(0, self.slot_mapping, v)
         ys = [self._attend(kc, vc, q[g.start:g.start + g.num_tokens], g, mask)
-              for g, mask in zip(self.groups, self.masks)]
+              for g, mask in zip(self.calls, self.masks)]
         return ys[0] if len(ys) == 1 else torch.cat(ys)
 
     def _attend(self, kc, vc, q, g, mask):
@@ -325,9 +325,9 @@ def paged_forward(model, kv, batch, backend, compiled):
                       dtype=np.int64)
     ready = [b for b, (s, n) in enumerate(batch) if s.num_computed + n == s.num_tokens]
     last_rows = (np.cumsum(qlens) - 1)[ready]
-    positions, slots, groups, (tokens, last_rows) = paged_step(
+    positions, slots, calls, (tokens, last_rows) = paged_step(
         kv, starts, qlens, [s.block_table for s, _ in batch], extras=(tokens, last_rows))
-    attention = PagedAttention(kv, slots, groups, backend=backend, compiled=compiled)
+    attention = PagedAttention(kv, slots, calls, backend=backend, compiled=compiled)
     logits, _ = model(tokens, positions, attention=attention, logits_indices=last_rows,
                       aux_loss=False)
     return logits, ready

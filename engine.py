@@ -3,12 +3,10 @@ The rollout engine: a paged KV cache with prefix caching, continuous batching, p
 weight hot-swap.
 
     from engine import InferenceEngine, EngineConfig, SamplingParams
-    # or model=policy, in-process
-    engine = InferenceEngine(EngineConfig(model_path="path/to/hf_dir"))
-    samples = engine.generate(prompts, SamplingParams(temperature=1.0, max_tokens=256,
-                                                      stop_token_ids=frozenset({eos})),
-                                                      num_samples_per_prompt=8)
-    engine.update_weights(policy.state_dict())                           # after each optimizer step
+    engine = InferenceEngine(EngineConfig(model_path="path/to/hf_dir"))   # or model=policy
+    params = SamplingParams(temperature=1.0, max_tokens=256, stop_token_ids=frozenset({eos}))
+    samples = engine.generate(prompts, params, num_samples_per_prompt=8)
+    engine.update_weights(policy.state_dict())                   # after each optimizer step
 
 One step() = schedule (scheduler.py: who runs, which block is whose) -> preempt -> admit -> allocate
 -> forward (one model call over a flat batch of every scheduled token, attention.PagedAttention

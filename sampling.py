@@ -3,7 +3,7 @@ Sampling, as pure functions: one token per row of logits, its logprob, and repro
 draws.
 
     tokens, logprobs = sample_with_logprobs(logits, temperatures, top_k=None, top_p=None,
-    seeds=None, positions=None)
+                                            seeds=None, positions=None)
 
 The logprob is always log_softmax(logits / T) at the sampled token over the whole vocabulary (T = 1
 when greedy), as log_softmax computes it ((x - max) / T - log sum exp((x - max) / T)), never

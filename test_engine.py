@@ -8,7 +8,7 @@ import pytest
 import torch
 from transformers import Qwen3Config, Qwen3MoeConfig
 
-from attention import DocumentCausalAttention, PagedAttention, PagedGroup, PagedKVCache
+from attention import DocumentCausalAttention, PagedAttention, PaddedCall, PagedKVCache
 from conftest import write_hf_checkpoint
 from engine import EngineConfig, InferenceEngine, SamplingParams
 from checkpoint import load_hf_checkpoint
@@ -172,11 +172,11 @@ def test_paged_attention_mixed_batch_matches_document_attention(backend):
     flat = [i for b in range(5) for i in range(cu[b] + done[b], cu[b + 1])]
     slot_mapping = torch.tensor([tables[b][p // 4] * 4 + p % 4 for b in range(5)
                                  for p in range(done[b], lens[b])])
-    decodes = PagedGroup(0, 2, torch.tensor(tables[:2]), torch.tensor([[5], [8]]))
+    decodes = PaddedCall(0, 2, torch.tensor(tables[:2]), torch.tensor([[5], [8]]))
     qlens, Qmax = [9, 3, 1], 9
     within = [[min(i, n - 1) for i in range(Qmax)] for n in qlens]
     starts = [0, 9, 12]
-    prefills = PagedGroup(2, 13, torch.tensor(tables[2:]),
+    prefills = PaddedCall(2, 13, torch.tensor(tables[2:]),
                           torch.tensor([[done[2 + b] + i for i in within[b]] for b in range(3)]),
                           torch.tensor([[starts[b] + i for i in within[b]] for b in range(3)]),
                           torch.tensor([b * Qmax + i for b in range(3) for i in range(qlens[b])]))
