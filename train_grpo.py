@@ -16,27 +16,29 @@ their group's mean.
     python train_grpo.py config/qwen_small.py --max_iters=0 --out_dir=out/eval_sft \
         --eval_split=test --n_eval_problems=0
 
-One iteration:
-  1. draw prompts_per_step training problems with the sampler (ProblemSampler: in proportion to
-     p(1 - p), p a problem's success rate so far, so rollouts go where groups can have reward
-     variance); their chat-template ids are made once and those exact ids go to the engine and into
-     the training batch;
-  2. env.episodes (environment.py): engine.generate(prompt_ids, num_samples_per_prompt=group_size),
-     each prompt prefilled once, its G samples sharing its KV blocks; a multi-turn task's episodes
-     go on, the environment's answer appended by ids, until it says they are over; every sampled
-     token carries the weight version that produced it;
-  3. rewards: the task's (setting `task`), 0 for a reply that did not stop by itself (truncated);
-     advantages = reward - group mean (divided by the group std only when scale_rewards=True: Dr.
-     GRPO shows the division biases toward easy/hard groups); a group whose rewards are all equal
-     teaches nothing: it is dropped and counted (rollout/zero_var_groups), and the sampler's record
-     makes its problem rarer; one rollout call per step, never a refill;
-  4. token_weights = advantage x loss mask (1 on sampled tokens), packed into PackedBatches (which
-     carry the mask); the loss normalizer is fixed now (loss_norm, below); then the per-token
-     no-grad corrections fold into the weights: TIS (tis_cap > 0) and the KL to the starting policy
-     (kl_coef > 0), from a logprob pass that runs only for them; the shared training.train_step
-     takes one step on policy_loss (unified_loss; a fork changes the objective in policy_loss);
-  5. engine.update_weights(model.state_dict()): in place, version += 1, prefix cache flushed (a
-     version per iteration, even one without a step);
+One iteration (grpo_step, with the same numbers):
+  1. sample and score (rollout): draw prompts_per_step training problems with the sampler
+     (ProblemSampler: in proportion to p(1 - p), p a problem's success rate so far, so rollouts go
+     where groups can have reward variance); their chat-template ids are made once and those exact
+     ids go to the engine and into the training batch. env.episodes (environment.py) runs
+     engine.generate(prompt_ids, num_samples_per_prompt=group_size): each prompt prefilled once,
+     its G samples sharing its KV blocks; a multi-turn task's episodes go on, the environment's
+     answer appended by ids, until it says they are over; every sampled token carries the weight
+     version that produced it. Rewards are the task's (setting `task`), 0 for a reply that did not
+     stop by itself. A group whose rewards are all equal teaches nothing: it is dropped and counted
+     (rollout/zero_var_groups), and the sampler's record makes its problem rarer; one rollout call
+     per step, never a refill;
+  2. advantages = reward - group mean (divided by the group std only when scale_rewards=True: Dr.
+     GRPO shows the division biases toward easy/hard groups); token_weights = advantage x loss mask
+     (1 on sampled tokens), packed into PackedBatches that carry the mask; the loss normalizer is
+     fixed now (loss_norm, below);
+  3. this rank's share of the batches, with the per-token no-grad corrections folded into their
+     weights: TIS (tis_cap > 0) and the KL to the starting policy (kl_coef > 0), from a logprob
+     pass that runs only for them;
+  4. one optimizer step (training.train_step) on policy_loss, the shared unified_loss: a fork
+     changes the objective there;
+  5. publish: engine.update_weights(model.state_dict()), in place, version += 1, prefix cache
+     flushed (a version per iteration, even one without a step);
   then log, evaluate on the validation split (every eval_interval) and checkpoint (with the
   sampler's record).
 
