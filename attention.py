@@ -136,14 +136,8 @@ class PagedKVCache:
 
     @staticmethod
     def bytes_per_block(cfg, block_size, dtype):
-        return (
-            2
-            * cfg.num_hidden_layers
-            * block_size
-            * cfg.num_key_value_heads
-            * cfg.head_dim
-            * dtype.itemsize
-        )
+        per_layer = block_size * cfg.num_key_value_heads * cfg.head_dim * dtype.itemsize
+        return 2 * cfg.num_hidden_layers * per_layer
 
     def copy_blocks(self, src, dst):
         """Copy blocks src -> dst (1-D index tensors) in every layer: a forked sequence's private
