@@ -62,24 +62,22 @@ def test_zero_variance_groups():
 def test_turn_baseline_scores_each_reply_against_the_episodes_that_reached_it():
     # the docstring's example: rewards 1, 0, 1, 0 from episodes of 1, 3, 2 and 3 replies (a reply
     # is a run of sampled ids, mask 1; the environment's ids between replies have mask 0)
-    def episode(replies):
-        mask = [1, 1] + [0, 0, 1, 1] * (replies - 1)
-        return TrainingSample(prompt_tokens=(1,), completion_tokens=tuple(range(len(mask))),
-                              logprobs=(0.0,) * len(mask), loss_mask=tuple(mask))
-    samples = [episode(n) for n in (1, 3, 2, 3)]
+    def mask(replies):
+        return [1, 1] + [0, 0, 1, 1] * (replies - 1)
+    masks = [mask(n) for n in (1, 3, 2, 3)]
     rewards = [1.0, 0.0, 1.0, 0.0]
     c = {"group_size": 4, "scale_rewards": False, "turn_baseline": True}
-    got = train_grpo.token_advantages(samples, rewards, c)
+    got = train_grpo.token_advantages(masks, rewards, c)
     third = 1 / 3
     assert got[0] == pytest.approx([0.5, 0.5])
     assert got[1] == pytest.approx([-0.5, -0.5, 0, 0, -third, -third, 0, 0, 0, 0])
     assert got[2] == pytest.approx([0.5, 0.5, 0, 0, 2 * third, 2 * third])
     assert got[3] == pytest.approx([-0.5, -0.5, 0, 0, -third, -third, 0, 0, 0, 0])
     # without it every sampled token carries the episode's group advantage
-    plain = train_grpo.token_advantages(samples, rewards, {**c, "turn_baseline": False})
+    plain = train_grpo.token_advantages(masks, rewards, {**c, "turn_baseline": False})
     assert plain[2] == pytest.approx([0.5, 0.5, 0, 0, 0.5, 0.5])
     # one-reply episodes: the same either way
-    single = [episode(1) for _ in range(4)]
+    single = [mask(1) for _ in range(4)]
     assert train_grpo.token_advantages(single, rewards, c) == \
         train_grpo.token_advantages(single, rewards, {**c, "turn_baseline": False})
 

@@ -174,8 +174,9 @@ def reply_index(mask):
     return out
 
 
-def token_advantages(samples, rewards, config):
-    """Each sample's advantage on each of its tokens, 0 where it was not sampled. By default (and
+def token_advantages(masks, rewards, config):
+    """Each sample's advantage on each of its tokens (masks: its sampled_mask), 0 where it was not
+    sampled. By default (and
     for one-reply episodes) the sample's group advantage on every sampled token. With turn_baseline
     the tokens of reply k get the episode's reward minus the mean reward of the group's episodes
     that reached reply k: a reply after feedback competes with the other replies after feedback,
@@ -183,7 +184,6 @@ def token_advantages(samples, rewards, config):
     episodes of 1, 3, 2 and 3 replies. Reply 1 (all four): baseline 0.5. Reply 2 (episodes 2, 3,
     4): baseline 1/3, so episode 3's second reply, the one that recovered, gets +2/3 and episode 2's
     -1/3. Reply 3 (episodes 2 and 4, both failed): baseline 0, advantage 0."""
-    masks = [sampled_mask(s) for s in samples]
     if not config["turn_baseline"]:
         adv = group_advantages(rewards, config["group_size"], config["scale_rewards"]).tolist()
         return [[a * m for m in mask] for a, mask in zip(adv, masks)]
@@ -191,7 +191,7 @@ def token_advantages(samples, rewards, config):
     reached = [max(r, default=0) for r in replies]
     out = [[0.0] * len(mask) for mask in masks]
     for k in range(1, max(reached) + 1):
-        members = [i for i in range(len(samples)) if reached[i] >= k]
+        members = [i for i in range(len(masks)) if reached[i] >= k]
         adv = group_advantages([rewards[i] for i in members], len(members),
                                config["scale_rewards"]).tolist()
         for i, a in zip(members, adv):
@@ -321,9 +321,10 @@ def build_batches(groups, config):
     split under batch_tokens."""
     docs = []   # (prompt, completions, weights, logprobs, masks) of each document
     for _, prompt, samples, group_rewards in groups:
-        weights = token_advantages(samples, group_rewards, config)
-        rows = [(list(s.completion_tokens), w, list(s.logprobs), list(sampled_mask(s)))
-                for s, w in zip(samples, weights)]
+        masks = [list(sampled_mask(s)) for s in samples]
+        weights = token_advantages(masks, group_rewards, config)
+        rows = [(list(s.completion_tokens), w, list(s.logprobs), m)
+                for s, w, m in zip(samples, weights, masks)]
         # share_prompt: the group is one document (or as few as fit in batch_tokens); else each
         # sample is one
         parts = [[i] for i in range(len(rows))]

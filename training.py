@@ -354,8 +354,8 @@ def train_step(model, optimizer, batches, lr, grad_clip=1.0, aux_loss_coef=0.0, 
     for group in optimizer.param_groups:
         group["lr"] = lr
     # a rank with no micro-batch joins with one of zero weight (every field a loss_fn may read)
-    idle = pack_sequences([[0, 0]], [[0.0, 0.0]], log_probs=[[0.0, 0.0]], loss_masks=[[0, 0]])
-    passes = batches or [idle.to(device)]
+    passes = batches or [pack_sequences([[0, 0]], [[0.0, 0.0]], log_probs=[[0.0, 0.0]],
+                                        loss_masks=[[0, 0]]).to(device)]
     loss_sum, aux_sum, diff, scored = 0.0, 0.0, 0.0, 0
     for i, b in enumerate(passes):
         with distributed.no_sync(last=i == len(passes) - 1):
