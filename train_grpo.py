@@ -42,17 +42,16 @@ One iteration (grpo_step, with the same numbers):
   then log, evaluate on the validation split (every eval_interval) and checkpoint (with the
   sampler's record).
 
-loss_norm, the denominator of unified_loss: 'constant' (the default, Dr. GRPO:
-prompts_per_step x group_size x max_new_tokens, the same every step, so a step's size follows how
-much its samples have to teach and not how many of them there are), 'tokens' (the completion tokens
-of the step: a per-token mean, DAPO) or 'weights' (sum |advantage| over completion tokens: a
-weighted mean whose scale ignores how many groups succeed). No KL term unless kl_coef > 0: it is the
-k1 estimate log p - log p_start per completion token, a per-token penalty in the weights, as in
-KL-in-reward.
+loss_norm, the denominator of unified_loss: 'constant' (the default, Dr. GRPO: prompts_per_step x
+group_size x max_new_tokens x max_turns, the same every step, so a step's size follows how much its
+samples have to teach and not how many of them there are), 'tokens' (the completion tokens of the
+step: a per-token mean, DAPO) or 'weights' (sum |advantage| over completion tokens: a weighted mean
+whose scale ignores how many groups succeed). No KL term unless kl_coef > 0: it is the k1 estimate
+log p - log p_start per completion token, a per-token penalty in the weights, as in KL-in-reward.
 
 The trainer keeps fp32 master weights; the engine holds its own copy (its dtype) and never aliases
 them. The trainer scores log_softmax(logits / T), the distribution the engine samples at temperature
-T (top-p / top-k would sample another, and are refused). train/logprob_mismatch is the mean
+T (top-p would sample another, and is refused). train/logprob_mismatch is the mean
 |engine - trainer logprob| over the step's weighted completion tokens, measured by the step's own
 forward (before the update): fp32 rounding when both hold the same fp32 weights, and the staleness
 too with rollout ranks.
@@ -176,8 +175,8 @@ def reply_index(mask):
 
 def token_advantages(masks, rewards, config):
     """Each sample's advantage on each of its tokens (masks: its sampled_mask), 0 where it was not
-    sampled. By default (and
-    for one-reply episodes) the sample's group advantage on every sampled token. With turn_baseline
+    sampled. By default (and for one-reply episodes) the sample's group advantage on every
+    sampled token. With turn_baseline
     the tokens of reply k get the episode's reward minus the mean reward of the group's episodes
     that reached reply k: a reply after feedback competes with the other replies after feedback,
     not with first answers that were right. Worked example, one group: rewards 1, 0, 1, 0 from
@@ -316,9 +315,10 @@ def rollout(engine, env, sampler, config, it):
 def build_batches(groups, config):
     """The step's packed batches: token_weights = the sample's advantage on its sampled tokens, 0 on
     the prompt (and on a multi-turn episode's environment tokens); loss_mask = 1 on the sampled
-    tokens; log_probs = the engine's logprob of each. A document is a whole group whose samples
-    share its prompt's rows (share_prompt, training.pack_groups) or one sample. Whole documents are
-    split under batch_tokens."""
+    tokens; log_probs = the engine's logprob of each. A document is a group whose samples share
+    its prompt's rows (share_prompt, training.pack_groups; a group longer than batch_tokens is
+    split into several such documents) or one sample. Whole documents are split under
+    batch_tokens."""
     docs = []   # (prompt, completions, weights, logprobs, masks) of each document
     for _, prompt, samples, group_rewards in groups:
         masks = [list(sampled_mask(s)) for s in samples]

@@ -43,7 +43,7 @@ sft = dict(
 # chosen on the validation split (docs/results.md): 128 problems per step drawn by p(1 - p) in one
 # rollout call, 8 samples each at temperature 1; advantages divided by the group's std (the few
 # right answers of a hard problem weigh as much as an easy problem's); the loss normalizer is the
-# constant one (Dr. GRPO); no KL term; 120 steps fill the speedrun's 10 minutes
+# constant one (Dr. GRPO); no KL term; 120 steps fill the rest of the speedrun's time
 grpo = dict(
     out_dir="out/qwen_small/grpo",
     init_from="out/qwen_small/sft/best",   # the SFT run's best model on validation
