@@ -175,14 +175,14 @@ def reply_index(mask):
 
 def token_advantages(masks, rewards, config):
     """Each sample's advantage on each of its tokens (masks: its sampled_mask), 0 where it was not
-    sampled. By default (and for one-reply episodes) the sample's group advantage on every
-    sampled token. With turn_baseline
-    the tokens of reply k get the episode's reward minus the mean reward of the group's episodes
-    that reached reply k: a reply after feedback competes with the other replies after feedback,
-    not with first answers that were right. Worked example, one group: rewards 1, 0, 1, 0 from
-    episodes of 1, 3, 2 and 3 replies. Reply 1 (all four): baseline 0.5. Reply 2 (episodes 2, 3,
-    4): baseline 1/3, so episode 3's second reply, the one that recovered, gets +2/3 and episode 2's
-    -1/3. Reply 3 (episodes 2 and 4, both failed): baseline 0, advantage 0."""
+    sampled. By default (and for one-reply episodes) the sample's group advantage on every sampled
+    token. With turn_baseline the tokens of reply k get the episode's reward minus the mean reward
+    of the group's episodes that reached reply k: a reply after feedback competes with the other
+    replies after feedback, not with first answers that were right. Worked example, one group:
+    rewards 1, 0, 1, 0 from episodes of 1, 3, 2 and 3 replies. Reply 1 (all four): baseline 0.5.
+    Reply 2 (episodes 2, 3, 4): baseline 1/3, so episode 3's second reply, the one that recovered,
+    gets +2/3 and episode 2's -1/3. Reply 3 (episodes 2 and 4, both failed): baseline 0, advantage
+    0."""
     if not config["turn_baseline"]:
         adv = group_advantages(rewards, config["group_size"], config["scale_rewards"]).tolist()
         return [[a * m for m in mask] for a, mask in zip(adv, masks)]
