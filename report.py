@@ -365,13 +365,13 @@ def plot_run(run_dir, path):
                    key=lambda k: int(k.rsplit("_", 1)[1]))
     lengths = [(r["iter"], r["rollout/completion_len"]) for r in rows
                if "rollout/completion_len" in r]
-    fig, (top, bottom) = plt.subplots(2, 1, figsize=(7, 6), sharex=True)
+    fig, (top, bottom) = plt.subplots(2, 1, figsize=(9 if turns else 7, 6), sharex=True)
     for i, key in enumerate(turns or ["eval/accuracy"]):
         label = f"right within {key.rsplit('_', 1)[1]} turn(s)" if turns else None
         top.plot([r["iter"] for r in evals], [r[key] for r in evals], marker="o",
                  color=f"C{3 + i}", label=label)
-    if turns:
-        top.legend()
+    if turns:   # beside the panel: the curves fill it
+        top.legend(loc="center left", bbox_to_anchor=(1.01, 0.5), fontsize="small")
     top.set_ylabel("validation greedy accuracy")
     if lengths:
         bottom.plot(*zip(*lengths), color="C0", marker="o" if len(lengths) < 2 else None)

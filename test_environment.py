@@ -16,6 +16,7 @@ import torch
 import checkpoint
 import task
 import task_feedback
+import task_guess
 import task_jsonl
 import train_grpo
 import training
@@ -309,6 +310,38 @@ def test_countdown_feedback_demonstrations_answer_right_after_their_misses():
         for i in range(1, len(messages) - 1, 2):   # each miss, then what the environment said
             assert task.reward(problem, messages[i]["content"]) == 0.0
             assert task_feedback.env_response(problem, messages[:i + 1]) == [messages[i + 1]]
+
+
+def test_higher_or_lower_says_which_way_and_the_range_left():
+    problem = task_guess.Problem(n=40, secret=23)
+    messages = task_guess.prompt_messages(problem)
+    assert messages == [{"role": "user", "content": "guess 1 to 40"}]
+    for reply, said in [("17", "17 is too low: 18 to 40"), ("30", "30 is too high: 18 to 29"),
+                        ("3", "3 is too low: 18 to 29"),      # a guess out of range narrows nothing
+                        ("2x", "not a number: 18 to 29"), ("", "not a number: 18 to 29")]:
+        messages = messages + [{"role": "assistant", "content": reply}]
+        assert task_guess.reward(problem, reply) == 0.0
+        response = task_guess.env_response(problem, messages)
+        assert response == [{"role": "user", "content": said}]
+        messages = messages + response
+    assert task_guess.episode_reward(problem, messages) == 0.0
+    messages = messages + [{"role": "assistant", "content": " 23 "}]
+    assert task_guess.env_response(problem, messages) is None
+    assert task_guess.episode_reward(problem, messages) == 1.0
+
+
+def test_higher_or_lower_splits_are_disjoint_and_demonstrations_stay_in_range():
+    splits = {s: task_guess.make_problems(s) for s in ("train", "val", "test")}
+    assert [len(splits[s]) for s in ("val", "test")] == [task_guess.N_VAL, task_guess.N_TEST]
+    everything = [p for ps in splits.values() for p in ps]
+    assert len(set(everything)) == len(everything) == sum(range(10, 64))
+    for messages in task_guess.sft_examples(0, 0.05):
+        problem = next(p for p in splits["train"] if messages[0] == task_guess.prompt_messages(p)[0]
+                       and all(task_guess.env_response(p, messages[:i + 1]) == [messages[i + 1]]
+                               for i in range(1, len(messages) - 1, 2)))
+        replies = [m["content"] for m in messages if m["role"] == "assistant"]
+        lo, hi = task_guess.range_left(problem, replies[:-1])
+        assert lo <= int(replies[-1]) <= hi      # each demonstrated guess is in the range left
 
 
 def test_the_jsonl_task_reads_its_rows_and_scores_replies():
