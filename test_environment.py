@@ -87,6 +87,7 @@ class Scripted:
 
 def test_a_task_is_a_setting_and_a_bad_one_is_refused(tmp_path):
     assert load_task("task") is task and load_task("task_feedback") is task_feedback
+    assert load_task("task_guess") is task_guess
     parity = load_task(write_task(str(tmp_path)))
     assert parity.reward(None, "ab") == 1.0 and parity.make_problems is task.make_problems
     with pytest.raises(ValueError, match="no module"):
@@ -312,7 +313,7 @@ def test_countdown_feedback_demonstrations_answer_right_after_their_misses():
             assert task_feedback.env_response(problem, messages[:i + 1]) == [messages[i + 1]]
 
 
-def test_higher_or_lower_says_which_way_and_the_range_left():
+def test_higher_or_lower_says_which_way_and_the_range_left(tok):
     problem = task_guess.Problem(n=40, secret=23)
     messages = task_guess.prompt_messages(problem)
     assert messages == [{"role": "user", "content": "guess 1 to 40"}]
@@ -324,10 +325,15 @@ def test_higher_or_lower_says_which_way_and_the_range_left():
         response = task_guess.env_response(problem, messages)
         assert response == [{"role": "user", "content": said}]
         messages = messages + response
-    assert task_guess.episode_reward(problem, messages) == 0.0
     messages = messages + [{"role": "assistant", "content": " 23 "}]
     assert task_guess.env_response(problem, messages) is None
-    assert task_guess.episode_reward(problem, messages) == 1.0
+    # as an episode: it ends at the right guess, scored by it; max_turns ends a miss
+    env = Environment(task_guess, tok, max_new_tokens=4, max_turns=6, max_episode_tokens=256)
+    (e,) = env.episodes(Scripted(tok, [("17", True), ("30", True), ("23", True)]), [problem])
+    assert (e.turns, e.reward) == (3, 1.0)
+    assert [m["content"] for m in e.messages[1:4]] == ["17", "17 is too low: 18 to 40", "30"]
+    (e,) = env.episodes(Scripted(tok, [("20", True)] * 6), [problem])
+    assert (e.turns, e.reward) == (6, 0.0)
 
 
 def test_higher_or_lower_splits_are_disjoint_and_demonstrations_stay_in_range():
@@ -335,6 +341,10 @@ def test_higher_or_lower_splits_are_disjoint_and_demonstrations_stay_in_range():
     assert [len(splits[s]) for s in ("val", "test")] == [task_guess.N_VAL, task_guess.N_TEST]
     everything = [p for ps in splits.values() for p in ps]
     assert len(set(everything)) == len(everything) == sum(range(10, 64))
+    assert task_guess.make_problems("val", 3) == splits["val"][:3]
+    for n in (401, -1, 2.0):
+        with pytest.raises(ValueError, match=f"got {n}"):
+            task_guess.make_problems("val", n)
     for messages in task_guess.sft_examples(0, 0.05):
         problem = next(p for p in splits["train"] if messages[0] == task_guess.prompt_messages(p)[0]
                        and all(task_guess.env_response(p, messages[:i + 1]) == [messages[i + 1]]
