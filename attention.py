@@ -8,8 +8,10 @@ How attention reads keys and values, as small objects handed to model.Transforme
                             the paged KV cache (PagedKVCache); the engine (engine.py) decides
                             which block is whose, and paged_step turns its decisions into the
                             step's slots, padded calls and masks
+  DecodeAttention           the same, for a step where every sequence decodes, as
+                            torch.compile sees it (EngineConfig(compile=True), paged_forward)
 
-Both compute exactly what transformers' eager attention computes (the tests compare).
+All compute exactly what transformers' eager attention computes (the tests compare).
 """
 
 import functools
@@ -29,12 +31,13 @@ from checks import require
 
 
 @functools.cache
-def compile_once(fn):
+def compile_once(fn, dynamic=None):
     """torch.compile(fn), once per process. Batch sizes and lengths change every call, so
     torch.compile's automatic dynamic shapes (first call static, then the dims that changed go
     dynamic) keep recompiles to a few; dynamic=True from the start hits an inductor C++ codegen
-    error for CPU flex (torch 2.13)."""
-    return torch.compile(fn)
+    error for CPU flex (torch 2.13), but saves the decode steps (paged_forward) a second
+    compile."""
+    return torch.compile(fn, dynamic=dynamic)
 
 
 class DocumentCausalAttention:
@@ -274,39 +277,83 @@ class PagedAttention:
                                         seq_lengths=(Qmax, L))
 
     def __call__(self, layer_idx, q, k, v):
-        # [num_blocks, block_size, Hkv, D]
-        kc, vc = self.cache.k[layer_idx], self.cache.v[layer_idx]
-        # the new tokens into their slots
-        kc.view(-1, *kc.shape[2:]).index_copy_(0, self.slot_mapping, k)
-        vc.view(-1, *vc.shape[2:]).index_copy_(0, self.slot_mapping, v)
-        ys = [self._attend(kc, vc, q[g.start:g.start + g.num_tokens], g, mask)
-              for g, mask in zip(self.calls, self.masks)]
-        return ys[0] if len(ys) == 1 else torch.cat(ys)
+        return paged_attention(q, k, v, self.cache.k[layer_idx], self.cache.v[layer_idx],
+                               self.slot_mapping, self.calls, self.masks, self.flex)
 
-    def _attend(self, kc, vc, q, g, mask):
-        T, Hq, D = q.shape
-        Hkv = kc.shape[2]
-        B, Qmax = g.query_pos.shape
-        L = g.block_tables.shape[1] * self.cache.block_size
-        blocks = g.block_tables.view(-1)
-        k = kc.index_select(0, blocks).view(B, L, Hkv, D).transpose(1, 2)   # [B, Hkv, L, D], a view
-        v = vc.index_select(0, blocks).view(B, L, Hkv, D).transpose(1, 2)
-        q = q.view(B, Qmax, Hq, D) if g.query_index is None else q[g.query_index]
-        if self.backend == "sdpa":
-            # the heads that share a kv head ride along as extra queries: [B, Hkv, group * Qmax, D]
-            # against [B, Hkv, L, D], each K/V read once per kv head (enable_gqa would read it once
-            # per query head). Query head h uses kv head h // group, as in transformers.
-            group = Hq // Hkv
-            q = q.view(B, Qmax, Hkv, group, D).permute(0, 2, 3, 1, 4).reshape(B, Hkv, group * Qmax,
-                                                                              D)
-            mask = mask if Qmax == 1 else mask.repeat(1, 1, group, 1)
-            y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
-            y = y.view(B, Hkv, group, Qmax, D).permute(0, 3, 1, 2, 4)     # [B, Qmax, Hkv, group, D]
-        else:
-            y = self.flex(q.transpose(1, 2), k, v, block_mask=mask, enable_gqa=True).transpose(1, 2)
-        # y: [B, Qmax, Hq, D]
-        return y.reshape(T, Hq, D) if g.token_row is None else y.reshape(B * Qmax, Hq,
-                                                                         D)[g.token_row]
+
+def paged_attention(q, k, v, kc, vc, slot_mapping, calls, masks, flex=None):
+    """One layer of PagedAttention, on tensors: kc, vc the layer's [num_blocks, block_size, Hkv, D]
+    pool; flex None for SDPA (masks additive) or the flex function (masks BlockMasks)."""
+    # the new tokens into their slots
+    kc.view(-1, *kc.shape[2:]).index_copy_(0, slot_mapping, k)
+    vc.view(-1, *vc.shape[2:]).index_copy_(0, slot_mapping, v)
+    ys = [_attend(kc, vc, q[g.start:g.start + g.num_tokens], g, mask, flex)
+          for g, mask in zip(calls, masks)]
+    return ys[0] if len(ys) == 1 else torch.cat(ys)
+
+
+def _attend(kc, vc, q, g, mask, flex):
+    T, Hq, D = q.shape
+    Hkv = kc.shape[2]
+    B, Qmax = g.query_pos.shape
+    L = g.block_tables.shape[1] * kc.shape[1]
+    blocks = g.block_tables.view(-1)
+    k = kc.index_select(0, blocks).view(B, L, Hkv, D).transpose(1, 2)   # [B, Hkv, L, D], a view
+    v = vc.index_select(0, blocks).view(B, L, Hkv, D).transpose(1, 2)
+    q = q.view(B, Qmax, Hq, D) if g.query_index is None else q[g.query_index]
+    if flex is None:
+        # the heads that share a kv head ride along as extra queries: [B, Hkv, group * Qmax, D]
+        # against [B, Hkv, L, D], each K/V read once per kv head (enable_gqa would read it once
+        # per query head). Query head h uses kv head h // group, as in transformers.
+        group = Hq // Hkv
+        q = q.view(B, Qmax, Hkv, group, D).permute(0, 2, 3, 1, 4).reshape(B, Hkv, group * Qmax, D)
+        mask = mask if Qmax == 1 else mask.repeat(1, 1, group, 1)
+        y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+        y = y.view(B, Hkv, group, Qmax, D).permute(0, 3, 1, 2, 4)     # [B, Qmax, Hkv, group, D]
+    else:
+        y = flex(q.transpose(1, 2), k, v, block_mask=mask, enable_gqa=True).transpose(1, 2)
+    # y: [B, Qmax, Hq, D]
+    return y.reshape(T, Hq, D) if g.token_row is None else y.reshape(B * Qmax, Hq, D)[g.token_row]
+
+
+# -----------------------------------------------------------------------------
+# a step of decodes through torch.compile: the model's forward compiled whole (the norms, RoPE,
+# router and residuals fused into a few C++ loops instead of a few hundred small ops), with each
+# layer's paged attention one opaque op. Dynamo cannot follow an attention object made afresh each
+# step, and an in-place write into the pool traced as such would copy the whole pool back per step.
+
+
+@torch.library.custom_op("nanorl::paged_decode", mutates_args=("k_cache", "v_cache"))
+def _paged_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
+                  v_cache: torch.Tensor, layer: int, slot_mapping: torch.Tensor,
+                  block_tables: torch.Tensor, query_pos: torch.Tensor,
+                  mask: torch.Tensor) -> torch.Tensor:
+    call = PaddedCall(0, q.shape[0], block_tables, query_pos)
+    return paged_attention(q, k, v, k_cache[layer], v_cache[layer], slot_mapping, [call], [mask])
+
+
+@_paged_decode.register_fake
+def _(q, k, v, k_cache, v_cache, layer, slot_mapping, block_tables, query_pos, mask):
+    return torch.empty_like(q)
+
+
+class DecodeAttention:
+    """PagedAttention for a step whose sequences all decode (one SDPA call), made inside the
+    compiled function from plain tensors: k_cache / v_cache the whole pool [layers, blocks,
+    block_size, Hkv, D]."""
+
+    def __init__(self, k_cache, v_cache, slot_mapping, block_tables, query_pos, mask):
+        self.tensors = (k_cache, v_cache, slot_mapping, block_tables, query_pos, mask)
+
+    def __call__(self, layer_idx, q, k, v):
+        k_cache, v_cache, *rest = self.tensors
+        return _paged_decode(q, k, v, k_cache, v_cache, layer_idx, *rest)
+
+
+def _decode_logits(model, tokens, positions, logits_indices, *tensors):
+    logits, _ = model(tokens, positions, attention=DecodeAttention(*tensors),
+                      logits_indices=logits_indices, aux_loss=False)
+    return logits
 
 
 def paged_forward(model, kv, batch, backend, compiled):
@@ -322,6 +369,19 @@ def paged_forward(model, kv, batch, backend, compiled):
     positions, slots, calls, (tokens, last_rows) = paged_step(
         kv, starts, qlens, [s.block_table for s, _ in batch], extras=(tokens, last_rows))
     attention = PagedAttention(kv, slots, calls, backend=backend, compiled=compiled)
+    g = calls[0]
+    if compiled and backend == "sdpa" and len(calls) == 1 and g.query_pos.shape[1] == 1 \
+            and len(batch) > 1:
+        # every sequence decodes (a lone one stays eager: batch size 1 would compile a graph of
+        # its own). clone(): each tensor its own storage from offset 0, or the compiled graph
+        # would guard on (and recompile for) offsets into paged_step's one buffer
+        inputs = [t.clone() for t in (tokens, positions, last_rows, slots, g.block_tables,
+                                      g.query_pos)]
+        for pool in (kv.k, kv.v):      # its sizes never change: no guards on them
+            torch._dynamo.mark_static(pool)
+        logits = compile_once(_decode_logits, dynamic=True)(model, *inputs[:3], kv.k, kv.v,
+                                                             *inputs[3:], attention.masks[0])
+        return logits, ready
     logits, _ = model(tokens, positions, attention=attention, logits_indices=last_rows,
                       aux_loss=False)
     return logits, ready

@@ -103,6 +103,9 @@ parser.add_argument("--turns", type=int, default=4,
                     help="turns per conversation in the multi-turn row")
 parser.add_argument("--turn_tokens", type=int, default=24,
                     help="new tokens per reply in the multi-turn row")
+parser.add_argument("--compile", default="auto", choices=["auto", "on", "off"],
+                    help="our engine's decode steps through torch.compile (EngineConfig.compile), "
+                         "paid before the timed calls; auto: on the CPU")
 parser.add_argument("--peers", default="auto", choices=["auto", "only", "off"],
                     help="the rows against vLLM and TRL (bench_peers.py): auto = when installed, "
                     "only = skip every other row")
@@ -176,13 +179,34 @@ def workload(g):
 # 1 + 2: rollouts and prefix caching
 
 
-def rollout_config(prompts):
+COMPILE = args.compile == "on" or args.compile == "auto" and args.device == "cpu"
+
+
+def rollout_config(prompts, compile=COMPILE):
     """the engine of the rollout rows: room for every sample at once"""
     P, G = len(prompts), args.samples
     max_len = max(map(len, prompts)) + args.max_new_tokens
     return EngineConfig(device=args.device, dtype=args.dtype, max_model_len=max_len,
                         max_batch_size=P * G, num_blocks=P * G * (-(-max_len // 16) + 1),
-                        seed=args.seed)
+                        seed=args.seed, compile=compile)
+
+
+def bench_compiled_rollout(ours, prompts, stop):
+    """(compiled tok/s, eager tok/s): the rollout row's call with and without our compiled decode
+    steps, the compile paid in the warm-up call"""
+    params = SamplingParams(temperature=1.0, max_tokens=args.max_new_tokens,
+                            stop_token_ids=frozenset(stop))
+    engines = [InferenceEngine(rollout_config(prompts, c), model=ours) for c in (True, False)]
+
+    def run(engine):
+        engine.flush_cache()
+        samples = engine.generate(prompts, params, num_samples_per_prompt=args.samples)
+        return sum(len(s.completion_tokens) for s in samples)
+    t_c, t_e, (n_c, n_e) = timed_pair(lambda: run(engines[0]), lambda: run(engines[1]),
+                                      args.repeats, args.device)
+    for engine in engines:
+        engine.shutdown()
+    return n_c / t_c, n_e / t_e
 
 
 def bench_rollout(ours, hf, prompts, stop):
@@ -338,14 +362,14 @@ def bench_shared_prompt(ours, prompts, comps):
 # 6: one decode step against the machine's limit
 
 
-def bench_decode(ours, prompts, peak_rate):
+def bench_decode(ours, prompts, peak_rate, compile=COMPILE):
     """(step seconds, matmul-bound seconds, sampler seconds, samples): one engine step in which
     every sample decodes, the time its FLOPs (weights and attention) would take at the measured
     matmul rate, and the sampler alone on logits of the same shape."""
     G = args.samples
     # no stop ids: all keep decoding
     params = SamplingParams(temperature=1.0, max_tokens=args.max_new_tokens)
-    engine = InferenceEngine(rollout_config(prompts), model=ours)
+    engine = InferenceEngine(rollout_config(prompts, compile), model=ours)
     for p in prompts:
         engine.add_request(p, params, G)
     while engine.waiting or any(s.catching_up or s.num_samples > 1 for s in engine.running):
@@ -580,6 +604,10 @@ if __name__ == "__main__":
     alone = bench_ours_alone(ours, seqs) if fit < len(seqs) else None
     shared = bench_shared_prompt(ours, prompts, comps)
     decode = bench_decode(ours, prompts, peak)
+    eager = None
+    if COMPILE:
+        eager = (bench_compiled_rollout(ours, prompts, stop),
+                 bench_decode(ours, prompts, peak, compile=False))
     t_swap, t_bare, swap_floor = bench_swap(ours)
     radix, paged, turn_prompts, same_replies = bench_multiturn(ours, g, stop)
     syncs = [(ours.num_params(), *bench_weight_sync(ours))]
@@ -660,6 +688,16 @@ if __name__ == "__main__":
             f"{decode[2] * 1e3:.2f}",
             f"{100 * decode[2] / decode[0]:.0f}%",
             None,
+        ),
+        *(
+            [
+                ("  decode step ms with it eager (ref: the same FLOPs bound)",
+                 f"{eager[1][0] * 1e3:.1f}", f"{eager[1][1] * 1e3:.1f}", eager[1][0] / eager[1][1]),
+                ("rollout tok/s, ours: compiled decode steps, ref: ours eager",
+                 f"{eager[0][0]:,.0f}", f"{eager[0][1]:,.0f}", eager[0][0] / eager[0][1]),
+            ]
+            if eager
+            else []
         ),
         (
             "hot-swap ms (ours: update_weights, ref: bare copy_)",

@@ -56,7 +56,9 @@ class EngineConfig:
     max_num_batched_tokens: int = 2048  # new tokens in one step (prefill is chunked to fit)
     memory_fraction: float = 0.5        # of free memory, for the pool when num_blocks is None
     attention_backend: str = "auto"     # 'sdpa' | 'flex' | 'auto'
-    compile: bool | None = None         # 'flex' through torch.compile; None: on CUDA only
+    # torch.compile: the steps where every sequence decodes ('sdpa'), or FlexAttention ('flex');
+    # None: flex on CUDA only. The first compile costs tens of seconds per process
+    compile: bool | None = None
     seed: int = 0                       # seeds the per-request sampling seeds
     weight_version: int = 0             # the version it starts at (a resumed trainer's)
 
@@ -273,7 +275,9 @@ def attention_choice(device_type, backend, compile, head_dim):
     kernel fails once an engine's changing batch shapes make it recompile dynamically
     (NoValidChoicesError, seen on an H100; torch 2.13 not tried there). 'flex' stays selectable;
     compile=None compiles it on CUDA only (on CPU the first compile costs tens of seconds, paid
-    once per process). Compiled flex on CUDA needs heads of at least 16 dims (torch's kernel)."""
+    once per process). Compiled flex on CUDA needs heads of at least 16 dims (torch's kernel).
+    With SDPA, compile=True compiles the decode steps' forward (attention.paged_forward);
+    None and False leave it eager."""
     backend = "sdpa" if backend == "auto" else backend
     if compile is None:
         compile = backend == "flex" and device_type == "cuda"

@@ -277,7 +277,9 @@ class Experts(nn.Module):
         flat = top_idx.flatten()
         order = flat.argsort(stable=True)
         xs = x.index_select(0, order // k)                # the token of each pair, expert by expert
-        counts = torch.bincount(flat, minlength=self.gate_up_proj.shape[0])
+        # tokens per expert (a bincount, whose output size torch.compile cannot know in advance)
+        counts = flat.new_zeros(self.gate_up_proj.shape[0]).index_add_(0, flat,
+                                                                       torch.ones_like(flat))
         ys = self._grouped(xs, counts) if _use_grouped_mm(x, self) else self._loop(xs,
                                                                                    counts.tolist())
         # back to (token, slot) order by gathering with the inverse permutation (deterministic,
@@ -302,9 +304,26 @@ class Experts(nn.Module):
         # the same two matmuls for all experts in one grouped-GEMM call each (offs = where each
         # slice ends)
         offs = counts.cumsum(0).to(torch.int32)
-        gate, up = torch._grouped_mm(xs, self.gate_up_proj.transpose(1, 2), offs=offs).chunk(2,
-                                                                                             dim=-1)
-        return torch._grouped_mm(F.silu(gate) * up, self.down_proj.transpose(1, 2), offs=offs)
+        gate, up = grouped_mm(xs, self.gate_up_proj.transpose(1, 2), offs).chunk(2, dim=-1)
+        return grouped_mm(F.silu(gate) * up, self.down_proj.transpose(1, 2), offs)
+
+
+@torch.library.custom_op("nanorl::grouped_mm", mutates_args=())
+def _grouped_mm_op(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+    return torch._grouped_mm(x, w, offs=offs)
+
+
+@_grouped_mm_op.register_fake
+def _(x, w, offs):
+    return x.new_empty(x.shape[0], w.shape[-1])
+
+
+def grouped_mm(x, w, offs):
+    # torch.compile cannot trace torch._grouped_mm on the CPU in fp32, so a compiled forward calls
+    # it as an opaque op (its output shape registered above); eager calls it directly
+    if torch.compiler.is_compiling():
+        return _grouped_mm_op(x, w, offs)
+    return torch._grouped_mm(x, w, offs=offs)
 
 
 # torch's grouped GEMM on CPU runs forward only (no backward: training takes the loop) and wants
