@@ -9,7 +9,7 @@ How attention reads keys and values, as small objects handed to model.Transforme
                             which block is whose, and paged_step turns its decisions into the
                             step's slots, padded calls and masks
   DecodeAttention           the same, for a step where every sequence decodes, as
-                            torch.compile sees it (EngineConfig(compile=True), paged_forward)
+                            torch.compile sees it (EngineConfig(compile=True), compiled_decode)
 
 All compute exactly what transformers' eager attention computes (the tests compare).
 """
@@ -32,11 +32,10 @@ from checks import require
 
 @functools.cache
 def compile_once(fn, dynamic=None):
-    """torch.compile(fn), once per process. Batch sizes and lengths change every call, so
+    """torch.compile(fn), once per process. Batch sizes and lengths change every call. For flex,
     torch.compile's automatic dynamic shapes (first call static, then the dims that changed go
-    dynamic) keep recompiles to a few; dynamic=True from the start hits an inductor C++ codegen
-    error for CPU flex (torch 2.13), but saves the decode steps (paged_forward) a second
-    compile."""
+    dynamic) keep recompiles to a few: dynamic=True hits an inductor C++ codegen error for CPU
+    flex (torch 2.13). The decode steps (compiled_decode) take dynamic=True, one compile fewer."""
     return torch.compile(fn, dynamic=dynamic)
 
 
@@ -132,6 +131,10 @@ class PagedKVCache:
                  cfg.head_dim)
         self.k = torch.zeros(shape, device=device, dtype=dtype)
         self.v = torch.zeros(shape, device=device, dtype=dtype)
+        for pool in (self.k, self.v):
+            # its sizes never change: compiled code (paged_forward) takes them as constants, not as
+            # symbols that could be mistaken for other sizes that happen to be equal
+            torch._dynamo.mark_static(pool)
 
     @property
     def block_size(self):
@@ -219,6 +222,15 @@ def paged_step(kv, starts, qlens, block_tables, extras=()):
     return positions, slots, calls, extras
 
 
+def sdpa_mask(g: PaddedCall, block_size, dtype):
+    """The call's mask for SDPA, kv_pos <= query_pos: additive (0 / -inf) [B, 1, Qmax, L], made
+    once per step (a boolean mask is converted inside every layer's call)."""
+    kv_pos = torch.arange(g.block_tables.shape[1] * block_size, device=g.query_pos.device)
+    visible = kv_pos[None, None, None, :] <= g.query_pos[:, None, :, None]
+    mask = torch.zeros(visible.shape, dtype=dtype, device=visible.device)
+    return mask.masked_fill_(~visible, float("-inf"))
+
+
 class PagedAttention:
     """Attention for one engine step, built once and shared by every layer (the protocol of
     DocumentCausalAttention).
@@ -245,17 +257,8 @@ class PagedAttention:
         self.calls = list(calls)
         flex = compile_once(flex_attention) if compiled else flex_attention
         self.flex = flex if backend == "flex" else None
-        self.masks = [self._sdpa_mask(g) if backend == "sdpa" else self._block_mask(g)
-                      for g in self.calls]
-
-    def _sdpa_mask(self, g):
-        # additive (0 / -inf), made once per step: a boolean mask is converted inside
-        # every layer's call
-        kv_pos = torch.arange(g.block_tables.shape[1] * self.cache.block_size,
-                              device=g.query_pos.device)
-        visible = kv_pos[None, None, None, :] <= g.query_pos[:, None, :, None]     # [B, 1, Qmax, L]
-        mask = torch.zeros(visible.shape, dtype=self.cache.k.dtype, device=visible.device)
-        return mask.masked_fill_(~visible, float("-inf"))
+        self.masks = [sdpa_mask(g, cache.block_size, cache.k.dtype) if backend == "sdpa"
+                      else self._block_mask(g) for g in self.calls]
 
     def _block_mask(self, g, block=128):
         # the sparsity pattern straight from the positions: query tile j of sequence b needs kv
@@ -317,10 +320,70 @@ def _attend(kc, vc, q, g, mask, flex):
 
 
 # -----------------------------------------------------------------------------
+# the forward of one engine step, eager or (a step of decodes) compiled
+
+
+def paged_forward(model, kv, batch, backend, compiled):
+    """One model call over every scheduled token of an engine step (batch: (sequence, new tokens),
+    decodes first). compiled with SDPA: a step where every sequence decodes runs through
+    torch.compile (compiled_decode). Returns the logits at the last token of each sequence that
+    catches up in this step, those sequences' indices in batch, and whether it ran compiled."""
+    qlens = np.fromiter((n for _, n in batch), dtype=np.int64, count=len(batch))
+    starts = np.fromiter((s.num_computed for s, _ in batch), dtype=np.int64, count=len(batch))
+    tokens = np.array([t for s, n in batch for t in s.tokens[s.num_computed:s.num_computed + n]],
+                      dtype=np.int64)
+    ready = [b for b, (s, n) in enumerate(batch) if s.num_computed + n == s.num_tokens]
+    last_rows = (np.cumsum(qlens) - 1)[ready]
+    positions, slots, calls, (tokens, last_rows) = paged_step(
+        kv, starts, qlens, [s.block_table for s, _ in batch], extras=(tokens, last_rows))
+    # a batch of one, or contexts within one block, stay eager: a size of 1 would be compiled
+    # into a graph of its own
+    if compiled and backend == "sdpa" and bool((qlens == 1).all()) and len(batch) > 1 \
+            and calls[0].block_tables.shape[1] > 1:
+        logits = compiled_decode(model, kv, tokens, positions, last_rows, slots, calls[0])
+        return logits, ready, True
+    attention = PagedAttention(kv, slots, calls, backend=backend, compiled=compiled)
+    logits, _ = model(tokens, positions, attention=attention, logits_indices=last_rows,
+                      aux_loss=False)
+    return logits, ready, False
+
+
 # a step of decodes through torch.compile: the model's forward compiled whole (the norms, RoPE,
 # router and residuals fused into a few C++ loops instead of a few hundred small ops), with each
 # layer's paged attention one opaque op. Dynamo cannot follow an attention object made afresh each
 # step, and an in-place write into the pool traced as such would copy the whole pool back per step.
+
+
+def compiled_decode(model, kv, tokens, positions, last_rows, slot_mapping, call):
+    """The logits of a step where every sequence decodes (call: the step's one PaddedCall), from
+    one graph compiled once per process for every batch size and context length."""
+    # clone(): each tensor its own storage from offset 0, or the compiled graph would guard on (and
+    # recompile for) offsets into paged_step's one buffer
+    inputs = [t.clone() for t in (tokens, positions, last_rows, slot_mapping, call.block_tables,
+                                  call.query_pos)]
+    mask = sdpa_mask(call, kv.block_size, kv.k.dtype)
+    return compile_once(_decode_logits, dynamic=True)(model, kv.k, kv.v, *inputs, mask)
+
+
+def _decode_logits(model, k_cache, v_cache, tokens, positions, last_rows, *call):
+    attention = DecodeAttention(k_cache, v_cache, *call)
+    logits, _ = model(tokens, positions, attention=attention, logits_indices=last_rows,
+                      aux_loss=False)
+    return logits
+
+
+class DecodeAttention:
+    """PagedAttention for a step where every sequence decodes (one SDPA call), made inside the
+    compiled function from plain tensors: k_cache / v_cache the whole pool [layers, blocks,
+    block_size, Hkv, D]; the rest as in PagedAttention and PaddedCall."""
+
+    def __init__(self, k_cache, v_cache, slot_mapping, block_tables, query_pos, mask):
+        self.k_cache, self.v_cache, self.slot_mapping = k_cache, v_cache, slot_mapping
+        self.block_tables, self.query_pos, self.mask = block_tables, query_pos, mask
+
+    def __call__(self, layer_idx, q, k, v):
+        return _paged_decode(q, k, v, self.k_cache, self.v_cache, layer_idx, self.slot_mapping,
+                             self.block_tables, self.query_pos, self.mask)
 
 
 @torch.library.custom_op("nanorl::paged_decode", mutates_args=("k_cache", "v_cache"))
@@ -335,53 +398,3 @@ def _paged_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: to
 @_paged_decode.register_fake
 def _(q, k, v, k_cache, v_cache, layer, slot_mapping, block_tables, query_pos, mask):
     return torch.empty_like(q)
-
-
-class DecodeAttention:
-    """PagedAttention for a step whose sequences all decode (one SDPA call), made inside the
-    compiled function from plain tensors: k_cache / v_cache the whole pool [layers, blocks,
-    block_size, Hkv, D]."""
-
-    def __init__(self, k_cache, v_cache, slot_mapping, block_tables, query_pos, mask):
-        self.tensors = (k_cache, v_cache, slot_mapping, block_tables, query_pos, mask)
-
-    def __call__(self, layer_idx, q, k, v):
-        k_cache, v_cache, *rest = self.tensors
-        return _paged_decode(q, k, v, k_cache, v_cache, layer_idx, *rest)
-
-
-def _decode_logits(model, tokens, positions, logits_indices, *tensors):
-    logits, _ = model(tokens, positions, attention=DecodeAttention(*tensors),
-                      logits_indices=logits_indices, aux_loss=False)
-    return logits
-
-
-def paged_forward(model, kv, batch, backend, compiled):
-    """One model call over every scheduled token of an engine step (batch: (sequence, new tokens),
-    decodes first). Returns the logits at the last token of each sequence that catches up in this
-    step, and those sequences' indices in batch."""
-    qlens = np.fromiter((n for _, n in batch), dtype=np.int64, count=len(batch))
-    starts = np.fromiter((s.num_computed for s, _ in batch), dtype=np.int64, count=len(batch))
-    tokens = np.array([t for s, n in batch for t in s.tokens[s.num_computed:s.num_computed + n]],
-                      dtype=np.int64)
-    ready = [b for b, (s, n) in enumerate(batch) if s.num_computed + n == s.num_tokens]
-    last_rows = (np.cumsum(qlens) - 1)[ready]
-    positions, slots, calls, (tokens, last_rows) = paged_step(
-        kv, starts, qlens, [s.block_table for s, _ in batch], extras=(tokens, last_rows))
-    attention = PagedAttention(kv, slots, calls, backend=backend, compiled=compiled)
-    g = calls[0]
-    if compiled and backend == "sdpa" and len(calls) == 1 and g.query_pos.shape[1] == 1 \
-            and len(batch) > 1:
-        # every sequence decodes (a lone one stays eager: batch size 1 would compile a graph of
-        # its own). clone(): each tensor its own storage from offset 0, or the compiled graph
-        # would guard on (and recompile for) offsets into paged_step's one buffer
-        inputs = [t.clone() for t in (tokens, positions, last_rows, slots, g.block_tables,
-                                      g.query_pos)]
-        for pool in (kv.k, kv.v):      # its sizes never change: no guards on them
-            torch._dynamo.mark_static(pool)
-        logits = compile_once(_decode_logits, dynamic=True)(model, *inputs[:3], kv.k, kv.v,
-                                                             *inputs[3:], attention.masks[0])
-        return logits, ready
-    logits, _ = model(tokens, positions, attention=attention, logits_indices=last_rows,
-                      aux_loss=False)
-    return logits, ready

@@ -29,6 +29,10 @@ update_weights / a bare copy_). What it measures:
      in this run.
   6. decode: one engine step of every sample decoding, against the time its matmuls would take at
      the measured matmul rate (the machine's limit for this step), and the sampler's share of it.
+     On the CPU our engine compiles its decode steps (EngineConfig(compile=True), paid in the
+     warm-up; --compile off: eager) in every rollout row, here and against vLLM; two more rows
+     give the eager step and the rollout compiled against eager. train_grpo.py's engine stays
+     eager (a short run would spend more on the compile than it saves).
   7. weight sync: weight_sync.WeightSync's bucketed broadcast from rank 0 to rank 1 (two gloo
      processes on this machine) against one raw broadcast of a flat buffer of the same bytes, GB/s,
      at the embedded size and at the hot-swap row's larger model.
@@ -105,7 +109,7 @@ parser.add_argument("--turn_tokens", type=int, default=24,
                     help="new tokens per reply in the multi-turn row")
 parser.add_argument("--compile", default="auto", choices=["auto", "on", "off"],
                     help="our engine's decode steps through torch.compile (EngineConfig.compile), "
-                         "paid before the timed calls; auto: on the CPU")
+                         "paid before the timed calls; auto: on the CPU in float32")
 parser.add_argument("--peers", default="auto", choices=["auto", "only", "off"],
                     help="the rows against vLLM and TRL (bench_peers.py): auto = when installed, "
                     "only = skip every other row")
@@ -179,16 +183,18 @@ def workload(g):
 # 1 + 2: rollouts and prefix caching
 
 
-COMPILE = args.compile == "on" or args.compile == "auto" and args.device == "cpu"
+# compiled decode steps are built for the CPU in fp32 (engine.py refuses them elsewhere)
+COMPILE = args.compile == "on" or (args.compile == "auto" and args.device == "cpu"
+                                   and args.dtype == "float32")
 
 
-def rollout_config(prompts, compile=COMPILE):
+def rollout_config(prompts, compiled=COMPILE):
     """the engine of the rollout rows: room for every sample at once"""
     P, G = len(prompts), args.samples
     max_len = max(map(len, prompts)) + args.max_new_tokens
     return EngineConfig(device=args.device, dtype=args.dtype, max_model_len=max_len,
                         max_batch_size=P * G, num_blocks=P * G * (-(-max_len // 16) + 1),
-                        seed=args.seed, compile=compile)
+                        seed=args.seed, compile=compiled)
 
 
 def bench_compiled_rollout(ours, prompts, stop):
@@ -362,14 +368,14 @@ def bench_shared_prompt(ours, prompts, comps):
 # 6: one decode step against the machine's limit
 
 
-def bench_decode(ours, prompts, peak_rate, compile=COMPILE):
+def bench_decode(ours, prompts, peak_rate, compiled=COMPILE):
     """(step seconds, matmul-bound seconds, sampler seconds, samples): one engine step in which
     every sample decodes, the time its FLOPs (weights and attention) would take at the measured
     matmul rate, and the sampler alone on logits of the same shape."""
     G = args.samples
     # no stop ids: all keep decoding
     params = SamplingParams(temperature=1.0, max_tokens=args.max_new_tokens)
-    engine = InferenceEngine(rollout_config(prompts, compile), model=ours)
+    engine = InferenceEngine(rollout_config(prompts, compiled), model=ours)
     for p in prompts:
         engine.add_request(p, params, G)
     while engine.waiting or any(s.catching_up or s.num_samples > 1 for s in engine.running):
@@ -604,10 +610,11 @@ if __name__ == "__main__":
     alone = bench_ours_alone(ours, seqs) if fit < len(seqs) else None
     shared = bench_shared_prompt(ours, prompts, comps)
     decode = bench_decode(ours, prompts, peak)
-    eager = None
+    # with our decode steps compiled: the rollout compiled against eager, and the eager step
+    rollout = eager_step = None
     if COMPILE:
-        eager = (bench_compiled_rollout(ours, prompts, stop),
-                 bench_decode(ours, prompts, peak, compile=False))
+        rollout = bench_compiled_rollout(ours, prompts, stop)
+        eager_step = bench_decode(ours, prompts, peak, compiled=False)
     t_swap, t_bare, swap_floor = bench_swap(ours)
     radix, paged, turn_prompts, same_replies = bench_multiturn(ours, g, stop)
     syncs = [(ours.num_params(), *bench_weight_sync(ours))]
@@ -678,7 +685,8 @@ if __name__ == "__main__":
             shared[0] / shared[1],
         ),
         (
-            f"decode step ms, {decode[3]} samples (ref: its FLOPs at the measured matmul rate)",
+            f"decode step ms, {decode[3]} samples{', compiled' if COMPILE else ''} (ref: its FLOPs "
+            f"at the measured matmul rate)",
             f"{decode[0] * 1e3:.1f}",
             f"{decode[1] * 1e3:.1f}",
             decode[0] / decode[1],
@@ -691,12 +699,13 @@ if __name__ == "__main__":
         ),
         *(
             [
-                ("  decode step ms with it eager (ref: the same FLOPs bound)",
-                 f"{eager[1][0] * 1e3:.1f}", f"{eager[1][1] * 1e3:.1f}", eager[1][0] / eager[1][1]),
+                ("  the same step, eager (ours; ref: the same matmul bound)",
+                 f"{eager_step[0] * 1e3:.1f}", f"{eager_step[1] * 1e3:.1f}",
+                 eager_step[0] / eager_step[1]),
                 ("rollout tok/s, ours: compiled decode steps, ref: ours eager",
-                 f"{eager[0][0]:,.0f}", f"{eager[0][1]:,.0f}", eager[0][0] / eager[0][1]),
+                 f"{rollout[0]:,.0f}", f"{rollout[1]:,.0f}", rollout[0] / rollout[1]),
             ]
-            if eager
+            if COMPILE
             else []
         ),
         (

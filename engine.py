@@ -29,7 +29,7 @@ import torch
 from checks import is_int, is_number, require
 from attention import PagedKVCache, paged_forward
 from checkpoint import load_hf_checkpoint
-from model import Transformer, as_dtype
+from model import Transformer, as_dtype, grouped_experts
 from radix import RadixCache
 # schedule, sample_with_logprobs, compute_block_hash and SchedulerConfig: the low-level pure
 # functions, importable from here too
@@ -336,6 +336,12 @@ class InferenceEngine:
                                                 self.cache.block_size)
         self.backend, self.compile = attention_choice(self.device.type, config.attention_backend,
                                                       config.compile, model.config.head_dim)
+        require(not (self.compile and self.backend == "sdpa") or (
+            self.device.type == "cpu" and grouped_experts(model.config, self.device, self.dtype)),
+            f"compile=True compiles the decode steps on the CPU in float32, with expert widths "
+            f"that are multiples of 4 (hidden {model.config.hidden_size}, experts "
+            f"{model.config.moe_intermediate_size}); got device {config.device!r}, dtype "
+            f"{config.dtype!r}: leave compile off (not yet built or tried on a GPU)")
         self._version = config.weight_version
         self._staged = None                       # a non-blocking update (a Future)
         self._side = None                         # the thread that checks and copies it
@@ -348,7 +354,8 @@ class InferenceEngine:
         self.waiting, self.running = [], []
         self._undelivered = []              # finished samples generate() took from others' requests
         self._stats = dict(prefix_cache_hit_tokens=0, prefill_tokens=0, decode_tokens=0,
-                           preemptions=0, steps=0, forks=0, generated_tokens=0, weight_updates=0)
+                           preemptions=0, steps=0, forks=0, generated_tokens=0, weight_updates=0,
+                           compiled_steps=0)
         self._closed = False
 
     # ---- requests in
@@ -448,7 +455,9 @@ class InferenceEngine:
             return out
         for seq, n in batch:        # after the hits were taken: a fresh block may evict a named one
             self.cache.grow(seq, n)
-        logits, ready = paged_forward(self.model, self.kv_pool, batch, self.backend, self.compile)
+        logits, ready, compiled = paged_forward(self.model, self.kv_pool, batch, self.backend,
+                                                self.compile)
+        self._stats["compiled_steps"] += compiled
         for seq, n in batch:              # what this step computed: prefill (catching up) or decode
             self._stats["prefill_tokens" if seq.catching_up else "decode_tokens"] += n
         return out + self._postprocess(batch, logits, [batch[b][0] for b in ready])

@@ -333,6 +333,14 @@ def grouped_mm(x, w, offs):
 GROUPED_MM = hasattr(torch, "_grouped_mm")
 
 
+def grouped_experts(cfg: ModelConfig, device, dtype):
+    """Whether inference runs every MoE layer's experts as grouped matmuls (true of a dense model):
+    what a compiled forward needs, as the loop's per-expert split breaks its graph."""
+    return cfg.num_experts == 0 or (GROUPED_MM and torch.device(device).type == "cpu"
+                                    and dtype == torch.float32 and cfg.hidden_size % 4 == 0
+                                    and cfg.moe_intermediate_size % 4 == 0)
+
+
 def _use_grouped_mm(x, experts):
     # CPU fp32 inference with aligned widths; anything that needs gradients takes the loop
     weights = (experts.gate_up_proj, experts.down_proj)
