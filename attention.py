@@ -132,8 +132,8 @@ class PagedKVCache:
         self.k = torch.zeros(shape, device=device, dtype=dtype)
         self.v = torch.zeros(shape, device=device, dtype=dtype)
         for pool in (self.k, self.v):
-            # its sizes never change: compiled code (paged_forward) takes them as constants, not as
-            # symbols that could be mistaken for other sizes that happen to be equal
+            # its sizes never change: compiled code (compiled_decode) takes them as constants, not
+            # as symbols that could be mistaken for other sizes that happen to be equal
             torch._dynamo.mark_static(pool)
 
     @property

@@ -336,19 +336,22 @@ GROUPED_MM = hasattr(torch, "_grouped_mm")
 def grouped_experts(cfg: ModelConfig, device, dtype):
     """Whether inference runs every MoE layer's experts as grouped matmuls (true of a dense model):
     what a compiled forward needs, as the loop's per-expert split breaks its graph."""
-    return cfg.num_experts == 0 or (GROUPED_MM and torch.device(device).type == "cpu"
-                                    and dtype == torch.float32 and cfg.hidden_size % 4 == 0
-                                    and cfg.moe_intermediate_size % 4 == 0)
+    return cfg.num_experts == 0 or _grouped_fits(device, dtype, cfg.hidden_size,
+                                                 cfg.moe_intermediate_size)
+
+
+def _grouped_fits(device, dtype, hidden, width):
+    return (GROUPED_MM and torch.device(device).type == "cpu" and dtype == torch.float32
+            and hidden % 4 == 0 and width % 4 == 0)
 
 
 def _use_grouped_mm(x, experts):
     # CPU fp32 inference with aligned widths; anything that needs gradients takes the loop
     weights = (experts.gate_up_proj, experts.down_proj)
-    if not (GROUPED_MM and x.device.type == "cpu" and x.dtype == torch.float32):
-        return False
     if torch.is_grad_enabled() and (x.requires_grad or any(w.requires_grad for w in weights)):
         return False
-    return all(w.shape[-1] % 4 == 0 for w in weights)
+    _, hidden, width = experts.down_proj.shape                       # [E, H, I]
+    return _grouped_fits(x.device, x.dtype, hidden, width)
 
 
 class MoE(nn.Module):
