@@ -70,6 +70,15 @@ def hf_logprobs(hf, prompt, completion, temperature=1.0):
     return torch.log_softmax(logits.float(), -1).gather(1, torch.tensor(completion)[:, None])[:, 0]
 
 
+@torch.no_grad()
+def hf_greedy(hf, prompt, n):
+    """transformers' greedy completion of n tokens (no stop token)."""
+    x = torch.tensor([prompt])
+    out = hf.generate(x, attention_mask=torch.ones_like(x), do_sample=False, max_new_tokens=n,
+                      min_new_tokens=n, eos_token_id=None, pad_token_id=0)
+    return out[0, len(prompt):].tolist()
+
+
 def outputs(samples):
     return [(s.completion_tokens, s.finish_reason) for s in samples]
 
@@ -89,10 +98,7 @@ def test_greedy_matches_transformers_generate(checkpoint):
     for i, s in enumerate(samples):
         prompt = PROMPTS[i // G]
         assert s.prompt_tokens == tuple(prompt) and s.sample_index == i % G
-        x = torch.tensor([prompt])
-        out = hf.generate(x, attention_mask=torch.ones_like(x), do_sample=False, max_new_tokens=N,
-                          min_new_tokens=N, eos_token_id=None, pad_token_id=0)
-        ref = out[0, len(prompt):].tolist()
+        ref = hf_greedy(hf, prompt, N)
         assert list(s.completion_tokens) == ref, f"[{name}] prompt {i // G} ({len(prompt)} tokens)"
         assert s.finish_reason == "length" and s.weight_version == 0
         want = hf_logprobs(hf, prompt, s.completion_tokens)
@@ -554,16 +560,11 @@ def test_compiled_paged_flex_attention_on_cpu_matches_transformers(moe):
     stats = engine.stats()
     assert stats["prefix_cache_hit_tokens"] > 0 and stats["preemptions"] > 0, stats
     assert stats["attention_backend"] == "flex"
-    with torch.no_grad():
-        for s in samples:
-            prompt, done = list(s.prompt_tokens), list(s.completion_tokens)
-            x = torch.tensor([prompt])
-            ref = hf.generate(x, attention_mask=torch.ones_like(x), do_sample=False,
-                              max_new_tokens=len(done), min_new_tokens=len(done), eos_token_id=None,
-                              pad_token_id=0)[0, len(prompt):].tolist()
-            assert done == ref
-            ref = hf_logprobs(hf, prompt, done)
-            assert (ref - torch.tensor(s.logprobs)).abs().max().item() < 1e-4
+    for s in samples:
+        prompt, done = list(s.prompt_tokens), list(s.completion_tokens)
+        assert done == hf_greedy(hf, prompt, len(done))
+        ref = hf_logprobs(hf, prompt, done)
+        assert (ref - torch.tensor(s.logprobs)).abs().max().item() < 1e-4
 
 
 def test_compiled_decode_steps_match_the_eager_ones_and_transformers(moe):
@@ -582,14 +583,9 @@ def test_compiled_decode_steps_match_the_eager_ones_and_transformers(moe):
     compiled = engines[True].stats()
     assert compiled["compiled_steps"] > 0 and compiled["preemptions"] > 0, compiled
     assert engines[False].stats()["compiled_steps"] == 0
-    with torch.no_grad():
-        for s in got[True]:
-            prompt, done = list(s.prompt_tokens), list(s.completion_tokens)
-            x = torch.tensor([prompt])
-            ref = hf.generate(x, attention_mask=torch.ones_like(x), do_sample=False,
-                              max_new_tokens=len(done), min_new_tokens=len(done), eos_token_id=None,
-                              pad_token_id=0)[0, len(prompt):].tolist()
-            assert done == ref
+    for s in got[True]:
+        done = list(s.completion_tokens)
+        assert done == hf_greedy(hf, list(s.prompt_tokens), len(done))
 
 
 def test_compiled_decode_steps_are_refused_where_they_are_not_built(moe, tmp_path):
