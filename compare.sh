@@ -3,9 +3,10 @@
 # validation), then from the start GRPO (the config's, keeping its best model on validation) and
 # two baselines matched to it (sft_more: more SFT at GRPO's FLOPs; rft: rejection-sampling
 # fine-tuning that samples every training problem once, group-size samples each, then trains on
-# the right ones until GRPO's FLOPs are spent; both early-stopped on val), the no-learning
-# heuristic, and sft_all as a reference (the start's SFT on a demonstration for every training
-# problem); every arm scored once on the test split; then report.py.
+# the right ones until GRPO's FLOPs are spent; both early-stopped on val), the two no-learning
+# rules (heuristic: the closest pair; chain_rule: the step that leaves the smallest need), and
+# sft_all as a reference (the start's SFT on a demonstration for every training problem); every
+# arm scored once on the test split; then report.py.
 # The recipe is the speedrun's (config/qwen_small.py, chosen on validation: docs/results.md), so
 # a seed's start and GRPO are what `bash speedrun.sh` makes with that seed.
 #
@@ -22,8 +23,9 @@ CONFIG="${CONFIG:-config/qwen_small.py}"
 JOBS="${JOBS:-2}"
 PY=.venv/bin/python
 OUT="${OUT:-out/compare}"
-ARMS=(heuristic sft sft_more rft grpo sft_all)
-TRAINED=(sft sft_more rft grpo sft_all)   # the arms with a model; the heuristic has none
+ARMS=(heuristic chain_rule sft sft_more rft grpo sft_all)
+RULES=(heuristic chain_rule)              # the arms with no model: the task's RULE_answer
+TRAINED=(sft sft_more rft grpo sft_all)   # the arms with a model
 # the config's SFT and GRPO keep their best model on validation (early stopping), and so do the
 # baselines below: each arm's best validation model is the one tested
 SEEDS=("$@")
@@ -40,13 +42,16 @@ THREADS=$(( $(nproc) / JOBS ))
 [ "$THREADS" -ge 1 ] || THREADS=1
 export OMP_NUM_THREADS=$THREADS MKL_NUM_THREADS=$THREADS
 export WANDB_MODE="${WANDB_MODE:-offline}"
-# GRPO's samples per problem and rollout temperature: RFT samples the same way
+# GRPO's samples per problem and rollout temperature (RFT samples the same way), the config's task
+# and its number of training problems
 GT=$($PY -c "exec(open('$CONFIG').read())
-print(int(grpo['group_size']), float(grpo.get('temperature', 1.0)))")
-read -r G T <<< "$GT"   # (a failing python stops the script on the line above)
-N_TRAIN=$($PY -c "import task; print(len(task.make_problems('train')))")
+from environment import load_task
+task = globals().get('task', 'task')
+print(int(grpo['group_size']), float(grpo.get('temperature', 1.0)), task,
+      len(load_task(task).make_problems('train')))")
+read -r G T TASK N_TRAIN <<< "$GT"   # (a failing python stops the script on the line above)
 
-PROTOCOL="chains-1"   # bump when the task, recipe or arms change: older seeds are not mixed in
+PROTOCOL="edge-1"   # bump when the task, recipe or arms change: older seeds are not mixed in
 finished() {   # finished <seed>: every arm's test evaluation is on disk, under this protocol
     local arm
     grep -qsx "$PROTOCOL" "$OUT/seed$1/protocol" || return 1
@@ -95,7 +100,9 @@ run_seed() {   # run_seed <seed>: the whole pipeline of one seed
         "${baseline[@]}" --rft_samples=$G --rft_problems=$N_TRAIN --rft_temperature=$T
     step sft_all $PY sft.py "$CONFIG" --seed=$s --init_from=$d/pretrain --out_dir=$d/sft_all \
         --demo_fraction=1.0
-    step test_heuristic $PY evaluate.py heuristic test $d/test_heuristic
+    for arm in "${RULES[@]}"; do
+        step test_$arm $PY evaluate.py $arm test $d/test_$arm --task=$TASK
+    done
     for arm in "${TRAINED[@]}"; do   # one evaluation on the test split for each model
         # every arm is early-stopped on validation the same way: its best validation model is
         # the one tested

@@ -81,7 +81,7 @@ def run_ranks(argv, nproc, env, **kwargs):
 
 PARITY_TASK = '''"""Countdown's problems, scored by the parity of the reply's length: a tiny
 random model gets both rewards, so its groups have variance (the real one would be 0 everywhere)."""
-from task import describe, kind, make_problems, prompt_messages
+from task_full import describe, kind, make_problems, prompt_messages
 
 
 def reward(problem, completion_text):

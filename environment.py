@@ -37,7 +37,8 @@ single-turn task over a JSONL file, task_feedback.py a multi-turn one):
     solutions(problem) -> list[str]            right answers, best first (sft.py's eval loss)
     describe(problem) -> dict                  the problem's fields in outcomes.jsonl
     kind(problem) -> str                       a group for eval/accuracy_<kind> ('3digits')
-    heuristic_answer(problem) -> str           a no-learning baseline (evaluate.py heuristic)
+    heuristic_answer(problem) -> str           a no-learning baseline (evaluate.py heuristic);
+                                               any RULE_answer is one (evaluate.py RULE)
 
 An episode is one token sequence built by ids, never by re-rendering text: the prompt's
 chat-template ids, the sampled reply exactly as sampled, the template's ids that close the turn and

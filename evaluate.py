@@ -10,10 +10,12 @@ inference engine, with the episodes of environment.py:
     #  right (pass_k=0: none); multi-turn: "eval/success_by_turn_1".., right within that many turns}
     # outcomes: one dict per problem (the task's describe(problem), greedy reward and replies)
 
-A task's hand-written baseline, when it offers one, is scored by the same reward, with no model:
+A task's hand-written baselines, when it offers them, are scored by the same reward, with no model
+(RULE names the task's function RULE_answer; countdown has heuristic, the closest pair, and
+chain_rule):
 
     python evaluate.py heuristic test out/heuristic    # -> out/heuristic/{metrics,outcomes}.jsonl
-    python evaluate.py heuristic test out/heuristic --task=task
+    python evaluate.py chain_rule test out/chain_rule --task=task
 
 A reply scores only if it stopped by itself: one cut off at max_new_tokens scores 0 whatever its
 text (environment.py), in training and in evaluation alike. pass@k is sampled at the temperature the
@@ -113,14 +115,15 @@ def write_outcomes(out_dir, outcomes):
     os.replace(path + ".tmp", path)
 
 
-def heuristic_metrics(task, problems):
-    """(metrics, outcomes) of the task's no-learning baseline (its heuristic_answer), scored by the
-    same reward."""
-    if not offers(task, "heuristic_answer"):
-        raise ValueError(f"the task {task.__name__} offers no heuristic_answer(problem)")
+def heuristic_metrics(task, problems, rule="heuristic"):
+    """(metrics, outcomes) of one of the task's no-learning baselines (its {rule}_answer), scored by
+    the same reward."""
+    if not offers(task, f"{rule}_answer"):
+        raise ValueError(f"the task {task.__name__} offers no {rule}_answer(problem)")
+    answer_of = getattr(task, f"{rule}_answer")
     outcomes = []
     for p in problems:
-        answer = task.heuristic_answer(p)
+        answer = answer_of(p)
         outcomes.append({**described(task, p), "reward": float(task.reward(p, answer)), "turns": 1,
                          "completion": answer})
     return accuracy_metrics(task, problems, [o["reward"] for o in outcomes]), outcomes
@@ -137,11 +140,13 @@ def sampling_flops(model_config, samples, num_samples_per_prompt):
 if __name__ == "__main__":
     args = [a for a in sys.argv[1:] if not a.startswith("--task=")]
     specs = [a[len("--task="):] for a in sys.argv[1:] if a.startswith("--task=")]
-    if len(args) != 3 or args[0] != "heuristic" or args[1] not in ("val", "test") or len(specs) > 1:
-        sys.exit("usage: python evaluate.py heuristic val|test OUT_DIR [--task=task]")
+    if (len(args) != 3 or not args[0].isidentifier() or args[1] not in ("val", "test")
+            or len(specs) > 1):
+        sys.exit("usage: python evaluate.py RULE val|test OUT_DIR [--task=task]  (RULE: the task's "
+                 "RULE_answer: heuristic, chain_rule)")
     the_task = load_task(specs[0] if specs else "task")
-    metrics, outcomes = heuristic_metrics(the_task, the_task.make_problems(args[1]))
+    metrics, outcomes = heuristic_metrics(the_task, the_task.make_problems(args[1]), args[0])
     write_outcomes(args[2], outcomes)
     with open(os.path.join(args[2], "metrics.jsonl"), "w") as f:
         f.write(json.dumps({"iter": 0, **metrics}) + "\n")
-    print(f"heuristic on {args[1]}: " + ", ".join(f"{k} {v:.4f}" for k, v in metrics.items()))
+    print(f"{args[0]} on {args[1]}: " + ", ".join(f"{k} {v:.4f}" for k, v in metrics.items()))

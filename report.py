@@ -2,6 +2,8 @@
 
 compare.sh trains, per seed, arms from one SFT checkpoint and scores each once on the test split:
   heuristic the closest-pair rule, no learning (task.heuristic_answer)
+  chain_rule the chain that takes the step leaving the smallest need, no learning
+            (task.chain_rule_answer)
   sft       the SFT checkpoint itself (the start)
   sft_more  more SFT on the demonstrations, matched to GRPO's FLOPs, early-stopped on validation
   rft       rejection-sampling fine-tuning, same FLOPs, early-stopped on validation
@@ -10,13 +12,15 @@ compare.sh trains, per seed, arms from one SFT checkpoint and scores each once o
 An arm missing from every seed is left out (older comparisons have no heuristic or sft_all). This
 script reads those evaluations (OUT_DIR/seed<S>/test_<arm>/metrics.jsonl, the last row, and
 outcomes.jsonl beside it), writes OUT_DIR/results.json, prints markdown tables (each arm's test
-metrics, mean ± std over seeds; accuracy by problem size; the paired differences of greedy accuracy
-with their 95% intervals, by seed and by a cluster bootstrap over digit multisets) and plots
+metrics, mean ± std over seeds; accuracy by problem size and by reach band, where the outcomes
+carry a reach; the paired differences of greedy accuracy with their 95% intervals, by seed and by a
+cluster bootstrap over digit multisets) and plots
 validation accuracy against wall-clock time and against FLOPs spent (OUT_DIR/val_accuracy.png, when
 matplotlib is installed).
 
     python report.py out/compare 1 2 3 4 5    # the seeds to read (none given: every seed<S> there)
     python report.py --run out/qwen_small/grpo out/qwen_small/grpo.png   # one GRPO run, by step
+    python report.py --run RUN PNG out/qwen_small/val_heuristic ...   # with the rules' val lines
 
 A difference is paired by seed (both arms start from the same pretrain and SFT checkpoint): with
 d_s = a_s - b_s over n seeds, the interval is mean(d) ± t_{0.975, n-1} * std(d, ddof=1) / sqrt(n)
@@ -34,10 +38,13 @@ import sys
 
 import numpy as np
 
-ARMS = ("heuristic", "sft", "sft_more", "rft", "grpo", "sft_all")
-COMPARISONS = (("grpo", "heuristic"), ("grpo", "sft"), ("grpo", "sft_more"), ("grpo", "rft"),
-               ("grpo", "sft_all"), ("sft_more", "sft"), ("rft", "sft"))
+ARMS = ("heuristic", "chain_rule", "sft", "sft_more", "rft", "grpo", "sft_all")
+COMPARISONS = (("grpo", "heuristic"), ("grpo", "chain_rule"), ("grpo", "sft"),
+               ("grpo", "sft_more"), ("grpo", "rft"), ("grpo", "sft_all"),
+               ("sft_more", "sft"), ("rft", "sft"))
 SIZES = ("3digits", "4digits")
+# reach bands (task.reach: the chance one blind attempt solves a problem), [lo, hi)
+REACH_BANDS = ((0.0, 0.02), (0.02, 0.05), (0.05, 0.1), (0.1, 1.01))
 BOOTSTRAP = 2000
 # the arms that train from the SFT checkpoint: the plot's curves
 CURVE_ARMS = ("grpo", "sft_more", "rft")
@@ -171,7 +178,24 @@ def summarize(results, out_dir=None):
         paired[f"{a}-{b}"] = {
             "mean": mean, "ci95": None if math.isnan(lo) else [lo, hi], "n": len(seeds),
             "bootstrap95": bootstrap_pair(out_dir, seeds, a, b) if out_dir else None}
-    return {**results, "summary": summary, "paired": paired}
+    by_reach = reach_bands(out_dir, seeds, arms) if out_dir else None
+    return {**results, "summary": summary, "paired": paired,
+            **({"accuracy_by_reach": by_reach} if by_reach else {})}
+
+
+def reach_bands(out_dir, seeds, arms):
+    """{"bands": [[lo, hi], ...], "problems": [count per band], arm: [mean greedy accuracy over
+    seeds per band]}, from the outcomes' reach field; None when an arm's outcomes lack it."""
+    per_arm = {arm: read_outcomes(out_dir, seeds, arm) for arm in arms}
+    if any(o is None or not o[0] or "reach" not in o[0][0] for o in per_arm.values()):
+        return None
+    reach = np.array([o["reach"] for o in next(iter(per_arm.values()))[0]])
+    masks = [(lo <= reach) & (reach < hi) for lo, hi in REACH_BANDS]
+    out = {"bands": [list(b) for b in REACH_BANDS], "problems": [int(m.sum()) for m in masks]}
+    for arm, rows in per_arm.items():
+        right = np.array([[o["reward"] for o in seed_rows] for seed_rows in rows])
+        out[arm] = [float(right[:, m].mean()) if m.any() else None for m in masks]
+    return out
 
 
 def bootstrap_pair(out_dir, seeds, a, b):
@@ -230,6 +254,7 @@ def tables(results):
             values = [[results[f"accuracy_{k}"].get(s, {}).get(arm) for s in seeds] for k in sized]
             cells = ["n/a" if None in v else f"{np.mean(v):.3f}" for v in values]
             lines.append(f"| {arm} | " + " | ".join(cells) + " |")
+    lines += reach_table(results.get("accuracy_by_reach"), arms)
     lines += ["", f"paired differences of greedy test accuracy: 95% Student-t interval over "
               f"{len(seeds)} seeds, and a cluster bootstrap over digit multisets:", "",
               "| comparison | mean difference | 95% CI (seeds) | excludes 0? | 95% CI (bootstrap) "
@@ -241,6 +266,20 @@ def tables(results):
         lines.append(f"| {name.replace('-', ' - ')} | {p['mean']:+.3f} | {ci} | "
                      f"{verdict(p['ci95'])} | {bci} | {verdict(boot)} |")
     return "\n".join(lines)
+
+
+def reach_table(by_reach, arms):
+    """The lines of the greedy test accuracy by reach band (none without reach in the outcomes)."""
+    if not by_reach:
+        return []
+    heads = [f"reach {lo:.2f}-{min(hi, 1):.2f} ({n})"
+             for (lo, hi), n in zip(by_reach["bands"], by_reach["problems"])]
+    lines = ["", "greedy test accuracy by reach band (problems in the band), mean over seeds:", "",
+             "| arm | " + " | ".join(heads) + " |", "|" + " --- |" * (len(heads) + 1)]
+    for arm in arms:
+        cells = ["n/a" if v is None else f"{v:.3f}" for v in by_reach[arm]]
+        lines.append(f"| {arm} | " + " | ".join(cells) + " |")
+    return lines
 
 
 # -----------------------------------------------------------------------------
@@ -350,10 +389,12 @@ def plot(out_dir, seeds, path):
     return path
 
 
-def plot_run(run_dir, path):
-    """One GRPO run's validation accuracy (of a multi-turn run: right within 1, 2, ... turns) and
-    mean completion length (of its rollouts) against its steps, two panels: what speedrun.sh
-    shows. Returns the path written (None without matplotlib)."""
+def plot_run(run_dir, path, rule_dirs=()):
+    """One GRPO run against its steps, two panels: what speedrun.sh shows. Top: validation accuracy
+    (of a multi-turn run: right within 1, 2, ... turns) and the rollouts' mean reward, with the SFT
+    start (the first evaluation) and the best of the no-learning rules (rule_dirs: evaluate.py's
+    outputs on validation) as horizontal lines. Bottom: mean completion length of the rollouts.
+    Returns the path written (None without matplotlib)."""
     plt = pyplot()
     if plt is None:
         return None
@@ -363,16 +404,18 @@ def plot_run(run_dir, path):
     keys = evals[0] if evals else {}
     turns = sorted((k for k in keys if k.startswith("eval/success_by_turn_")),
                    key=lambda k: int(k.rsplit("_", 1)[1]))
-    lengths = [(r["iter"], r["rollout/completion_len"]) for r in rows
-               if "rollout/completion_len" in r]
-    fig, (top, bottom) = plt.subplots(2, 1, figsize=(9 if turns else 7, 6), sharex=True)
+    fig, (top, bottom) = plt.subplots(2, 1, figsize=(9 if turns else 7, 6.5), sharex=True)
     for i, key in enumerate(turns or ["eval/accuracy"]):
-        label = f"right within {key.rsplit('_', 1)[1]} turn(s)" if turns else None
+        label = f"right within {key.rsplit('_', 1)[1]} turn(s)" if turns else "validation accuracy"
         top.plot([r["iter"] for r in evals], [r[key] for r in evals], marker="o",
                  color=f"C{3 + i}", label=label)
-    if turns:   # beside the panel: the curves fill it
-        top.legend(loc="center left", bbox_to_anchor=(1.01, 0.5), fontsize="small")
-    top.set_ylabel("validation greedy accuracy")
+    draw_references(top, rows, evals, rule_dirs)
+    # beside the panel when the curves fill it
+    where = dict(loc="center left", bbox_to_anchor=(1.01, 0.5)) if turns else dict(loc="best")
+    top.legend(fontsize="small", **where)
+    top.set_ylabel("greedy accuracy / mean reward")
+    lengths = [(r["iter"], r["rollout/completion_len"]) for r in rows
+               if "rollout/completion_len" in r]
     if lengths:
         bottom.plot(*zip(*lengths), color="C0", marker="o" if len(lengths) < 2 else None)
     bottom.set_ylabel("mean sampled tokens per episode")
@@ -384,6 +427,21 @@ def plot_run(run_dir, path):
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return path
+
+
+def draw_references(ax, rows, evals, rule_dirs):
+    """The rollouts' mean reward by step, the SFT start and the best rule on validation."""
+    rewards = [(r["iter"], r["rollout/reward_mean"]) for r in rows if "rollout/reward_mean" in r]
+    if rewards:
+        ax.plot(*zip(*rewards), color="C0", alpha=0.7, label="rollouts' mean reward (T = 1)")
+    if evals:
+        ax.axhline(evals[0]["eval/accuracy"], color="gray", linestyle="--",
+                   label=f"SFT start {evals[0]['eval/accuracy']:.3f}")
+    rules = {os.path.basename(os.path.normpath(d)).removeprefix("val_"):
+             read_rows(os.path.join(d, "metrics.jsonl"))[-1]["eval/accuracy"] for d in rule_dirs}
+    if rules:
+        name, best = max(rules.items(), key=lambda kv: kv[1])
+        ax.axhline(best, color="black", linestyle=":", label=f"best rule ({name}) {best:.3f}")
 
 
 # -----------------------------------------------------------------------------
@@ -398,14 +456,14 @@ def find_seeds(out_dir):
 
 def main(argv):
     """report.py OUT_DIR [SEED ...]: load, summarize, print the tables, write results.json, plot.
-    report.py --run RUN_DIR PNG: plot one GRPO run (plot_run)."""
+    report.py --run RUN_DIR PNG [RULE_DIR ...]: plot one GRPO run (plot_run)."""
     if not argv or argv[0] in ("-h", "--help"):
         print(__doc__)
         return 0 if argv else 2
     if argv[0] == "--run":
-        if len(argv) != 3:
-            raise SystemExit("usage: python report.py --run RUN_DIR PNG")
-        png = plot_run(argv[1], argv[2])
+        if len(argv) < 3:
+            raise SystemExit("usage: python report.py --run RUN_DIR PNG [RULE_DIR ...]")
+        png = plot_run(argv[1], argv[2], argv[3:])
         if png is not None:
             print(f"wrote {png}")
         return 0

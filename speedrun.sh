@@ -7,9 +7,10 @@
 #   bash speedrun.sh config/qwen_small.py     # or another experiment file (each stage: its section)
 #
 # Outputs: out/qwen_small/{pretrain,sft,grpo}/ckpt (transformers model dirs) and metrics.jsonl
-# beside each; out/qwen_small/test_{sft,grpo,heuristic}/ (the test evaluations: metrics.jsonl, and
-# outcomes.jsonl with each problem's answer and reward); out/qwen_small/grpo.png (validation
-# accuracy and completion length by step).
+# beside each; out/qwen_small/test_{sft,grpo,heuristic,chain_rule}/ (the test evaluations:
+# metrics.jsonl, and outcomes.jsonl with each problem's answer and reward); out/qwen_small/grpo.png
+# (validation accuracy and the rollouts' mean reward by step, against the SFT start and the better
+# no-learning rule on validation; completion length by step).
 set -euo pipefail
 cd "$(dirname "$0")"
 CONFIG="${1:-config/qwen_small.py}"
@@ -35,21 +36,23 @@ stage sft.py
 stage train_grpo.py
 # the test split is read once, at the end, by the same evaluation for both models
 # the SFT model is GRPO's start (the SFT run's best on validation)
-dirs=$($PY -c "exec(open('$CONFIG').read()); print(grpo['init_from'], grpo['out_dir'])")
-read -r SFT GRPO <<< "$dirs"   # (a failing python stops the script on the line above)
+dirs=$($PY -c "exec(open('$CONFIG').read())
+print(grpo['init_from'], grpo['out_dir'], globals().get('task', 'task'))")
+read -r SFT GRPO TASK <<< "$dirs"   # (a failing python stops the script on the line above)
 TEST=(--max_iters=0 --eval_split=test --n_eval_problems=0 --pass_k=8)
 stage train_grpo.py --init_from="$SFT" --out_dir="$GRPO/../test_sft" "${TEST[@]}"
 stage train_grpo.py --init_from="$GRPO/best" --out_dir="$GRPO/../test_grpo" "${TEST[@]}"
-$PY evaluate.py heuristic test "$GRPO/../test_heuristic"   # no learning, the same reward
-$PY report.py --run "$GRPO" "$GRPO/../grpo.png"
+for rule in heuristic chain_rule; do   # no learning, the same reward; validation for the plot
+    for split in val test; do
+        $PY evaluate.py $rule $split "$GRPO/../${split}_$rule" --task="$TASK"
+    done
+done
+$PY report.py --run "$GRPO" "$GRPO/../grpo.png" "$GRPO/../val_heuristic" "$GRPO/../val_chain_rule"
 $PY - "$GRPO" <<'PY'
 import json, os, sys
 def evals(path):
     rows = [json.loads(line) for line in open(os.path.join(path, "metrics.jsonl"))]
     return [r for r in rows if "eval/accuracy" in r]
-def by_size(row):
-    three, four = row["eval/accuracy_3digits"], row["eval/accuracy_4digits"]
-    return f"3 digits {three:.3f}, 4 digits {four:.3f}"
 grpo = sys.argv[1]
 # validation: GRPO's first evaluation (iteration 0) is its start, the SFT model; its best is the
 # GRPO model kept (keep_best) and tested
@@ -59,9 +62,9 @@ for name, test in tests.items():
     print(f"{name:5s} greedy accuracy: validation {val[name]['eval/accuracy']:.3f}, "
           f"test {test['eval/accuracy']:.3f} (test pass@1 {test['eval/pass@1']:.3f}, "
           f"pass@8 {test.get('eval/pass@8', float('nan')):.3f})")
-heuristic = evals(os.path.join(grpo, "..", "test_heuristic"))[-1]
-print(f"heuristic (closest pair, no learning) test accuracy {heuristic['eval/accuracy']:.3f}")
-for name, row in (("SFT", tests["SFT"]), ("GRPO", tests["GRPO"]), ("heuristic", heuristic)):
-    print(f"  by size, {name}: {by_size(row)}")
+for rule, words in (("heuristic", "closest pair"), ("chain_rule", "smallest need")):
+    row = {s: evals(os.path.join(grpo, "..", f"{s}_{rule}"))[-1] for s in ("val", "test")}
+    print(f"rule  {rule} ({words}, no learning): validation {row['val']['eval/accuracy']:.3f}, "
+          f"test {row['test']['eval/accuracy']:.3f}")
 PY
 echo "== speedrun done in $((SECONDS - start)) s"

@@ -11,13 +11,20 @@ digit once with + - *. The model answers with a chain of steps back from the tar
     user:      digits 1 4 7 8 target 83
     assistant: 83+1=84[478] 84/7=12[48] 12=4+8
 
-The problem space is every (digit multiset, reachable target) pair, split by digit multiset into
-train, val and test: a multiset and every problem over it belong to one split only, picked by a hash
-of the multiset (never by RNG state), so every run, machine and Python version agrees, and no
-validation or test multiset is ever seen in training. The pretraining corpus writes blind attempts
-over training multisets only: it contains no validation or test answer. SFT demos cover a fixed
-minority of the training problems; the reward is an exact checker, so GRPO can learn on the rest
-without demonstrations.
+The full problem space is every (digit multiset, reachable target) pair, split by digit
+multiset into train, val and test: a multiset and every problem over it belong to one split only,
+picked by a hash of the multiset (never by RNG state), so every run, machine and Python version
+agrees, and no validation or test multiset is ever seen in training. The pretraining corpus writes
+blind attempts over training multisets only: it contains no validation or test answer. SFT demos
+cover a fixed minority of the training problems; the reward is an exact checker, so GRPO can learn
+on the rest without demonstrations.
+
+The main job's problems are the ones at the edge of a small model's competence: four digits, and a
+reach (the exact chance that one blind attempt of the corpus's search solves the problem, reach()
+below) of at least 1 in 20. Most of the full space lies beyond that: on more than half of it a
+blind attempt succeeds less than 1 time in 20, and there RL has nothing to sharpen. make_problems
+returns the edge; task_full.py is the full space (make_problems(split, full=True)). Both keep the
+split by multiset, the corpus and the demonstrations of the full space, so neither opens a leak.
 
 Expressions are parsed by a small recursive-descent parser (no eval): single digits, + - *,
 parentheses, spaces. No unary minus, no multi-digit numbers (that would be concatenating digits).
@@ -29,6 +36,7 @@ import itertools
 import random
 import re
 from dataclasses import dataclass
+from fractions import Fraction
 
 # -----------------------------------------------------------------------------
 # settings (changing any of these changes the problem space or the split: bump them together with
@@ -40,6 +48,10 @@ TARGETS = range(1, 100)
 OPS = "+-*"
 # share of the digit multisets held out for each; the rest is 'train'
 SPLITS = {"val": 0.1, "test": 0.1}
+# the main job's problems (make_problems): four digits that one blind attempt solves at least 1
+# time in 20 (chosen on validation: docs/results.md)
+EDGE_NUM_DIGITS = (4,)
+MIN_REACH = Fraction(1, 20)
 SFT_FRACTION = 0.1  # share of the training problems that get a demonstration
 MAX_ANSWER_CHARS = 64  # a longer answer line is wrong unparsed (bounds the parser's recursion)
 # may close a completion decoded with special tokens; ignored by the reward
@@ -152,12 +164,13 @@ def _space() -> dict:
             for s, ps in splits.items()}
 
 
-def make_problems(split: str, n: int | None = None) -> list[Problem]:
+def make_problems(split: str, n: int | None = None, full: bool = False) -> list[Problem]:
     """The first n problems (all if None) of the fixed 'train', 'val' or 'test' split, in a fixed
-    shuffled order."""
+    shuffled order: the edge problems (EDGE_NUM_DIGITS digits, reach >= MIN_REACH), or with
+    full=True every problem of the space."""
     if split not in ("train", "val", "test"):
         raise ValueError(f"split must be 'train', 'val' or 'test', got {split!r}")
-    problems = _space()[split]
+    problems = _space()[split] if full else _edge()[split]
     if n is not None:
         if type(n) is not int or n < 0 or n > len(problems):
             raise ValueError(f"n must be an int in [0, {len(problems)}] for split {split!r}, got "
@@ -166,9 +179,17 @@ def make_problems(split: str, n: int | None = None) -> list[Problem]:
     return list(problems)
 
 
+@functools.cache
+def _edge() -> dict:
+    return {s: tuple(p for p in ps if len(p.digits) in EDGE_NUM_DIGITS and reach(p) >= MIN_REACH)
+            for s, ps in _space().items()}
+
+
 def describe(problem: Problem) -> dict:
-    """The problem's fields in outcomes.jsonl (report.py groups them by digit multiset)."""
-    return {"digits": list(problem.digits), "target": problem.target}
+    """The problem's fields in outcomes.jsonl (report.py groups them by digit multiset and by
+    reach)."""
+    return {"digits": list(problem.digits), "target": problem.target,
+            "reach": round(float(reach(problem)), 6)}
 
 
 def kind(problem: Problem) -> str:
@@ -404,9 +425,59 @@ def _attempt(rng: random.Random, target: int, digits: tuple[int, ...]) -> tuple[
     return " ".join(words + [last or f"{need}=?"]), last is not None
 
 
+def reach(problem: Problem) -> Fraction:
+    """The exact chance that one blind attempt (_attempt) solves the problem: at each step every
+    (operator, digit) choice has the same chance, a step that is not one ends the line, and two
+    digits left either make the need or not. digits 3 5 7 target 22, nine choices at the first step:
+
+        22+3=25[57] 22-3=19[57] 22+5=27[37] 22-5=17[37] 22+7=29[35]   5 and 7, 3 and 7, 3 and 5
+                                                                     make none of these
+        22/3 22/5 22/7                                               not whole: the line ends
+        22-7=15[35]                                                  15=3*5: solved
+        reach = 1/9
+
+    A property of the problem, no model involved: task.py's main split keeps reach >= MIN_REACH.
+    """
+    return _reach(problem.target, tuple(sorted(problem.digits)))
+
+
+@functools.cache
+def _reach(need: int, pool: tuple[int, ...]) -> Fraction:
+    if len(pool) == 2:
+        return Fraction(1 if _pair_equation(need, *pool) else 0)
+    moves = [(op, d) for d in sorted(set(pool)) for op in STEP_OPS]
+    solved = Fraction(0)
+    for op, d in moves:
+        if _undo(op, need, d) is not None:
+            _, y, rest = _step(need, op, d, list(pool))
+            solved += _reach(y, tuple(rest))
+    return solved / len(moves)
+
+
+def chain_rule_answer(problem: Problem) -> str:
+    """The second no-learning baseline, a chain written greedily: from the target, take the step
+    that leaves the smallest need (ties: the first digit, then operator, in order), until two
+    digits are left; then their pair, or 'y=?' when they cannot make y (a claim of no answer). A
+    line that ends on a pair is right. digits 1 4 7 8 target 83: '83-8=75[147] 75-7=68[14] 68=?' (83
+    has no whole division; 75/1 leaves 75, 75-7 leaves 68)."""
+    if not isinstance(problem, Problem):
+        raise TypeError(f"expected a Problem, got {problem!r}")
+    need, pool, words = problem.target, sorted(problem.digits), []
+    while len(pool) > 2:
+        moves = [(_undo(op, need, d), op, d) for d in sorted(set(pool)) for op in STEP_OPS]
+        moves = [m for m in moves if m[0] is not None]
+        if not moves:   # every step leaves less than 1: no chain goes on
+            return " ".join(words + [f"{need}=?"])
+        _, op, d = min(moves, key=lambda m: m[0])   # min keeps the first of equal needs
+        word, need, pool = _step(need, op, d, pool)
+        words.append(word)
+    return " ".join(words + [_pair_equation(need, *pool) or f"{need}=?"])
+
+
 @functools.cache
 def _held_out() -> frozenset:
-    return frozenset((p.digits, p.target) for s in ("val", "test") for p in make_problems(s))
+    return frozenset((p.digits, p.target) for s in ("val", "test")
+                     for p in make_problems(s, full=True))
 
 
 def _answers_held_out(line: str) -> bool:
@@ -478,13 +549,13 @@ def prompt_messages(problem: Problem) -> list[dict]:
 
 
 def sft_examples(seed: int, fraction: float = SFT_FRACTION) -> list[list[dict]]:
-    """Conversations (prompt + its demonstration) for a fixed subset of the training problems that a
-    chain reaches, shuffled by seed.
+    """Conversations (prompt + its demonstration) for a fixed subset of the full space's training
+    problems that a chain reaches, three and four digits, shuffled by seed.
 
     The subset is picked by the problem's hash, not by seed: seeds change the order only, and a
     smaller fraction gives a subset of a larger one. SFT learns the format, the steps' arithmetic
     and a first sense of which steps land; GRPO learns the rest from the reward, on every training
-    problem.
+    problem of the task (the edge's, or the full space's in task_full.py).
     """
     return [prompt_messages(p) + [{"role": "assistant", "content": line}]
             for p, line in demonstrations(seed, fraction)]
@@ -494,7 +565,7 @@ def demonstrations(seed: int, fraction: float) -> list[tuple[Problem, str]]:
     """sft_examples' (problem, demonstration) pairs, in its order."""
     if not isinstance(fraction, (int, float)) or not 0 < fraction <= 1:
         raise ValueError(f"fraction must be in (0, 1], got {fraction!r}")
-    chosen = [(p, demonstration(p)) for p in make_problems("train")
+    chosen = [(p, demonstration(p)) for p in make_problems("train", full=True)
               if _unit(_problem_key(p, "sft")) < fraction]
     chosen = [(p, line) for p, line in chosen if line is not None]
     random.Random(seed).shuffle(chosen)

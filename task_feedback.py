@@ -17,16 +17,19 @@ episode scores 1 if any answer is right; it ends at the first right one.
 A chain gets its first fault named (task.chain_fault, what the reward checks); an expression gets
 its value.
 
-The problems, splits, prompt and per-answer reward are the embedded countdown's (task.py), so a
-model fine-tuned on it starts here; what it has to learn is to use the feedback.
+The problems are the full countdown space's (task_full.py: its results were measured there), the
+prompt and per-answer reward the embedded countdown's (task.py), so a model fine-tuned on it starts
+here; what it has to learn is to use the feedback.
 """
 
 import random
 
 import task
+import task_full
 
-# the embedded countdown's problems, prompt, per-answer reward and extras
-make_problems, prompt_messages, reward = task.make_problems, task.prompt_messages, task.reward
+# the full countdown space's problems; the embedded countdown's prompt, per-answer reward, extras
+make_problems = task_full.make_problems
+prompt_messages, reward = task.prompt_messages, task.reward
 pretrain_corpus, solutions = task.pretrain_corpus, task.solutions
 describe, kind, heuristic_answer = task.describe, task.kind, task.heuristic_answer
 

@@ -16,6 +16,7 @@ import torch
 import checkpoint
 import task
 import task_feedback
+import task_full
 import task_guess
 import task_jsonl
 import train_grpo
@@ -89,7 +90,7 @@ def test_a_task_is_a_setting_and_a_bad_one_is_refused(tmp_path):
     assert load_task("task") is task and load_task("task_feedback") is task_feedback
     assert load_task("task_guess") is task_guess
     parity = load_task(write_task(str(tmp_path)))
-    assert parity.reward(None, "ab") == 1.0 and parity.make_problems is task.make_problems
+    assert parity.reward(None, "ab") == 1.0 and parity.make_problems is task_full.make_problems
     with pytest.raises(ValueError, match="no module"):
         load_task("no_such_task")
     with pytest.raises(ValueError, match="no such file"):

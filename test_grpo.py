@@ -197,7 +197,7 @@ def test_no_variance_skips_the_step_and_the_sampler_turns_away(tmp_path, monkeyp
     assert [r["rollout/zero_var_groups"] for r in rows] == [4, 4]
     assert all(r["rollout/valid_groups"] == 0 and "train/loss" not in r for r in rows)
     state = checkpoint.read_checkpoint_meta(checkpoint.find_checkpoint(str(out)))["data_state"]
-    sampler = train_grpo.ProblemSampler(task.make_problems("train"), seed=0)
+    sampler = train_grpo.ProblemSampler(task.make_problems("train", full=True), seed=0)
     sampler.load_state_dict(state)   # 8 problems solved 0 of 4 times: weight (1/6)(5/6), others 1/4
     assert state["taken"] == 8 and sum(state["samples"]) == 32
     assert sum(state["successes"]) == 0

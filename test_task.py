@@ -10,6 +10,7 @@ import operator
 import os
 import random
 import re
+from fractions import Fraction
 
 import pytest
 from hypothesis import given, settings
@@ -17,6 +18,7 @@ from hypothesis import strategies as st
 from transformers import AutoTokenizer
 
 import task
+import task_full
 from task import (Problem, make_problems, parse_answer, pretrain_corpus, prompt_messages, reward,
                   sft_examples, solutions)
 from tokenizer import (ENDOFTEXT, IM_END, IM_START, build_tokenizer, chat_example, chat_prompt_ids,
@@ -167,7 +169,7 @@ def test_chain_reward_agrees_with_an_independent_reading():
     # every right chain evaluates, as an expression, to the target and spends exactly the digits;
     # every step's own equation holds; a line with one number changed scores 0
     rng = random.Random(1)
-    for p in rng.sample(make_problems("train"), 300):
+    for p in rng.sample(make_problems("train", full=True), 300):
         for line in task.chain_answers(p)[:5]:
             value, used, steps = _trusted_chain(p, line)
             assert value == p.target and sorted(used) == sorted(p.digits), (p, line)
@@ -265,7 +267,7 @@ def _reachable(digits):
 
 
 def test_problem_space_is_every_reachable_target():
-    splits = {s: make_problems(s) for s in ("train", "val", "test")}
+    splits = {s: make_problems(s, full=True) for s in ("train", "val", "test")}
     space = set().union(*map(set, splits.values()))
     assert sum(map(len, splits.values())) == len(space)            # no problem in two splits
     by_digits = {}
@@ -284,9 +286,9 @@ def test_problem_space_is_every_reachable_target():
 
 def test_every_solution_is_rewarded_and_complete():
     rng = random.Random(0)
-    problems = [p for p in make_problems("train") + make_problems("val") + make_problems("test")
+    problems = [p for s in ("train", "val", "test") for p in make_problems(s, full=True)
                 if len(p.digits) == 3]
-    four = rng.sample([p for p in make_problems("train") if len(p.digits) == 4], 200)
+    four = rng.sample([p for p in make_problems("train", full=True) if len(p.digits) == 4], 200)
     for p in problems + four:
         sols = task.expression_answers(p)
         assert sols, p
@@ -315,7 +317,7 @@ def test_every_solution_is_rewarded_and_complete():
     assert task.expression_answers(P)[0] == "3*5+7"  # the preferred one-line answer
     # solutions: the demonstration first, then the other chains, then the expressions
     assert solutions(Q)[0] == task.demonstration(Q) and "(4+8)*7-1" in solutions(Q)
-    for p in rng.sample(make_problems("train"), 50):
+    for p in rng.sample(make_problems("train", full=True), 50):
         assert all(reward(p, s) == 1.0 for s in solutions(p))
         assert set(solutions(p)) >= set(task.chain_answers(p)) | set(task.expression_answers(p))
 
@@ -329,7 +331,7 @@ def test_heuristic_is_the_greedy_closest_pair_rule():
     assert task.heuristic_answer(q) == "2+3*9" and reward(q, task.heuristic_answer(q)) == 1.0
     # 7-4=3 hits the target at once, and the last number must still be used: 8-3=5 is closest then
     assert task.heuristic_answer(Problem((4, 7, 8), 3)) == "8-(7-4)"
-    test = make_problems("test")
+    test = make_problems("test", full=True)
     by_size = {k: [reward(p, task.heuristic_answer(p)) for p in test if len(p.digits) == k]
                for k in (3, 4)}
     accuracy = sum(map(sum, by_size.values())) / len(test)
@@ -338,11 +340,64 @@ def test_heuristic_is_the_greedy_closest_pair_rule():
     assert 0.17 < sum(by_size[4]) / len(by_size[4]) < 0.19
 
 
+def test_reach_hand_cases():
+    # 22-7=15[35] 15=3*5 is the one landing choice of nine (the docstring's worked example)
+    assert task.reach(Problem((3, 5, 7), 22)) == Fraction(1, 9)
+    # two digits left: the pair makes the need or not, nothing in between
+    assert task._reach(15, (3, 5)) == 1 and task._reach(16, (3, 5)) == 0
+    # 4*7-2*3 is a tree, no chain's: no blind attempt lands, though the problem is solvable
+    tree = Problem((2, 3, 4, 7), 22)
+    assert task.expression_answers(tree) and task.chain_answers(tree) == ()
+    assert task.reach(tree) == 0
+    # a problem is reachable exactly when some chain reaches it
+    rng = random.Random(0)
+    for p in rng.sample(make_problems("train", full=True), 300):
+        assert (task.reach(p) > 0) == bool(task.chain_answers(p)), p
+
+
+@pytest.mark.parametrize("digits,target", [((3, 5, 7), 22), ((1, 4, 7, 8), 83),
+                                           ((2, 3, 6, 8), 24), ((1, 2, 5, 9), 40)])
+def test_reach_equals_a_monte_carlo_of_the_blind_search(digits, target):
+    p, n = Problem(digits, target), 20_000
+    rng = random.Random(f"{digits}:{target}")
+    hits = sum(task._attempt(rng, target, digits)[1] for _ in range(n))
+    exact = float(task.reach(p))
+    assert 0 < exact < 1
+    assert abs(hits / n - exact) < 4 * (exact * (1 - exact) / n) ** 0.5 + 1e-9, (hits / n, exact)
+
+
+def test_the_edge_split_is_the_full_split_filtered_by_reach():
+    for split in ("train", "val", "test"):
+        full, edge = make_problems(split, full=True), make_problems(split)
+        want = [p for p in full if len(p.digits) == 4 and task.reach(p) >= Fraction(1, 20)]
+        assert edge == want   # the full space's fixed order, filtered
+    train, val, test = (make_problems(s) for s in ("train", "val", "test"))
+    assert (len(train), len(val), len(test)) == (4483, 718, 639)
+    multisets = [{p.digits for p in split} for split in (train, val, test)]
+    assert not (multisets[0] & multisets[1] or multisets[0] & multisets[2]
+                or multisets[1] & multisets[2])
+    assert make_problems("test", 5) == test[:5] and task_full.make_problems("test") == \
+        make_problems("test", full=True)
+
+
+def test_chain_rule_is_right_whenever_it_claims_an_answer():
+    assert task.chain_rule_answer(Problem((3, 5, 7), 22)) == "22-7=15[35] 15=3*5"
+    assert task.chain_rule_answer(Problem((1, 4, 7, 8), 83)) == "83-8=75[147] 75-7=68[14] 68=?"
+    test = make_problems("test", full=True)
+    right = []
+    for p in test:
+        line = task.chain_rule_answer(p)
+        claims = not line.endswith("=?")
+        assert reward(p, line) == (1.0 if claims else 0.0), (p, line)
+        right.append(claims)
+    assert 0.24 < sum(right) / len(test) < 0.25   # 0.244 on the full test split
+
+
 TEST_HEAD = [Problem((3, 5, 6), 27), Problem((1, 3, 8, 9), 49), Problem((3, 3, 5), 18)]
 
 
 def test_split_is_fixed_and_disjoint_by_digit_multiset():
-    train, val, test = (make_problems(s) for s in ("train", "val", "test"))
+    train, val, test = (make_problems(s, full=True) for s in ("train", "val", "test"))
     # changing these changes the held-out sets: don't
     assert (len(train), len(val), len(test)) == (17465, 2503, 2283)
     assert test[:3] == TEST_HEAD
@@ -353,9 +408,9 @@ def test_split_is_fixed_and_disjoint_by_digit_multiset():
                for name, split in (("train", train), ("val", val), ("test", test)) for p in split)
     for split in (val, test):
         assert len(split) >= 1500 and {len(p.digits) for p in split} == {3, 4}
-    assert (make_problems("test") == test and make_problems("val") == val
-            and make_problems("train") == train)
-    assert make_problems("train", 10) == train[:10]
+    assert (make_problems("test", full=True) == test and make_problems("val", full=True) == val
+            and make_problems("train", full=True) == train)
+    assert make_problems("train", 10, full=True) == train[:10]
     assert make_problems("test", 0) == []
 
 
@@ -412,7 +467,8 @@ def _honest_attempt(digits, line):
 
 def test_demonstrations_are_right_chains_drawn_like_a_blind_search():
     rng = random.Random(0)
-    problems = rng.sample(make_problems("train"), 400) + make_problems("val", 50)
+    problems = (rng.sample(make_problems("train", full=True), 400)
+                + make_problems("val", 50, full=True))
     for p in problems:
         line = task.demonstration(p)
         if not task.chain_answers(p):
@@ -452,7 +508,7 @@ def test_pretrain_corpus_is_deterministic_and_correct():
 def test_pretrain_corpus_holds_no_validation_or_test_answer():
     # a line spends exactly its document's digits, whose multiset is a training one: no line can
     # answer a validation or test problem, whatever its start
-    held_out = {(p.digits, p.target) for s in ("val", "test") for p in make_problems(s)}
+    held_out = {(p.digits, p.target) for s in ("val", "test") for p in make_problems(s, full=True)}
     sizes = set()
     for seed in (0, 1, 2, 1337):
         for doc in pretrain_corpus(2000, seed):
@@ -475,7 +531,7 @@ def _tail_problem(line):
 
 
 def test_no_demonstration_answers_a_held_out_problem_even_in_its_tail():
-    held_out = {(p.digits, p.target) for s in ("val", "test") for p in make_problems(s)}
+    held_out = {(p.digits, p.target) for s in ("val", "test") for p in make_problems(s, full=True)}
     tails = 0
     for conv in sft_examples(seed=0, fraction=1.0):
         tail = _tail_problem(conv[1]["content"])
@@ -496,12 +552,13 @@ def test_sft_examples_are_a_fixed_minority_of_train():
     assert a != b  # order depends on seed
     key = lambda conv: (conv[0]["content"], conv[1]["content"])
     assert sorted(map(key, a)) == sorted(map(key, b))  # the subset does not
-    n_train = len(make_problems("train"))
+    n_train = len(make_problems("train", full=True))
     assert 0.07 * n_train < len(a) < 0.13 * n_train
     small = sft_examples(seed=0, fraction=0.05)
     assert set(map(key, small)) < set(map(key, a))  # nested
-    by_prompt = {prompt_messages(p)[0]["content"]: p for p in make_problems("train")}
-    held_out = {prompt_messages(p)[0]["content"] for s in ("val", "test") for p in make_problems(s)}
+    by_prompt = {prompt_messages(p)[0]["content"]: p for p in make_problems("train", full=True)}
+    held_out = {prompt_messages(p)[0]["content"] for s in ("val", "test")
+                for p in make_problems(s, full=True)}
     for conv in a:
         assert [m["role"] for m in conv] == ["user", "assistant"]
         assert conv[0]["content"] not in held_out
@@ -547,7 +604,8 @@ def test_chat_prompt_ids(tok):
     assert (
         tok.decode(ids) == f"{IM_START}user\ndigits 3 5 7 target 22{IM_END}\n{IM_START}assistant\n"
     )
-    lengths = [len(chat_prompt_ids(tok, prompt_messages(p))) for p in make_problems("test")]
+    lengths = [len(chat_prompt_ids(tok, prompt_messages(p)))
+               for p in make_problems("test", full=True)]
     assert 15 <= min(lengths) and max(lengths) <= 25
 
 
@@ -581,7 +639,7 @@ def test_chat_example_mask_covers_exactly_the_reply(tok):
     conv = sft_examples(0)[0]
     ids, mask = chat_example(tok, conv)
     completion = [t for t, m in zip(ids, mask) if m]
-    by_prompt = {prompt_messages(p)[0]["content"]: p for p in make_problems("train")}
+    by_prompt = {prompt_messages(p)[0]["content"]: p for p in make_problems("train", full=True)}
     p = by_prompt[conv[0]["content"]]
     assert reward(p, completion_text(tok, completion)) == 1.0
     # ... but not with a special token inside it (skipping special tokens when decoding
