@@ -5,8 +5,9 @@
 # fine-tuning that samples every training problem once, group-size samples each, then trains on
 # the right ones until GRPO's FLOPs are spent; both early-stopped on val), the two no-learning
 # rules (heuristic: the closest pair; chain_rule: the step that leaves the smallest need), and
-# sft_all as a reference (the start's SFT on a demonstration for every training problem); every
-# arm scored once on the test split; then report.py.
+# sft_all as a reference (the start's SFT with demo_fraction=1: a demonstration for every training
+# problem the task's sft_examples cover, for countdown the full space's); every arm scored once on
+# the test split; then report.py.
 # The recipe is the speedrun's (config/qwen_small.py, chosen on validation: docs/results.md), so
 # a seed's start and GRPO are what `bash speedrun.sh` makes with that seed.
 #
@@ -23,9 +24,7 @@ CONFIG="${CONFIG:-config/qwen_small.py}"
 JOBS="${JOBS:-2}"
 PY=.venv/bin/python
 OUT="${OUT:-out/compare}"
-ARMS=(heuristic chain_rule sft sft_more rft grpo sft_all)
-RULES=(heuristic chain_rule)              # the arms with no model: the task's RULE_answer
-TRAINED=(sft sft_more rft grpo sft_all)   # the arms with a model
+TRAINED=(sft sft_more rft grpo sft_all)   # the arms with a model; the rules (below) have none
 # the config's SFT and GRPO keep their best model on validation (early stopping), and so do the
 # baselines below: each arm's best validation model is the one tested
 SEEDS=("$@")
@@ -42,14 +41,18 @@ THREADS=$(( $(nproc) / JOBS ))
 [ "$THREADS" -ge 1 ] || THREADS=1
 export OMP_NUM_THREADS=$THREADS MKL_NUM_THREADS=$THREADS
 export WANDB_MODE="${WANDB_MODE:-offline}"
-# GRPO's samples per problem and rollout temperature (RFT samples the same way), the config's task
-# and its number of training problems
+# GRPO's samples per problem and rollout temperature (RFT samples the same way), the config's task,
+# its number of training problems and the no-learning rules it offers (evaluate.py RULE)
 GT=$($PY -c "exec(open('$CONFIG').read())
 from environment import load_task
-task = globals().get('task', 'task')
-print(int(grpo['group_size']), float(grpo.get('temperature', 1.0)), task,
-      len(load_task(task).make_problems('train')))")
-read -r G T TASK N_TRAIN <<< "$GT"   # (a failing python stops the script on the line above)
+from evaluate import offered_rules
+name = globals().get('task', 'task')
+task = load_task(name)
+print(int(grpo['group_size']), float(grpo.get('temperature', 1.0)), name,
+      len(task.make_problems('train')), *offered_rules(task))")
+read -r G T TASK N_TRAIN RULE_LIST <<< "$GT"   # (a failing python stops the script here)
+read -r -a RULES <<< "$RULE_LIST"
+ARMS=("${RULES[@]}" "${TRAINED[@]}")
 
 PROTOCOL="edge-1"   # bump when the task, recipe or arms change: older seeds are not mixed in
 finished() {   # finished <seed>: every arm's test evaluation is on disk, under this protocol
@@ -101,7 +104,7 @@ run_seed() {   # run_seed <seed>: the whole pipeline of one seed
     step sft_all $PY sft.py "$CONFIG" --seed=$s --init_from=$d/pretrain --out_dir=$d/sft_all \
         --demo_fraction=1.0
     for arm in "${RULES[@]}"; do
-        step test_$arm $PY evaluate.py $arm test $d/test_$arm --task=$TASK
+        step test_$arm $PY evaluate.py $arm test $d/test_$arm --task="$TASK"
     done
     for arm in "${TRAINED[@]}"; do   # one evaluation on the test split for each model
         # every arm is early-stopped on validation the same way: its best validation model is

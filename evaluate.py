@@ -115,6 +115,15 @@ def write_outcomes(out_dir, outcomes):
     os.replace(path + ".tmp", path)
 
 
+# the no-learning baselines a task may offer (its RULE_answer), and what each one does
+RULES = {"heuristic": "closest pair", "chain_rule": "smallest need"}
+
+
+def offered_rules(task):
+    """The RULES this task offers, in order: what speedrun.sh and compare.sh score."""
+    return [rule for rule in RULES if offers(task, f"{rule}_answer")]
+
+
 def heuristic_metrics(task, problems, rule="heuristic"):
     """(metrics, outcomes) of one of the task's no-learning baselines (its {rule}_answer), scored by
     the same reward."""

@@ -44,7 +44,7 @@ COMPARISONS = (("grpo", "heuristic"), ("grpo", "chain_rule"), ("grpo", "sft"),
                ("sft_more", "sft"), ("rft", "sft"))
 SIZES = ("3digits", "4digits")
 # reach bands (task.reach: the chance one blind attempt solves a problem), [lo, hi)
-REACH_BANDS = ((0.0, 0.02), (0.02, 0.05), (0.05, 0.1), (0.1, 1.01))
+REACH_BANDS = ((0.0, 0.02), (0.02, 0.05), (0.05, 0.1), (0.1, 0.2), (0.2, 1.01))
 BOOTSTRAP = 2000
 # the arms that train from the SFT checkpoint: the plot's curves
 CURVE_ARMS = ("grpo", "sft_more", "rft")
@@ -269,15 +269,18 @@ def tables(results):
 
 
 def reach_table(by_reach, arms):
-    """The lines of the greedy test accuracy by reach band (none without reach in the outcomes)."""
+    """The lines of the greedy test accuracy by reach band, empty bands left out (none without
+    reach in the outcomes)."""
     if not by_reach:
         return []
+    kept = [i for i, n in enumerate(by_reach["problems"]) if n]
     heads = [f"reach {lo:.2f}-{min(hi, 1):.2f} ({n})"
              for (lo, hi), n in zip(by_reach["bands"], by_reach["problems"])]
+    heads = [heads[i] for i in kept]
     lines = ["", "greedy test accuracy by reach band (problems in the band), mean over seeds:", "",
              "| arm | " + " | ".join(heads) + " |", "|" + " --- |" * (len(heads) + 1)]
     for arm in arms:
-        cells = ["n/a" if v is None else f"{v:.3f}" for v in by_reach[arm]]
+        cells = [f"{by_reach[arm][i]:.3f}" for i in kept]
         lines.append(f"| {arm} | " + " | ".join(cells) + " |")
     return lines
 
@@ -430,10 +433,12 @@ def plot_run(run_dir, path, rule_dirs=()):
 
 
 def draw_references(ax, rows, evals, rule_dirs):
-    """The rollouts' mean reward by step, the SFT start and the best rule on validation."""
+    """The rollouts' mean reward by step (sampled, on the training problems the sampler drew), the
+    SFT start and the best rule on validation (a rule's name: its directory's, less 'val_')."""
     rewards = [(r["iter"], r["rollout/reward_mean"]) for r in rows if "rollout/reward_mean" in r]
     if rewards:
-        ax.plot(*zip(*rewards), color="C0", alpha=0.7, label="rollouts' mean reward (T = 1)")
+        ax.plot(*zip(*rewards), color="C0", alpha=0.7,
+                label="rollouts' mean reward (sampled, training problems)")
     if evals:
         ax.axhline(evals[0]["eval/accuracy"], color="gray", linestyle="--",
                    label=f"SFT start {evals[0]['eval/accuracy']:.3f}")

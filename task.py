@@ -23,8 +23,9 @@ The main job's problems are the ones at the edge of a small model's competence: 
 reach (the exact chance that one blind attempt of the corpus's search solves the problem, reach()
 below) of at least 1 in 20. Most of the full space lies beyond that: on more than half of it a
 blind attempt succeeds less than 1 time in 20, and there RL has nothing to sharpen. make_problems
-returns the edge; task_full.py is the full space (make_problems(split, full=True)). Both keep the
-split by multiset, the corpus and the demonstrations of the full space, so neither opens a leak.
+returns the edge; task_full.py is the whole space (make_problems(split, full=True)). The edge's
+splits are the full space's, filtered, and both tasks share one corpus and one set of
+demonstrations (over the full space's training split): the edge opens no new leak.
 
 Expressions are parsed by a small recursive-descent parser (no eval): single digits, + - *,
 parentheses, spaces. No unary minus, no multi-digit numbers (that would be concatenating digits).
@@ -164,6 +165,13 @@ def _space() -> dict:
             for s, ps in splits.items()}
 
 
+@functools.cache
+def _edge() -> dict:
+    # the main job's problems: the full space's, in its order, filtered by size and reach (below)
+    return {s: tuple(p for p in ps if len(p.digits) in EDGE_NUM_DIGITS and reach(p) >= MIN_REACH)
+            for s, ps in _space().items()}
+
+
 def make_problems(split: str, n: int | None = None, full: bool = False) -> list[Problem]:
     """The first n problems (all if None) of the fixed 'train', 'val' or 'test' split, in a fixed
     shuffled order: the edge problems (EDGE_NUM_DIGITS digits, reach >= MIN_REACH), or with
@@ -177,12 +185,6 @@ def make_problems(split: str, n: int | None = None, full: bool = False) -> list[
                              f"{n!r}")
         problems = problems[:n]
     return list(problems)
-
-
-@functools.cache
-def _edge() -> dict:
-    return {s: tuple(p for p in ps if len(p.digits) in EDGE_NUM_DIGITS and reach(p) >= MIN_REACH)
-            for s, ps in _space().items()}
 
 
 def describe(problem: Problem) -> dict:
@@ -206,9 +208,9 @@ def expression_answers(problem: Problem) -> list[str]:
 
 
 def heuristic_answer(problem: Problem) -> str:
-    """The no-learning baseline: combine the two numbers whose result lands closest to the target,
-    repeat until one number is left; that expression is the answer. Ties go to the first pair and
-    operator in order."""
+    """The first no-learning baseline (closest pair): combine the two numbers whose result lands
+    closest to the target, repeat until one number is left; that expression is the answer. Ties go
+    to the first pair and operator in order. chain_rule_answer, below, is the second."""
     if not isinstance(problem, Problem):
         raise TypeError(f"expected a Problem, got {problem!r}")
     terms = [(str(d), d, _ATOM) for d in problem.digits]   # (text, value, precedence)
@@ -319,6 +321,11 @@ def _parse_expression(text: str) -> tuple[int, list[int]] | None:
 STEP_OPS = "+-/"   # undo "-d", undo "+d", undo "*d"
 
 
+def _moves(pool: list[int]) -> list[tuple[str, int]]:
+    """The (operator, digit) choices of a step, in the fixed order every search here uses."""
+    return [(op, d) for d in sorted(set(pool)) for op in STEP_OPS]
+
+
 def _undo(op: str, x: int, d: int) -> int | None:
     """y of the step x op d = y, or None when it is not a step (y must be a whole number >= 1)."""
     y = x + d if op == "+" else x - d if op == "-" else x // d if x % d == 0 else None
@@ -416,7 +423,7 @@ def _attempt(rng: random.Random, target: int, digits: tuple[int, ...]) -> tuple[
     line there, 'x/d=?', so the corpus shows which divisions are whole as well as their results."""
     need, pool, words = target, sorted(digits), []
     while len(pool) > 2:
-        op, d = rng.choice([(op, d) for d in sorted(set(pool)) for op in STEP_OPS])
+        op, d = rng.choice(_moves(pool))
         if _undo(op, need, d) is None:
             return " ".join(words + [f"{need}{op}{d}=?"]), False
         word, need, pool = _step(need, op, d, pool)
@@ -443,9 +450,9 @@ def reach(problem: Problem) -> Fraction:
 
 @functools.cache
 def _reach(need: int, pool: tuple[int, ...]) -> Fraction:
-    if len(pool) == 2:
-        return Fraction(1 if _pair_equation(need, *pool) else 0)
-    moves = [(op, d) for d in sorted(set(pool)) for op in STEP_OPS]
+    if len(pool) <= 2:   # the last pair makes the need or not (fewer digits: no chain at all)
+        return Fraction(1 if len(pool) == 2 and _pair_equation(need, *pool) else 0)
+    moves = _moves(pool)
     solved = Fraction(0)
     for op, d in moves:
         if _undo(op, need, d) is not None:
@@ -456,22 +463,20 @@ def _reach(need: int, pool: tuple[int, ...]) -> Fraction:
 
 def chain_rule_answer(problem: Problem) -> str:
     """The second no-learning baseline, a chain written greedily: from the target, take the step
-    that leaves the smallest need (ties: the first digit, then operator, in order), until two
-    digits are left; then their pair, or 'y=?' when they cannot make y (a claim of no answer). A
-    line that ends on a pair is right. digits 1 4 7 8 target 83: '83-8=75[147] 75-7=68[14] 68=?' (83
-    has no whole division; 75/1 leaves 75, 75-7 leaves 68)."""
+    that leaves the smallest need (ties: the first in _moves' order), until two digits are left;
+    then their pair, or 'y=?' when they cannot make y (a claim of no answer). A line that ends on
+    a pair is right. digits 1 4 7 8 target 83: '83-8=75[147] 75-7=68[14] 68=?' (of the needs
+    83+d, 83-d and 83/1 the least is 75; then 75-7 leaves 68, which 1 and 4 do not make)."""
     if not isinstance(problem, Problem):
         raise TypeError(f"expected a Problem, got {problem!r}")
     need, pool, words = problem.target, sorted(problem.digits), []
-    while len(pool) > 2:
-        moves = [(_undo(op, need, d), op, d) for d in sorted(set(pool)) for op in STEP_OPS]
-        moves = [m for m in moves if m[0] is not None]
-        if not moves:   # every step leaves less than 1: no chain goes on
-            return " ".join(words + [f"{need}=?"])
-        _, op, d = min(moves, key=lambda m: m[0])   # min keeps the first of equal needs
+    while len(pool) > 2:   # a step is always possible: '+d' is one
+        steps = [(y, op, d) for op, d in _moves(pool) if (y := _undo(op, need, d)) is not None]
+        _, op, d = min(steps, key=lambda step: step[0])   # min keeps the first of equal needs
         word, need, pool = _step(need, op, d, pool)
         words.append(word)
-    return " ".join(words + [_pair_equation(need, *pool) or f"{need}=?"])
+    last = _pair_equation(need, *pool) if len(pool) == 2 else None
+    return " ".join(words + [last or f"{need}=?"])
 
 
 @functools.cache
@@ -500,11 +505,10 @@ def chain_answers(problem: Problem) -> tuple[str, ...]:
             last = _pair_equation(need, *pool)
             return [last] if last else []
         out = []
-        for d in sorted(set(pool)):
-            for op in STEP_OPS:
-                if _undo(op, need, d) is not None:
-                    word, y, rest = _step(need, op, d, pool)
-                    out += [f"{word} {tail}" for tail in lines(y, rest)]
+        for op, d in _moves(pool):
+            if _undo(op, need, d) is not None:
+                word, y, rest = _step(need, op, d, pool)
+                out += [f"{word} {tail}" for tail in lines(y, rest)]
         return out
     return tuple(lines(problem.target, sorted(problem.digits)))
 

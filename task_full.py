@@ -1,8 +1,9 @@
 """
 Mini-countdown over its whole problem space: every multiset of three or four digits and every
-target in 1..99 they reach, split by multiset as in task.py. task.py's main job keeps only the four
-digit problems that one blind attempt solves at least 1 time in 20 (its reach); this is the rest
-of the space beside them, most of it beyond a small model's reach (docs/results.md, by reach band).
+target in 1..99 they reach, split by multiset as in task.py. task.py's main job keeps only the
+four-digit problems that one blind attempt solves at least 1 time in 20 (their reach); this is the
+whole space, those included, most of it beyond a small model's reach (docs/results.md, by reach
+band).
 
     python train_grpo.py config/qwen_small.py --task=task_full    # every stage takes the setting
 

@@ -135,9 +135,12 @@ def test_main_writes_results_json_and_tables(tmp_path, capsys, monkeypatch):
     assert "matplotlib is not installed" in out and not (tmp_path / "val_accuracy.png").exists()
 
 
-def write_outcomes(path, digits_targets, rewards):
-    write_rows(path, [{"digits": list(d), "target": t, "reward": r, "completion": ""}
-                      for (d, t), r in zip(digits_targets, rewards)])
+def write_outcomes(path, digits_targets, rewards, reach=None):
+    rows = [{"digits": list(d), "target": t, "reward": r, "completion": ""}
+            for (d, t), r in zip(digits_targets, rewards)]
+    for row, x in zip(rows, reach or []):
+        row["reach"] = x
+    write_rows(path, rows)
 
 
 def test_by_size_table_and_cluster_bootstrap_on_hand_made_outcomes(tmp_path):
@@ -165,6 +168,27 @@ def test_by_size_table_and_cluster_bootstrap_on_hand_made_outcomes(tmp_path):
             "| yes, above 0 |") in text
 
 
+def test_accuracy_by_reach_band_leaves_empty_bands_out(tmp_path):
+    # 2 seeds, 4 problems: two of reach 0.05-0.10, one of 0.10-0.20, one of 0.20 and above
+    problems = [((1, 2, 3, 4), 6), ((1, 2, 3, 4), 5), ((2, 3, 4, 5), 14), ((2, 3, 4, 5), 30)]
+    reach = [0.06, 0.09, 0.15, 0.3]
+    rewards = {"chain_rule": [[1, 0, 0, 1], [1, 0, 0, 1]], "grpo": [[1, 1, 1, 0], [0, 1, 0, 1]]}
+    for seed in ("1", "2"):
+        for arm, per_seed in rewards.items():
+            r = per_seed[int(seed) - 1]
+            d = tmp_path / f"seed{seed}" / f"test_{arm}"
+            write_rows(str(d / "metrics.jsonl"), [{"iter": 0, "eval/accuracy": sum(r) / 4}])
+            write_outcomes(str(d / "outcomes.jsonl"), problems, r, reach)
+    results = summarize(load(str(tmp_path), ["1", "2"]), str(tmp_path))
+    by_reach = results["accuracy_by_reach"]
+    assert by_reach["problems"] == [0, 0, 2, 1, 1]
+    # grpo, band 0.05-0.10: (1 + 1 + 0 + 1) / 4 over both seeds; 0.10-0.20: (1 + 0) / 2
+    assert by_reach["grpo"][2:] == [0.75, 0.5, 0.5] and by_reach["chain_rule"][2:] == [0.5, 0, 1]
+    text = report.tables(results)
+    assert ("| arm | reach 0.05-0.10 (2) | reach 0.10-0.20 (1) | reach 0.20-1.00 (1) |" in text
+            and "| grpo | 0.750 | 0.500 | 0.500 |" in text and "0.00-0.02" not in text)
+
+
 def test_cluster_bootstrap_resamples_whole_clusters():
     # two clusters, a: 10 problems of difference 1, b: 2 of difference 0. Drawing 2 clusters gives
     # (a, a) -> 1, (a, b) -> 10/12, (b, b) -> 0, each a quarter of the time but the middle one: the
@@ -181,6 +205,26 @@ def test_plot_run_writes_a_png(tmp_path):
                [{"iter": 0, "eval/accuracy": 0.1}, {"iter": 1, "rollout/completion_len": 30.0},
                 {"iter": 2, "rollout/completion_len": 25.0, "eval/accuracy": 0.2}])
     path = report.plot_run(str(tmp_path / "grpo"), str(tmp_path / "grpo.png"))
+    with open(path, "rb") as f:
+        assert f.read(8) == b"\x89PNG\r\n\x1a\n"
+
+
+def test_plot_run_draws_the_start_and_the_better_rule(tmp_path):
+    plt = pytest.importorskip("matplotlib.pyplot")
+    rows = [{"iter": 0, "eval/accuracy": 0.25}, {"iter": 10, "rollout/reward_mean": 0.4},
+            {"iter": 20, "eval/accuracy": 0.5}]
+    write_rows(str(tmp_path / "grpo" / "metrics.jsonl"), rows)
+    for rule, acc in (("heuristic", 0.25), ("chain_rule", 0.3125)):
+        write_rows(str(tmp_path / f"val_{rule}" / "metrics.jsonl"),
+                   [{"iter": 0, "eval/accuracy": acc}])
+    dirs = [str(tmp_path / "val_heuristic"), str(tmp_path / "val_chain_rule")]
+    fig, ax = plt.subplots()
+    report.draw_references(ax, rows, [rows[0], rows[2]], dirs)
+    labels = ax.get_legend_handles_labels()[1]
+    plt.close(fig)
+    assert labels == ["rollouts' mean reward (sampled, training problems)", "SFT start 0.250",
+                      "best rule (chain_rule) 0.312"]
+    path = report.plot_run(str(tmp_path / "grpo"), str(tmp_path / "grpo.png"), dirs)
     with open(path, "rb") as f:
         assert f.read(8) == b"\x89PNG\r\n\x1a\n"
 

@@ -17,8 +17,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from transformers import AutoTokenizer
 
+import evaluate
 import task
 import task_full
+import task_guess
 from task import (Problem, make_problems, parse_answer, pretrain_corpus, prompt_messages, reward,
                   sft_examples, solutions)
 from tokenizer import (ENDOFTEXT, IM_END, IM_START, build_tokenizer, chat_example, chat_prompt_ids,
@@ -378,6 +380,33 @@ def test_the_edge_split_is_the_full_split_filtered_by_reach():
                 or multisets[1] & multisets[2])
     assert make_problems("test", 5) == test[:5] and task_full.make_problems("test") == \
         make_problems("test", full=True)
+
+
+def test_chain_rule_takes_the_smallest_need_at_every_step():
+    for p in random.Random(1).sample(make_problems("train", full=True), 300):
+        need, pool = p.target, sorted(p.digits)
+        for word in task.chain_rule_answer(p).split(" ")[:-1]:   # the steps, not the last pair
+            op, d = word[len(str(need))], int(word[len(str(need)) + 1])
+            options = [x for o in "+-/" for e in set(pool)
+                       if (x := {"+": need + e, "-": need - e,
+                                 "/": need // e if need % e == 0 else 0}[o]) >= 1]
+            y = int(word.split("=")[1].split("[")[0])
+            assert y == min(options) and word.startswith(f"{need}{op}{d}="), (p, word)
+            need = y
+            pool.remove(d)
+
+
+def test_rules_are_scored_by_evaluate_and_outcomes_carry_reach():
+    problems = make_problems("val", 40)
+    metrics, outcomes = evaluate.heuristic_metrics(task, problems, "chain_rule")
+    right = [reward(p, task.chain_rule_answer(p)) for p in problems]
+    assert metrics["eval/accuracy"] == pytest.approx(sum(right) / len(right))
+    assert [o["reach"] for o in outcomes] == [round(float(task.reach(p)), 6) for p in problems]
+    assert all(o["reach"] >= 0.05 for o in outcomes)
+    assert evaluate.offered_rules(task) == ["heuristic", "chain_rule"]
+    assert evaluate.offered_rules(task_guess) == []
+    with pytest.raises(ValueError, match="offers no chain_rule_answer"):
+        evaluate.heuristic_metrics(task_guess, [], "chain_rule")
 
 
 def test_chain_rule_is_right_whenever_it_claims_an_answer():
