@@ -124,7 +124,7 @@ def offered_rules(task):
     return [rule for rule in RULES if offers(task, f"{rule}_answer")]
 
 
-def heuristic_metrics(task, problems, rule="heuristic"):
+def rule_metrics(task, problems, rule="heuristic"):
     """(metrics, outcomes) of one of the task's no-learning baselines (its {rule}_answer), scored by
     the same reward."""
     if not offers(task, f"{rule}_answer"):
@@ -151,11 +151,12 @@ if __name__ == "__main__":
     specs = [a[len("--task="):] for a in sys.argv[1:] if a.startswith("--task=")]
     if (len(args) != 3 or not args[0].isidentifier() or args[1] not in ("val", "test")
             or len(specs) > 1):
-        sys.exit("usage: python evaluate.py RULE val|test OUT_DIR [--task=task]  (RULE: the task's "
-                 "RULE_answer: heuristic, chain_rule)")
+        sys.exit("usage: python evaluate.py RULE val|test OUT_DIR [--task=task]\n"
+                 "  RULE: the task's RULE_answer (heuristic, chain_rule)")
     the_task = load_task(specs[0] if specs else "task")
-    metrics, outcomes = heuristic_metrics(the_task, the_task.make_problems(args[1]), args[0])
-    write_outcomes(args[2], outcomes)
-    with open(os.path.join(args[2], "metrics.jsonl"), "w") as f:
+    rule, split, out_dir = args
+    metrics, outcomes = rule_metrics(the_task, the_task.make_problems(split), rule)
+    write_outcomes(out_dir, outcomes)
+    with open(os.path.join(out_dir, "metrics.jsonl"), "w") as f:
         f.write(json.dumps({"iter": 0, **metrics}) + "\n")
-    print(f"{args[0]} on {args[1]}: " + ", ".join(f"{k} {v:.4f}" for k, v in metrics.items()))
+    print(f"{rule} on {split}: " + ", ".join(f"{k} {v:.4f}" for k, v in metrics.items()))

@@ -191,7 +191,8 @@ def reach_bands(out_dir, seeds, arms):
         return None
     reach = np.array([o["reach"] for o in next(iter(per_arm.values()))[0]])
     masks = [(lo <= reach) & (reach < hi) for lo, hi in REACH_BANDS]
-    out = {"bands": [list(b) for b in REACH_BANDS], "problems": [int(m.sum()) for m in masks]}
+    out = {"bands": [list(b) for b in REACH_BANDS],
+           "problems": [int(m.sum()) for m in masks]}
     for arm, rows in per_arm.items():
         right = np.array([[o["reward"] for o in seed_rows] for seed_rows in rows])
         out[arm] = [float(right[:, m].mean()) if m.any() else None for m in masks]
@@ -435,7 +436,8 @@ def plot_run(run_dir, path, rule_dirs=()):
 def draw_references(ax, rows, evals, rule_dirs):
     """The rollouts' mean reward by step (sampled, on the training problems the sampler drew), the
     SFT start and the best rule on validation (a rule's name: its directory's, less 'val_')."""
-    rewards = [(r["iter"], r["rollout/reward_mean"]) for r in rows if "rollout/reward_mean" in r]
+    rewards = [(r["iter"], r["rollout/reward_mean"])
+               for r in rows if "rollout/reward_mean" in r]
     if rewards:
         ax.plot(*zip(*rewards), color="C0", alpha=0.7,
                 label="rollouts' mean reward (sampled, training problems)")

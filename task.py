@@ -167,9 +167,10 @@ def _space() -> dict:
 
 @functools.cache
 def _edge() -> dict:
-    # the main job's problems: the full space's, in its order, filtered by size and reach (below)
-    return {s: tuple(p for p in ps if len(p.digits) in EDGE_NUM_DIGITS and reach(p) >= MIN_REACH)
-            for s, ps in _space().items()}
+    # the main job's problems: the full space's, in its order, filtered by size and reach
+    def kept(p):
+        return len(p.digits) in EDGE_NUM_DIGITS and reach(p) >= MIN_REACH
+    return {s: tuple(filter(kept, ps)) for s, ps in _space().items()}
 
 
 def make_problems(split: str, n: int | None = None, full: bool = False) -> list[Problem]:
@@ -450,7 +451,7 @@ def reach(problem: Problem) -> Fraction:
 
 @functools.cache
 def _reach(need: int, pool: tuple[int, ...]) -> Fraction:
-    if len(pool) <= 2:   # the last pair makes the need or not (fewer digits: no chain at all)
+    if len(pool) <= 2:   # the last pair makes the need or not (fewer digits: no chain)
         return Fraction(1 if len(pool) == 2 and _pair_equation(need, *pool) else 0)
     moves = _moves(pool)
     solved = Fraction(0)
@@ -471,8 +472,9 @@ def chain_rule_answer(problem: Problem) -> str:
         raise TypeError(f"expected a Problem, got {problem!r}")
     need, pool, words = problem.target, sorted(problem.digits), []
     while len(pool) > 2:   # a step is always possible: '+d' is one
-        steps = [(y, op, d) for op, d in _moves(pool) if (y := _undo(op, need, d)) is not None]
-        _, op, d = min(steps, key=lambda step: step[0])   # min keeps the first of equal needs
+        steps = [(_undo(op, need, d), op, d) for op, d in _moves(pool)]
+        steps = [s for s in steps if s[0] is not None]
+        _, op, d = min(steps, key=lambda s: s[0])   # min keeps the first of equal needs
         word, need, pool = _step(need, op, d, pool)
         words.append(word)
     last = _pair_equation(need, *pool) if len(pool) == 2 else None

@@ -398,7 +398,7 @@ def test_chain_rule_takes_the_smallest_need_at_every_step():
 
 def test_rules_are_scored_by_evaluate_and_outcomes_carry_reach():
     problems = make_problems("val", 40)
-    metrics, outcomes = evaluate.heuristic_metrics(task, problems, "chain_rule")
+    metrics, outcomes = evaluate.rule_metrics(task, problems, "chain_rule")
     right = [reward(p, task.chain_rule_answer(p)) for p in problems]
     assert metrics["eval/accuracy"] == pytest.approx(sum(right) / len(right))
     assert [o["reach"] for o in outcomes] == [round(float(task.reach(p)), 6) for p in problems]
@@ -406,7 +406,7 @@ def test_rules_are_scored_by_evaluate_and_outcomes_carry_reach():
     assert evaluate.offered_rules(task) == ["heuristic", "chain_rule"]
     assert evaluate.offered_rules(task_guess) == []
     with pytest.raises(ValueError, match="offers no chain_rule_answer"):
-        evaluate.heuristic_metrics(task_guess, [], "chain_rule")
+        evaluate.rule_metrics(task_guess, [], "chain_rule")
 
 
 def test_chain_rule_is_right_whenever_it_claims_an_answer():
