@@ -322,15 +322,42 @@ META = "checkpoint.json"
 TRAINER_STATE = "trainer_state.pt"
 
 
-def save_best(out_dir, model, tokenizer):
+def save_best(out_dir, model, tokenizer, stop_ids):
     """{out_dir}/best: a transformers model directory (a later stage's init_from), swapped in by one
     rename."""
     best, tmp = os.path.join(out_dir, "best"), os.path.join(out_dir, "best.tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     save_hf_checkpoint(model, tmp)
     save_tokenizer(tokenizer, tmp)
+    save_stop_ids(tmp, tokenizer, stop_ids)
     shutil.rmtree(best, ignore_errors=True)
     os.replace(tmp, best)
+
+
+def save_stop_ids(path, tokenizer, stop_ids):
+    """generation_config.json: what ends a generation, so that a later stage and a server
+    (serve.py) stop where the run started from did (stop_ids_of reads it back)."""
+    GenerationConfig(eos_token_id=list(stop_ids),
+                     pad_token_id=tokenizer.pad_token_id).save_pretrained(path)
+
+
+def stop_ids_of(path, tokenizer):
+    """The stop ids of a model directory: its generation_config.json's eos_token_id (one id or
+    several: Llama 3 Instruct lists three), else the tokenizer's (generation_stop_ids)."""
+    try:
+        with open(os.path.join(path, "generation_config.json")) as f:
+            eos = json.load(f).get("eos_token_id")
+    except FileNotFoundError:
+        eos = None
+    except (OSError, ValueError, AttributeError) as e:
+        raise ValueError(f"corrupt generation_config.json in {path!r}: {e}") from None
+    ids = [eos] if type(eos) is int else eos
+    if ids is None or ids == []:
+        return tuple(generation_stop_ids(tokenizer))
+    if not (isinstance(ids, list) and all(type(i) is int and i >= 0 for i in ids)):
+        raise ValueError(f"generation_config.json in {path!r}: eos_token_id must be an id or a "
+                         f"list of ids, got {eos!r}")
+    return tuple(dict.fromkeys(ids))
 
 
 def file_digest(path):
@@ -370,16 +397,15 @@ def _fsync(path):
 
 
 def save_checkpoint(out_dir, model, optimizer, tokenizer, iter_num, config, data_state=None,
-                    extra=None):
+                    extra=None, stop_ids=None):
     """Write {out_dir}/ckpt atomically (see the top of this file). data_state and extra must be
-    JSON-serialisable."""
+    JSON-serialisable; stop_ids (default the tokenizer's) go to its generation_config.json."""
     final, tmp, old = (os.path.join(out_dir, n) for n in (CKPT, CKPT_TMP, CKPT_OLD))
     shutil.rmtree(tmp, ignore_errors=True)
     os.makedirs(tmp)
     save_hf_checkpoint(model, tmp)
     save_tokenizer(tokenizer, tmp)
-    stop = generation_stop_ids(tokenizer)   # so a server (serve.py) knows what ends a generation
-    GenerationConfig(eos_token_id=stop, pad_token_id=tokenizer.pad_token_id).save_pretrained(tmp)
+    save_stop_ids(tmp, tokenizer, generation_stop_ids(tokenizer) if stop_ids is None else stop_ids)
     torch.save({"optimizer": optimizer.state_dict(), "rng": rng_state()},
                os.path.join(tmp, TRAINER_STATE))
     files = {}
@@ -487,11 +513,13 @@ def load_trainer_state(path):
 
 @dataclass(frozen=True)
 class Start:
-    """What a run starts from: the model (fp32 master weights, on cpu) and its tokenizer; when
+    """What a run starts from: the model (fp32 master weights, on cpu), its tokenizer and stop ids
+    (stop_ids_of; every stage's episodes end on them and its checkpoints keep them); when
     resuming, the checkpoint's verified checkpoint.json (iteration, data state, extra) and trainer
     state (optimizer + RNG)."""
     model: Transformer
     tokenizer: object
+    stop_ids: tuple
     meta: dict | None = None
     trainer_state: dict | None = None
     source: str = "scratch"
@@ -513,21 +541,22 @@ def init_start(config, new_tokenizer):
         tokenizer = new_tokenizer()
         model_config = _model_config(config["model"], tokenizer)
         torch.manual_seed(config["seed"])   # the initial weights are a function of the seed alone
-        return Start(Transformer(model_config), tokenizer)
+        return Start(Transformer(model_config), tokenizer, tuple(generation_stop_ids(tokenizer)))
     if init_from == "resume":
         path = find_checkpoint(config["out_dir"])
         if path is None:
             raise ValueError(f"init_from='resume': no checkpoint in out_dir={config['out_dir']!r} "
                              f"(expected {CKPT}/{META})")
-        meta = read_checkpoint_meta(path)
-        return Start(load_model(path), load_tokenizer(path), meta, load_trainer_state(path),
-                     source=path)
+        meta, tokenizer = read_checkpoint_meta(path), load_tokenizer(path)
+        return Start(load_model(path), tokenizer, stop_ids_of(path, tokenizer), meta,
+                     load_trainer_state(path), source=path)
     path = model_dir_of(init_from)
     if os.path.isfile(os.path.join(path, META)):
         read_checkpoint_meta(path)  # a previous stage's checkpoint is verified before it is trusted
     model = load_model(path)
     if os.path.isfile(os.path.join(path, "tokenizer.json")):
-        return Start(model, load_tokenizer(path), source=path)
+        tokenizer = load_tokenizer(path)
+        return Start(model, tokenizer, stop_ids_of(path, tokenizer), source=path)
     tokenizer = new_tokenizer()
     if len(tokenizer) > model.config.vocab_size:
         raise ValueError(f"init_from={init_from!r} has no tokenizer and its "
@@ -535,7 +564,7 @@ def init_start(config, new_tokenizer):
                          f"tokenizer's {len(tokenizer)} ids")
     print0(f"init_from={init_from!r} has no tokenizer: using the embedded one ({len(tokenizer)} "
            f"ids)")
-    return Start(model, tokenizer, source=path)
+    return Start(model, tokenizer, tuple(generation_stop_ids(tokenizer)), source=path)
 
 
 def _model_config(model_kw, tokenizer):

@@ -6,19 +6,20 @@ The client side of serve.py: training samples rebuilt from the server's response
     extra = {"return_token_ids": True}
     r1 = api.chat.completions.create(model=name, messages=msgs, logprobs=True, extra_body=extra)
     s1 = sample_from_response(r1)           # a TrainingSample: the very ids sampled, their logprobs
-    ids = next_turn_prompt(tokenizer, s1, msgs, [{"role": "user", "content": "and then?"}])
+    ids = next_turn_prompt(tokenizer, s1, [{"role": "user", "content": "and then?"}])
     r2 = api.completions.create(model=name, prompt=ids, logprobs=0, max_tokens=64, extra_body=extra)
     s2 = sample_from_response(r2)       # its prompt is turn 1 exactly as sampled, then the new turn
 
 Why by ids: text that goes back through a tokenizer may come out as other ids ("user" as one token
-or four), and a chat template may render earlier turns differently from how they were sampled.
-Either way the trainer would score a sequence the model never produced. So the next prompt is the
-previous prompt + the sampled ids + the template's own ids for the new message, and it is checked
-against the template's rendering of the same conversation: a difference raises, naming the first
-position where the two disagree.
+or four), and a chat template may render earlier turns differently from how they were sampled
+(Qwen3's drops their think blocks). Either way the trainer would score a sequence the model never
+produced. So the next prompt is the previous prompt + the sampled ids + the template's own ids for
+the new messages (tokenizer.TurnBridge, as environment.py builds its episodes), never a re-rendered
+history.
 """
 
 from engine import TrainingSample
+from tokenizer import TurnBridge, generation_stop_ids
 
 
 def as_dict(response):
@@ -57,12 +58,6 @@ def sample_from_response(response, index=0, sent=None) -> TrainingSample:
                           finish_reason=choice["finish_reason"], sample_index=index)
 
 
-def chat_ids(tokenizer, messages, add_generation_prompt):
-    out = tokenizer.apply_chat_template(list(messages), add_generation_prompt=add_generation_prompt,
-                                        tokenize=True, return_dict=False)
-    return [int(t) for t in (out["input_ids"] if isinstance(out, dict) else out)]
-
-
 def first_difference(a, b):
     """The first position where the id lists a and b differ (one ending early counts), or None."""
     for i, (x, y) in enumerate(zip(a, b)):
@@ -82,23 +77,15 @@ def check_same(ours, expected, tokenizer, what):
                          f"{around(expected)}")
 
 
-def next_turn_prompt(tokenizer, sample, messages, new_messages) -> list[int]:
+def next_turn_prompt(tokenizer, sample, new_messages, stop_ids=None, **template_kwargs):
     """The prompt ids of the next turn: sample's prompt + its sampled ids + the template's ids that
-    close the assistant turn (those after the reply: "\n" after a sampled <|im_end|>, or
-    "<|im_end|>\n" after a reply cut off at max_tokens) + the template's ids for new_messages and
-    the generation prompt. messages is the conversation sample's prompt was made from. Checked:
-    sample's prompt is the template's rendering of messages, and the result is the template's
-    rendering of the whole conversation (the reply as its decoded text), so a reply whose ids the
-    tokenizer would not give back raises, at the first differing position. The new prompt starts
-    with everything before it by construction; sample_from_response(..., sent=ids) checks the server
-    kept it so."""
+    close the assistant turn (those after the stop id: "\n" after a sampled <|im_end|>; all of
+    them, "<|im_end|>\n", after a reply cut off at max_tokens) + the template's ids for
+    new_messages and the generation prompt. stop_ids: what the server stops on (/v1/models lists
+    them; default the tokenizer's); template_kwargs: those the conversation was rendered with
+    (enable_thinking=False, ...). The new prompt starts with everything before it by construction;
+    sample_from_response(..., sent=ids) checks the server kept it so."""
+    stop = generation_stop_ids(tokenizer) if stop_ids is None else stop_ids
     prompt, sampled = list(sample.prompt_tokens), list(sample.completion_tokens)
-    check_same(prompt, chat_ids(tokenizer, messages, True), tokenizer, "the sample's prompt")
-    reply = {"role": "assistant", "content": tokenizer.decode(sampled, skip_special_tokens=True)}
-    # ... <|im_start|>assistant\nREPLY<|im_end|>\n
-    so_far = chat_ids(tokenizer, list(messages) + [reply], False)
-    whole = chat_ids(tokenizer, list(messages) + [reply] + list(new_messages), True)
-    check_same(whole[:len(so_far)], so_far, tokenizer, "the chat template is not prefix-stable")
-    ids = prompt + sampled + so_far[len(prompt) + len(sampled):] + whole[len(so_far):]
-    check_same(ids, whole, tokenizer, "the continued conversation against the chat template")
-    return ids
+    bridge = TurnBridge(tokenizer, stop, **template_kwargs)
+    return prompt + sampled + bridge.next_ids(new_messages, sampled[-1] if sampled else None)

@@ -2,7 +2,7 @@
 # The fair comparison: per seed, pretrain -> the start (the config's SFT, keeping its best model on
 # validation), then from the start GRPO (the config's, keeping its best model on validation) and
 # two baselines matched to it (sft_more: more SFT at GRPO's FLOPs; rft: rejection-sampling
-# fine-tuning that samples every training problem once, group-size samples each, then trains on
+# fine-tuning that samples every training problem twice, group-size samples each, then trains on
 # the right ones until GRPO's FLOPs are spent; both early-stopped on val), the two no-learning
 # rules (heuristic: the closest pair; chain_rule: the step that leaves the smallest need), and
 # sft_all as a reference (the start's SFT with demo_fraction=1: a demonstration for every training
@@ -54,7 +54,7 @@ read -r G T TASK N_TRAIN RULE_LIST <<< "$GT"   # (a failing python stops the scr
 read -r -a RULES <<< "$RULE_LIST"
 ARMS=("${RULES[@]}" "${TRAINED[@]}")
 
-PROTOCOL="edge-1"   # bump when the task, recipe or arms change: older seeds are not mixed in
+PROTOCOL="edge-2"   # bump when the task, recipe or arms change: older seeds are not mixed in
 finished() {   # finished <seed>: every arm's test evaluation is on disk, under this protocol
     local arm
     grep -qsx "$PROTOCOL" "$OUT/seed$1/protocol" || return 1
@@ -98,9 +98,10 @@ run_seed() {   # run_seed <seed>: the whole pipeline of one seed
                     --min_lr=3e-4 --eval_interval=200 --warmup_iters=0)
     step sft_more $PY sft.py "$CONFIG" --seed=$s --init_from=$d/sft/best --out_dir=$d/sft_more \
         "${baseline[@]}"
-    # RFT samples each training problem once (not GRPO's N draws), then trains for the rest of F
+    # RFT samples each training problem twice (not GRPO's N draws; of half, once and twice,
+    # twice scored best on validation: docs/results.md), then trains for the rest of F
     step rft $PY sft.py "$CONFIG" --seed=$s --init_from=$d/sft/best --out_dir=$d/rft \
-        "${baseline[@]}" --rft_samples=$G --rft_problems=$N_TRAIN --rft_temperature=$T
+        "${baseline[@]}" --rft_samples=$G --rft_problems=$((2 * N_TRAIN)) --rft_temperature=$T
     step sft_all $PY sft.py "$CONFIG" --seed=$s --init_from=$d/pretrain --out_dir=$d/sft_all \
         --demo_fraction=1.0
     for arm in "${RULES[@]}"; do

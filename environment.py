@@ -43,7 +43,12 @@ single-turn task over a JSONL file, task_feedback.py a multi-turn one):
 An episode is one token sequence built by ids, never by re-rendering text: the prompt's
 chat-template ids, the sampled reply exactly as sampled, the template's ids that close the turn and
 open the next (the environment's message and the assistant header), the next reply, and so on.
-Only sampled ids carry loss weight (mask 1); the environment's and the template's carry 0. It ends:
+The rule: the training sequence is the sampling sequence. The history is never rendered again, so
+a template that renders earlier turns differently (Qwen3's drops their think blocks) changes
+nothing: each next turn is the template's rendering of only the new messages, appended
+(tokenizer.TurnBridge). Only sampled ids carry loss weight (mask 1); the environment's and the
+template's carry 0. A reply's text is split into reasoning and content where the template thinks
+(tokenizer.reply_parts): the reward and env_response see the content. It ends:
   - when a reply did not stop by itself (cut at max_new_tokens): it scores 0, as a single reply;
   - when the environment answers None, or max_turns replies were given: the task scores it
     (episode_reward);
@@ -66,7 +71,8 @@ import sys
 import distributed
 from engine import SamplingParams, TrainingSample
 from sampling import mix_seed
-from tokenizer import _check_messages, _ids, chat_prompt_ids, completion_text
+from tokenizer import (TurnBridge, chat_prompt_ids, completion_text, generation_stop_ids,
+                       reply_parts)
 
 REQUIRED = ("make_problems", "prompt_messages", "reward")
 
@@ -182,7 +188,8 @@ class Environment:
     """A task with the bounds of its episodes and the tokenizer that renders them: what the
     trainers and the evaluation run episodes with."""
 
-    def __init__(self, task, tokenizer, max_new_tokens, max_turns=1, max_episode_tokens=0):
+    def __init__(self, task, tokenizer, max_new_tokens, max_turns=1, max_episode_tokens=0,
+                 stop_ids=None, template_kwargs=None):
         if max_turns > 1 and not offers(task, "env_response"):
             raise ValueError(f"max_turns={max_turns}: the task {task.__name__!r} has no "
                              f"env_response, so its episodes are one reply; use max_turns=1")
@@ -194,14 +201,18 @@ class Environment:
         self.max_new_tokens, self.max_turns = max_new_tokens, max_turns
         # single-turn: an episode is one reply
         self.max_episode_tokens = max_episode_tokens if max_turns > 1 else max_new_tokens
-        self.stop = frozenset({tokenizer.eos_token_id})
-        self._stub = None                        # the template's fixed ids around a turn (turn_ids)
+        # what ends a reply: the checkpoint's stop ids (checkpoint.stop_ids_of), else the
+        # tokenizer's; template_kwargs go to every rendering (Qwen3's enable_thinking, ...)
+        self.stop = frozenset(generation_stop_ids(tokenizer) if stop_ids is None else stop_ids)
+        self.template_kwargs = dict(template_kwargs or {})
+        self._bridge = None                      # the template's ids between turns, made once
 
     def prompts(self, problems):
         """Each problem's opening messages and their chat-template ids, made once: these exact ids
         go to the engine and into the training batch."""
         messages = [call(self.task, "prompt_messages", p, 0) for p in problems]
-        return messages, [chat_prompt_ids(self.tokenizer, m) for m in messages]
+        return messages, [chat_prompt_ids(self.tokenizer, m, **self.template_kwargs)
+                          for m in messages]
 
     def max_len(self, problems):
         """The longest sequence an episode over these problems can reach: prompt + budget."""
@@ -240,8 +251,9 @@ class Environment:
         if s.finish_reason != "stop":
             e.done, e.reward = True, 0.0
             return
-        text = self.reply_content(s)
-        e.messages.append({"role": "assistant", "content": text})
+        reasoning, text = reply_parts(self.tokenizer, self.reply_content(s))
+        reply = {"role": "assistant", "content": text}
+        e.messages.append(reply if reasoning is None else {**reply, "reasoning_content": reasoning})
         if not offers(self.task, "env_response"):
             e.done, e.reward = True, call(self.task, "reward", e.problem, turn, text)
             return
@@ -272,27 +284,10 @@ class Environment:
         stop token (other special tokens kept, so '3*<|im_start|>5+7' is not '3*5+7')."""
         return completion_text(self.tokenizer, s.completion_tokens[:-1])
 
-    def turn_ids(self, new_messages, stop_id):
-        """The template's ids between a reply that ended with stop_id and the next reply: the rest
-        of the assistant turn's closing, the new messages, the assistant header. Rendered on a stub
-        conversation, so earlier replies are never re-tokenized. E.g. ChatML, after <|im_end|>:
-            \\n <|im_start|>user\\n= 22, target 23<|im_end|>\\n <|im_start|>assistant\\n"""
-        _check_messages(self.tokenizer, new_messages)
-        stub = [{"role": "user", "content": "x"}, {"role": "assistant", "content": ""}]
-        if self._stub is None:                   # the same for every turn: made once
-            opened, closed = chat_prompt_ids(self.tokenizer, stub[:1]), self.render(stub, False)
-            assert closed[:len(opened)] == opened, "the chat template is not prefix-stable"
-            self._stub = closed, closed[len(opened):]   # e.g. <|im_end|> \n after the reply
-        closed, closing = self._stub
-        whole = self.render(stub + list(new_messages), True)
-        if whole[:len(closed)] != closed:
-            raise ValueError("the chat template is not prefix-stable: a multi-turn episode cannot "
-                             "be built by ids with it")
-        if closing and closing[0] == stop_id:   # the sampled stop is the closing's first id
-            closing = closing[1:]
-        return closing + whole[len(closed):]
-
-    def render(self, messages, add_generation_prompt):
-        return _ids(self.tokenizer.apply_chat_template(
-            messages, add_generation_prompt=add_generation_prompt, tokenize=True,
-            return_dict=False))
+    def turn_ids(self, new_messages, last_id):
+        """The template's ids between a reply whose last id is last_id and the next reply: the rest
+        of the assistant turn's close, the new messages, the assistant header
+        (tokenizer.TurnBridge)."""
+        if self._bridge is None:
+            self._bridge = TurnBridge(self.tokenizer, self.stop, **self.template_kwargs)
+        return self._bridge.next_ids(new_messages, last_id)

@@ -43,12 +43,12 @@ import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from checkpoint import load_hf_checkpoint
+from checkpoint import load_hf_checkpoint, stop_ids_of
 from checks import is_int
 from configurator import configure
 from engine import EngineConfig, InferenceEngine, SamplingParams, check_fits, check_prompt
 from engine_loop import EngineLoop
-from tokenizer import generation_stop_ids, load_tokenizer
+from tokenizer import check_template_kwargs, chat_ids, load_tokenizer
 from weight_sync import PeerGroup, WeightSync
 
 # -----------------------------------------------------------------------------
@@ -204,12 +204,16 @@ def chat_prompt(server, body, add_generation_prompt=True):
             raise BadRequest(f"messages[{i}] must have a string role and content, got "
                              f"{str(m)[:80]!r}", "messages")
         plain.append({"role": m["role"], "content": content})
-    try:
-        out = server.tokenizer.apply_chat_template(
-            plain, add_generation_prompt=add_generation_prompt, tokenize=True, return_dict=False)
-    except Exception as e:   # the template raises on what it cannot render (an unknown role, ...)
-        raise BadRequest(f"messages: the chat template refused them: {e}", "messages") from None
-    ids = list(out["input_ids"] if isinstance(out, dict) else out)
+        if isinstance(m.get("reasoning_content"), str):   # a thinking template renders it
+            plain[-1]["reasoning_content"] = m["reasoning_content"]
+    try:   # as vLLM: chat_template_kwargs reach the template ({"enable_thinking": false})
+        kwargs = check_template_kwargs(server.tokenizer, body.get("chat_template_kwargs") or {})
+    except ValueError as e:
+        raise BadRequest(str(e), "chat_template_kwargs") from None
+    try:   # the template raises on what it cannot render (an unknown role, ...)
+        ids = chat_ids(server.tokenizer, plain, add_generation_prompt, **kwargs)
+    except ValueError as e:
+        raise BadRequest(f"messages: {e}", "messages") from None
     return _checked(server, ids, "messages")
 
 
@@ -696,16 +700,6 @@ def build_app(server) -> FastAPI:
     return app
 
 
-def eos_ids_of(path):
-    """The eos ids of DIR's generation_config.json (a checkpoint may stop on several), or () without
-    one."""
-    try:
-        eos = json.load(open(os.path.join(path, "generation_config.json"))).get("eos_token_id")
-    except (OSError, ValueError):
-        return ()
-    return tuple(eos) if isinstance(eos, list) else (eos,) if isinstance(eos, int) else ()
-
-
 def main():
     configure(globals(), sys.argv[1:], stage="serve")
     if not model_path:
@@ -719,7 +713,7 @@ def main():
         max_num_batched_tokens=max_num_batched_tokens, max_model_len=max_model_len or None,
         num_blocks=num_blocks or None, block_size=block_size, cache_type=cache_type))
     server = Server(engine, tokenizer, served_model_name or model_path, api_key,
-                    enable_weight_updates, eos_ids_of(model_path) or generation_stop_ids(tokenizer),
+                    enable_weight_updates, stop_ids_of(model_path, tokenizer),
                     max_logprobs)
     print(f"serving {server.name!r} on http://{host}:{port}/v1 ({engine.cache.num_blocks} KV "
           f"blocks)", flush=True)

@@ -18,10 +18,11 @@ prompt stream would take first, same seed) rft_samples times each at rft_tempera
 distinct correct answers, token for token as sampled, are the data.
 
 Every eval_interval: eval/loss on demonstrations of validation problems, and eval/accuracy, the
-greedy accuracy on n_eval_problems validation problems. keep_best=True keeps the model of the best
-eval/accuracy in {out_dir}/best (early stopping on validation); max_flops > 0 stops once the run
-(sampling included) has spent that many FLOPs (a compute-matched baseline). The test split is never
-read here.
+greedy accuracy on n_eval_problems validation problems, over whole episodes as evaluate.py and
+train_grpo.py run them (max_turns > 1: the task's multi-turn episodes). keep_best=True keeps
+the model of the best eval/accuracy in {out_dir}/best (early stopping on validation); max_flops > 0
+stops once the run (sampling included) has spent that many FLOPs (a compute-matched baseline). The
+test split is never read here.
 """
 import json
 import os
@@ -37,7 +38,7 @@ from checkpoint import init_start, save_best
 from configurator import configure, print0
 from engine import sampled_mask
 from environment import Environment, load_task, offers, solved
-from tokenizer import build_tokenizer, chat_example
+from tokenizer import build_tokenizer, chat_example, check_template_kwargs
 
 # -----------------------------------------------------------------------------
 # settings (a config file, then --key=value, override these)
@@ -73,6 +74,9 @@ dist_timeout_s = 300         # torchrun: a collective waiting longer than this e
 # evaluation (validation split only)
 n_eval_problems = 500        # validation problems answered greedily every eval_interval (0 = all)
 eval_max_tokens = 16         # generation budget per answer
+max_turns = 1                # replies per episode, as in train_grpo.py (> 1: the task's turns)
+max_episode_tokens = 0       # multi-turn: every id after the first prompt, at most
+chat_template_kwargs = dict()   # to the chat template: Qwen3's dict(enable_thinking=False), ...
 keep_best = False            # keep the model of the best eval/accuracy in {out_dir}/best
 # logging and checkpoints
 log_interval = 10
@@ -85,10 +89,11 @@ wandb_run_name = ""
 config = configure(globals(), sys.argv[1:], stage="sft")
 
 
-def demonstrations(tokenizer, the_task, problems):
+def demonstrations(env, problems):
     """chat examples (ids, loss mask) of problems answered with their preferred solution"""
-    return [chat_example(tokenizer, the_task.prompt_messages(p) +
-                         [{"role": "assistant", "content": the_task.solutions(p)[0]}])
+    return [chat_example(env.tokenizer, env.task.prompt_messages(p) +
+                         [{"role": "assistant", "content": env.task.solutions(p)[0]}],
+                         env.stop, **env.template_kwargs)
             for p in problems]
 
 
@@ -129,7 +134,7 @@ def rft_data(start, env):
     return [tuple(e) for e in data["examples"]], data["flops"]
 
 
-def make_eval_fn(env, val_problems, val_batches):
+def make_eval_fn(env, val_problems, val_batches, stop_ids):
     best = {"accuracy": -1.0}
 
     @torch.no_grad()
@@ -140,7 +145,7 @@ def make_eval_fn(env, val_problems, val_batches):
         if keep_best and accuracy > best["accuracy"]:
             best["accuracy"] = accuracy
             if distributed.is_main():
-                save_best(out_dir, model, env.tokenizer)
+                save_best(out_dir, model, env.tokenizer, stop_ids)
         metrics = {"eval/accuracy": accuracy}
         if val_batches is not None:
             metrics["eval/loss"] = training.evaluate_loss(model, val_batches, device)
@@ -152,7 +157,8 @@ def check_settings():
     # sft.py's own settings, refused before anything in out_dir changes (the loop's are
     # checked by training)
     for name, value, low in (("rft_samples", rft_samples, 0), ("rft_problems", rft_problems, 0),
-                             ("eval_max_tokens", eval_max_tokens, 1)):
+                             ("eval_max_tokens", eval_max_tokens, 1), ("max_turns", max_turns, 1),
+                             ("max_episode_tokens", max_episode_tokens, 0)):
         if type(value) is not int or value < low:
             raise ValueError(f"{name}={value!r}: expected an int >= {low}")
     if rft_samples > 0 and rft_problems < 1:
@@ -173,7 +179,9 @@ if __name__ == "__main__":
     val_problems = the_task.make_problems("val", n_eval_problems or None)
     start = init_start(config, build_tokenizer)
     tokenizer = start.tokenizer
-    env = Environment(the_task, tokenizer, eval_max_tokens)
+    # the episodes evaluate.py and train_grpo.py run: stop ids, turns, template settings
+    env = Environment(the_task, tokenizer, eval_max_tokens, max_turns, max_episode_tokens,
+                      start.stop_ids, check_template_kwargs(tokenizer, chat_template_kwargs))
     # a fresh run: no best model of an earlier run in out_dir
     if start.meta is None and distributed.is_main():
         shutil.rmtree(os.path.join(out_dir, "best"), ignore_errors=True)
@@ -181,18 +189,19 @@ if __name__ == "__main__":
     if rft_samples > 0:
         examples, spent = rft_data(start, env)
     else:
-        examples = [chat_example(tokenizer, m) for m in the_task.sft_examples(seed, demo_fraction)]
+        examples = [chat_example(tokenizer, m, env.stop, **env.template_kwargs)
+                    for m in the_task.sft_examples(seed, demo_fraction)]
     # validation loss on the task's own answers, when it has them
     val = None
     if offers(the_task, "solutions"):
-        val = demonstrations(tokenizer, the_task, val_problems)
+        val = demonstrations(env, val_problems)
     print0(f"{len(examples)} training conversations ({sum(sum(m) for _, m in examples)} reply "
            f"tokens), {len(val_problems)} validation problems")
     loader = training.PackedLoader([i for i, _ in examples],
                                    [[float(x) for x in m] for _, m in examples], batch_tokens, seed)
     val_batches = None if val is None else training.fixed_batches(
         [i for i, _ in val], [[float(x) for x in m] for _, m in val], batch_tokens)
-    eval_fn = make_eval_fn(env, val_problems, val_batches)
+    eval_fn = make_eval_fn(env, val_problems, val_batches, start.stop_ids)
     final = training.train(config, start, loader, eval_fn, spent)
     if "eval/accuracy" in final:
         print0(f"validation accuracy (greedy, {len(val_problems)} problems): "

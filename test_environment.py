@@ -27,7 +27,7 @@ from environment import Environment, load_task
 from evaluate import task_engine
 from model import ModelConfig, Transformer
 from test_grpo import metrics, tiny_config
-from tokenizer import build_tokenizer
+from tokenizer import build_tokenizer, chat_ids
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -119,7 +119,7 @@ def test_a_multi_turn_episode_is_the_template_rendering_of_its_conversation(tok)
     assert [m["content"] for m in e.messages] == ["digits 3 5 7 target 22", "1+2",
                                                   "uses digits 1 2" + again, "3+5+7",
                                                   "= 15, target 22" + again, "3*5+7"]
-    whole = env.render(e.messages, False)      # the template's rendering of the whole conversation
+    whole = chat_ids(tok, e.messages, False)   # the template's rendering of the whole conversation
     assert e.prompt + e.ids == whole[:-1]    # ... up to the template's newline after the last reply
     # each later turn's prompt is everything so far, by ids: the engine continues from its cache
     assert engine.prompts[1] == (e.prompt + e.ids)[:len(engine.prompts[1])]

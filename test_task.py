@@ -645,17 +645,15 @@ def test_chat_example_mask_covers_exactly_the_reply(tok):
                                      [{"role": "user", "content": "a"},
                                       {"role": "assistant", "content": "b"},
                                       {"role": "user", "content": "c"},
-                                      {"role": "assistant", "content": "3*5+7"}],
-                                     [{"role": "assistant", "content": "7+5*3"}],]
+                                      {"role": "assistant", "content": "3*5+7"}]]
     im_end = tok.convert_tokens_to_ids(IM_END)
     for conv in convs:
         ids, mask = chat_example(tok, conv)
         assert len(ids) == len(mask) and set(mask) == {0, 1}
         assert all(0 <= i < len(tok) for i in ids)
-        if len(conv) > 1:
-            prompt = chat_prompt_ids(tok, conv[:-1])
-            assert ids[: len(prompt)] == prompt
-            assert not any(mask[: len(prompt)])
+        prompt = chat_prompt_ids(tok, conv[:-1])
+        assert ids[: len(prompt)] == prompt
+        assert not any(mask[: len(prompt)])
         learned = [t for t, m in zip(ids, mask) if m]
         assert tok.decode(learned) == conv[-1]["content"] + IM_END
         first = mask.index(1)
@@ -681,6 +679,8 @@ def test_chat_example_mask_covers_exactly_the_reply(tok):
 def test_chat_bad_input(tok):
     with pytest.raises(ValueError, match="assistant"):
         chat_example(tok, [{"role": "user", "content": "x"}])
+    with pytest.raises(ValueError, match="after at least one message"):   # no prompt to learn after
+        chat_example(tok, [{"role": "assistant", "content": "7+5*3"}])
     with pytest.raises(ValueError, match="tool"):
         chat_prompt_ids(tok, [{"role": "tool", "content": "x"}])
     with pytest.raises(ValueError, match="im_end"):

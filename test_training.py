@@ -479,7 +479,8 @@ def test_sft_rejection_sampling_keep_best_and_flop_budget(tmp_path, monkeypatch)
     data = json.load(open(out / "rft_data.json"))
     assert data["flops"] > 0 and rows[0]["perf/flops_total"] > data["flops"]
     tok = build_tokenizer()
-    replies = [tok.decode([i for i, m in zip(ids, mask) if m]) for ids, mask in data["examples"]]
+    replies = [tok.decode([i for i, m in zip(ids, mask) if m][:-1])   # the stop id aside
+               for ids, mask in data["examples"]]
     assert replies and all(len(r) % 2 == 0 for r in replies)   # only the answers the task accepts
     assert any("eval/accuracy" in r and "perf/elapsed_s" in r for r in rows)
     best = checkpoint.load_model(str(out / "best"))

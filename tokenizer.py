@@ -32,6 +32,7 @@ IM_START = "<|im_start|>"
 # end of a chat turn: the eos the model learns to emit and the engine stops on
 IM_END = "<|im_end|>"
 UNK = "<|unk|>"  # any character outside the vocabulary (never produced by the task)
+THINK_START, THINK_END = "<think>", "</think>"   # a thinking template's reasoning block (Qwen3)
 SPECIAL_TOKENS = [ENDOFTEXT, IM_START, IM_END, UNK]
 
 # whole words that every conversation repeats: one token each instead of 4-9 characters
@@ -174,18 +175,55 @@ def _check_messages(tok, messages) -> None:
                                  f"{m['content']!r}")
 
 
-def chat_prompt_ids(tok, messages) -> list[int]:
+def chat_ids(tok, messages, add_generation_prompt, **template_kwargs) -> list[int]:
+    """The chat template's ids of messages (unchecked: the callers check them). A template that
+    raises on them (an unknown role, turns out of order, ...) is refused with a ValueError that
+    names its failure."""
+    try:
+        out = tok.apply_chat_template(list(messages), add_generation_prompt=add_generation_prompt,
+                                      tokenize=True, return_dict=False, **template_kwargs)
+    except Exception as e:   # jinja's TemplateError, the template's raise_exception, ...
+        raise ValueError(f"the chat template cannot render {len(messages)} message(s) "
+                         f"(roles {[m.get('role') for m in messages]}): {type(e).__name__}: "
+                         f"{e}") from e
+    return _ids(out)
+
+
+# what a caller's template_kwargs may not set: the rendering's own inputs, and what this stack
+# does not render (tools, documents)
+RESERVED_TEMPLATE_NAMES = frozenset({
+    "messages", "add_generation_prompt", "continue_final_message", "tools", "custom_tools",
+    "documents", "raise_exception", "strftime_now", "bos_token", "eos_token", "pad_token",
+    "unk_token"})
+
+
+def check_template_kwargs(tok, kwargs, name="chat_template_kwargs") -> dict:
+    """kwargs for the chat template (Qwen3's {"enable_thinking": false}), refused with a ValueError
+    naming the key unless it is a variable the template reads: a key it ignores would be honoured
+    silently by nothing."""
+    import jinja2.meta   # transformers renders chat templates with jinja2
+    if not (isinstance(kwargs, dict) and all(isinstance(k, str) for k in kwargs)):
+        raise ValueError(f"{name} must be a dict with string keys, got {kwargs!r}")
+    used = jinja2.meta.find_undeclared_variables(jinja2.Environment().parse(tok.chat_template))
+    for key in kwargs:
+        if key in RESERVED_TEMPLATE_NAMES or key not in used:
+            honoured = sorted(used - RESERVED_TEMPLATE_NAMES)
+            raise ValueError(f"{name}: {key!r} is not a variable this chat template reads; it "
+                             f"reads {honoured or 'none'}")
+    return dict(kwargs)
+
+
+def chat_prompt_ids(tok, messages, **template_kwargs) -> list[int]:
     """Token ids of messages followed by the assistant header: what the engine is asked to
-    continue."""
+    continue. template_kwargs go to the template (Qwen3's enable_thinking=False, ...)."""
     _check_messages(tok, messages)
-    return _ids(tok.apply_chat_template(list(messages), add_generation_prompt=True, tokenize=True,
-                                        return_dict=False))
+    return chat_ids(tok, messages, True, **template_kwargs)
 
 
 def generation_stop_ids(tok) -> list[int]:
-    """What ends a generation: the eos (<|im_end|>, a chat turn's end) and, when the vocabulary has
-    it, the document separator <|endoftext|> (a plain completion's end), as Qwen's generation_config
-    lists them."""
+    """What ends a generation when no generation_config.json says (checkpoint.stop_ids_of reads
+    it): the eos (<|im_end|>, a chat turn's end) and, when the vocabulary has it, the document
+    separator <|endoftext|> (a plain completion's end), as Qwen's generation_config lists them."""
     ids = [tok.eos_token_id,
            tok.convert_tokens_to_ids(ENDOFTEXT) if ENDOFTEXT in tok.get_vocab() else None]
     return [i for i in dict.fromkeys(ids) if i is not None]
@@ -198,38 +236,96 @@ def completion_text(tok, ids) -> str:
     return tok.decode(ids, skip_special_tokens=False)
 
 
-def chat_example(tok, messages) -> tuple[list[int], list[int]]:
+def reply_parts(tok, text) -> tuple[str | None, str]:
+    """(reasoning, content) of a reply's text. A template with a </think> token (Qwen3's) has the
+    model think first: "<think>\nplan\n</think>\n\n42" -> ("plan", "42"). Without that token,
+    or a </think> in the text, the whole text is content: (None, text)."""
+    think_end = tok.convert_tokens_to_ids(THINK_END)
+    if think_end is None or think_end == tok.unk_token_id or THINK_END not in text:
+        return None, text
+    reasoning, content = text.split(THINK_END, 1)
+    return reasoning.split(THINK_START)[-1].strip("\n"), content.lstrip("\n")
+
+
+def chat_example(tok, messages, stop_ids=None, **template_kwargs) -> tuple[list[int], list[int]]:
     """(ids, loss_mask) of a whole conversation whose last message is the assistant reply to learn.
 
-    The mask is 1 exactly on the reply's tokens and its closing <|im_end|> (so the model learns to
-    stop), 0 on everything before and on the template's trailing newline. The prompt part is the
-    very ids chat_prompt_ids gives for messages[:-1]; that is checked, not assumed.
+    The mask covers exactly what the model would sample for that turn: the template's ids after the
+    generation prompt up to and including the first stop id (stop_ids, default
+    generation_stop_ids), so the model learns to stop. That is the reply then <|im_end|> in ChatML,
+    an (empty) think block, the reply and <|im_end|> in Qwen3's, the reply and <|eot_id|> in
+    Llama 3's. Everything before is 0, and so is what the template writes after the stop (ChatML's
+    newline). The prompt is the very ids chat_prompt_ids gives for messages[:-1]; that is checked,
+    not assumed.
     """
     _check_messages(tok, messages)
-    if messages[-1]["role"] != "assistant":
-        raise ValueError(f"the last message must be the assistant reply, got role "
-                         f"{messages[-1]['role']!r}")
+    if messages[-1]["role"] != "assistant" or len(messages) < 2:
+        raise ValueError(f"a demonstration is a conversation that ends with the assistant reply "
+                         f"to learn, after at least one message; got roles "
+                         f"{[m['role'] for m in messages]}")
+    stop = set(generation_stop_ids(tok) if stop_ids is None else stop_ids)
+    prompt = chat_prompt_ids(tok, messages[:-1], **template_kwargs)
+    full = chat_ids(tok, messages, False, **template_kwargs)
+    if full[:len(prompt)] != prompt:
+        raise ValueError("the chat template renders the reply after other ids than its generation "
+                         "prompt: the model would be taught a turn it never samples")
+    end = next((i + 1 for i in range(len(prompt), len(full)) if full[i] in stop), None)
+    if end is None:
+        raise ValueError(f"the chat template closes the assistant turn with none of the stop ids "
+                         f"{sorted(stop)}")
+    # the learned text must end with the reply (catches characters the tokenizer cannot spell
+    # -> <|unk|>; the template may trim the reply, or write a think block before it)
+    learned = tok.decode(full[len(prompt):end - 1], skip_special_tokens=False)
     reply = messages[-1]["content"]
-    full = _ids(tok.apply_chat_template(list(messages), tokenize=True, return_dict=False))
-    if len(messages) > 1:
-        prompt = chat_prompt_ids(tok, messages[:-1])
-    else:  # a reply with no context: the prompt is just the assistant header
-        prompt = _ids(tok.encode(IM_START + "assistant\n", add_special_tokens=False))
-    if full[: len(prompt)] != prompt:
-        raise RuntimeError("chat template is not prefix-stable: prompt ids are not a prefix of the "
-                           "full ids")
-    # the reply ends at the last <|im_end|>; what follows it is template trailer ("\n"), not
-    # to be learned
-    im_end = tok.convert_tokens_to_ids(IM_END)
-    end = max(i for i, t in enumerate(full) if t == im_end) + 1
-    if end <= len(prompt):
-        raise RuntimeError("no <|im_end|> after the prompt: the template did not close the "
-                           "assistant turn")
-    mask = [0] * len(prompt) + [1] * (end - len(prompt)) + [0] * (len(full) - end)
-    # the learned tokens must be exactly the reply text then <|im_end|> (catches unknown characters
-    # -> <|unk|>)
-    learned = tok.decode(full[len(prompt):end], skip_special_tokens=False)
-    if learned != reply + IM_END:
+    if not learned.strip().endswith(reply.strip()):
         raise ValueError(f"reply does not round-trip through the tokenizer: {reply!r} -> "
                          f"{learned!r}")
+    mask = [0] * len(prompt) + [1] * (end - len(prompt)) + [0] * (len(full) - end)
     return full, mask
+
+
+# a conversation whose assistant turn is empty: what the template writes around any turn
+STUB = [{"role": "user", "content": "x"}, {"role": "assistant", "content": ""}]
+
+
+class TurnBridge:
+    """The ids between one reply and the next, rendered by the template on a stub conversation, so
+    an episode grows by ids and earlier replies are never re-rendered (the training sequence is
+    the sampling sequence, for any template, including Qwen3's, which renders earlier turns
+    without their think blocks). E.g. ChatML, after a reply that stopped on <|im_end|>:
+
+        \n <|im_start|>user\n= 22, target 23<|im_end|>\n <|im_start|>assistant\n
+
+    close: the template's ids from the first stop id after an assistant turn's header to the end
+    of the turn (ChatML: <|im_end|> \n; Llama 3: <|eot_id|>). A reply that stopped has sampled
+    its first id; one cut at max_tokens gets all of them."""
+
+    def __init__(self, tok, stop_ids, **template_kwargs):
+        self.tok, self.stop, self.kwargs = tok, frozenset(stop_ids), template_kwargs
+        self.opened = chat_prompt_ids(tok, STUB[:1], **template_kwargs)
+        closed = chat_ids(tok, STUB, False, **template_kwargs)
+        at = next((i for i in range(len(self.opened), len(closed)) if closed[i] in self.stop), None)
+        if closed[:len(self.opened)] != self.opened or at is None:
+            raise ValueError(f"the chat template does not render an assistant turn as its "
+                             f"generation prompt, a reply and one of the stop ids "
+                             f"{sorted(self.stop)}: episodes cannot be built by ids with it")
+        self.close = closed[at:]
+        # where the stub's assistant turn starts
+        self.user = chat_ids(tok, STUB[:1], False, **template_kwargs)
+
+    def next_ids(self, new_messages, last_id) -> list[int]:
+        """The ids after a reply whose last id is last_id: the rest of its turn's close, the
+        new messages as the template renders them after an assistant turn, the generation prompt.
+        Found in the template's rendering of STUB + new_messages: what follows the stub reply's
+        close."""
+        _check_messages(self.tok, new_messages)
+        whole = chat_ids(self.tok, STUB + list(new_messages), True, **self.kwargs)
+        n = len(self.close)
+        at = next((i for i in range(len(self.user), len(whole) - n + 1)
+                   if whole[i:i + n] == self.close), None)
+        if whole[:len(self.user)] != self.user or at is None:
+            raise ValueError("the chat template renders an assistant turn followed by more "
+                             "messages differently from one that ends the conversation: an "
+                             "episode cannot be built by ids with it")
+        rest = self.close[1:] if last_id in self.stop else self.close
+        return rest + whole[at + n:]

@@ -79,7 +79,7 @@ from configurator import configure, print0
 from engine import EngineConfig, SamplingParams, sampled_mask
 from measure import Meter
 from model import train_flops
-from tokenizer import build_tokenizer
+from tokenizer import build_tokenizer, check_template_kwargs
 
 # -----------------------------------------------------------------------------
 # settings (a config file, then --key=value, override these)
@@ -99,6 +99,7 @@ top_p = 1.0                   # only 1.0: the trainer scores the whole distribut
 max_new_tokens = 16           # reply budget; a reply that reaches it without stopping scores 0
 max_turns = 1                 # replies per episode (> 1: the task's env_response between)
 max_episode_tokens = 0        # multi-turn: every id after the first prompt, at most
+chat_template_kwargs = dict() # to the chat template: Qwen3's dict(enable_thinking=False), ...
 share_prompt = True           # train on a group's prompt once (training.pack_groups)
 scale_rewards = False         # divide advantages by the group's std (GRPO), not only centre them
 turn_baseline = False         # multi-turn: reply k against the episodes that reached reply k
@@ -584,7 +585,7 @@ def evaluate_and_log(engine, env, run, problems, config, done, meter, best):
     if config["keep_best"] and metrics["eval/accuracy"] > best["accuracy"]:
         best.update(accuracy=metrics["eval/accuracy"], iter=done)
         if distributed.is_main():
-            save_best(config["out_dir"], run.model, run.start.tokenizer)
+            save_best(config["out_dir"], run.model, run.start.tokenizer, run.start.stop_ids)
     values = ", ".join(f"{k} {v:.4f}" for k, v in metrics.items())
     print0(f"eval iter {done} ({config['eval_split']}): {values} "
            f"({time.perf_counter() - t0:.1f} s)")
@@ -629,7 +630,8 @@ def main(config):
     the_task = load_task(config["task"])
     start = init_start(config, build_tokenizer)
     env = Environment(the_task, start.tokenizer, config["max_new_tokens"], config["max_turns"],
-                      config["max_episode_tokens"])
+                      config["max_episode_tokens"], start.stop_ids,
+                      check_template_kwargs(start.tokenizer, config["chat_template_kwargs"]))
     eval_problems = the_task.make_problems(config["eval_split"], config["n_eval_problems"] or None)
     sampler = ProblemSampler(the_task.make_problems("train"), config["seed"])   # out_dir untouched
     require(config["prompts_per_step"] <= len(sampler.items),
@@ -673,7 +675,8 @@ def main(config):
                 save_checkpoint(config["out_dir"], run.model, run.optimizer, run.start.tokenizer,
                                 done, config, source.data_state(),
                                 extra={"weight_version": source.version, "best": best,
-                                       "meter": meter.state_dict()})
+                                       "meter": meter.state_dict()},
+                                stop_ids=run.start.stop_ids)
     run.logger.close()
     engine.shutdown()
     distributed.teardown()

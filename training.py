@@ -533,7 +533,7 @@ def train(config, start, loader, eval_fn=None, spent_flops=0.0):
             if distributed.is_main():
                 save_checkpoint(config["out_dir"], run.model, run.optimizer, run.start.tokenizer,
                                 done, config, loader.state_dict(),
-                                extra={"meter": meter.state_dict()})
+                                extra={"meter": meter.state_dict()}, stop_ids=run.start.stop_ids)
         if last:
             break
     run.logger.close()

@@ -10,14 +10,14 @@ seed = 1337
 device = "cpu"
 wandb_log = False
 
-# SFT: countdown's demonstrations, two thirds of them after misses and feedback (sft.py evaluates
-# first answers only, so keep_best picks on those)
+# SFT: countdown's demonstrations, two thirds of them after misses and feedback; sft.py evaluates
+# whole episodes of up to 3 answers, as GRPO does, so keep_best picks on those
 sft = dict(
     out_dir="out/countdown_feedback/sft",
     init_from="out/qwen_small/pretrain",
     max_iters=1200, demo_fraction=0.3,
     learning_rate=1e-3, min_lr=1e-4, warmup_iters=10,
-    batch_tokens=2048, eval_max_tokens=48, keep_best=True,
+    batch_tokens=2048, eval_max_tokens=48, max_turns=3, max_episode_tokens=240, keep_best=True,
     log_interval=10, eval_interval=200, ckpt_interval=200,
 )
 

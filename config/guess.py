@@ -16,7 +16,8 @@ sft = dict(
     init_from="out/qwen_small/pretrain",
     max_iters=400, demo_fraction=1.0,
     learning_rate=1e-3, min_lr=1e-4, warmup_iters=10,
-    batch_tokens=2048, eval_max_tokens=4, n_eval_problems=100,
+    batch_tokens=2048, eval_max_tokens=4, max_turns=6, max_episode_tokens=256,
+    n_eval_problems=100,
     log_interval=20, eval_interval=400, ckpt_interval=200,
 )
 
