@@ -124,9 +124,15 @@ class PagedKVCache:
     contiguous chunk, so gathering a batch's blocks is one index_select of whole blocks, and [B *
     blocks, block_size, H, D] views as [B, L, H, D] -> transposed to [B, H, L, D] for attention,
     with no copy. Token p of a sequence lives in slot p % block_size of block block_table[p //
-    block_size]. cfg is the model's ModelConfig."""
+    block_size]. cfg is the model's ModelConfig.
 
-    def __init__(self, cfg, num_blocks, block_size, device="cpu", dtype=torch.float32):
+    routes=True (an MoE model; EngineConfig.record_routes) keeps, beside each token's keys and
+    values, the experts it was routed to in each MoE layer, [num_blocks, block_size, M, top_k]
+    (-1: not computed yet): a sample's routes are read back by its block table, prefix-cache hits
+    included (routing replay, off_policy.py)."""
+
+    def __init__(self, cfg, num_blocks, block_size, device="cpu", dtype=torch.float32,
+                 routes=False):
         shape = (cfg.num_hidden_layers, num_blocks, block_size, cfg.num_key_value_heads,
                  cfg.head_dim)
         self.k = torch.zeros(shape, device=device, dtype=dtype)
@@ -135,6 +141,10 @@ class PagedKVCache:
             # its sizes never change: compiled code (compiled_decode) takes them as constants, not
             # as symbols that could be mistaken for other sizes that happen to be equal
             torch._dynamo.mark_static(pool)
+        moe_layers = sum(map(cfg.is_moe_layer, range(cfg.num_hidden_layers)))
+        self.routes = None if not (routes and moe_layers) else torch.full(
+            (num_blocks, block_size, moe_layers, cfg.num_experts_per_tok), -1, device=device,
+            dtype=torch.int16)
 
     @property
     def block_size(self):
@@ -150,6 +160,15 @@ class PagedKVCache:
         copy of a shared block."""
         self.k[:, dst] = self.k[:, src]
         self.v[:, dst] = self.v[:, src]
+        if self.routes is not None:
+            self.routes[dst] = self.routes[src]
+
+    def routes_of(self, block_table, num_positions):
+        """The routes of positions 0 .. num_positions - 1 of a sequence, [P, M, top_k] int16."""
+        pos = torch.arange(num_positions)
+        table = torch.as_tensor(block_table, dtype=torch.int64)
+        slots = (table[pos // self.block_size] * self.block_size + pos % self.block_size)
+        return self.routes.view(-1, *self.routes.shape[2:])[slots.to(self.routes.device)].cpu()
 
 
 @dataclass(frozen=True)
@@ -339,12 +358,15 @@ def paged_forward(model, kv, batch, backend, compiled):
     # a batch of one, or contexts within one block, stay eager: a size of 1 would be compiled
     # into a graph of its own
     if compiled and backend == "sdpa" and bool((qlens == 1).all()) and len(batch) > 1 \
-            and calls[0].block_tables.shape[1] > 1:
+            and calls[0].block_tables.shape[1] > 1 and kv.routes is None:
         logits = compiled_decode(model, kv, tokens, positions, last_rows, slots, calls[0])
         return logits, ready, True
     attention = PagedAttention(kv, slots, calls, backend=backend, compiled=compiled)
+    used = None if kv.routes is None else []   # each MoE layer's experts, kept beside the K/V
     logits, _ = model(tokens, positions, attention=attention, logits_indices=last_rows,
-                      aux_loss=False)
+                      aux_loss=False, routes_out=used)
+    if used is not None:
+        kv.routes.view(-1, *kv.routes.shape[2:])[slots] = torch.stack(used, 1).to(torch.int16)
     return logits, ready, False
 
 

@@ -61,6 +61,8 @@ class EngineConfig:
     compile: bool | None = None
     seed: int = 0                       # seeds the per-request sampling seeds
     weight_version: int = 0             # the version it starts at (a resumed trainer's)
+    # an MoE model: record each token's experts per layer (TrainingSample.routes; routing replay)
+    record_routes: bool = False
 
     def __post_init__(self):
         require(self.cache_type in ("paged", "radix"),
@@ -87,9 +89,9 @@ MIN_TEMPERATURE = 1e-5
 
 @dataclass(frozen=True)
 class SamplingParams:
-    """How to sample. top_k / top_p restrict what is drawn; the logprob recorded is always
-    log_softmax(logits / T) over the whole vocabulary (T = 1 when greedy), see
-    sample_with_logprobs."""
+    """How to sample. top_k / top_p restrict what is drawn; the logprob recorded is that of the
+    distribution drawn from: log_softmax(logits / T) over the whole vocabulary (T = 1 when greedy),
+    renormalised over what top_k / top_p keep, see sample_with_logprobs."""
     temperature: float = 1.0            # 0 = greedy
     max_tokens: int = 256               # completion tokens at most
     stop_token_ids: frozenset = frozenset()
@@ -127,9 +129,10 @@ class SamplingParams:
 @dataclass(frozen=True)
 class TrainingSample:
     """One sample, as a trainer takes it. Per completion token: logprobs (log_softmax(logits / T)
-    of the sampled token, T = 1 when greedy), token_versions (the weights that sampled it),
-    top_logprobs (((token, logprob), ...) most likely first, when asked) and loss_mask (1 sampled,
-    0 a multi-turn episode's environment id; () = all sampled)."""
+    of the sampled token, T = 1 when greedy, renormalised over what top_k / top_p kept),
+    token_versions (the weights that sampled it), top_logprobs (((token, logprob), ...) most likely
+    first, when asked) and loss_mask (1 sampled, 0 a multi-turn episode's environment id; () = all
+    sampled)."""
     prompt_tokens: tuple
     completion_tokens: tuple            # ends with the stop token when finish_reason == 'stop'
     logprobs: tuple
@@ -141,6 +144,9 @@ class TrainingSample:
     sample_index: int = 0               # 0..num_samples-1 within its request
     top_logprobs: tuple = ()
     loss_mask: tuple = ()
+    # EngineConfig(record_routes=True), an MoE model: the experts each position 0 .. P + C - 2
+    # was routed to in each MoE layer, int16 [P + C - 1, M, top_k] (routing replay)
+    routes: torch.Tensor | None = None
 
 
 def sampled_mask(sample):
@@ -330,7 +336,7 @@ class InferenceEngine:
                                                     self.device, self.dtype)
         self.cache = make_cache(config, num_blocks)
         self.kv_pool = PagedKVCache(model.config, self.cache.num_blocks, self.cache.block_size,
-                                    self.device, self.dtype)
+                                    self.device, self.dtype, routes=config.record_routes)
         self.scheduler_config = SchedulerConfig(config.max_batch_size,
                                                 config.max_num_batched_tokens,
                                                 self.cache.block_size)
@@ -535,13 +541,15 @@ class InferenceEngine:
 
     def _finish(self, seq, reason):
         seq.finish_reason = reason
+        routes = None if self.kv_pool.routes is None else \
+            self.kv_pool.routes_of(seq.block_table, seq.num_tokens - 1)
         self.cache.release(seq, cache=seq.kv_version == self._version)
         return TrainingSample(prompt_tokens=tuple(seq.tokens[:seq.num_prompt]),
                               completion_tokens=tuple(seq.tokens[seq.num_prompt:]),
                               logprobs=tuple(seq.logprobs), weight_version=min(seq.versions),
                               finish_reason=reason, token_versions=tuple(seq.versions),
                               request_id=seq.request_id, sample_index=seq.sample_index,
-                              top_logprobs=tuple(seq.top_logprobs))
+                              top_logprobs=tuple(seq.top_logprobs), routes=routes)
 
     def abort(self, request_id, sample_index=None) -> int:
         """Drop a request's samples (all, or the forked sample sample_index) wherever they are and

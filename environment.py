@@ -169,6 +169,7 @@ class Episode:
     finish_reason: str = "length"   # of the last reply
     reward: float = 0.0
     done: bool = False
+    routes: object = None     # the last reply's TrainingSample.routes: they cover every id before
 
     def sample(self) -> TrainingSample:
         """The episode as one TrainingSample: completion = every id after the first prompt,
@@ -178,7 +179,7 @@ class Episode:
             prompt_tokens=tuple(self.prompt), completion_tokens=tuple(self.ids),
             logprobs=tuple(self.logprobs), weight_version=min(self.versions, default=0),
             finish_reason=self.finish_reason, token_versions=tuple(self.versions),
-            loss_mask=tuple(self.mask))
+            loss_mask=tuple(self.mask), routes=self.routes)
 
     def replies(self):
         return [m["content"] for m in self.messages if m["role"] == "assistant"]
@@ -218,16 +219,18 @@ class Environment:
         """The longest sequence an episode over these problems can reach: prompt + budget."""
         return max(map(len, self.prompts(problems)[1])) + self.max_episode_tokens
 
-    def episodes(self, engine, problems, num_samples=1, temperature=0.0, seed=None):
+    def episodes(self, engine, problems, num_samples=1, temperature=0.0, seed=None, top_p=1.0,
+                 top_k=0):
         """num_samples episodes per problem (consecutive), run to their end. Turn 1 samples each
         prompt num_samples times (one prefill, shared blocks); each later turn continues the
         episodes still going, by ids, from the engine's prefix cache. Seeded: turn t's draws
-        are a function of (seed, t, the episode's place among those still going)."""
+        are a function of (seed, t, the episode's place among those still going). top_p / top_k
+        truncate what is drawn (the logprobs are then the truncated distribution's)."""
         messages, prompts = self.prompts(problems)
         episodes = [Episode(p, list(messages[i]), prompts[i])
                     for i, p in enumerate(problems) for _ in range(num_samples)]
         params = SamplingParams(temperature=temperature, max_tokens=self.max_new_tokens,
-                                stop_token_ids=self.stop, seed=seed)
+                                stop_token_ids=self.stop, seed=seed, top_p=top_p, top_k=top_k)
         samples = generate_sharded(engine, prompts, params, num_samples)
         going, turn = episodes, 1
         while going:
@@ -247,7 +250,7 @@ class Environment:
         e.mask += [1] * n
         e.logprobs += s.logprobs
         e.versions += s.token_versions
-        e.turns, e.finish_reason = turn, s.finish_reason
+        e.turns, e.finish_reason, e.routes = turn, s.finish_reason, s.routes
         if s.finish_reason != "stop":
             e.done, e.reward = True, 0.0
             return

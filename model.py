@@ -361,13 +361,20 @@ class MoE(nn.Module):
         self.gate = nn.Linear(cfg.hidden_size, cfg.num_experts, bias=False)    # the router
         self.experts = Experts(cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size)
 
-    def forward(self, x):
+    def forward(self, x, routes=None):
+        """(output, router_logits, the experts each row used [T, k]). routes [T, k]: routing
+        replay, the experts each row must use (another forward's choice, e.g. the engine's); a row
+        of -1 routes itself. The gates are still this router's probabilities at those experts, so
+        the router keeps its gradient."""
         router_logits = self.gate(x)                                     # [T, E]
         probs = F.softmax(router_logits, dim=-1, dtype=torch.float)      # softmax first, then top-k
         top_w, top_idx = torch.topk(probs, self.top_k, dim=-1)
+        if routes is not None:
+            top_idx = torch.where(routes[:, :1] >= 0, routes, top_idx)
+            top_w = probs.gather(-1, top_idx)
         if self.norm_topk_prob:
             top_w = top_w / top_w.sum(dim=-1, keepdim=True)
-        return self.experts(x, top_idx, top_w.to(x.dtype)), router_logits
+        return self.experts(x, top_idx, top_w.to(x.dtype)), router_logits, top_idx
 
 
 class Block(nn.Module):
@@ -379,13 +386,14 @@ class Block(nn.Module):
         self.is_moe = cfg.is_moe_layer(layer_idx)
         self.mlp = MoE(cfg) if self.is_moe else MLP(cfg.hidden_size, cfg.intermediate_size)
 
-    def forward(self, x, cos, sin, attention):
+    def forward(self, x, cos, sin, attention, routes=None):
+        """(output, router_logits, experts used): the last two None in a dense layer."""
         x = x + self.self_attn(self.input_layernorm(x), cos, sin, attention)
         h = self.post_attention_layernorm(x)
         if self.is_moe:
-            h, router_logits = self.mlp(h)
-            return x + h, router_logits
-        return x + self.mlp(h), None
+            h, router_logits, used = self.mlp(h, routes)
+            return x + h, router_logits, used
+        return x + self.mlp(h), None, None
 
 
 # -----------------------------------------------------------------------------
@@ -426,7 +434,8 @@ class Transformer(nn.Module):
         return int(n) - self.embed_tokens.weight.numel() * (0 if cfg.tie_word_embeddings else 1)
 
     def forward(self, tokens, position_ids, cu_seqlens=None, attention=None, logits_indices=None,
-                aux_loss=True, labels=None, temperature=1.0, branch=None):
+                aux_loss=True, labels=None, temperature=1.0, branch=None, routes=None,
+                routes_out=None):
         """tokens, position_ids: [T] (a packed batch); cu_seqlens: int32 [N+1] document boundaries.
         attention: how to attend (default: causal within each document of cu_seqlens; with branch
         [T], documents whose completions share a prompt, training.pack_groups: a row sees its own
@@ -436,7 +445,9 @@ class Transformer(nn.Module):
         load_balancing_loss_func), a 0-dim tensor, 0 for a dense model; None when aux_loss=False
         (inference: the engine never needs it). labels [T]: return log_softmax(logits /
         temperature)[label] per row [T] (fp32) instead of the logits, made a chunk of rows at a time
-        (head_logprobs), so no [T, V] tensor is ever whole: the trainers' path."""
+        (head_logprobs), so no [T, V] tensor is ever whole: the trainers' path. routes [T, M, k]:
+        routing replay, the experts each row uses in each of the M MoE layers (-1: its own
+        choice); routes_out: a list that receives the experts each MoE layer used, [T, k] each."""
         require(tokens.dim() == 1 and position_ids.shape == tokens.shape,
                 f"tokens and position_ids must be 1-D and equal in shape, got "
                 f"{tuple(tokens.shape)} and {tuple(position_ids.shape)}")
@@ -454,9 +465,12 @@ class Transformer(nn.Module):
         cos, sin = rope_cos_sin(position_ids, *self._rope, x.dtype)
         router_logits = []
         for layer in self.layers:
-            x, r = layer(x, cos, sin, attention)
+            replay = None if routes is None or not layer.is_moe else routes[:, len(router_logits)]
+            x, r, used = layer(x, cos, sin, attention, replay)
             if r is not None:
                 router_logits.append(r)
+                if routes_out is not None:
+                    routes_out.append(used)
         x = self.norm(x)
         if logits_indices is not None:
             x = x[logits_indices]

@@ -5,10 +5,14 @@ draws.
     tokens, logprobs = sample_with_logprobs(logits, temperatures, top_k=None, top_p=None,
                                             seeds=None, positions=None)
 
-The logprob is always log_softmax(logits / T) at the sampled token over the whole vocabulary (T = 1
-when greedy), as log_softmax computes it ((x - max) / T - log sum exp((x - max) / T)), never
-log(softmax): the quantity the trainer's loss differentiates on the same weights. top_k / top_p only
-shape which tokens can be drawn. A seeded draw is a pure function of (seed, position), so a sample
+The logprob is that of the distribution the token was drawn from: log_softmax(logits / T) at the
+sampled token over the whole vocabulary (T = 1 when greedy), as log_softmax computes it ((x - max) /
+T - log sum exp((x - max) / T)), never log(softmax): the quantity the trainer's loss differentiates
+on the same weights. With top_k / top_p a token is drawn from the truncated distribution (the mass
+outside them zeroed, the rest renormalised), so its logprob is that one's: the full one minus the
+log of the mass kept. A trainer that scores the full distribution then sees the ratio full /
+truncated = the mass kept, and an importance-sampling correction weighs by exactly that
+(off_policy.py). A seeded draw is a pure function of (seed, position), so a sample
 does not depend on what else is batched with it, and a preempted sequence resumes with the very
 tokens it would have drawn.
 
@@ -61,9 +65,10 @@ def sample_with_logprobs(logits, temperatures, top_k=None, top_p=None, seeds=Non
 
     temperatures [N]: 0 means greedy (argmax). top_k [N] ints (0 = off), top_p [N] floats (1.0 =
     off) shape what is *sampled*: tokens outside the top k / the top-p nucleus of softmax(logits /
-    T) are never drawn. The returned logprob is always log_softmax(logits / T) at the sampled token,
-    T = 1 for greedy rows, over the *whole* vocabulary, unfiltered: the quantity the trainer
-    computes from the same weights. seeds / positions [N] int64 (optional): the draw is a pure
+    T) are never drawn. The returned logprob is log_softmax(logits / T) at the sampled token, T = 1
+    for greedy rows, over the whole vocabulary, minus (in a sampled row with top_k / top_p) the log
+    of the mass they kept: the logprob of the distribution the token was drawn from, the behaviour
+    policy. seeds / positions [N] int64 (optional): the draw is a pure
     function of them (sampling_uniforms); without them, torch's global generator draws it. Sampling
     inverts the CDF with one uniform per row."""
     require((seeds is None) == (positions is None),
@@ -77,6 +82,7 @@ def sample_with_logprobs(logits, temperatures, top_k=None, top_p=None, seeds=Non
     e, block_sums, shift = _shifted_exp(logits, t)   # exp((logits - shift) / T), and its block sums
     total = block_sums.sum(-1)
     tokens = torch.zeros(N, 1, dtype=torch.int64, device=logits.device)
+    kept = torch.ones(N, dtype=torch.float64, device=logits.device)   # the mass top-k / p keep
     if bool(greedy.any()):
         tokens[greedy] = logits[greedy].argmax(-1, keepdim=True)
     if not bool(greedy.all()):
@@ -86,14 +92,15 @@ def sample_with_logprobs(logits, temperatures, top_k=None, top_p=None, seeds=Non
         else:
             u = torch.rand(N, dtype=torch.float64, device=logits.device)
         if top_k is not None or top_p is not None:
-            sampled = _draw_filtered(e / total.float()[:, None], top_k, top_p, u)
+            sampled, mass = _draw_filtered(e / total.float()[:, None], top_k, top_p, u)
+            kept = torch.where(greedy, 1.0, mass)
         else:
             sampled = _draw(e, block_sums, u * total)
         tokens = torch.where(greedy[:, None], tokens, sampled.clamp_(max=V - 1)[:, None])
     # log_softmax(logits / T) at the token, from what is already here: (x - shift) / T - log(sum
     # exp((x - shift) / T)), in float64 so that the one rounding is the last
-    logp = ((logits.gather(1, tokens) - shift).double() / t.double() - total.log()[:, None]).float()
-    return tokens[:, 0], logp[:, 0]
+    logp = (logits.gather(1, tokens) - shift).double() / t.double() - total.log()[:, None]
+    return tokens[:, 0], (logp[:, 0] - kept.log()).float()
 
 
 BLOCK = 1024   # vocabulary entries per block of the two-level CDF
@@ -161,11 +168,11 @@ def _draw(e, block_sums, target):
 
 
 def _draw_filtered(e, top_k, top_p, u):
-    # top-k / top-p on the probabilities: zero the mass outside them, then one cumsum
-    # over the vocabulary
+    """(tokens, the mass kept): top-k / top-p on the probabilities, the mass outside them zeroed,
+    then one cumsum over the vocabulary."""
     probs = _filter_top_k_top_p(e, top_k, top_p)
     cdf = probs.double().cumsum(-1)
-    return torch.searchsorted(cdf, (u * cdf[:, -1])[:, None]).squeeze(1)
+    return torch.searchsorted(cdf, (u * cdf[:, -1])[:, None]).squeeze(1), cdf[:, -1]
 
 
 def _filter_top_k_top_p(probs, top_k, top_p):

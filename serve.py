@@ -207,7 +207,8 @@ def chat_prompt(server, body, add_generation_prompt=True):
         if isinstance(m.get("reasoning_content"), str):   # a thinking template renders it
             plain[-1]["reasoning_content"] = m["reasoning_content"]
     try:   # as vLLM: chat_template_kwargs reach the template ({"enable_thinking": false})
-        kwargs = check_template_kwargs(server.tokenizer, body.get("chat_template_kwargs") or {})
+        kwargs = body.get("chat_template_kwargs")
+        kwargs = {} if kwargs is None else check_template_kwargs(server.tokenizer, kwargs)
     except ValueError as e:
         raise BadRequest(str(e), "chat_template_kwargs") from None
     try:   # the template raises on what it cannot render (an unknown role, ...)

@@ -18,6 +18,7 @@ import torch
 
 import checkpoint
 from conftest import FINISHED, run_ranks, write_task
+from test_grpo import CORRECTED
 
 ROOT = os.path.dirname(os.path.abspath(__file__))
 CONFIG = os.path.join(ROOT, "config", "qwen_small.py")
@@ -169,11 +170,12 @@ def test_sft_on_two_ranks_steps_like_one_process(pretrained):
                     ("train/loss", "train/grad_norm", "eval/loss", "eval/accuracy"))
 
 
-def test_grpo_on_two_ranks_samples_and_steps_like_one_process(tmp_path):
+@pytest.mark.parametrize("corrections", [[], CORRECTED], ids=["plain", "corrected"])
+def test_grpo_on_two_ranks_samples_and_steps_like_one_process(tmp_path, corrections):
     args = ["--init_from=scratch", f"--model={TINY}", "--max_iters=5", "--prompts_per_step=5",
             "--group_size=4", "--max_new_tokens=8", "--n_eval_problems=6", "--pass_k=2",
             "--learning_rate=3e-3", "--warmup_iters=0", "--eval_interval=5", "--log_interval=1",
-            "--batch_tokens=128"]
+            "--batch_tokens=128", *corrections]
     one, two = tmp_path / "one", tmp_path / "two"
     launch(tmp_path, "train_grpo.py", one, args)
     launch(tmp_path, "train_grpo.py", two, args, nproc=2)

@@ -123,6 +123,11 @@ TINY = dict(hidden_size=32, intermediate_size=64, moe_intermediate_size=32, num_
             num_experts_per_tok=2, max_position_embeddings=128)
 
 
+# the off-policy settings off (train_grpo's defaults), for configs written out by hand
+NO_CORRECTION = {"mis_low": 0.0, "mis_high": 0.0, "is_level": "token", "ppo_clip": 0.0,
+                 "ppo_epochs": 1, "record_routes": False, "routing_replay": False}
+
+
 def tiny_config(out_dir, *extra):
     # the parity task (conftest.PARITY_TASK): countdown's problems, a reward a random model can earn
     settings = {k: v for k, v in vars(train_grpo).items() if not k.startswith("_")}
@@ -207,8 +212,15 @@ def test_no_variance_skips_the_step_and_the_sampler_turns_away(tmp_path, monkeyp
     assert [r["rollout/weight_version"] for r in rows] == [0, 1]
 
 
-def test_killed_run_resumes_exactly(tmp_path, monkeypatch):
-    common = ["--max_iters=4", "--lr_decay_iters=4", "--ckpt_interval=2"]
+# the off-policy corrections at once (off_policy.py): routes recorded and replayed, masked IS of
+# the sequence ratio, PPO's clip over two epochs: resume and torchrun carry their new fields
+CORRECTED = ["--routing_replay=True", "--mis_low=0.5", "--mis_high=2.0", "--is_level=sequence",
+             "--ppo_clip=0.2", "--ppo_epochs=2"]
+
+
+@pytest.mark.parametrize("corrections", [[], CORRECTED], ids=["plain", "corrected"])
+def test_killed_run_resumes_exactly(tmp_path, monkeypatch, corrections):
+    common = ["--max_iters=4", "--lr_decay_iters=4", "--ckpt_interval=2", *corrections]
     whole = tmp_path / "whole"
     train_grpo.main(tiny_config(whole, *common))
 
@@ -393,7 +405,7 @@ def test_tis_is_the_papers_estimator_outside_the_normalizer():
     groups = two_groups(engine_logprob=-2.0)
     c = {"group_size": 2, "scale_rewards": False, "turn_baseline": False, "share_prompt": True,
          "batch_tokens": 64, "prompts_per_step": 2, "max_new_tokens": 4, "max_turns": 1,
-         "loss_norm": "weights", "tis_cap": 2.0, "kl_coef": 0.0}
+         "loss_norm": "weights", "tis_cap": 2.0, "kl_coef": 0.0, **NO_CORRECTION}
     (b,) = build_batches(groups, c)
     masks = [b.loss_mask]
     normalizer = train_grpo.loss_normalizer([b], c)
@@ -404,8 +416,8 @@ def test_tis_is_the_papers_estimator_outside_the_normalizer():
     trainer[rows] += torch.log(torch.tensor(0.5))
     trainer[rows[0]] = b.log_probs[rows[0]] + torch.log(torch.tensor(3.0))
     model = FixedLogits(trainer).with_labels(b.labels)
-    (out,) = train_grpo.apply_corrections([b], model, None,
-                                          torch.autocast("cpu", enabled=False), c)
+    (out,), _ = train_grpo.apply_corrections([b], model, None,
+                                             torch.autocast("cpu", enabled=False), c)
     ratio = torch.where(masks[0], torch.full_like(trainer, 0.5), torch.ones_like(trainer))
     ratio[rows[0]] = 2.0
     assert torch.allclose(out.token_weights, b.token_weights * ratio, atol=1e-5)
@@ -421,13 +433,13 @@ def test_the_steps_own_forward_measures_the_mismatch_and_no_logprob_pass_runs_wi
     groups = two_groups()
     c = {"group_size": 2, "scale_rewards": False, "turn_baseline": False, "share_prompt": True,
          "batch_tokens": 64, "prompts_per_step": 2, "max_new_tokens": 4, "max_turns": 1,
-         "loss_norm": "constant", "tis_cap": 0.0, "kl_coef": 0.0}
+         "loss_norm": "constant", "tis_cap": 0.0, "kl_coef": 0.0, **NO_CORRECTION}
     (b,) = build_batches(groups, c)
     masks = [b.loss_mask]
 
     def no_pass(*args, **kwargs):
         raise AssertionError("a logprob pass ran with nothing to fold")
-    assert train_grpo.apply_corrections([b], no_pass, None, None, c) == [b]
+    assert train_grpo.apply_corrections([b], no_pass, None, None, c) == ([b], {})
     # the sampler's logprobs: the model's own, off by 0.3 on the first completion row and by 0.1 on
     # the others
     off = torch.where(masks[0], torch.full_like(b.log_probs, 0.1), torch.zeros_like(b.log_probs))
@@ -455,7 +467,7 @@ def test_kl_coef_pulls_the_policy_back_toward_the_reference():
     groups = two_groups()
     c = {"group_size": 2, "scale_rewards": False, "turn_baseline": False, "share_prompt": True,
          "batch_tokens": 64, "prompts_per_step": 2, "max_new_tokens": 4, "max_turns": 1,
-         "loss_norm": "tokens", "tis_cap": 0.0, "kl_coef": 1.0}
+         "loss_norm": "tokens", "tis_cap": 0.0, "kl_coef": 1.0, **NO_CORRECTION}
     (b,) = build_batches(groups, c)
     # no advantage: the KL term alone
     b = dataclasses.replace(b, token_weights=torch.zeros_like(b.token_weights))
@@ -472,7 +484,7 @@ def test_kl_coef_pulls_the_policy_back_toward_the_reference():
 
     before = gap()
     assert before > 0
-    (weighted,) = train_grpo.apply_corrections([b], policy, reference, off, c)
+    (weighted,), _ = train_grpo.apply_corrections([b], policy, reference, off, c)
     lp = train_grpo.trainer_logprobs(policy, b, off)
     ref = train_grpo.trainer_logprobs(reference, b, off)
     assert torch.allclose(weighted.token_weights, torch.where(masks[0], -(lp - ref), 0.0),
@@ -482,9 +494,14 @@ def test_kl_coef_pulls_the_policy_back_toward_the_reference():
     assert gap() < before                                 # one step toward the reference
 
 
-def test_top_p_is_refused_in_grpo(tmp_path):
-    with pytest.raises(ValueError, match="top_p"):
-        train_grpo.check_settings(tiny_config(tmp_path, "--top_p=0.9"))
+def test_bad_grpo_settings_are_refused(tmp_path):
+    for bad, named in (("--top_p=0", "top_p"), ("--top_k=-1", "top_k"),
+                       ("--tis_cap=2", "truncated and masked"), ("--mis_low=1.5", "must hold 1"),
+                       ("--is_level=episode", "is_level"), ("--ppo_epochs=2", "ppo_clip"),
+                       ("--ppo_clip=1.5", "ppo_clip")):
+        extra = ("--mis_high=2",) if bad in ("--tis_cap=2", "--mis_low=1.5") else ()
+        with pytest.raises(ValueError, match=named):
+            train_grpo.check_settings(tiny_config(tmp_path, bad, *extra))
     with pytest.raises(ValueError, match="loss_norm"):
         train_grpo.check_settings(tiny_config(tmp_path, "--loss_norm=mean"))
     with pytest.raises(ValueError, match="kl_coef"):

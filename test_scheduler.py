@@ -41,11 +41,16 @@ def test_sample_with_logprobs():
         1, tokens[:, None]
     )[:, 0]
     assert torch.allclose(lp, ref, atol=1e-6)
-    # top_k=1 and a tiny top_p are greedy; their logprob is still of the unfiltered distribution
+    # top_k=1 and a tiny top_p are greedy: the truncated distribution holds the argmax alone, so
+    # its logprob there is 0; top_k=3 renormalises over the three most likely tokens
     for kw in (dict(top_k=torch.full((6,), 1)), dict(top_p=torch.full((6,), 1e-4))):
         tk, lpk = sample_with_logprobs(logits, torch.ones(6), **kw)
         assert torch.equal(tk, logits.argmax(-1))
-        assert torch.allclose(lpk, torch.log_softmax(logits, -1).max(-1).values)
+        assert torch.allclose(lpk, torch.zeros(6), atol=1e-6)
+    tk, lpk = sample_with_logprobs(logits, torch.ones(6), top_k=torch.full((6,), 3))
+    top3 = torch.log_softmax(logits.topk(3, -1).values, -1)   # the truncated distribution
+    picked = (logits.topk(3, -1).indices == tk[:, None]).float().argmax(-1)
+    assert torch.allclose(lpk, top3.gather(1, picked[:, None])[:, 0], atol=1e-6)
     # seeded draws are a function of (seed, position) only, and follow softmax(logits / T)
     one = torch.randn(1, 8, generator=g)
     n = 20000

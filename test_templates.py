@@ -38,11 +38,11 @@ import task_guess
 import train_grpo
 from checkpoint import load_hf_checkpoint, stop_ids_of
 from conftest import randomise
-from engine import EngineConfig, InferenceEngine, SamplingParams, sampled_mask
+from engine import EngineConfig, InferenceEngine, SamplingParams, TrainingSample, sampled_mask
 from environment import Environment
 from test_grpo import tiny_config
 from tokenizer import (TurnBridge, build_tokenizer, chat_example, chat_ids, chat_prompt_ids,
-                       load_tokenizer, save_tokenizer)
+                       check_template_kwargs, load_tokenizer, reply_parts, save_tokenizer)
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
@@ -338,9 +338,10 @@ def replies_of(engine, e):
     return replies
 
 
-def test_an_episode_is_what_the_engine_sampled_plus_the_templates_new_turns(family):
+@pytest.mark.parametrize("thinking", [False, True])
+def test_an_episode_is_what_the_engine_sampled_plus_the_templates_new_turns(family, thinking):
     name, path, tok = family
-    kwargs = FAMILIES[name]["kwargs"]
+    kwargs = {} if thinking else FAMILIES[name]["kwargs"]   # Qwen3: thinking on, and off
     env, engine, episodes = guessing_episodes(path, tok, kwargs)
     assert max(e.turns for e in episodes) == 3   # the fixture's random model plays 3 turns
     bridge = TurnBridge(tok, env.stop, **kwargs)
@@ -395,6 +396,28 @@ def test_a_three_turn_episodes_ids_equal_the_renderers_bridged_ids(family):
     got = renderers_do(path, FAMILIES[name]["renderer"], renders, bridges)
     assert got["renders"] == [e.prompt for e in three]
     assert got["bridges"] == ours
+
+
+def test_a_thinking_reply_is_split_and_the_reward_sees_its_content(family):
+    name, path, tok = family
+    text = "<think>\nhalve it\n</think>\n\n23"
+    if name == "qwen3":   # a template with a </think> token: reasoning apart, content for the task
+        assert reply_parts(tok, text) == ("halve it", "23")
+        assert reply_parts(tok, "23") == (None, "23")
+    else:                 # no such token: the whole text is content
+        assert reply_parts(tok, text) == (None, text)
+    # in an episode: the guessing game scores the content, the history keeps the reasoning
+    env = Environment(task_guess, tok, max_new_tokens=16, stop_ids=stop_ids_of(path, tok))
+    stop = tok.convert_tokens_to_ids(FAMILIES[name]["end_of_turn"])
+    reply = tok.encode(text, add_special_tokens=False) + [stop]
+    sample = TrainingSample((1,), tuple(reply), (0.0,) * len(reply), finish_reason="stop")
+    (problem,) = [p for p in task_guess.make_problems("train") if p.secret == 23][:1]
+    e = environment.Episode(problem, task_guess.prompt_messages(problem), [1])
+    env.take_reply(e, sample, 1)
+    assert e.reward == (1.0 if name == "qwen3" else 0.0)
+    if name == "qwen3":
+        assert e.messages[-1] == {"role": "assistant", "content": "23",
+                                  "reasoning_content": "halve it"}
 
 
 def test_a_template_that_cannot_render_a_conversation_is_refused_naming_its_failure(family):
@@ -461,10 +484,17 @@ def test_serve_py_renders_as_transformers_and_stops_on_the_templates_end_of_turn
             assert r["prompt_token_ids"] == list(want)
             stopped = [c for c in r["choices"] if c["finish_reason"] == "stop"]
             assert stopped and all(c["token_ids"][-1] in stops for c in stopped)
-        bad = httpx.post(server.url + "/v1/chat/completions", json={
-            "messages": CONVERSATIONS[0], "max_tokens": 4,
-            "chat_template_kwargs": {"thinking_budget": 5}})
-        assert bad.status_code == 400 and "thinking_budget" in bad.json()["error"]["message"]
+        for kwargs, named in (({"thinking_budget": 5}, "thinking_budget"),
+                              ({"content": "x"}, "content"), ([], "dict")):
+            bad = httpx.post(server.url + "/v1/chat/completions", json={
+                "messages": CONVERSATIONS[0], "max_tokens": 4, "chat_template_kwargs": kwargs})
+            assert bad.status_code == 400 and named in bad.json()["error"]["message"]
+        # a name the template sets itself would be overwritten: refused; one it reads, honoured
+        own = "content" if name == "qwen3" else "system_message"
+        with pytest.raises(ValueError, match=own):
+            check_template_kwargs(tok, {own: "x"})
+        read = {"enable_thinking": False} if name == "qwen3" else {"date_string": "1 Jan 2026"}
+        assert check_template_kwargs(tok, read) == read
     finally:
         assert server.stop() == 0
 

@@ -199,12 +199,17 @@ RESERVED_TEMPLATE_NAMES = frozenset({
 
 def check_template_kwargs(tok, kwargs, name="chat_template_kwargs") -> dict:
     """kwargs for the chat template (Qwen3's {"enable_thinking": false}), refused with a ValueError
-    naming the key unless it is a variable the template reads: a key it ignores would be honoured
-    silently by nothing."""
+    naming the key unless it is a variable the template reads and does not overwrite (it may set a
+    default when the variable `is not defined`, as Llama 3's date_string): a key it ignores or
+    overwrites would be honoured silently by nothing."""
     import jinja2.meta   # transformers renders chat templates with jinja2
     if not (isinstance(kwargs, dict) and all(isinstance(k, str) for k in kwargs)):
         raise ValueError(f"{name} must be a dict with string keys, got {kwargs!r}")
-    used = jinja2.meta.find_undeclared_variables(jinja2.Environment().parse(tok.chat_template))
+    tree = jinja2.Environment().parse(tok.chat_template)
+    set_here = {n.name for n in tree.find_all(jinja2.nodes.Name) if n.ctx == "store"}
+    defaults = {t.node.name for t in tree.find_all(jinja2.nodes.Test)
+                if t.name == "defined" and isinstance(t.node, jinja2.nodes.Name)}
+    used = jinja2.meta.find_undeclared_variables(tree) - (set_here - defaults)
     for key in kwargs:
         if key in RESERVED_TEMPLATE_NAMES or key not in used:
             honoured = sorted(used - RESERVED_TEMPLATE_NAMES)
@@ -297,8 +302,9 @@ class TurnBridge:
         \n <|im_start|>user\n= 22, target 23<|im_end|>\n <|im_start|>assistant\n
 
     close: the template's ids from the first stop id after an assistant turn's header to the end
-    of the turn (ChatML: <|im_end|> \n; Llama 3: <|eot_id|>). A reply that stopped has sampled
-    its first id; one cut at max_tokens gets all of them."""
+    of the turn (ChatML: <|im_end|> \n; Llama 3: <|eot_id|>). A reply that stopped on any stop id
+    has closed its turn with it (as the renderers package's bridges treat <|endoftext|> or
+    <|eom_id|>), so the rest follows; one cut at max_tokens gets all of them."""
 
     def __init__(self, tok, stop_ids, **template_kwargs):
         self.tok, self.stop, self.kwargs = tok, frozenset(stop_ids), template_kwargs

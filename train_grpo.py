@@ -71,6 +71,7 @@ from checks import is_number, require
 import distributed
 import evaluate
 import rollout_ranks as ranks
+import off_policy
 import training
 from rollout_servers import Servers
 from environment import Environment, load_task, solved
@@ -95,7 +96,8 @@ compile = False
 prompts_per_step = 16         # problems drawn per step, a group each (flat groups dropped)
 group_size = 8                # samples per prompt (G)
 temperature = 1.0             # of the rollouts; the trainer scores softmax(logits / T) too
-top_p = 1.0                   # only 1.0: the trainer scores the whole distribution
+top_p = 1.0                   # < 1: nucleus sampling, off-policy (the trainer scores it all)
+top_k = 0                     # > 0: top-k sampling, likewise (off_policy.py corrects both)
 max_new_tokens = 16           # reply budget; a reply that reaches it without stopping scores 0
 max_turns = 1                 # replies per episode (> 1: the task's env_response between)
 max_episode_tokens = 0        # multi-turn: every id after the first prompt, at most
@@ -104,8 +106,16 @@ share_prompt = True           # train on a group's prompt once (training.pack_gr
 scale_rewards = False         # divide advantages by the group's std (GRPO), not only centre them
 turn_baseline = False         # multi-turn: reply k against the episodes that reached reply k
 loss_norm = "constant"        # 'constant' | 'tokens' | 'weights' (see the top of this file)
-tis_cap = 0.0                 # > 0: weights *= min(exp(trainer - engine logprob), tis_cap)
 kl_coef = 0.0                 # > 0: weights -= kl_coef * (log p - log p_start)
+# off-policy corrections (off_policy.py), ratio = exp(trainer - engine logprob) per token
+tis_cap = 0.0                 # > 0: weights *= min(ratio, tis_cap) (truncated IS)
+mis_low = 0.0                 # with mis_high > 0: weights *= ratio inside [mis_low, mis_high],
+mis_high = 0.0                # 0 outside (masked IS)
+is_level = "token"            # 'sequence': the ratio is the sample's geometric mean (GSPO)
+ppo_clip = 0.0                # > 0: PPO's clipped objective, ratio to the trainer before the step
+ppo_epochs = 1                # optimizer steps per rollout (> 1 with ppo_clip > 0)
+record_routes = False         # MoE: the engine records each token's experts (a metric)
+routing_replay = False        # MoE: ... and the trainer routes each token by them
 engine_dtype = "float32"      # the engine's copy of the weights ('bfloat16' on a GPU)
 engine_block_size = 16
 # optimization
@@ -290,7 +300,8 @@ def rollout(engine, env, sampler, config, it):
     t0 = time.perf_counter()   # under torchrun each rank samples its slice; all get every episode
     # the seed is a function of (run seed, iteration): a resumed run draws the same samples
     episodes = env.episodes(engine, problems, G, config["temperature"],
-                            seed=config["seed"] * 1_000_003 + it)
+                            seed=config["seed"] * 1_000_003 + it, top_p=config["top_p"],
+                            top_k=config["top_k"])
     gen_time = time.perf_counter() - t0
     rewards = [e.reward for e in episodes]
     samples = [e.sample() for e in episodes]
@@ -307,7 +318,10 @@ def rollout(engine, env, sampler, config, it):
                "rollout/truncated": float(np.mean([e.finish_reason != "stop" for e in episodes])),
                "rollout/tokens_per_s": sum(sampled) / gen_time, "perf/rollout_time_s": gen_time,
                "rollout/weight_version": engine.get_weight_version(),
-               "perf/rollout_flops": evaluate.sampling_flops(engine.model.config, samples, G)}
+               "perf/rollout_flops": evaluate.sampling_flops(engine.model.config, samples, G),
+               # the behaviour policy's entropy, estimated on its own samples: mean -log p
+               "offpolicy/entropy": -sum(lp for e in episodes for lp, m in zip(e.logprobs, e.mask)
+                                         if m) / max(sum(sampled), 1)}
     if env.max_turns > 1:
         metrics["rollout/turns_mean"] = float(np.mean([e.turns for e in episodes]))
     return kept, (indices, successes), metrics
@@ -320,7 +334,7 @@ def build_batches(groups, config):
     its prompt's rows (share_prompt, training.pack_groups; a group longer than batch_tokens is
     split into several such documents) or one sample. Whole documents are split under
     batch_tokens."""
-    docs = []   # (prompt, completions, weights, logprobs, masks) of each document
+    docs, owners = [], []   # (prompt, completions, weights, logprobs, masks), samples: per document
     for _, prompt, samples, group_rewards in groups:
         masks = [list(sampled_mask(s)) for s in samples]
         weights = token_advantages(masks, group_rewards, config)
@@ -334,9 +348,27 @@ def build_batches(groups, config):
                                                 config["batch_tokens"] - len(prompt) + 1)
         for part in parts:
             docs.append((list(prompt), *([rows[i][k] for i in part] for k in range(4))))
+            owners.append([samples[i] for i in part])
     sizes = [len(prompt) - 1 + sum(len(c) + 1 for c in comps) for prompt, comps, *_ in docs]
-    return [training.pack_groups(*zip(*(docs[i] for i in g)))
-            for g in training.split_under_budget(sizes, config["batch_tokens"])]
+    batches = []
+    for g in training.split_under_budget(sizes, config["batch_tokens"]):
+        batch = training.pack_groups(*zip(*(docs[i] for i in g)))
+        if owners[0][0].routes is not None:   # the engine recorded its experts
+            routes = [document_routes(docs[i][0], owners[i]) for i in g]
+            batch = dataclasses.replace(batch, routes=torch.cat(routes))
+        batches.append(batch)
+    return batches
+
+
+def document_routes(prompt, samples):
+    """The engine's experts for each row of a pack_groups document: row p of the prompt, then per
+    sample its rows from the prompt's last token on, and -1 (route yourself) on its last row,
+    whose token the engine never computed. A sample's routes cover positions 0 .. P + C - 2."""
+    n, shape = len(prompt) - 1, samples[0].routes.shape[1:]
+    rows = [samples[0].routes[:n].long()]
+    for s in samples:
+        rows += [s.routes[n:].long(), torch.full((1, *shape), -1, dtype=torch.int64)]
+    return torch.cat(rows)
 
 
 def loss_normalizer(batches, config):
@@ -351,12 +383,19 @@ def loss_normalizer(batches, config):
     return float(max(sum(b.token_weights.abs().sum().item() for b in batches), 1.0))
 
 
-def policy_loss(logp, batch, normalizer, config):
+def policy_loss(logp, batch, normalizer, config, stats=None):
     """GRPO's objective on a batch: the shared unified_loss, -(token_weights * log p).sum() /
-    normalizer, with token_weights = advantage x loss mask (times TIS's ratio and minus the KL
-    term, when on). A fork changes the objective here, reading its settings from config: e.g.
-    PPO's clipped ratio exp(logp - batch.log_probs) against batch.token_weights, over
-    batch.loss_mask (docs/forks.md)."""
+    normalizer, with token_weights = advantage x loss mask (times an IS factor and minus the KL
+    term, when on). With ppo_clip > 0, PPO's clipped objective on the same weights instead
+    (off_policy.ppo_loss; stats counts the rows it clipped). A fork changes the objective here,
+    reading its settings from config (docs/forks.md)."""
+    if config["ppo_clip"] > 0:
+        old = logp.detach() if batch.old_log_probs is None else batch.old_log_probs
+        loss, clipped = off_policy.ppo_loss(logp, old, batch.token_weights, batch.loss_mask,
+                                            config["ppo_clip"], normalizer)
+        if stats is not None:
+            stats["clipped"] += clipped
+        return loss
     return training.unified_loss(logp, batch, normalizer)
 
 
@@ -374,32 +413,60 @@ def tempered(model, temperature):
 
 
 @torch.no_grad()
-def trainer_logprobs(model, batch, autocast):
+def trainer_logprobs(model, batch, autocast, routes_out=None):
     """log p(label) of every row under the trainer's current weights (before the step)."""
     with autocast:
-        return training.batch_logprobs(model, batch)[0]
+        if routes_out is None:
+            return training.batch_logprobs(model, batch)[0]
+        replay = {} if batch.routes is None else {"routes": batch.routes}
+        shared = {} if batch.branch is None else {"branch": batch.branch}
+        return model(batch.tokens, batch.position_ids, batch.cu_seqlens, labels=batch.labels,
+                     routes_out=routes_out, **shared, **replay)[0]
+
+
+def needs_trainer_pass(config):
+    """Whether a step scores its batches with the trainer's weights before the update: for an IS
+    correction, the KL term, PPO's old logprobs or the engine's experts to compare."""
+    return (config["tis_cap"] > 0 or config["mis_high"] > 0 or config["kl_coef"] > 0
+            or config["ppo_clip"] > 0 or config["record_routes"] or config["routing_replay"])
 
 
 def apply_corrections(batches, model, reference, autocast, config):
     """The per-token no-grad factors folded into the weights (the loss contract), from a logprob
-    pass of the trainer's current weights: with tis_cap > 0 the truncated importance ratio
-    min(exp(trainer - engine), tis_cap) multiplies the advantage; with kl_coef > 0, kl_coef *
-    (trainer - reference logprob) is subtracted. Without either there is nothing to fold and no
-    pass: on-policy, the step's own forward measures the mismatch."""
-    if config["tis_cap"] <= 0 and config["kl_coef"] <= 0:
-        return batches
-    out = []
+    pass of the trainer's current weights (off_policy.py has the formulas): an IS factor (tis_cap:
+    truncated, mis_high: masked; is_level='sequence': of the sample's geometric mean ratio)
+    multiplies the advantage; with kl_coef > 0, kl_coef * (trainer - reference logprob) is
+    subtracted; with ppo_clip > 0 the pass's logprobs are PPO's old ones. With the engine's experts
+    recorded, the pass routes by them (routing_replay) or by its own router, and counts where the
+    two differ. Without any of these there is no pass: on-policy, the step's own forward measures
+    the mismatch. Returns (batches, metrics)."""
+    if not needs_trainer_pass(config):
+        return batches, {}
+    out, counts = [], [0, 0, 0, 0]   # tokens corrected, sampled; expert pairs differing, compared
     for b in batches:   # this rank's share of the step's micro-batches
-        lp, mask = trainer_logprobs(model, b, autocast), b.loss_mask
-        w = b.token_weights
-        if config["tis_cap"] > 0:
-            w = w * torch.where(mask, torch.exp(lp - b.log_probs).clamp(max=config["tis_cap"]), 1.0)
+        engine_routes = b.routes
+        b = b if config["routing_replay"] else dataclasses.replace(b, routes=None)
+        used = None if engine_routes is None else []
+        lp, mask, w = trainer_logprobs(model, b, autocast, used), b.loss_mask, b.token_weights
+        ids = off_policy.sample_ids(b) if config["is_level"] == "sequence" else None
+        factor, changed = off_policy.is_factor(
+            off_policy.importance_ratios(lp, b.log_probs, mask, ids), config)
+        w = w * factor
         if config["kl_coef"] > 0:
             w = w - config["kl_coef"] * torch.where(mask,
                                                     lp - trainer_logprobs(reference, b, autocast),
                                                     0.0)
-        out.append(dataclasses.replace(b, token_weights=w))
-    return out
+        counts[:2] = counts[0] + int((changed & mask).sum()), counts[1] + int(mask.sum())
+        if used is not None:
+            differ, pairs = off_policy.expert_disagreement(torch.stack(used, 1), engine_routes,
+                                                           mask)
+            counts[2:] = counts[2] + differ, counts[3] + pairs
+        out.append(dataclasses.replace(b, token_weights=w, old_log_probs=lp))
+    corrected, sampled, differ, pairs = distributed.all_sum(counts)
+    metrics = {"offpolicy/corrected": corrected / max(sampled, 1)}
+    if pairs:
+        metrics["offpolicy/expert_disagreement"] = differ / pairs
+    return out, metrics
 
 
 class RolloutSource(typing.Protocol):
@@ -466,14 +533,11 @@ def grpo_step(source, run, reference, config, it):
         # 3. this rank's share, with TIS / the KL folded into its weights (when on)
         mine = [b.to(config["device"]) for b in distributed.shard(batches)]
         ref = None if reference is None else tempered(reference, config["temperature"])
-        mine = apply_corrections(mine, policy, ref, run.autocast, config)
+        mine, corrected = apply_corrections(mine, policy, ref, run.autocast, config)
+        metrics.update(corrected)
         clock["corrections"] = time.perf_counter()
-        # 4. one optimizer step on policy_loss
-        loss_fn = functools.partial(policy_loss, config=config)
-        lr = training.scheduled_lr(config, it)
-        metrics.update(training.train_step(policy, run.optimizer, mine, lr, config["grad_clip"],
-                                           config["aux_loss_coef"], run.autocast, normalizer,
-                                           loss_fn))
+        # 4. one optimizer step on policy_loss (ppo_epochs of them on the same batches)
+        metrics.update(optimizer_steps(policy, run, mine, normalizer, config, it))
         metrics["train/normalizer"] = normalizer
         clock["step"] = time.perf_counter()
     # 5. publish the new weights to the rollout source (Colocated: in place, so the next rollout
@@ -481,6 +545,26 @@ def grpo_step(source, run, reference, config, it):
     metrics.update(source.publish(run.model, it))
     clock["end"] = time.perf_counter()
     return step_costs(metrics, clock, batches, run, reference, config)
+
+
+def optimizer_steps(policy, run, batches, normalizer, config, it):
+    """ppo_epochs optimizer steps on the step's batches (one by default); the metrics of the last,
+    with the first's logprob mismatch and KL (those of the weights that sampled) and the share of
+    sampled tokens PPO's clip held back over all of them."""
+    stats, lr = {"clipped": 0}, training.scheduled_lr(config, it)
+    loss_fn = functools.partial(policy_loss, config=config, stats=stats)
+    epochs = [training.train_step(policy, run.optimizer, batches, lr, config["grad_clip"],
+                                  config["aux_loss_coef"], run.autocast, normalizer, loss_fn)
+              for _ in range(config["ppo_epochs"])]
+    metrics = dict(epochs[-1])
+    for name in ("train/logprob_mismatch", "offpolicy/kl_k3"):
+        if name in epochs[0]:
+            metrics[name] = epochs[0][name]
+    if config["ppo_clip"] > 0:
+        clipped, sampled = distributed.all_sum(
+            [stats["clipped"], sum(int(b.loss_mask.sum()) for b in batches)])
+        metrics["offpolicy/ppo_clipped"] = clipped / max(sampled * config["ppo_epochs"], 1)
+    return metrics
 
 
 def step_costs(metrics, clock, batches, run, reference, config):
@@ -491,9 +575,9 @@ def step_costs(metrics, clock, batches, run, reference, config):
     if batches:
         step_flops = sum(train_flops(run.model.config, [b.num_tokens],
                                      pairs=int((b.position_ids + 1).sum())) for b in batches)
-        # + the logprob pass (and the reference's) when one ran
-        passes = (config["tis_cap"] > 0 or config["kl_coef"] > 0) + (reference is not None)
-        flops += step_flops * (3 + passes) / 3
+        # + the logprob pass (and the reference's) when one ran; ppo_epochs optimizer steps
+        passes = needs_trainer_pass(config) + (reference is not None)
+        flops += step_flops * (3 * config["ppo_epochs"] + passes) / 3
         train_s = clock["step"] - clock["corrections"]
         metrics.update({"perf/logprob_pass_s": clock["corrections"] - clock["rollout"],
                         "perf/train_time_s": train_s,
@@ -518,9 +602,10 @@ def check_settings(config):
                       ("max_episode_tokens", 0)):
         require(type(config[name]) is int and config[name] >= low,
                 f"{name}={config[name]!r}: expected an int >= {low}")
-    for name in ("tis_cap", "kl_coef"):
+    for name in ("tis_cap", "kl_coef", "mis_low", "mis_high", "ppo_clip"):
         require(is_number(config[name]) and config[name] >= 0,
                 f"{name}={config[name]!r}: expected a number >= 0 (0 = off)")
+    check_off_policy_settings(config)
     require(config["loss_norm"] in ("constant", "tokens", "weights"),
             f"loss_norm={config['loss_norm']!r}: expected 'constant', 'tokens' or 'weights'")
     for name in ("rollout_ranks", "max_staleness"):
@@ -547,14 +632,12 @@ def check_settings(config):
             f"weight_bucket_mb={config['weight_bucket_mb']!r}: expected a number > 0")
     require(config["eval_split"] in ("val", "test"),
             f"eval_split={config['eval_split']!r}: expected 'val' or 'test'")
-    # refuses a bad temperature / top_p
-    SamplingParams(temperature=config["temperature"], top_p=config["top_p"])
+    # refuses a bad temperature / top_p / top_k
+    SamplingParams(temperature=config["temperature"], top_p=config["top_p"],
+                   top_k=config["top_k"])
     require(config["temperature"] != 0,
             "temperature=0: GRPO needs sampled groups (greedy samples of a prompt are all the "
             "same)")
-    require(config["top_p"] == 1.0,
-            f"top_p={config['top_p']!r}: the trainer scores the whole softmax(logits / T), so a "
-            f"nucleus-sampled rollout would be trained off-policy; use top_p=1.0")
     require(config["kl_coef"] == 0 or config["init_from"] != "scratch",
             "kl_coef > 0 with init_from='scratch': a KL to a random starting policy teaches "
             "nothing")
@@ -603,11 +686,35 @@ def log_iteration(logger, done, metrics):
            f"rollout {metrics['rollout/tokens_per_s']:.0f} tok/s")
 
 
+def check_off_policy_settings(config):
+    """The corrections' settings (off_policy.py): one IS correction at a time, and what needs
+    what."""
+    require(not (config["tis_cap"] > 0 and config["mis_high"] > 0),
+            f"tis_cap={config['tis_cap']} and mis_high={config['mis_high']}: truncated and masked "
+            f"IS are two corrections of one ratio; set one")
+    require(config["mis_high"] == 0 or config["mis_low"] < 1 < config["mis_high"],
+            f"mis_low={config['mis_low']}, mis_high={config['mis_high']}: masked IS keeps the "
+            f"ratios in [mis_low, mis_high], which must hold 1 (mis_low < 1 < mis_high)")
+    require(config["is_level"] in ("token", "sequence"),
+            f"is_level={config['is_level']!r}: expected 'token' or 'sequence'")
+    require(config["ppo_clip"] < 1, f"ppo_clip={config['ppo_clip']}: expected in [0, 1)")
+    require(type(config["ppo_epochs"]) is int and config["ppo_epochs"] >= 1,
+            f"ppo_epochs={config['ppo_epochs']!r}: expected an int >= 1")
+    require(config["ppo_epochs"] == 1 or config["ppo_clip"] > 0,
+            f"ppo_epochs={config['ppo_epochs']}: later epochs train off-policy on the same "
+            f"rollout; set ppo_clip > 0 (e.g. 0.2)")
+    routes = config["record_routes"] or config["routing_replay"]
+    require(not routes or (config["rollout_ranks"] == 0 and not config["rollout_urls"]),
+            "record_routes / routing_replay: routes travel only from this process's engine for "
+            "now (no rollout_ranks, no rollout_urls)")
+
+
 def make_engine(model, env, start, sampler, eval_problems, config):
     version = 0 if start.meta is None else start.meta["extra"]["weight_version"]
+    routes = config["record_routes"] or config["routing_replay"]
     return evaluate.task_engine(model, env, sampler.items + eval_problems,
                                 config["engine_block_size"], config["engine_dtype"],
-                                config["device"], config["seed"], version)
+                                config["device"], config["seed"], version, routes)
 
 
 def rollout_worker(config, roles, start, env, sampler, eval_problems):

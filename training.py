@@ -22,6 +22,7 @@ import torch
 
 from checks import is_finite_number, require
 import distributed
+import off_policy
 from checkpoint import Start, clear_checkpoints, save_checkpoint, set_rng_state
 from configurator import print0
 from measure import Logger, Meter, measure_matmul_flops
@@ -46,6 +47,8 @@ class PackedBatch:
     rewards: torch.Tensor | None = None      # [N] float32, one per sequence (optional)
     branch: torch.Tensor | None = None       # [T] int64, shared-prefix documents (pack_groups)
     loss_mask: torch.Tensor | None = None    # [T] bool, rows scored on a sampled token (GRPO)
+    old_log_probs: torch.Tensor | None = None  # [T] float32, the trainer's before the step (PPO)
+    routes: torch.Tensor | None = None       # [T, M, k] int64, experts to replay (-1: route itself)
 
     @property
     def num_tokens(self):
@@ -98,7 +101,9 @@ def batch_logprobs(model, batch):
     """(log p(label) per row [T], aux loss) of model on a packed batch, its shared prefixes
     included."""
     shared = {} if batch.branch is None else {"branch": batch.branch}
-    return model(batch.tokens, batch.position_ids, batch.cu_seqlens, labels=batch.labels, **shared)
+    replay = {} if batch.routes is None else {"routes": batch.routes}
+    return model(batch.tokens, batch.position_ids, batch.cu_seqlens, labels=batch.labels, **shared,
+                 **replay)
 
 
 # -----------------------------------------------------------------------------
@@ -344,7 +349,7 @@ def train_step(model, optimizer, batches, lr, grad_clip=1.0, aux_loss_coef=0.0, 
     one process would on all of them. A rank with no micro-batch joins with a zero-weight one.
     Batches that carry the sampler's log_probs (GRPO) also give train/logprob_mismatch: the mean
     |sampler - trainer logprob| over the rows with a weight, from this forward, on the weights
-    before the step."""
+    before the step, and offpolicy/kl_k3, the k3 estimate of KL(sampler || trainer) over them."""
     if isinstance(batches, PackedBatch):
         batches = [batches]
     device = next(p.device for g in optimizer.param_groups for p in g["params"])
@@ -356,7 +361,7 @@ def train_step(model, optimizer, batches, lr, grad_clip=1.0, aux_loss_coef=0.0, 
     # a rank with no micro-batch joins with one of zero weight (every field a loss_fn may read)
     passes = batches or [pack_sequences([[0, 0]], [[0.0, 0.0]], log_probs=[[0.0, 0.0]],
                                         loss_masks=[[0, 0]]).to(device)]
-    loss_sum, aux_sum, diff, scored = 0.0, 0.0, 0.0, 0
+    loss_sum, aux_sum, diff, kl, scored = 0.0, 0.0, 0.0, 0.0, 0
     for i, b in enumerate(passes):
         with distributed.no_sync(last=i == len(passes) - 1):
             with autocast or nullcontext():
@@ -370,19 +375,21 @@ def train_step(model, optimizer, batches, lr, grad_clip=1.0, aux_loss_coef=0.0, 
         if b.log_probs is not None:
             weighed = b.token_weights != 0
             diff += (logp.detach().float() - b.log_probs).abs()[weighed].sum().item()
+            kl += off_policy.kl_k3(logp.detach().float(), b.log_probs, weighed)
             scored += int(weighed.sum())
     grad_norm = torch.nn.utils.clip_grad_norm_([p for g in optimizer.param_groups
                                                 for p in g["params"]],
                                                grad_clip if grad_clip > 0 else float("inf"))
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
-    loss_sum, aux_sum, tokens, diff, scored = distributed.all_sum(
-        [loss_sum, aux_sum, sum(b.num_tokens for b in batches), diff, scored])
+    loss_sum, aux_sum, tokens, diff, kl, scored = distributed.all_sum(
+        [loss_sum, aux_sum, sum(b.num_tokens for b in batches), diff, kl, scored])
     metrics = {"train/loss": loss_sum, "train/aux_loss": aux_sum,
                "train/grad_norm": float(grad_norm), "train/lr": lr, "train/tokens": int(tokens),
                "train/weight_sum": weight_sum}
     if scored:
         metrics["train/logprob_mismatch"] = diff / scored
+        metrics["offpolicy/kl_k3"] = kl / scored
     return metrics
 
 

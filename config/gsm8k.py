@@ -23,7 +23,8 @@ sft = dict(
     learning_rate=1e-5, min_lr=1e-6, warmup_iters=10,
     batch_tokens=8192, eval_max_tokens=512, n_eval_problems=200, keep_best=True,
     log_interval=10, eval_interval=50, ckpt_interval=50,
-    # Qwen3 only (Llama 3's template has no such variable and refuses it): answer without thinking
+    # Qwen3: uncomment, or its thinking replies run past max_new_tokens and score 0 (Llama 3's
+    # template has no such variable and refuses the setting)
     # chat_template_kwargs=dict(enable_thinking=False),
 )
 
