@@ -41,4 +41,11 @@ for ((i = 0; i < ${#jobs[@]}; i += 2)); do
     [ $((i + 1)) -lt ${#jobs[@]} ] && run ${jobs[i + 1]} &
     wait
 done
+missing=0
+for job in "${jobs[@]}"; do   # a failed run shows here, with its log
+    read -r arm seed <<< "$job"
+    grep -qs '"eval/accuracy"' "$OUT/${arm}_seed$seed/metrics.jsonl" ||
+        { echo "failed: $arm seed $seed (see $OUT/${arm}_seed$seed.log)"; missing=1; }
+done
+[ "$missing" = 0 ] || exit 1
 echo "off_policy_curves.sh: done, $OUT"

@@ -230,6 +230,7 @@ def curves_main(out_dir, png):
                  for k in keys]
         print(f"| {arm} | {len(evals)} | {acc[:, -1].mean():.3f} ± {acc[:, -1].std(ddof=1):.3f} "
               f"| {acc.max(1).mean():.3f} | " + " | ".join(f"{m:.2e}" for m in means) + " |")
+    paired_differences(runs)
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -242,6 +243,25 @@ def curves_main(out_dir, png):
     fig.tight_layout()
     fig.savefig(png, dpi=120)
     print(f"wrote {png}")
+
+
+def paired_differences(runs):
+    """The last validation accuracy of each arm minus fp32's and minus bf16's, paired by seed,
+    with a 95% Student-t interval."""
+    from statistics import mean, stdev
+    t975 = {2: 12.706, 3: 4.303, 4: 3.182, 5: 2.776}   # t quantiles by number of seeds
+    last = {arm: {s: [r["eval/accuracy"] for r in rows if "eval/accuracy" in r][-1]
+                  for s, rows in seeds.items()} for arm, seeds in runs.items()}
+    print("\n| comparison | mean | 95% CI | per seed |\n| --- | --- | --- | --- |")
+    for base in ("fp32", "bf16"):
+        for arm in last:
+            seeds = sorted(set(last[arm]) & set(last.get(base, {})))
+            if arm == base or (base == "bf16" and not arm.startswith("bf16_")) or len(seeds) < 2:
+                continue
+            d = [last[arm][s] - last[base][s] for s in seeds]
+            h = t975.get(len(d), 2.0) * stdev(d) / len(d) ** 0.5
+            print(f"| {arm} - {base} | {mean(d):+.3f} | [{mean(d) - h:+.3f}, {mean(d) + h:+.3f}] "
+                  f"| {', '.join(f'{x:+.3f}' for x in d)} |")
 
 
 if __name__ == "__main__":

@@ -211,8 +211,8 @@ def sample_next(seqs, logits):
 
 def top_logprobs(seqs, logits):
     """Per sequence: None, or its params.top_logprobs most likely ((token, logprob), ...) under
-    log_softmax(logits / T), T = 1 when greedy (the distribution the sampled token's logprob is read
-    from)."""
+    log_softmax(logits / T), T = 1 when greedy: the whole distribution, not renormalised by top_k /
+    top_p (the sampled token's logprob is, see sample_with_logprobs)."""
     want = [i for i, s in enumerate(seqs) if s.params.top_logprobs > 0]
     out = [None] * len(seqs)
     if not want:

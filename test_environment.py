@@ -262,7 +262,8 @@ def test_a_failing_rollout_leaves_the_sampler_as_it_was(tmp_path, tok):
     engine = Scripted(tok, [("1+2", True)] * 8)
     sampler = train_grpo.ProblemSampler(task.make_problems("train", 10), seed=0)
     before = json.dumps(sampler.state_dict())
-    config = {"group_size": 4, "prompts_per_step": 2, "temperature": 1.0, "seed": 0}
+    config = {"group_size": 4, "prompts_per_step": 2, "temperature": 1.0, "seed": 0, "top_p": 1.0,
+              "top_k": 0}
     with pytest.raises(RuntimeError, match="env_response raised on problem .* ValueError: boom"):
         train_grpo.rollout(engine, env, sampler, config, 0)
     assert json.dumps(sampler.state_dict()) == before

@@ -33,10 +33,11 @@ One iteration (grpo_step, with the same numbers):
      (1 on sampled tokens), packed into PackedBatches that carry the mask; the loss normalizer is
      fixed now (loss_norm, below);
   3. this rank's share of the batches, with the per-token no-grad corrections folded into their
-     weights: TIS (tis_cap > 0) and the KL to the starting policy (kl_coef > 0), from a logprob
-     pass that runs only for them;
-  4. one optimizer step (training.train_step) on policy_loss, the shared unified_loss: a fork
-     changes the objective there;
+     weights: an importance-sampling factor (tis_cap, mis_low / mis_high, is_level; off_policy.py)
+     and the KL to the starting policy (kl_coef > 0), from a logprob pass that runs only for them
+     (or for PPO's old logprobs, or the engine's experts: record_routes / routing_replay);
+  4. one optimizer step (training.train_step) on policy_loss, the shared unified_loss (PPO's
+     clipped objective with ppo_clip > 0, ppo_epochs steps): a fork changes the objective there;
   5. publish: engine.update_weights(model.state_dict()), in place, version += 1, prefix cache
      flushed (a version per iteration, even one without a step);
   then log, evaluate on the validation split (every eval_interval) and checkpoint (with the
@@ -51,10 +52,11 @@ log p - log p_start per completion token, a per-token penalty in the weights, as
 
 The trainer keeps fp32 master weights; the engine holds its own copy (its dtype) and never aliases
 them. The trainer scores log_softmax(logits / T), the distribution the engine samples at temperature
-T (top-p would sample another, and is refused). train/logprob_mismatch is the mean
-|engine - trainer logprob| over the step's weighted completion tokens, measured by the step's own
-forward (before the update): fp32 rounding when both hold the same fp32 weights, and the staleness
-too with rollout ranks.
+T (with top_p / top_k the engine samples a truncated one: off-policy, off_policy.py corrects it).
+train/logprob_mismatch is the mean |engine - trainer logprob| over the step's weighted completion
+tokens, measured by the step's own forward (before the update): fp32 rounding when both hold the
+same fp32 weights, and the staleness too with rollout ranks; offpolicy/* are the mismatch metrics
+of off_policy.py.
 """
 import dataclasses
 import functools
@@ -614,9 +616,9 @@ def check_settings(config):
     require(config["max_staleness"] == 0 or config["rollout_ranks"] > 0 or config["rollout_urls"],
             f"max_staleness={config['max_staleness']}: only rollout ranks or servers sample ahead "
             f"of the trainer; set rollout_ranks or rollout_urls too (or max_staleness=0)")
-    require(config["max_staleness"] == 0 or config["tis_cap"] > 0,
+    require(config["max_staleness"] == 0 or config["tis_cap"] > 0 or config["mis_high"] > 0,
             f"max_staleness={config['max_staleness']} trains on samples of older weights: set "
-            f"tis_cap > 0 (e.g. 2) so that TIS corrects them")
+            f"tis_cap > 0 (e.g. 2) or mis_high so that IS corrects them")
     alone = (config["rollout_ranks"], distributed.world()) == (0, 1)
     require(not config["rollout_urls"] or alone,
             f"rollout_urls={config['rollout_urls']!r}: serve.py rollouts run with one trainer "
@@ -697,6 +699,9 @@ def check_off_policy_settings(config):
             f"ratios in [mis_low, mis_high], which must hold 1 (mis_low < 1 < mis_high)")
     require(config["is_level"] in ("token", "sequence"),
             f"is_level={config['is_level']!r}: expected 'token' or 'sequence'")
+    require(config["is_level"] == "token" or config["tis_cap"] > 0 or config["mis_high"] > 0,
+            f"is_level={config['is_level']!r} is the level of an IS correction: set tis_cap or "
+            f"mis_high too")
     require(config["ppo_clip"] < 1, f"ppo_clip={config['ppo_clip']}: expected in [0, 1)")
     require(type(config["ppo_epochs"]) is int and config["ppo_epochs"] >= 1,
             f"ppo_epochs={config['ppo_epochs']!r}: expected an int >= 1")

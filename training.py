@@ -349,7 +349,8 @@ def train_step(model, optimizer, batches, lr, grad_clip=1.0, aux_loss_coef=0.0, 
     one process would on all of them. A rank with no micro-batch joins with a zero-weight one.
     Batches that carry the sampler's log_probs (GRPO) also give train/logprob_mismatch: the mean
     |sampler - trainer logprob| over the rows with a weight, from this forward, on the weights
-    before the step, and offpolicy/kl_k3, the k3 estimate of KL(sampler || trainer) over them."""
+    before the step, and offpolicy/kl_k3, the k3 estimate of KL(sampler || trainer) over them (the
+    tokens the loss weighs: those masked IS dropped are not in it)."""
     if isinstance(batches, PackedBatch):
         batches = [batches]
     device = next(p.device for g in optimizer.param_groups for p in g["params"])
