@@ -245,6 +245,11 @@ def test_killed_run_resumes_exactly(tmp_path, monkeypatch, corrections):
 
     a, b = metrics(whole), metrics(killed)
     assert [r["iter"] for r in a] == [r["iter"] for r in b]
+    if corrections:   # the corrections ran: routes replayed, PPO's second epoch clipped some
+        steps = [r for r in a if "train/loss" in r]
+        assert all(r["offpolicy/expert_disagreement"] == 0.0 for r in steps)
+        assert all("offpolicy/corrected" in r for r in steps)
+        assert any(r["offpolicy/ppo_clipped"] > 0 for r in steps)
     for ra, rb in zip(a, b):
         for k in ("train/loss", "rollout/reward_mean", "rollout/weight_version", "eval/accuracy",
                   "eval/pass@1"):

@@ -182,7 +182,12 @@ def test_routing_replay_makes_the_trainer_route_as_the_bf16_engine_did(moe):
         replayed, same = train_grpo.apply_corrections(batches, model, None, off, replay)
         assert same["offpolicy/expert_disagreement"] == 0.0
         assert (own["offpolicy/expert_disagreement"] > 0) == differs, dtype
-        if not differs:   # fp32: the engine's routes are the trainer's own, the logprobs as well
-            for b, r in zip(batches, replayed):
-                plain = train_grpo.trainer_logprobs(model, training.replace(b, routes=None), off)
+        gap = {"own": 0.0, "replayed": 0.0}   # mean |trainer - engine logprob|, sampled tokens
+        for b, r in zip(batches, replayed):
+            plain = train_grpo.trainer_logprobs(model, training.replace(b, routes=None), off)
+            if not differs:   # fp32: the engine's routes are the trainer's own, the logprobs too
                 assert torch.equal(plain, r.old_log_probs)
+            gap["own"] += (plain - b.log_probs)[b.loss_mask].abs().sum().item()
+            gap["replayed"] += (r.old_log_probs - b.log_probs)[b.loss_mask].abs().sum().item()
+        if differs:   # bf16: routing as the engine did brings the trainer's logprobs closer
+            assert gap["replayed"] < gap["own"]
