@@ -1,8 +1,10 @@
 """
 The CUDA paths, on a machine with a GPU (skipped elsewhere, CI included): the engine on the GPU
 against transformers on the same GPU, the engine's logprobs against the trainer's (fp32 and bf16),
-the packed training forward and backward against transformers and our CPU path, a GRPO run on the
-GPU, and the trainer's weights pushed to a serve.py on the GPU over NCCL.
+the packed training forward and backward against transformers and our CPU path, the engine's
+recorded experts and top-p logprobs (off_policy.py), a GRPO run on the GPU, and the trainer's
+weights pushed to a serve.py on the GPU over NCCL. bash gpu_check.sh runs these and bench.py's
+CUDA rows.
 
     python -m pytest -q test_cuda.py
 """
@@ -89,6 +91,27 @@ def test_bfloat16_engine_samples_what_it_scores(checkpoint):
     for s in engine.generate(PROMPTS, SamplingParams(temperature=1.0, max_tokens=8, seed=5), 2):
         err = (logprobs_of(model, s) - torch.tensor(s.logprobs)).abs().max().item()
         assert err < 0.1, f"[{name}] bf16 engine vs trainer logprob {err}"
+
+
+@torch.no_grad()
+def test_cuda_routes_and_truncated_logprobs(checkpoint):
+    # off_policy.py on the GPU: the engine's recorded experts are the fp32 trainer's own, and a
+    # top-p sample's logprob is the nucleus's (at most the full one's, its ratio the mass kept)
+    name, _, path = checkpoint
+    engine = cuda_engine(path, record_routes=True)
+    model = load_hf_checkpoint(path, device="cuda")
+    for s in engine.generate(PROMPTS, SamplingParams(temperature=1.0, max_tokens=8, seed=7,
+                                                     top_p=0.8), 2):
+        full = logprobs_of(model, s)
+        assert (full <= torch.tensor(s.logprobs) + 1e-5).all(), f"[{name}] nucleus logprob"
+        if name == "moe":
+            seq = torch.tensor(s.prompt_tokens + s.completion_tokens, device="cuda")
+            used = []
+            model(seq, torch.arange(len(seq), device="cuda"), aux_loss=False, routes_out=used)
+            own = torch.stack(used, 1)[:-1].sort(-1).values.cpu()
+            assert torch.equal(own, s.routes.long().sort(-1).values), f"[{name}] routes"
+        else:
+            assert s.routes is None
 
 
 def test_packed_training_forward_and_backward_match_transformers_and_the_cpu(checkpoint):
