@@ -418,12 +418,7 @@ def tempered(model, temperature):
 def trainer_logprobs(model, batch, autocast, routes_out=None):
     """log p(label) of every row under the trainer's current weights (before the step)."""
     with autocast:
-        if routes_out is None:
-            return training.batch_logprobs(model, batch)[0]
-        replay = {} if batch.routes is None else {"routes": batch.routes}
-        shared = {} if batch.branch is None else {"branch": batch.branch}
-        return model(batch.tokens, batch.position_ids, batch.cu_seqlens, labels=batch.labels,
-                     routes_out=routes_out, **shared, **replay)[0]
+        return training.batch_logprobs(model, batch, routes_out)[0]
 
 
 def needs_trainer_pass(config):

@@ -97,13 +97,14 @@ def unified_loss(logits, batch, normalizer=None):
     return -(w * logp).sum() / normalizer
 
 
-def batch_logprobs(model, batch):
+def batch_logprobs(model, batch, routes_out=None):
     """(log p(label) per row [T], aux loss) of model on a packed batch, its shared prefixes
-    included."""
-    shared = {} if batch.branch is None else {"branch": batch.branch}
-    replay = {} if batch.routes is None else {"routes": batch.routes}
-    return model(batch.tokens, batch.position_ids, batch.cu_seqlens, labels=batch.labels, **shared,
-                 **replay)
+    included, routed by batch.routes when it carries them (routing replay); routes_out receives
+    the experts each MoE layer used."""
+    extra = {} if batch.branch is None else {"branch": batch.branch}
+    extra |= {} if batch.routes is None else {"routes": batch.routes}
+    extra |= {} if routes_out is None else {"routes_out": routes_out}
+    return model(batch.tokens, batch.position_ids, batch.cu_seqlens, labels=batch.labels, **extra)
 
 
 # -----------------------------------------------------------------------------
