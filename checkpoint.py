@@ -30,7 +30,6 @@ from dataclasses import asdict, dataclass, fields
 import numpy as np
 import torch
 import xxhash
-from transformers import GenerationConfig
 
 from configurator import print0
 from model import ModelConfig, Transformer, as_dtype
@@ -322,42 +321,58 @@ META = "checkpoint.json"
 TRAINER_STATE = "trainer_state.pt"
 
 
-def save_best(out_dir, model, tokenizer, stop_ids):
-    """{out_dir}/best: a transformers model directory (a later stage's init_from), swapped in by one
-    rename."""
+def save_best(out_dir, model, start):
+    """{out_dir}/best: a transformers model directory (a later stage's init_from) with start's
+    tokenizer and generation config, swapped in by one rename."""
     best, tmp = os.path.join(out_dir, "best"), os.path.join(out_dir, "best.tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     save_hf_checkpoint(model, tmp)
-    save_tokenizer(tokenizer, tmp)
-    save_stop_ids(tmp, tokenizer, stop_ids)
+    save_tokenizer(start.tokenizer, tmp)
+    save_generation_config(tmp, start.generation)
     shutil.rmtree(best, ignore_errors=True)
     os.replace(tmp, best)
 
 
-def save_stop_ids(path, tokenizer, stop_ids):
-    """generation_config.json: what ends a generation, so that a later stage and a server
-    (serve.py) stop where the run started from did (stop_ids_of reads it back)."""
-    GenerationConfig(eos_token_id=list(stop_ids),
-                     pad_token_id=tokenizer.pad_token_id).save_pretrained(path)
+def default_generation(tokenizer):
+    """The generation config of a model with no generation_config.json: the tokenizer's stop ids
+    (generation_stop_ids) and pad id."""
+    return {"eos_token_id": list(generation_stop_ids(tokenizer)),
+            "pad_token_id": tokenizer.pad_token_id}
 
 
-def stop_ids_of(path, tokenizer):
-    """The stop ids of a model directory: its generation_config.json's eos_token_id (one id or
-    several: Llama 3 Instruct lists three), else the tokenizer's (generation_stop_ids)."""
+def generation_config_of(path, tokenizer):
+    """A model directory's generation_config.json as a dict, its eos_token_id a list of stop ids
+    (one id or several: Llama 3 Instruct lists three; the tokenizer's when it names none). The
+    other fields (a checkpoint's sampling defaults: temperature, top_p, ...) are kept as they are,
+    so the checkpoints a stage writes carry them on."""
     try:
         with open(os.path.join(path, "generation_config.json")) as f:
-            eos = json.load(f).get("eos_token_id")
+            generation = json.load(f)
     except FileNotFoundError:
-        eos = None
-    except (OSError, ValueError, AttributeError) as e:
+        return default_generation(tokenizer)
+    except (OSError, ValueError) as e:
         raise ValueError(f"corrupt generation_config.json in {path!r}: {e}") from None
+    if not isinstance(generation, dict):
+        raise ValueError(f"generation_config.json in {path!r}: expected an object")
+    eos = generation.get("eos_token_id")
     ids = [eos] if type(eos) is int else eos
     if ids is None or ids == []:
-        return tuple(generation_stop_ids(tokenizer))
+        ids = default_generation(tokenizer)["eos_token_id"]
     if not (isinstance(ids, list) and all(type(i) is int and i >= 0 for i in ids)):
         raise ValueError(f"generation_config.json in {path!r}: eos_token_id must be an id or a "
                          f"list of ids, got {eos!r}")
-    return tuple(dict.fromkeys(ids))
+    return {**generation, "eos_token_id": list(dict.fromkeys(ids))}
+
+
+def stop_ids_of(path, tokenizer):
+    """The stop ids of a model directory (generation_config_of's eos_token_id)."""
+    return tuple(generation_config_of(path, tokenizer)["eos_token_id"])
+
+
+def save_generation_config(path, generation):
+    """Write generation_config.json into the directory path (a checkpoint being assembled)."""
+    with open(os.path.join(path, "generation_config.json"), "w") as f:
+        json.dump(generation, f, indent=2)
 
 
 def file_digest(path):
@@ -397,15 +412,16 @@ def _fsync(path):
 
 
 def save_checkpoint(out_dir, model, optimizer, tokenizer, iter_num, config, data_state=None,
-                    extra=None, stop_ids=None):
+                    extra=None, generation=None):
     """Write {out_dir}/ckpt atomically (see the top of this file). data_state and extra must be
-    JSON-serialisable; stop_ids (default the tokenizer's) go to its generation_config.json."""
+    JSON-serialisable; generation is its generation_config.json (Start.generation; default the
+    tokenizer's stop ids)."""
     final, tmp, old = (os.path.join(out_dir, n) for n in (CKPT, CKPT_TMP, CKPT_OLD))
     shutil.rmtree(tmp, ignore_errors=True)
     os.makedirs(tmp)
     save_hf_checkpoint(model, tmp)
     save_tokenizer(tokenizer, tmp)
-    save_stop_ids(tmp, tokenizer, generation_stop_ids(tokenizer) if stop_ids is None else stop_ids)
+    save_generation_config(tmp, default_generation(tokenizer) if generation is None else generation)
     torch.save({"optimizer": optimizer.state_dict(), "rng": rng_state()},
                os.path.join(tmp, TRAINER_STATE))
     files = {}
@@ -513,13 +529,13 @@ def load_trainer_state(path):
 
 @dataclass(frozen=True)
 class Start:
-    """What a run starts from: the model (fp32 master weights, on cpu), its tokenizer and stop ids
-    (stop_ids_of; every stage's episodes end on them and its checkpoints keep them); when
-    resuming, the checkpoint's verified checkpoint.json (iteration, data state, extra) and trainer
-    state (optimizer + RNG)."""
+    """What a run starts from: the model (fp32 master weights, on cpu), its tokenizer and generation
+    config (generation_config_of: its stop ids end every stage's episodes, and the checkpoints a
+    stage writes keep all of it); when resuming, the checkpoint's verified checkpoint.json
+    (iteration, data state, extra) and trainer state (optimizer + RNG)."""
     model: Transformer
     tokenizer: object
-    stop_ids: tuple
+    generation: dict
     meta: dict | None = None
     trainer_state: dict | None = None
     source: str = "scratch"
@@ -527,6 +543,10 @@ class Start:
     @property
     def iter_num(self):
         return 0 if self.meta is None else self.meta["iter"]
+
+    @property
+    def stop_ids(self):
+        return tuple(self.generation["eos_token_id"])
 
 
 def init_start(config, new_tokenizer):
@@ -541,14 +561,14 @@ def init_start(config, new_tokenizer):
         tokenizer = new_tokenizer()
         model_config = _model_config(config["model"], tokenizer)
         torch.manual_seed(config["seed"])   # the initial weights are a function of the seed alone
-        return Start(Transformer(model_config), tokenizer, tuple(generation_stop_ids(tokenizer)))
+        return Start(Transformer(model_config), tokenizer, default_generation(tokenizer))
     if init_from == "resume":
         path = find_checkpoint(config["out_dir"])
         if path is None:
             raise ValueError(f"init_from='resume': no checkpoint in out_dir={config['out_dir']!r} "
                              f"(expected {CKPT}/{META})")
         meta, tokenizer = read_checkpoint_meta(path), load_tokenizer(path)
-        return Start(load_model(path), tokenizer, stop_ids_of(path, tokenizer), meta,
+        return Start(load_model(path), tokenizer, generation_config_of(path, tokenizer), meta,
                      load_trainer_state(path), source=path)
     path = model_dir_of(init_from)
     if os.path.isfile(os.path.join(path, META)):
@@ -556,7 +576,7 @@ def init_start(config, new_tokenizer):
     model = load_model(path)
     if os.path.isfile(os.path.join(path, "tokenizer.json")):
         tokenizer = load_tokenizer(path)
-        return Start(model, tokenizer, stop_ids_of(path, tokenizer), source=path)
+        return Start(model, tokenizer, generation_config_of(path, tokenizer), source=path)
     tokenizer = new_tokenizer()
     if len(tokenizer) > model.config.vocab_size:
         raise ValueError(f"init_from={init_from!r} has no tokenizer and its "
@@ -564,7 +584,7 @@ def init_start(config, new_tokenizer):
                          f"tokenizer's {len(tokenizer)} ids")
     print0(f"init_from={init_from!r} has no tokenizer: using the embedded one ({len(tokenizer)} "
            f"ids)")
-    return Start(model, tokenizer, tuple(generation_stop_ids(tokenizer)), source=path)
+    return Start(model, tokenizer, default_generation(tokenizer), source=path)
 
 
 def _model_config(model_kw, tokenizer):

@@ -134,7 +134,7 @@ def rft_data(start, env):
     return [tuple(e) for e in data["examples"]], data["flops"]
 
 
-def make_eval_fn(env, val_problems, val_batches, stop_ids):
+def make_eval_fn(env, val_problems, val_batches, start):
     best = {"accuracy": -1.0}
 
     @torch.no_grad()
@@ -145,7 +145,7 @@ def make_eval_fn(env, val_problems, val_batches, stop_ids):
         if keep_best and accuracy > best["accuracy"]:
             best["accuracy"] = accuracy
             if distributed.is_main():
-                save_best(out_dir, model, env.tokenizer, stop_ids)
+                save_best(out_dir, model, start)
         metrics = {"eval/accuracy": accuracy}
         if val_batches is not None:
             metrics["eval/loss"] = training.evaluate_loss(model, val_batches, device)
@@ -201,7 +201,7 @@ if __name__ == "__main__":
                                    [[float(x) for x in m] for _, m in examples], batch_tokens, seed)
     val_batches = None if val is None else training.fixed_batches(
         [i for i, _ in val], [[float(x) for x in m] for _, m in val], batch_tokens)
-    eval_fn = make_eval_fn(env, val_problems, val_batches, start.stop_ids)
+    eval_fn = make_eval_fn(env, val_problems, val_batches, start)
     final = training.train(config, start, loader, eval_fn, spent)
     if "eval/accuracy" in final:
         print0(f"validation accuracy (greedy, {len(val_problems)} problems): "

@@ -131,6 +131,7 @@ FAMILIES = {
                    stops=["<|end_of_text|>", "<|eom_id|>", "<|eot_id|>"], end_of_turn="<|eot_id|>",
                    config=LlamaConfig, renderer="Llama3RendererConfig()", kwargs={}),
 }
+SAMPLING = {"temperature": 0.6, "top_p": 0.95}   # a checkpoint's sampling defaults, carried on
 SHAPE = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
              num_key_value_heads=2, head_dim=8, max_position_embeddings=512,
              tie_word_embeddings=False, rope_parameters={"rope_type": "default", "rope_theta": 1e4})
@@ -160,7 +161,7 @@ def write_family_dir(name, path, seed=0):
     hf.save_pretrained(path)
     save_tokenizer(tok, path)
     with open(os.path.join(path, "generation_config.json"), "w") as f:
-        json.dump({"eos_token_id": stops, "pad_token_id": tok.pad_token_id}, f)
+        json.dump({"eos_token_id": stops, "pad_token_id": tok.pad_token_id, **SAMPLING}, f)
     return str(path)
 
 
@@ -453,8 +454,10 @@ def test_sft_and_a_multi_turn_grpo_step_on_each_family(family, tmp_path, monkeyp
     runpy.run_path(os.path.join(HERE, "sft.py"), run_name="__main__")
     rows = [json.loads(line) for line in open(tmp_path / "sft" / "metrics.jsonl")]
     assert any("eval/accuracy" in r for r in rows)
-    for out in ("ckpt", "best"):   # a checkpoint keeps the stop ids it started from
+    for out in ("ckpt", "best"):   # a checkpoint keeps the stop ids (and sampling defaults)
         assert stop_ids_of(str(tmp_path / "sft" / out), tok) == stop_ids_of(path, tok)
+        kept = json.load(open(tmp_path / "sft" / out / "generation_config.json"))
+        assert {k: kept[k] for k in SAMPLING} == SAMPLING
     train_grpo.main(tiny_config(
         tmp_path / "grpo", "--task=task_guess", f"--init_from={tmp_path / 'sft' / 'best'}",
         "--max_iters=1", "--ckpt_interval=1", "--prompts_per_step=8", "--group_size=4",

@@ -665,7 +665,7 @@ def evaluate_and_log(engine, env, run, problems, config, done, meter, best):
     if config["keep_best"] and metrics["eval/accuracy"] > best["accuracy"]:
         best.update(accuracy=metrics["eval/accuracy"], iter=done)
         if distributed.is_main():
-            save_best(config["out_dir"], run.model, run.start.tokenizer, run.start.stop_ids)
+            save_best(config["out_dir"], run.model, run.start)
     values = ", ".join(f"{k} {v:.4f}" for k, v in metrics.items())
     print0(f"eval iter {done} ({config['eval_split']}): {values} "
            f"({time.perf_counter() - t0:.1f} s)")
@@ -783,7 +783,7 @@ def main(config):
                                 done, config, source.data_state(),
                                 extra={"weight_version": source.version, "best": best,
                                        "meter": meter.state_dict()},
-                                stop_ids=run.start.stop_ids)
+                                generation=run.start.generation)
     run.logger.close()
     engine.shutdown()
     distributed.teardown()

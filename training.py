@@ -542,7 +542,8 @@ def train(config, start, loader, eval_fn=None, spent_flops=0.0):
             if distributed.is_main():
                 save_checkpoint(config["out_dir"], run.model, run.optimizer, run.start.tokenizer,
                                 done, config, loader.state_dict(),
-                                extra={"meter": meter.state_dict()}, stop_ids=run.start.stop_ids)
+                                extra={"meter": meter.state_dict()},
+                                generation=run.start.generation)
         if last:
             break
     run.logger.close()
