@@ -13,6 +13,7 @@ PY="${PY:-.venv/bin/python}"
 mkdir -p "$OUT"
 { nvidia-smi -L; $PY -c "import torch; print(torch.__version__, torch.cuda.get_device_name())"; } \
     2>&1 | tee "$OUT/gpu.txt"
-timeout 300 $PY -m pytest -q -p no:cacheprovider test_cuda.py 2>&1 | tail -n 25 | tee "$OUT/tests.txt"
+timeout 300 $PY -m pytest -q -p no:cacheprovider test_cuda.py 2>&1 | tail -n 25 \
+    | tee "$OUT/tests.txt"
 timeout 170 $PY bench.py --device cuda --dtype bfloat16 --peers off --repeats 3 2>&1 \
     | tee "$OUT/bench.txt"
