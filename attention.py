@@ -15,6 +15,8 @@ All compute exactly what transformers' eager attention computes (the tests compa
 """
 
 import functools
+import math
+import threading
 from dataclasses import dataclass
 
 import numpy as np
@@ -314,14 +316,34 @@ def paged_attention(q, k, v, kc, vc, slot_mapping, calls, masks, flex=None):
     return ys[0] if len(ys) == 1 else torch.cat(ys)
 
 
+_GATHERED = threading.local()   # per thread: (K or V, device, dtype) -> a buffer, grown as needed
+
+
+def _gathered(i, num_blocks, pool):
+    """Where a step's gathered K (i = 0) or V (1) blocks go on the CPU: a buffer reused from step
+    to step, as a fresh one of a few MB each layer would be page-faulted in anew each time (glibc
+    hands big blocks back to the OS when they are freed) and cost more than the copy. On a GPU a
+    fresh tensor (the caching allocator keeps its memory; a CUDA graph keeps its addresses)."""
+    shape = (num_blocks, *pool.shape[1:])
+    if pool.device.type != "cpu":
+        return pool.new_empty(shape)
+    buffers = _GATHERED.__dict__.setdefault("buffers", {})
+    key = (i, pool.device, pool.dtype)
+    numel = math.prod(shape)
+    if key not in buffers or buffers[key].numel() < numel:
+        with torch.inference_mode(False):       # usable in and out of the engine's inference mode
+            buffers[key] = torch.empty(numel, dtype=pool.dtype, device=pool.device)
+    return buffers[key][:numel].view(shape)
+
+
 def _attend(kc, vc, q, g, mask, flex):
     T, Hq, D = q.shape
     Hkv = kc.shape[2]
     B, Qmax = g.query_pos.shape
     L = g.block_tables.shape[1] * kc.shape[1]
-    blocks = g.block_tables.view(-1)
-    k = kc.index_select(0, blocks).view(B, L, Hkv, D).transpose(1, 2)   # [B, Hkv, L, D], a view
-    v = vc.index_select(0, blocks).view(B, L, Hkv, D).transpose(1, 2)
+    blocks = g.block_tables.reshape(-1)     # a view when contiguous; the decode graph's may not be
+    k, v = (torch.index_select(c, 0, blocks, out=_gathered(i, blocks.numel(), c))
+            .view(B, L, Hkv, D).transpose(1, 2) for i, c in enumerate((kc, vc)))  # [B, Hkv, L, D]
     q = q.view(B, Qmax, Hq, D) if g.query_index is None else q[g.query_index]
     if flex is None:
         # the heads that share a kv head ride along as extra queries: [B, Hkv, group * Qmax, D]
@@ -339,14 +361,14 @@ def _attend(kc, vc, q, g, mask, flex):
 
 
 # -----------------------------------------------------------------------------
-# the forward of one engine step, eager or (a step of decodes) compiled
+# the forward of one engine step (a step of decodes alone may run as one graph: decode.py)
 
 
 def paged_forward(model, kv, batch, backend, compiled):
     """One model call over every scheduled token of an engine step (batch: (sequence, new tokens),
-    decodes first). compiled with SDPA: a step where every sequence decodes runs through
-    torch.compile (compiled_decode). Returns the logits at the last token of each sequence that
-    catches up in this step, those sequences' indices in batch, and whether it ran compiled."""
+    decodes first), eager (compiled: FlexAttention through torch.compile). Returns the logits at
+    the last token of each sequence that catches up in this step, and those sequences' indices in
+    batch."""
     qlens = np.fromiter((n for _, n in batch), dtype=np.int64, count=len(batch))
     starts = np.fromiter((s.num_computed for s, _ in batch), dtype=np.int64, count=len(batch))
     tokens = np.array([t for s, n in batch for t in s.tokens[s.num_computed:s.num_computed + n]],
@@ -355,53 +377,33 @@ def paged_forward(model, kv, batch, backend, compiled):
     last_rows = (np.cumsum(qlens) - 1)[ready]
     positions, slots, calls, (tokens, last_rows) = paged_step(
         kv, starts, qlens, [s.block_table for s, _ in batch], extras=(tokens, last_rows))
-    # a batch of one, or contexts within one block, stay eager: a size of 1 would be compiled
-    # into a graph of its own
-    if compiled and backend == "sdpa" and bool((qlens == 1).all()) and len(batch) > 1 \
-            and calls[0].block_tables.shape[1] > 1 and kv.routes is None:
-        logits = compiled_decode(model, kv, tokens, positions, last_rows, slots, calls[0])
-        return logits, ready, True
     attention = PagedAttention(kv, slots, calls, backend=backend, compiled=compiled)
     used = None if kv.routes is None else []   # each MoE layer's experts, kept beside the K/V
     logits, _ = model(tokens, positions, attention=attention, logits_indices=last_rows,
                       aux_loss=False, routes_out=used)
     if used is not None:
         kv.routes.view(-1, *kv.routes.shape[2:])[slots] = torch.stack(used, 1).to(torch.int16)
-    return logits, ready, False
+    return logits, ready
 
 
-# a step of decodes through torch.compile: the model's forward compiled whole (the norms, RoPE,
-# router and residuals fused into a few C++ loops instead of a few hundred small ops), with each
-# layer's paged attention one opaque op. Dynamo cannot follow an attention object made afresh each
-# step, and an in-place write into the pool traced as such would copy the whole pool back per step.
-
-
-def compiled_decode(model, kv, tokens, positions, last_rows, slot_mapping, call):
-    """The logits of a step where every sequence decodes (call: the step's one PaddedCall), from
-    one graph compiled once per process for every batch size and context length."""
-    # clone(): each tensor its own storage from offset 0, or the compiled graph would guard on (and
-    # recompile for) offsets into paged_step's one buffer
-    inputs = [t.clone() for t in (tokens, positions, last_rows, slot_mapping, call.block_tables,
-                                  call.query_pos)]
-    mask = sdpa_mask(call, kv.block_size, kv.k.dtype)
-    return compile_once(_decode_logits, dynamic=True)(model, kv.k, kv.v, *inputs, mask)
-
-
-def _decode_logits(model, k_cache, v_cache, tokens, positions, last_rows, *call):
-    attention = DecodeAttention(k_cache, v_cache, *call)
-    logits, _ = model(tokens, positions, attention=attention, logits_indices=last_rows,
-                      aux_loss=False)
-    return logits
+# a step of decodes as one graph (decode.py): each layer's paged attention is one opaque op. Dynamo
+# cannot follow an attention object made afresh each step, and an in-place write into the pool
+# traced as such would copy the whole pool back per step.
 
 
 class DecodeAttention:
     """PagedAttention for a step where every sequence decodes (one SDPA call), made inside the
-    compiled function from plain tensors: k_cache / v_cache the whole pool [layers, blocks,
-    block_size, Hkv, D]; the rest as in PagedAttention and PaddedCall."""
+    decode graph from plain tensors: k_cache / v_cache the whole pool [layers, blocks, block_size,
+    Hkv, D], positions [B] each sequence's one query; slot_mapping and block_tables as in
+    PagedAttention and PaddedCall. The mask is made here, once per step, as sdpa_mask makes it."""
 
-    def __init__(self, k_cache, v_cache, slot_mapping, block_tables, query_pos, mask):
+    def __init__(self, k_cache, v_cache, slot_mapping, block_tables, positions):
         self.k_cache, self.v_cache, self.slot_mapping = k_cache, v_cache, slot_mapping
-        self.block_tables, self.query_pos, self.mask = block_tables, query_pos, mask
+        self.block_tables, self.query_pos = block_tables, positions[:, None]
+        kv_pos = torch.arange(block_tables.shape[1] * k_cache.shape[2], device=positions.device)
+        self.mask = torch.zeros(len(positions), 1, 1, len(kv_pos), dtype=k_cache.dtype,
+                                device=positions.device).masked_fill_(
+            (kv_pos[None, :] > positions[:, None])[:, None, None, :], float("-inf"))
 
     def __call__(self, layer_idx, q, k, v):
         return _paged_decode(q, k, v, self.k_cache, self.v_cache, layer_idx, self.slot_mapping,

@@ -11,7 +11,8 @@ weight hot-swap.
 One step() = schedule (scheduler.py: who runs, which block is whose) -> preempt -> admit -> allocate
 -> forward (one model call over a flat batch of every scheduled token, attention.PagedAttention
 reading the paged KV cache) -> postprocess: sample_with_logprobs() at the last token of each
-sequence that has caught up, finish the ones that stopped. A GRPO group of G samples is one request:
+sequence that has caught up, finish the ones that stopped. With compile=True a step in which every
+sequence decodes runs as one graph, the sampler inside (decode.StaticDecode). A GRPO group of G samples is one request:
 its prompt is prefilled once, then it forks into G sequences that share the prompt's blocks (the
 last, partial block is copied so that each sample writes its own).
 """
@@ -28,6 +29,7 @@ import torch
 
 from checks import is_int, is_number, require
 from attention import PagedKVCache, paged_forward
+from decode import StaticDecode
 from checkpoint import load_hf_checkpoint
 from model import Transformer, as_dtype, grouped_experts
 from radix import RadixCache
@@ -56,8 +58,9 @@ class EngineConfig:
     max_num_batched_tokens: int = 2048  # new tokens in one step (prefill is chunked to fit)
     memory_fraction: float = 0.5        # of free memory, for the pool when num_blocks is None
     attention_backend: str = "auto"     # 'sdpa' | 'flex' | 'auto'
-    # torch.compile: the steps where every sequence decodes ('sdpa'), or FlexAttention ('flex');
-    # None: flex on CUDA only. The first compile costs tens of seconds per process
+    # 'sdpa': a step where every sequence decodes runs as one graph (decode.py: compiled on the
+    # CPU, tens of seconds once per process; CUDA graphs on a GPU). 'flex': FlexAttention through
+    # torch.compile. None: flex on CUDA only
     compile: bool | None = None
     seed: int = 0                       # seeds the per-request sampling seeds
     weight_version: int = 0             # the version it starts at (a resumed trainer's)
@@ -282,8 +285,8 @@ def attention_choice(device_type, backend, compile, head_dim):
     (NoValidChoicesError, seen on an H100; torch 2.13 not tried there). 'flex' stays selectable;
     compile=None compiles it on CUDA only (on CPU the first compile costs tens of seconds, paid
     once per process). Compiled flex on CUDA needs heads of at least 16 dims (torch's kernel).
-    With SDPA, compile=True compiles the decode steps' forward (attention.paged_forward);
-    None and False leave it eager."""
+    With SDPA, compile=True runs the steps where every sequence decodes as one graph
+    (decode.StaticDecode); None and False leave them eager."""
     backend = "sdpa" if backend == "auto" else backend
     if compile is None:
         compile = backend == "flex" and device_type == "cuda"
@@ -335,19 +338,26 @@ class InferenceEngine:
         num_blocks = config.num_blocks or pool_size(config, model.config, self.max_model_len,
                                                     self.device, self.dtype)
         self.cache = make_cache(config, num_blocks)
-        self.kv_pool = PagedKVCache(model.config, self.cache.num_blocks, self.cache.block_size,
+        # one block more than the allocator hands out: the static decode step's scratch block
+        self.kv_pool = PagedKVCache(model.config, self.cache.num_blocks + 1, self.cache.block_size,
                                     self.device, self.dtype, routes=config.record_routes)
         self.scheduler_config = SchedulerConfig(config.max_batch_size,
                                                 config.max_num_batched_tokens,
                                                 self.cache.block_size)
         self.backend, self.compile = attention_choice(self.device.type, config.attention_backend,
                                                       config.compile, model.config.head_dim)
-        require(not (self.compile and self.backend == "sdpa") or (
+        static = self.compile and self.backend == "sdpa"
+        require(not static or self.device.type == "cuda" and model.config.num_experts == 0 or (
             self.device.type == "cpu" and grouped_experts(model.config, self.device, self.dtype)),
-            f"compile=True compiles the decode steps on the CPU in float32, with expert widths "
-            f"that are multiples of 4 (hidden {model.config.hidden_size}, experts "
-            f"{model.config.moe_intermediate_size}); got device {config.device!r}, dtype "
-            f"{config.dtype!r}: leave compile off (not yet built or tried on a GPU)")
+            f"compile=True runs the decode steps as one graph: on the CPU in float32 with expert "
+            f"widths that are multiples of 4 (hidden {model.config.hidden_size}, experts "
+            f"{model.config.moe_intermediate_size}), on a GPU for a dense model (the experts' "
+            f"loop syncs with the host); got device {config.device!r}, dtype {config.dtype!r}, "
+            f"{model.config.num_experts} experts: leave compile off")
+        self.static = StaticDecode(
+            self.model, self.kv_pool, config.max_batch_size,
+            -(-self.max_model_len // self.cache.block_size), self.cache.num_blocks) if static \
+            else None
         self._version = config.weight_version
         self._staged = None                       # a non-blocking update (a Future)
         self._side = None                         # the thread that checks and copies it
@@ -461,12 +471,15 @@ class InferenceEngine:
             return out
         for seq, n in batch:        # after the hits were taken: a fresh block may evict a named one
             self.cache.grow(seq, n)
-        logits, ready, compiled = paged_forward(self.model, self.kv_pool, batch, self.backend,
-                                                self.compile)
-        self._stats["compiled_steps"] += compiled
-        for seq, n in batch:              # what this step computed: prefill (catching up) or decode
-            self._stats["prefill_tokens" if seq.catching_up else "decode_tokens"] += n
-        return out + self._postprocess(batch, logits, [batch[b][0] for b in ready])
+        if self.static is not None and self.static.takes(batch):   # one graph, sampler inside
+            seqs = [seq for seq, _ in batch]
+            tokens, logprobs = self.static(seqs)
+            self._stats["compiled_steps"] += 1
+            self._computed(batch)
+            return out + self._append(seqs, tokens, logprobs, [None] * len(seqs))
+        logits, ready = paged_forward(self.model, self.kv_pool, batch, self.backend, self.compile)
+        self._computed(batch)
+        return out + self._sample(logits, [batch[b][0] for b in ready])
 
     def _preempt(self, victims):
         for seq in victims:
@@ -487,13 +500,16 @@ class InferenceEngine:
         self.running += seqs
         return seqs
 
-    def _postprocess(self, batch, logits, ready):
-        for seq, n in batch:
+    def _computed(self, batch):
+        for seq, n in batch:              # what this step computed: prefill (catching up) or decode
+            self._stats["prefill_tokens" if seq.catching_up else "decode_tokens"] += n
             seq.num_computed += n
             seq.catching_up = seq.num_computed < seq.num_tokens
             # name the newly full blocks (never those of older weights)
             if seq.kv_version == self._version:
                 self.cache.name_computed(seq, n)
+
+    def _sample(self, logits, ready):
         if not ready:
             return []
         seqs, rows = [], []          # a group whose prompt just finished forks: one logits row each
@@ -504,9 +520,12 @@ class InferenceEngine:
         if len(rows) != len(ready):
             logits = logits[torch.tensor(rows, device=logits.device)]
         tokens, logprobs = sample_next(seqs, logits)
-        tops = top_logprobs(seqs, logits)
+        return self._append(seqs, tokens.tolist(), logprobs.tolist(), top_logprobs(seqs, logits))
+
+    def _append(self, seqs, tokens, logprobs, tops):
+        """Each sequence's sampled token joins it; returns the samples that finished."""
         finished = []
-        for seq, token, logprob, top in zip(seqs, tokens.tolist(), logprobs.tolist(), tops):
+        for seq, token, logprob, top in zip(seqs, tokens, logprobs, tops):
             reason = seq.append(token, logprob, self._version, self.max_model_len, top)
             if reason is not None:
                 finished.append(self._finish(seq, reason))
@@ -627,7 +646,8 @@ class InferenceEngine:
                     num_free_blocks=self.cache.num_free_blocks(),
                     cached_blocks=self.cache.num_cached_blocks(), waiting=len(self.waiting),
                     running=len(self.running), weight_version=self._version,
-                    attention_backend=self.backend)
+                    attention_backend=self.backend,
+                    compile_seconds=self.static.compile_seconds if self.static else 0.0)
 
     def shutdown(self):
         """Drop the model and the KV pool; queued requests are abandoned. Later calls raise

@@ -193,6 +193,45 @@ def _filter_top_k_top_p(probs, top_k, top_p):
 
 
 # -----------------------------------------------------------------------------
+# the same draw at static shapes: no branch on the data, no shape that depends on it
+
+
+def sample_in_graph(logits, temperatures, seeds, positions):
+    """sample_with_logprobs's seeded draw (no top_k / top_p) as one compiled graph or CUDA graph
+    can hold it (decode.py): every row takes every path and torch.where picks. Its tokens are the
+    same draws (the same uniforms, the same two-level CDF) and its logprobs the same up to rounding.
+    The one difference: a row is shifted by its max when max / T lies outside [-23, 76], where
+    exp(x / T) could vanish or its sum overflow at a 151,936 vocabulary (sample_with_logprobs
+    decides from the sums it has already made; here that would take a second pass of exp)."""
+    logits = logits.float()
+    N, V = logits.shape
+    block = min(BLOCK, V)
+    num_blocks = -(-V // block)
+    greedy = temperatures == 0
+    t = torch.where(greedy, 1.0, temperatures)[:, None]
+    top = logits.amax(-1, keepdim=True)
+    safe = ((top / t) >= -23) & ((top / t) <= 76)
+    shift = torch.where(safe, 0.0, top)
+    e = torch.exp((logits - shift) / t)
+    e = torch.nn.functional.pad(e, (0, num_blocks * block - V))   # a short last block: zeros
+    block_sums = e.view(N, num_blocks, block).sum(-1).double()
+    total = block_sums.sum(-1, keepdim=True)
+    target = sampling_uniforms(seeds, positions)[:, None] * total
+    # searchsorted(sorted, x) = how many entries are < x
+    running = block_sums.cumsum(-1)
+    b = (running < target).sum(-1, keepdim=True).clamp_(max=num_blocks - 1)
+    left = target - (running.gather(1, b) - block_sums.gather(1, b))
+    cols = b * block + torch.arange(block, device=logits.device)
+    inside = torch.exp((logits.gather(1, cols.clamp(max=V - 1)) - shift) / t)
+    inside = inside.masked_fill(cols >= V, 0.0).double().cumsum(-1)
+    within = (inside < left).sum(-1, keepdim=True).clamp_(max=block - 1)
+    sampled = (b * block + within).clamp_(max=V - 1)
+    tokens = torch.where(greedy[:, None], logits.argmax(-1, keepdim=True), sampled)
+    logp = (logits.gather(1, tokens) - shift).double() / t.double() - total.log()
+    return tokens[:, 0], logp[:, 0].float()
+
+
+# -----------------------------------------------------------------------------
 # one engine step: each sequence under its own SamplingParams
 
 

@@ -1,0 +1,144 @@
+"""
+The decode step at static shapes: a step in which every running sequence decodes one token, run as
+one function whose input shapes repeat, so that the host only fills buffers and launches it.
+
+    decode = StaticDecode(model, kv_pool, max_batch_size, max_blocks, scratch_block)
+    if decode.takes(batch):                 # the engine's (sequence, new tokens) pairs
+        tokens, logprobs = decode(seqs)     # lists, one per sequence
+
+The function (decode_graph) is the whole step: the embedding, every layer (each layer's paged
+attention one opaque op: write the new K/V into their slots, gather the blocks, SDPA), the head and
+the sampler (sampling.sample_in_graph: the engine's seeded draw, without data-dependent branches).
+Its inputs live in buffers made once and filled in place:
+
+    tokens [B], positions [B], slots [B], temperatures [B], seeds [B], block_tables [B, W]
+
+B is the batch padded to a bucket and W the block-table width padded likewise; a padded row feeds
+token 0 at position 0 through the scratch block, a KV block the allocator never hands out, so it
+writes and reads nothing of anyone's. On the CPU the function is compiled once per process with
+dynamic sizes: one graph serves every bucket and width (torch.compile specialises sizes 0 and 1,
+so the smallest bucket is 2). On a GPU each (bucket, width) is captured as a CUDA graph on first
+use, as vLLM and nano-vllm do: buckets 1, 2, 4, 8 and then multiples of 8 (vLLM's), widths powers
+of 2. Steps with prefill chunks, forks, top_k / top_p / top_logprobs or recorded routes stay eager
+(attention.paged_forward).
+"""
+
+import time
+
+import numpy as np
+import torch
+
+from attention import DecodeAttention, compile_once
+from sampling import sample_in_graph
+
+
+def decode_graph(model, k_cache, v_cache, tokens, positions, slots, block_tables, temperatures,
+                 seeds):
+    """One decode step, tensors in, tensors out: each row's next token and its logprob."""
+    attention = DecodeAttention(k_cache, v_cache, slots, block_tables, positions)
+    logits, _ = model(tokens, positions, attention=attention, aux_loss=False)
+    # the draw for the token at position p + 1 (sampling.sample_next: a sequence's length)
+    return sample_in_graph(logits, temperatures, seeds, positions + 1)
+
+
+def buckets_of(max_batch_size, device_type):
+    """The batch sizes a step is padded to."""
+    if device_type == "cpu":        # one dynamic graph: no padding past the smallest size
+        return list(range(2, max(max_batch_size, 2) + 1))
+    small = [b for b in (1, 2, 4) if b < max_batch_size]
+    return small + list(range(8, max_batch_size + 8, 8))
+
+
+def padded(n, sizes):
+    """The smallest of sizes (ascending) that holds n."""
+    return sizes[int(np.searchsorted(sizes, n))]
+
+
+class StaticDecode:
+    """The engine's static decode step (see the module docstring). max_blocks: the block-table
+    width of a sequence at max_model_len; scratch_block: the pool's block that padded rows use."""
+
+    def __init__(self, model, kv, max_batch_size, max_blocks, scratch_block):
+        self.model, self.kv, self.scratch = model, kv, scratch_block
+        self.device = kv.k.device
+        self.cuda = self.device.type == "cuda"
+        self.batch_sizes = buckets_of(max_batch_size, self.device.type)
+        width = max(max_blocks, 2)
+        self.widths = ([w for w in (2 ** i for i in range(width.bit_length())) if w < width]
+                       + [width]) if self.cuda else list(range(2, width + 1))
+        B, W = self.batch_sizes[-1], self.widths[-1]
+        i64 = dict(dtype=torch.int64, device=self.device)
+        self.ints = torch.zeros(4, B, **i64)           # tokens, positions, slots, seeds
+        self.tables = torch.zeros(B, W, **i64)
+        self.temperatures = torch.ones(B, device=self.device)
+        self.graphs = {}       # CUDA: (B, W) -> (graph, its output tensors)
+        self.pool = torch.cuda.graph_pool_handle() if self.cuda else None   # shared by all graphs
+        self.compile_seconds = 0.0
+        self.shapes = set()    # (B, W) seen: a new one on the CPU may compile, on a GPU captures
+
+    def takes(self, batch):
+        """Whether a step's batch is one this step runs: every sequence decodes, with plain
+        sampling (no top_k / top_p / top_logprobs), and no routes are recorded."""
+        return self.kv.routes is None and all(
+            n == 1 and not s.catching_up and not s.params.top_k and s.params.top_p == 1.0
+            and not s.params.top_logprobs for s, n in batch)
+
+    @torch.inference_mode()
+    def __call__(self, seqs):
+        n = len(seqs)
+        B, W = self._fill(seqs)
+        first = (B, W) not in self.shapes
+        t0 = time.perf_counter()
+        tokens, logprobs = self._run(B, W)
+        tokens, logprobs = tokens[:n].tolist(), logprobs[:n].tolist()
+        if first:
+            self.shapes.add((B, W))
+            self.compile_seconds += time.perf_counter() - t0
+        return tokens, logprobs
+
+    def _fill(self, seqs):
+        """Write the step's inputs into the buffers; returns the padded (batch, width)."""
+        n, bs = len(seqs), self.kv.block_size
+        widest = max(len(s.block_table) for s in seqs)
+        B, W = padded(n, self.batch_sizes), padded(widest, self.widths)
+        ints = np.zeros((4, B), dtype=np.int64)
+        tables = np.full((B, W), self.scratch, dtype=np.int64)
+        for i, s in enumerate(seqs):
+            pos = s.num_computed
+            ints[:, i] = (s.tokens[pos], pos, s.block_table[pos // bs] * bs + pos % bs, s.seed)
+            tables[i, :len(s.block_table)] = s.block_table
+        ints[2, n:] = self.scratch * bs                   # padded rows: token 0 at position 0
+        temperatures = np.ones(B, dtype=np.float32)
+        temperatures[:n] = [s.params.temperature for s in seqs]
+        self.ints[:, :B].copy_(torch.from_numpy(ints), non_blocking=True)
+        self.tables[:B, :W].copy_(torch.from_numpy(tables), non_blocking=True)
+        self.temperatures[:B].copy_(torch.from_numpy(temperatures), non_blocking=True)
+        return B, W
+
+    def _inputs(self, B, W):
+        tokens, positions, slots, seeds = self.ints[:, :B]
+        return (self.model, self.kv.k, self.kv.v, tokens, positions, slots,
+                self.tables[:B, :W], self.temperatures[:B], seeds)
+
+    def _run(self, B, W):
+        if not self.cuda:
+            return compile_once(decode_graph, dynamic=True)(*self._inputs(B, W))
+        if (B, W) not in self.graphs:
+            self.graphs[(B, W)] = self._capture(B, W)
+        graph, out = self.graphs[(B, W)]
+        graph.replay()
+        return out
+
+    def _capture(self, B, W):
+        """A CUDA graph of decode_graph on the buffers' (B, W) views. The warm-up runs the step
+        for real on a side stream (it writes the same K/V the replay will write again)."""
+        inputs = self._inputs(B, W)
+        stream = torch.cuda.Stream(self.device)
+        stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(stream):
+            decode_graph(*inputs)
+        torch.cuda.current_stream(self.device).wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self.pool):
+            out = decode_graph(*inputs)
+        return graph, out
