@@ -33,20 +33,24 @@ from sampling import sample_in_graph
 
 
 def decode_graph(model, k_cache, v_cache, tokens, positions, slots, block_tables, temperatures,
-                 seeds):
+                 seeds, any_greedy):
     """One decode step, tensors in, tensors out: each row's next token and its logprob."""
     attention = DecodeAttention(k_cache, v_cache, slots, block_tables, positions)
     logits, _ = model(tokens, positions, attention=attention, aux_loss=False)
     # the draw for the token at position p + 1 (sampling.sample_next: a sequence's length)
-    return sample_in_graph(logits, temperatures, seeds, positions + 1)
+    return sample_in_graph(logits, temperatures, seeds, positions + 1, any_greedy)
 
 
-def buckets_of(max_batch_size, device_type):
-    """The batch sizes a step is padded to."""
-    if device_type == "cpu":        # one dynamic graph: no padding past the smallest size
-        return list(range(2, max(max_batch_size, 2) + 1))
+def shapes_of(max_batch_size, max_blocks, device_type):
+    """(batch sizes, block-table widths) a step is padded to, each ascending. CPU: one dynamic
+    graph, so no padding past 2. GPU: a CUDA graph per pair, so few of each: batches 1, 2, 4, 8
+    and multiples of 8 (vLLM's sizes), widths powers of 2 up to max_blocks."""
+    width = max(max_blocks, 2)
+    if device_type == "cpu":
+        return list(range(2, max(max_batch_size, 2) + 1)), list(range(2, width + 1))
     small = [b for b in (1, 2, 4) if b < max_batch_size]
-    return small + list(range(8, max_batch_size + 8, 8))
+    widths = [w for w in (2 ** i for i in range(width.bit_length())) if w < width]
+    return small + list(range(8, max_batch_size + 8, 8)), widths + [width]
 
 
 def padded(n, sizes):
@@ -62,19 +66,16 @@ class StaticDecode:
         self.model, self.kv, self.scratch = model, kv, scratch_block
         self.device = kv.k.device
         self.cuda = self.device.type == "cuda"
-        self.batch_sizes = buckets_of(max_batch_size, self.device.type)
-        width = max(max_blocks, 2)
-        self.widths = ([w for w in (2 ** i for i in range(width.bit_length())) if w < width]
-                       + [width]) if self.cuda else list(range(2, width + 1))
+        self.batch_sizes, self.widths = shapes_of(max_batch_size, max_blocks, self.device.type)
         B, W = self.batch_sizes[-1], self.widths[-1]
         i64 = dict(dtype=torch.int64, device=self.device)
         self.ints = torch.zeros(4, B, **i64)           # tokens, positions, slots, seeds
         self.tables = torch.zeros(B, W, **i64)
         self.temperatures = torch.ones(B, device=self.device)
-        self.graphs = {}       # CUDA: (B, W) -> (graph, its output tensors)
+        self.graphs = {}       # CUDA: a step's shape (_fill) -> (graph, its output tensors)
         self.pool = torch.cuda.graph_pool_handle() if self.cuda else None   # shared by all graphs
         self.compile_seconds = 0.0
-        self.shapes = set()    # (B, W) seen: a new one on the CPU may compile, on a GPU captures
+        self.shapes = set()    # shapes seen: a new one may compile (CPU) or is captured (GPU)
 
     def takes(self, batch):
         """Whether a step's batch is one this step runs: every sequence decodes, with plain
@@ -86,18 +87,18 @@ class StaticDecode:
     @torch.inference_mode()
     def __call__(self, seqs):
         n = len(seqs)
-        B, W = self._fill(seqs)
-        first = (B, W) not in self.shapes
+        shape = self._fill(seqs)
         t0 = time.perf_counter()
-        tokens, logprobs = self._run(B, W)
+        tokens, logprobs = self._run(shape)
         tokens, logprobs = tokens[:n].tolist(), logprobs[:n].tolist()
-        if first:
-            self.shapes.add((B, W))
+        if shape not in self.shapes:
+            self.shapes.add(shape)
             self.compile_seconds += time.perf_counter() - t0
         return tokens, logprobs
 
     def _fill(self, seqs):
-        """Write the step's inputs into the buffers; returns the padded (batch, width)."""
+        """Write the step's inputs into the buffers; returns the step's shape: (padded batch,
+        padded width, whether any row is greedy)."""
         n, bs = len(seqs), self.kv.block_size
         widest = max(len(s.block_table) for s in seqs)
         B, W = padded(n, self.batch_sizes), padded(widest, self.widths)
@@ -113,26 +114,25 @@ class StaticDecode:
         self.ints[:, :B].copy_(torch.from_numpy(ints), non_blocking=True)
         self.tables[:B, :W].copy_(torch.from_numpy(tables), non_blocking=True)
         self.temperatures[:B].copy_(torch.from_numpy(temperatures), non_blocking=True)
-        return B, W
+        return B, W, bool((temperatures == 0).any())
 
-    def _inputs(self, B, W):
+    def _inputs(self, B, W, any_greedy):
         tokens, positions, slots, seeds = self.ints[:, :B]
         return (self.model, self.kv.k, self.kv.v, tokens, positions, slots,
-                self.tables[:B, :W], self.temperatures[:B], seeds)
+                self.tables[:B, :W], self.temperatures[:B], seeds, any_greedy)
 
-    def _run(self, B, W):
+    def _run(self, shape):
         if not self.cuda:
-            return compile_once(decode_graph, dynamic=True)(*self._inputs(B, W))
-        if (B, W) not in self.graphs:
-            self.graphs[(B, W)] = self._capture(B, W)
-        graph, out = self.graphs[(B, W)]
+            return compile_once(decode_graph, dynamic=True)(*self._inputs(*shape))
+        if shape not in self.graphs:
+            self.graphs[shape] = self._capture(self._inputs(*shape))
+        graph, out = self.graphs[shape]
         graph.replay()
         return out
 
-    def _capture(self, B, W):
-        """A CUDA graph of decode_graph on the buffers' (B, W) views. The warm-up runs the step
-        for real on a side stream (it writes the same K/V the replay will write again)."""
-        inputs = self._inputs(B, W)
+    def _capture(self, inputs):
+        """A CUDA graph of decode_graph on the buffers' views. The warm-up runs the step for real
+        on a side stream (it writes the same K/V the replay will write again)."""
         stream = torch.cuda.Stream(self.device)
         stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(stream):

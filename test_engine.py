@@ -571,25 +571,64 @@ def test_compiled_paged_flex_attention_on_cpu_matches_transformers(moe):
         assert (ref - torch.tensor(s.logprobs)).abs().max().item() < 1e-4
 
 
-def test_compiled_decode_steps_match_the_eager_ones_and_transformers(moe):
-    # compile=True with SDPA: every step in which all sequences decode runs the forward through
-    # torch.compile. Same seeded draws and logprobs within 1e-5 as the eager engine, through
-    # chunked prefill, prefix hits and preemptions; greedy tokens equal to transformers'
+@pytest.mark.parametrize("padding", ["cpu", "cuda"])
+def test_static_decode_steps_equal_the_eager_ones_and_transformers(moe, monkeypatch, padding):
+    # compile=True with SDPA: every step in which all sequences decode runs as one compiled graph,
+    # sampler included (decode.py). The same seeded draws and logprobs within 1e-5 as the eager
+    # engine through chunked prefill, prefix hits (the second call), preemptions and a weight
+    # update; greedy tokens equal to transformers'. padding='cuda': batches and block tables padded
+    # to a GPU's buckets (1, 2, 4, 8, 16 rows; 2, 4, 8 blocks), the padded rows through the scratch
+    # block, across bucket boundaries as samples finish
+    import decode
     hf, path = moe
-    kw = dict(num_blocks=12, max_num_batched_tokens=24)
+    shapes = decode.shapes_of
+    monkeypatch.setattr(decode, "shapes_of", lambda b, w, _: shapes(b, w, padding))
+    kw = dict(num_blocks=12, max_num_batched_tokens=24, max_batch_size=16)
     engines = {c: engine_for(path, compile=c, **kw) for c in (True, False)}
+    static, padded = engines[True].static, set()      # (rows, padded rows, padded width)
+    fill = static._fill
+
+    def recorded_fill(seqs):
+        shape = fill(seqs)
+        padded.add((len(seqs), *shape))
+        return shape
+    static._fill = recorded_fill
     for params in (SamplingParams(temperature=1.0, max_tokens=12, seed=7),
                    SamplingParams(temperature=0, max_tokens=10)):
-        got = {c: e.generate(PROMPTS, params, 2) for c, e in engines.items()}
-        for a, b in zip(got[True], got[False]):
+        got = {c: [e.generate(PROMPTS, params, 2) for _ in range(2)] for c, e in engines.items()}
+        for a, b in zip(sum(got[True], []), sum(got[False], [])):
             assert a.completion_tokens == b.completion_tokens
             assert max(abs(x - y) for x, y in zip(a.logprobs, b.logprobs)) < 1e-5
-    compiled = engines[True].stats()
-    assert compiled["compiled_steps"] > 0 and compiled["preemptions"] > 0, compiled
-    assert engines[False].stats()["compiled_steps"] == 0
-    for s in got[True]:
+    for s in got[True][0]:
         done = list(s.completion_tokens)
         assert done == hf_greedy(hf, list(s.prompt_tokens), len(done))
+    new = {k: v * 1.01 for k, v in engines[False].model.state_dict().items()}
+    got = {c: (e.update_weights(new), e.generate(PROMPTS, params, 2))[1]
+           for c, e in engines.items()}
+    for a, b in zip(got[True], got[False]):
+        assert a.completion_tokens == b.completion_tokens and a.weight_version == 1
+        assert max(abs(x - y) for x, y in zip(a.logprobs, b.logprobs)) < 1e-5
+    stats = engines[True].stats()
+    assert stats["compiled_steps"] > 0 and stats["preemptions"] > 0, stats
+    assert stats["prefix_cache_hit_tokens"] > 0 and engines[False].stats()["compiled_steps"] == 0
+    if padding == "cuda":    # rows and widths padded, across a boundary between buckets of each
+        assert any(n < B for n, B, *_ in padded), padded
+        assert len({B for _, B, *_ in padded}) > 1 and len({W for *_, W, _ in padded}) > 1, padded
+
+
+def test_static_decode_compiles_once_for_every_batch_size(moe):
+    # one graph for every batch size and context length (dynamic sizes): after the first call,
+    # batches of other sizes compile nothing more (dynamo's count of graphs does not move)
+    from torch._dynamo.utils import counters
+    _, path = moe
+    engine = engine_for(path, compile=True, max_batch_size=32)
+    params = SamplingParams(temperature=1.0, max_tokens=20)
+    engine.generate(PROMPTS[:1], params, 2)
+    graphs, steps = counters["stats"]["unique_graphs"], engine.stats()["compiled_steps"]
+    for n, g in ((2, 3), (6, 4), (3, 1), (6, 5)):    # 2 to 30 rows, contexts to 53 tokens
+        engine.generate(PROMPTS[:n], params, g)
+    assert counters["stats"]["unique_graphs"] == graphs
+    assert engine.stats()["compiled_steps"] > steps + 40 and engine.stats()["compile_seconds"] > 0
 
 
 def test_compiled_decode_steps_are_refused_where_they_are_not_built(moe, tmp_path):
