@@ -33,12 +33,12 @@ from sampling import sample_in_graph
 
 
 def decode_graph(model, k_cache, v_cache, tokens, positions, slots, block_tables, temperatures,
-                 seeds, any_greedy):
+                 seeds):
     """One decode step, tensors in, tensors out: each row's next token and its logprob."""
     attention = DecodeAttention(k_cache, v_cache, slots, block_tables, positions)
     logits, _ = model(tokens, positions, attention=attention, aux_loss=False)
     # the draw for the token at position p + 1 (sampling.sample_next: a sequence's length)
-    return sample_in_graph(logits, temperatures, seeds, positions + 1, any_greedy)
+    return sample_in_graph(logits, temperatures, seeds, positions + 1)
 
 
 def shapes_of(max_batch_size, max_blocks, device_type):
@@ -67,11 +67,11 @@ class StaticDecode:
         self.device = kv.k.device
         self.cuda = self.device.type == "cuda"
         self.batch_sizes, self.widths = shapes_of(max_batch_size, max_blocks, self.device.type)
-        B, W = self.batch_sizes[-1], self.widths[-1]
-        i64 = dict(dtype=torch.int64, device=self.device)
-        self.ints = torch.zeros(4, B, **i64)           # tokens, positions, slots, seeds
-        self.tables = torch.zeros(B, W, **i64)
-        self.temperatures = torch.ones(B, device=self.device)
+        if self.cuda:                  # the CUDA graphs' inputs, at their largest
+            B, W = self.batch_sizes[-1], self.widths[-1]
+            self.ints = torch.zeros(4, B, dtype=torch.int64, device=self.device)
+            self.tables = torch.zeros(B, W, dtype=torch.int64, device=self.device)
+            self.temperatures = torch.ones(B, device=self.device)
         self.graphs = {}       # CUDA: a step's shape (_fill) -> (graph, its output tensors)
         self.pool = torch.cuda.graph_pool_handle() if self.cuda else None   # shared by all graphs
         self.compile_seconds = 0.0
@@ -87,22 +87,24 @@ class StaticDecode:
     @torch.inference_mode()
     def __call__(self, seqs):
         n = len(seqs)
-        shape = self._fill(seqs)
+        shape, inputs = self._inputs(seqs)
         t0 = time.perf_counter()
-        tokens, logprobs = self._run(shape)
+        tokens, logprobs = self._run(shape, inputs)
         tokens, logprobs = tokens[:n].tolist(), logprobs[:n].tolist()
         if shape not in self.shapes:
             self.shapes.add(shape)
             self.compile_seconds += time.perf_counter() - t0
         return tokens, logprobs
 
-    def _fill(self, seqs):
-        """Write the step's inputs into the buffers; returns the step's shape: (padded batch,
-        padded width, whether any row is greedy)."""
+    def _inputs(self, seqs):
+        """The step's shape (padded batch, padded width) and decode_graph's tensors: on a GPU
+        views of the buffers, filled in place (a CUDA graph reads fixed addresses); on the CPU
+        tensors of their own (views of one buffer would have the compiled graph guard on, and
+        recompile for, how their sizes relate to the buffer's)."""
         n, bs = len(seqs), self.kv.block_size
         widest = max(len(s.block_table) for s in seqs)
         B, W = padded(n, self.batch_sizes), padded(widest, self.widths)
-        ints = np.zeros((4, B), dtype=np.int64)
+        ints = np.zeros((4, B), dtype=np.int64)           # tokens, positions, slots, seeds
         tables = np.full((B, W), self.scratch, dtype=np.int64)
         for i, s in enumerate(seqs):
             pos = s.num_computed
@@ -111,21 +113,23 @@ class StaticDecode:
         ints[2, n:] = self.scratch * bs                   # padded rows: token 0 at position 0
         temperatures = np.ones(B, dtype=np.float32)
         temperatures[:n] = [s.params.temperature for s in seqs]
-        self.ints[:, :B].copy_(torch.from_numpy(ints), non_blocking=True)
-        self.tables[:B, :W].copy_(torch.from_numpy(tables), non_blocking=True)
-        self.temperatures[:B].copy_(torch.from_numpy(temperatures), non_blocking=True)
-        return B, W, bool((temperatures == 0).any())
+        if self.cuda:
+            self.ints[:, :B].copy_(torch.from_numpy(ints), non_blocking=True)
+            self.tables[:B, :W].copy_(torch.from_numpy(tables), non_blocking=True)
+            self.temperatures[:B].copy_(torch.from_numpy(temperatures), non_blocking=True)
+            (tokens, positions, slots, seeds), tables = self.ints[:, :B], self.tables[:B, :W]
+            temperatures = self.temperatures[:B]
+        else:
+            tokens, positions, slots, seeds = (torch.from_numpy(row.copy()) for row in ints)
+            tables, temperatures = torch.from_numpy(tables), torch.from_numpy(temperatures)
+        return (B, W), (self.model, self.kv.k, self.kv.v, tokens, positions, slots, tables,
+                        temperatures, seeds)
 
-    def _inputs(self, B, W, any_greedy):
-        tokens, positions, slots, seeds = self.ints[:, :B]
-        return (self.model, self.kv.k, self.kv.v, tokens, positions, slots,
-                self.tables[:B, :W], self.temperatures[:B], seeds, any_greedy)
-
-    def _run(self, shape):
+    def _run(self, shape, inputs):
         if not self.cuda:
-            return compile_once(decode_graph, dynamic=True)(*self._inputs(*shape))
+            return compile_once(decode_graph, dynamic=True)(*inputs)
         if shape not in self.graphs:
-            self.graphs[shape] = self._capture(self._inputs(*shape))
+            self.graphs[shape] = self._capture(inputs)
         graph, out = self.graphs[shape]
         graph.replay()
         return out

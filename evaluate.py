@@ -34,15 +34,15 @@ from model import train_flops
 
 
 def task_engine(model, env, problems, block_size=16, dtype="float32", device="cpu", seed=0,
-                weight_version=0, record_routes=False):
+                weight_version=0, record_routes=False, compile=False):
     """An in-process engine over a copy of model, sized for the longest episode over these
-    problems (env.max_len), for 256 sequences at a time (record_routes: EngineConfig's)."""
+    problems (env.max_len), for 256 sequences at a time (record_routes, compile: EngineConfig's)."""
     max_len = env.max_len(problems)
     blocks_per_seq = -(-max_len // block_size) + 1
     return InferenceEngine(EngineConfig(
         device=device, dtype=dtype, block_size=block_size, max_model_len=max_len,
         max_batch_size=256, num_blocks=256 * blocks_per_seq, seed=seed,
-        weight_version=weight_version, record_routes=record_routes), model=model)
+        weight_version=weight_version, record_routes=record_routes, compile=compile), model=model)
 
 
 def described(task, problem):

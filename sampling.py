@@ -196,14 +196,13 @@ def _filter_top_k_top_p(probs, top_k, top_p):
 # the same draw at static shapes: no branch on the data, no shape that depends on it
 
 
-def sample_in_graph(logits, temperatures, seeds, positions, any_greedy=True):
+def sample_in_graph(logits, temperatures, seeds, positions):
     """sample_with_logprobs's seeded draw (no top_k / top_p) as one compiled graph or CUDA graph
     can hold it (decode.py): every row takes every path and torch.where picks. Its tokens are the
     same draws (the same uniforms, the same two-level CDF) and its logprobs the same up to rounding.
     The one difference: a row is shifted by its max when max / T lies outside [-23, 76], where
     exp(x / T) could vanish or its sum overflow at a 151,936 vocabulary (sample_with_logprobs
-    decides from the sums it has already made; here that would take a second pass of exp).
-    any_greedy=False: no row has temperature 0 (a fixed argument: each value its own graph)."""
+    decides from the sums it has already made; here that would take a second pass of exp)."""
     logits = logits.float()
     N, V = logits.shape
     block = min(BLOCK, V)
@@ -227,9 +226,7 @@ def sample_in_graph(logits, temperatures, seeds, positions, any_greedy=True):
     inside = inside.masked_fill(cols >= V, 0.0).double().cumsum(-1)
     within = (inside < left).sum(-1, keepdim=True).clamp_(max=block - 1)
     sampled = (b * block + within).clamp_(max=V - 1)
-    tokens = sampled
-    if any_greedy:   # a pass over [N, V] more, made only when the host knows it is needed
-        tokens = torch.where(greedy[:, None], logits.argmax(-1, keepdim=True), sampled)
+    tokens = torch.where(greedy[:, None], logits.argmax(-1, keepdim=True), sampled)
     logp = (logits.gather(1, tokens) - shift).double() / t.double() - total.log()
     return tokens[:, 0], logp[:, 0].float()
 

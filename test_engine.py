@@ -586,13 +586,13 @@ def test_static_decode_steps_equal_the_eager_ones_and_transformers(moe, monkeypa
     kw = dict(num_blocks=12, max_num_batched_tokens=24, max_batch_size=16)
     engines = {c: engine_for(path, compile=c, **kw) for c in (True, False)}
     static, padded = engines[True].static, set()      # (rows, padded rows, padded width)
-    fill = static._fill
+    inputs_of = static._inputs
 
-    def recorded_fill(seqs):
-        shape = fill(seqs)
+    def recorded(seqs):
+        shape, inputs = inputs_of(seqs)
         padded.add((len(seqs), *shape))
-        return shape
-    static._fill = recorded_fill
+        return shape, inputs
+    static._inputs = recorded
     for params in (SamplingParams(temperature=1.0, max_tokens=12, seed=7),
                    SamplingParams(temperature=0, max_tokens=10)):
         got = {c: [e.generate(PROMPTS, params, 2) for _ in range(2)] for c, e in engines.items()}
@@ -612,8 +612,8 @@ def test_static_decode_steps_equal_the_eager_ones_and_transformers(moe, monkeypa
     assert stats["compiled_steps"] > 0 and stats["preemptions"] > 0, stats
     assert stats["prefix_cache_hit_tokens"] > 0 and engines[False].stats()["compiled_steps"] == 0
     if padding == "cuda":    # rows and widths padded, across a boundary between buckets of each
-        assert any(n < B for n, B, *_ in padded), padded
-        assert len({B for _, B, *_ in padded}) > 1 and len({W for *_, W, _ in padded}) > 1, padded
+        assert any(n < B for n, B, _ in padded), padded
+        assert len({B for _, B, _ in padded}) > 1 and len({W for *_, W in padded}) > 1, padded
 
 
 def test_static_decode_compiles_once_for_every_batch_size(moe):

@@ -120,6 +120,7 @@ record_routes = False         # MoE: the engine records each token's experts (a 
 routing_replay = False        # MoE: ... and the trainer routes each token by them
 engine_dtype = "float32"      # the engine's copy of the weights ('bfloat16' on a GPU)
 engine_block_size = 16
+engine_compile = False        # decode steps as one graph (engine.py: tens of seconds to compile)
 # optimization
 max_iters = 100
 learning_rate = 1e-4
@@ -640,7 +641,7 @@ def check_settings(config):
             "nothing")
     # a bad engine dtype or block size is refused here, before the run setup touches out_dir
     EngineConfig(device=config["device"], dtype=config["engine_dtype"],
-                 block_size=config["engine_block_size"])
+                 block_size=config["engine_block_size"], compile=config["engine_compile"])
     training.check_loop_settings(config)
 
 
@@ -714,7 +715,8 @@ def make_engine(model, env, start, sampler, eval_problems, config):
     routes = config["record_routes"] or config["routing_replay"]
     return evaluate.task_engine(model, env, sampler.items + eval_problems,
                                 config["engine_block_size"], config["engine_dtype"],
-                                config["device"], config["seed"], version, routes)
+                                config["device"], config["seed"], version, routes,
+                                config["engine_compile"])
 
 
 def rollout_worker(config, roles, start, env, sampler, eval_problems):
