@@ -8,8 +8,8 @@ How attention reads keys and values, as small objects handed to model.Transforme
                             the paged KV cache (PagedKVCache); the engine (engine.py) decides
                             which block is whose, and paged_step turns its decisions into the
                             step's slots, padded calls and masks
-  DecodeAttention           the same, for a step where every sequence decodes, as
-                            torch.compile sees it (EngineConfig(compile=True), compiled_decode)
+  DecodeAttention           the same, for a step where every sequence decodes, as one graph
+                            sees it (EngineConfig(compile=True), decode.py)
 
 All compute exactly what transformers' eager attention computes (the tests compare).
 """
@@ -37,7 +37,8 @@ def compile_once(fn, dynamic=None):
     """torch.compile(fn), once per process. Batch sizes and lengths change every call. For flex,
     torch.compile's automatic dynamic shapes (first call static, then the dims that changed go
     dynamic) keep recompiles to a few: dynamic=True hits an inductor C++ codegen error for CPU
-    flex (torch 2.13). The decode steps (compiled_decode) take dynamic=True, one compile fewer."""
+    flex (torch 2.13). The decode step (decode.py) takes dynamic=True: one compile for every
+    shape."""
     return torch.compile(fn, dynamic=dynamic)
 
 

@@ -29,10 +29,11 @@ update_weights / a bare copy_). What it measures:
      in this run.
   6. decode: one engine step of every sample decoding, against the time its matmuls would take at
      the measured matmul rate (the machine's limit for this step), and the sampler's share of it.
-     On the CPU our engine compiles its decode steps (EngineConfig(compile=True), paid in the
-     warm-up; --compile off: eager) in every rollout row, here and against vLLM; two more rows
-     give the eager step and the rollout compiled against eager. train_grpo.py's engine stays
-     eager (a short run would spend more on the compile than it saves).
+     On the CPU our engine runs its decode steps as one compiled graph (EngineConfig(compile=True),
+     decode.py; the compile paid in the warm-up; --compile off: eager) in every rollout row, here
+     and against vLLM; two more rows give the eager step and the rollout with the static step
+     against eager. train_grpo.py's engine stays eager by default (engine_compile: a short run
+     spends more on the compile than it saves).
   7. weight sync: weight_sync.WeightSync's bucketed broadcast from rank 0 to rank 1 (two gloo
      processes on this machine) against one raw broadcast of a flat buffer of the same bytes, GB/s,
      at the embedded size and at the hot-swap row's larger model.
@@ -64,7 +65,8 @@ import transformers
 import bench_peers
 import training
 from engine import EngineConfig, InferenceEngine, SamplingParams, sample_with_logprobs
-from measure import available_bytes, cpu_name, measure_matmul_flops, mib, peak_of, sync, timed_pair
+from measure import (available_bytes, cpu_name, measure_copy_bandwidth, measure_matmul_flops, mib,
+                     peak_of, sync, timed_pair)
 from checkpoint import load_hf_checkpoint
 
 # -----------------------------------------------------------------------------
@@ -108,8 +110,8 @@ parser.add_argument("--turns", type=int, default=4,
 parser.add_argument("--turn_tokens", type=int, default=24,
                     help="new tokens per reply in the multi-turn row")
 parser.add_argument("--compile", default="auto", choices=["auto", "on", "off"],
-                    help="our engine's decode steps through torch.compile (EngineConfig.compile), "
-                         "paid before the timed calls; auto: on the CPU in float32")
+                    help="our engine's static decode step (EngineConfig.compile), paid before the "
+                         "timed calls; auto: on the CPU in float32, on a GPU for --layout dense")
 parser.add_argument("--peers", default="auto", choices=["auto", "only", "off"],
                     help="the rows against vLLM and TRL (bench_peers.py): auto = when installed, "
                     "only = skip every other row")
@@ -183,9 +185,11 @@ def workload(g):
 # 1 + 2: rollouts and prefix caching
 
 
-# compiled decode steps are built for the CPU in fp32 (engine.py refuses them elsewhere)
-COMPILE = args.compile == "on" or (args.compile == "auto" and args.device == "cpu"
-                                   and args.dtype == "float32")
+# the static decode step: one compiled graph on the CPU in fp32, CUDA graphs on a GPU for a dense
+# model (engine.py refuses it elsewhere)
+COMPILE = args.compile == "on" or args.compile == "auto" and (
+    (args.device == "cpu" and args.dtype == "float32")
+    or (args.device.startswith("cuda") and args.layout == "dense"))
 
 
 def rollout_config(prompts, compiled=COMPILE):
@@ -198,8 +202,8 @@ def rollout_config(prompts, compiled=COMPILE):
 
 
 def bench_compiled_rollout(ours, prompts, stop):
-    """(compiled tok/s, eager tok/s): the rollout row's call with and without our compiled decode
-    steps, the compile paid in the warm-up call"""
+    """(static tok/s, eager tok/s): the rollout row's call with and without our static decode
+    step, the compile paid in the warm-up call"""
     params = SamplingParams(temperature=1.0, max_tokens=args.max_new_tokens,
                             stop_token_ids=frozenset(stop))
     engines = [InferenceEngine(rollout_config(prompts, c), model=ours) for c in (True, False)]
@@ -369,9 +373,11 @@ def bench_shared_prompt(ours, prompts, comps):
 
 
 def bench_decode(ours, prompts, peak_rate, compiled=COMPILE):
-    """(step seconds, matmul-bound seconds, sampler seconds, samples): one engine step in which
-    every sample decodes, the time its FLOPs (weights and attention) would take at the measured
-    matmul rate, and the sampler alone on logits of the same shape."""
+    """(step seconds, matmul-bound seconds, sampler seconds, samples, memory-bound seconds): one
+    engine step in which every sample decodes, the time its FLOPs (weights and attention) would
+    take at the measured matmul rate, the sampler alone on logits of the same shape, and the time
+    its bytes (every weight, each sample's K/V, the logits written and read) would take at the
+    measured copy bandwidth."""
     G = args.samples
     # no stop ids: all keep decoding
     params = SamplingParams(temperature=1.0, max_tokens=args.max_new_tokens)
@@ -382,7 +388,7 @@ def bench_decode(ours, prompts, peak_rate, compiled=COMPILE):
         engine.step()
     engine.step()
     times = []
-    for _ in range(min(5, args.max_new_tokens - 3)):
+    for _ in range(min(20, args.max_new_tokens - 3)):
         sync(args.device)
         t0 = time.perf_counter()
         engine.step()
@@ -394,6 +400,9 @@ def bench_decode(ours, prompts, peak_rate, compiled=COMPILE):
     # QK^T and PV
     attention = 4 * context * cfg.num_attention_heads * cfg.head_dim * cfg.num_hidden_layers
     flops = n * (2 * ours.num_active_params() + attention)
+    width = torch.finfo(getattr(torch, args.dtype)).bits // 8
+    kv = n * context * cfg.num_hidden_layers * 2 * cfg.num_key_value_heads * cfg.head_dim
+    moved = (ours.num_params() + kv) * width + 2 * n * args.vocab * 4
     engine.shutdown()
     logits = torch.randn(n, args.vocab, device=args.device)
     seeds, positions = torch.arange(n, device=args.device), torch.full((n,), 7, device=args.device)
@@ -401,7 +410,8 @@ def bench_decode(ours, prompts, peak_rate, compiled=COMPILE):
                                                              torch.ones(n, device=args.device),
                                                              seeds=seeds, positions=positions),
                                 lambda: None, 10, args.device)
-    return statistics.median(times), flops / peak_rate, t_sample, n
+    return (statistics.median(times), flops / peak_rate, t_sample, n,
+            moved / measure_copy_bandwidth(args.device))
 
 
 # -----------------------------------------------------------------------------
@@ -685,11 +695,17 @@ if __name__ == "__main__":
             shared[0] / shared[1],
         ),
         (
-            f"decode step ms, {decode[3]} samples{', compiled' if COMPILE else ''} (ref: its FLOPs "
+            f"decode step ms, {decode[3]} samples{', one graph' if COMPILE else ''} (ref: its FLOPs "
             f"at the measured matmul rate)",
             f"{decode[0] * 1e3:.1f}",
             f"{decode[1] * 1e3:.1f}",
             decode[0] / decode[1],
+        ),
+        (
+            "  the same step against its bytes at the measured copy bandwidth, ms",
+            f"{decode[0] * 1e3:.1f}",
+            f"{decode[4] * 1e3:.1f}",
+            decode[0] / decode[4],
         ),
         (
             "  sampler on the step's [N, V] logits, ms (share of the step)",
@@ -702,7 +718,7 @@ if __name__ == "__main__":
                 ("  the same step, eager (ours; ref: the same matmul bound)",
                  f"{eager_step[0] * 1e3:.1f}", f"{eager_step[1] * 1e3:.1f}",
                  eager_step[0] / eager_step[1]),
-                ("rollout tok/s, ours: compiled decode steps, ref: ours eager",
+                ("rollout tok/s, ours: static decode step (one graph), ref: ours eager",
                  f"{rollout[0]:,.0f}", f"{rollout[1]:,.0f}", rollout[0] / rollout[1]),
             ]
             if COMPILE

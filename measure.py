@@ -145,6 +145,26 @@ def measure_matmul_flops(device="cpu", dtype=torch.float32):
     return _MATMUL_RATE[key]
 
 
+_COPY_RATE = {}
+
+
+def measure_copy_bandwidth(device="cpu"):
+    """Bytes/s moved by a copy of a buffer far larger than any cache (bytes read + bytes written),
+    timed once per process: the memory-bound reference of a decode step."""
+    if str(device) not in _COPY_RATE:
+        n = (2 ** 30 if torch.device(device).type == "cuda" else 2 ** 27) // 4     # 1 GiB | 128 MiB
+        a, b = torch.ones(n, device=device), torch.empty(n, device=device)
+        sync = torch.cuda.synchronize if torch.device(device).type == "cuda" else (lambda: None)
+        (b.copy_(a), sync())
+        reps, t0 = 0, time.perf_counter()
+        while reps < 3 or time.perf_counter() - t0 < 0.2:
+            b.copy_(a)
+            reps += 1
+        sync()
+        _COPY_RATE[str(device)] = 2 * 4 * n * reps / (time.perf_counter() - t0)
+    return _COPY_RATE[str(device)]
+
+
 class Logger:
     """One JSON object per log call in {out_dir}/metrics.jsonl ({"iter": ..., metrics}), and wandb
     when asked. A resumed run first drops the lines after its checkpoint's iteration (the killed run
