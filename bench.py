@@ -695,8 +695,8 @@ if __name__ == "__main__":
             shared[0] / shared[1],
         ),
         (
-            f"decode step ms, {decode[3]} samples{', one graph' if COMPILE else ''} (ref: its FLOPs "
-            f"at the measured matmul rate)",
+            f"decode step ms, {decode[3]} samples{', one graph' if COMPILE else ''} (ref: its "
+            f"FLOPs at the measured matmul rate)",
             f"{decode[0] * 1e3:.1f}",
             f"{decode[1] * 1e3:.1f}",
             decode[0] / decode[1],

@@ -12,9 +12,9 @@ One step() = schedule (scheduler.py: who runs, which block is whose) -> preempt 
 -> forward (one model call over a flat batch of every scheduled token, attention.PagedAttention
 reading the paged KV cache) -> postprocess: sample_with_logprobs() at the last token of each
 sequence that has caught up, finish the ones that stopped. With compile=True a step in which every
-sequence decodes runs as one graph, the sampler inside (decode.StaticDecode). A GRPO group of G samples is one request:
-its prompt is prefilled once, then it forks into G sequences that share the prompt's blocks (the
-last, partial block is copied so that each sample writes its own).
+sequence decodes runs as one graph, the sampler inside (decode.StaticDecode). A GRPO group of G
+samples is one request: its prompt is prefilled once, then it forks into G sequences that share
+the prompt's blocks (the last, partial block is copied so that each sample writes its own).
 """
 
 import itertools
