@@ -407,19 +407,25 @@ class DecodeAttention:
             (kv_pos[None, :] > positions[:, None])[:, None, None, :], float("-inf"))
 
     def __call__(self, layer_idx, q, k, v):
-        return _paged_decode(q, k, v, self.k_cache, self.v_cache, layer_idx, self.slot_mapping,
-                             self.block_tables, self.query_pos, self.mask)
+        return torch.ops.nanorl.paged_decode(q, k, v, self.k_cache, self.v_cache, layer_idx,
+                                             self.slot_mapping, self.block_tables, self.query_pos,
+                                             self.mask)
 
 
-@torch.library.custom_op("nanorl::paged_decode", mutates_args=("k_cache", "v_cache"))
-def _paged_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
-                  v_cache: torch.Tensor, layer: int, slot_mapping: torch.Tensor,
-                  block_tables: torch.Tensor, query_pos: torch.Tensor,
-                  mask: torch.Tensor) -> torch.Tensor:
+_OPS = torch.library.Library("nanorl", "FRAGMENT")   # see model.py's grouped_mm
+_OPS.define("paged_decode(Tensor q, Tensor k, Tensor v, Tensor(a!) k_cache, Tensor(b!) v_cache, "
+            "int layer, Tensor slot_mapping, Tensor block_tables, Tensor query_pos, Tensor mask) "
+            "-> Tensor")
+
+
+def _paged_decode(q, k, v, k_cache, v_cache, layer, slot_mapping, block_tables, query_pos, mask):
     call = PaddedCall(0, q.shape[0], block_tables, query_pos)
     return paged_attention(q, k, v, k_cache[layer], v_cache[layer], slot_mapping, [call], [mask])
 
 
-@_paged_decode.register_fake
+_OPS.impl("paged_decode", _paged_decode, "CompositeExplicitAutograd")
+
+
+@torch.library.register_fake("nanorl::paged_decode")
 def _(q, k, v, k_cache, v_cache, layer, slot_mapping, block_tables, query_pos, mask):
     return torch.empty_like(q)
