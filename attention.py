@@ -141,8 +141,8 @@ class PagedKVCache:
         self.k = torch.zeros(shape, device=device, dtype=dtype)
         self.v = torch.zeros(shape, device=device, dtype=dtype)
         for pool in (self.k, self.v):
-            # its sizes never change: compiled code (compiled_decode) takes them as constants, not
-            # as symbols that could be mistaken for other sizes that happen to be equal
+            # its sizes never change: compiled code (decode.py) takes them as constants, not as
+            # symbols that could be mistaken for other sizes that happen to be equal
             torch._dynamo.mark_static(pool)
         moe_layers = sum(map(cfg.is_moe_layer, range(cfg.num_hidden_layers)))
         self.routes = None if not (routes and moe_layers) else torch.full(
@@ -396,15 +396,13 @@ class DecodeAttention:
     """PagedAttention for a step where every sequence decodes (one SDPA call), made inside the
     decode graph from plain tensors: k_cache / v_cache the whole pool [layers, blocks, block_size,
     Hkv, D], positions [B] each sequence's one query; slot_mapping and block_tables as in
-    PagedAttention and PaddedCall. The mask is made here, once per step, as sdpa_mask makes it."""
+    PagedAttention and PaddedCall. The mask is made here, once per step."""
 
     def __init__(self, k_cache, v_cache, slot_mapping, block_tables, positions):
         self.k_cache, self.v_cache, self.slot_mapping = k_cache, v_cache, slot_mapping
         self.block_tables, self.query_pos = block_tables, positions[:, None]
-        kv_pos = torch.arange(block_tables.shape[1] * k_cache.shape[2], device=positions.device)
-        self.mask = torch.zeros(len(positions), 1, 1, len(kv_pos), dtype=k_cache.dtype,
-                                device=positions.device).masked_fill_(
-            (kv_pos[None, :] > positions[:, None])[:, None, None, :], float("-inf"))
+        call = PaddedCall(0, len(positions), block_tables, self.query_pos)
+        self.mask = sdpa_mask(call, k_cache.shape[2], k_cache.dtype)
 
     def __call__(self, layer_idx, q, k, v):
         return torch.ops.nanorl.paged_decode(q, k, v, self.k_cache, self.v_cache, layer_idx,

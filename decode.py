@@ -23,6 +23,7 @@ of 2. Steps with prefill chunks, forks, top_k / top_p / top_logprobs or recorded
 (attention.paged_forward).
 """
 
+import bisect
 import time
 
 import numpy as np
@@ -43,19 +44,20 @@ def decode_graph(model, k_cache, v_cache, tokens, positions, slots, block_tables
 
 def shapes_of(max_batch_size, max_blocks, device_type):
     """(batch sizes, block-table widths) a step is padded to, each ascending. CPU: one dynamic
-    graph, so no padding past 2. GPU: a CUDA graph per pair, so few of each: batches 1, 2, 4, 8
-    and multiples of 8 (vLLM's sizes), widths powers of 2 up to max_blocks."""
+    graph, so no padding past 2. GPU: a CUDA graph per pair, so few of each: batches 1, 2, 4, 8,
+    multiples of 8 and max_batch_size (vLLM's sizes), widths powers of 2 and max_blocks."""
     width = max(max_blocks, 2)
     if device_type == "cpu":
         return list(range(2, max(max_batch_size, 2) + 1)), list(range(2, width + 1))
-    small = [b for b in (1, 2, 4) if b < max_batch_size]
-    widths = [w for w in (2 ** i for i in range(width.bit_length())) if w < width]
-    return small + list(range(8, max_batch_size + 8, 8)), widths + [width]
+    sizes = {1, 2, 4, *range(8, max_batch_size, 8), max_batch_size}
+    widths = {2 ** i for i in range(1, width.bit_length())} | {width}
+    return ([b for b in sorted(sizes) if b <= max_batch_size],
+            [w for w in sorted(widths) if w <= width])
 
 
 def padded(n, sizes):
     """The smallest of sizes (ascending) that holds n."""
-    return sizes[int(np.searchsorted(sizes, n))]
+    return sizes[bisect.bisect_left(sizes, n)]
 
 
 class StaticDecode:
@@ -72,10 +74,9 @@ class StaticDecode:
             self.ints = torch.zeros(4, B, dtype=torch.int64, device=self.device)
             self.tables = torch.zeros(B, W, dtype=torch.int64, device=self.device)
             self.temperatures = torch.ones(B, device=self.device)
-        self.graphs = {}       # CUDA: a step's shape (_fill) -> (graph, its output tensors)
+        self.graphs = {}       # CUDA: a step's shape (_inputs) -> (graph, its output tensors)
         self.pool = torch.cuda.graph_pool_handle() if self.cuda else None   # shared by all graphs
-        self.compile_seconds = 0.0
-        self.shapes = set()    # shapes seen: a new one may compile (CPU) or is captured (GPU)
+        self.compile_seconds = 0.0    # the CPU's first call (the compile), the GPU's captures
 
     def takes(self, batch):
         """Whether a step's batch is one this step runs: every sequence decodes, with plain
@@ -88,13 +89,9 @@ class StaticDecode:
     def __call__(self, seqs):
         n = len(seqs)
         shape, inputs = self._inputs(seqs)
-        t0 = time.perf_counter()
         tokens, logprobs = self._run(shape, inputs)
-        tokens, logprobs = tokens[:n].tolist(), logprobs[:n].tolist()
-        if shape not in self.shapes:
-            self.shapes.add(shape)
-            self.compile_seconds += time.perf_counter() - t0
-        return tokens, logprobs
+        # read at once: a later capture may reuse this graph's memory for its own
+        return tokens[:n].tolist(), logprobs[:n].tolist()
 
     def _inputs(self, seqs):
         """The step's shape (padded batch, padded width) and decode_graph's tensors: on a GPU
@@ -126,10 +123,18 @@ class StaticDecode:
                         temperatures, seeds)
 
     def _run(self, shape, inputs):
+        t0 = time.perf_counter()
         if not self.cuda:
-            return compile_once(decode_graph, dynamic=True)(*inputs)
+            # no duck sizing: a first step whose batch equals its width would tie the two sizes
+            # to one symbol, and the first step where they differ would compile again
+            with torch.fx.experimental._config.patch(use_duck_shape=False):
+                out = compile_once(decode_graph, dynamic=True)(*inputs)
+            if not self.compile_seconds:        # the first call compiles (once per process)
+                self.compile_seconds = time.perf_counter() - t0
+            return out
         if shape not in self.graphs:
             self.graphs[shape] = self._capture(inputs)
+            self.compile_seconds += time.perf_counter() - t0
         graph, out = self.graphs[shape]
         graph.replay()
         return out
@@ -137,12 +142,14 @@ class StaticDecode:
     def _capture(self, inputs):
         """A CUDA graph of decode_graph on the buffers' views. The warm-up runs the step for real
         on a side stream (it writes the same K/V the replay will write again)."""
-        stream = torch.cuda.Stream(self.device)
-        stream.wait_stream(torch.cuda.current_stream(self.device))
-        with torch.cuda.stream(stream):
-            decode_graph(*inputs)
-        torch.cuda.current_stream(self.device).wait_stream(stream)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self.pool):
-            out = decode_graph(*inputs)
+        with torch.cuda.device(self.device):
+            stream = torch.cuda.Stream()
+            stream.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(stream):
+                decode_graph(*inputs)
+            torch.cuda.current_stream().wait_stream(stream)
+            graph = torch.cuda.CUDAGraph()
+            # thread_local: a weight update's side thread may copy to the GPU meanwhile
+            with torch.cuda.graph(graph, pool=self.pool, capture_error_mode="thread_local"):
+                out = decode_graph(*inputs)
         return graph, out

@@ -656,7 +656,7 @@ class InferenceEngine:
         self.waiting, self.running, self._staged = [], [], None
         if self._side is not None:
             self._side.shutdown(wait=False)
-        self.kv_pool = self.model = None
+        self.kv_pool = self.model = self.static = None
 
     def _check_open(self):
         if self._closed:

@@ -462,8 +462,9 @@ class Transformer(nn.Module):
                 cu_seqlens = torch.tensor([0, T], dtype=torch.int32)
             attention = DocumentCausalAttention(cu_seqlens, T, tokens.device, branch=branch)
         x = self.embed_tokens(tokens)
-        if self._rope is None:   # made once per model: a function of its config only
-            self._rope = rope_frequencies(self.config)
+        if self._rope is None or self._rope[0].device != x.device:   # once per model and device
+            inv_freq, scale = rope_frequencies(self.config)   # (a copy per call would sync a GPU)
+            self._rope = (inv_freq.to(x.device), scale)
         cos, sin = rope_cos_sin(position_ids, *self._rope, x.dtype)
         router_logits = []
         for layer in self.layers:

@@ -140,6 +140,7 @@ def test_cuda_graph_decode_steps_equal_the_eager_ones(checkpoint):
                 e.update_weights(new)
     stats = engines[True].stats()
     assert stats["compiled_steps"] > 0 and stats["preemptions"] > 0, stats
+    assert stats["prefix_cache_hit_tokens"] > 0, stats
     assert len(engines[True].static.graphs) >= 2, "captured more than one bucket"
 
 

@@ -87,6 +87,24 @@ def test_two_level_draw_is_the_inverse_cdf_over_the_whole_vocabulary():
     assert torch.allclose(lp, ref, atol=1e-5, rtol=1e-6)
 
 
+def test_the_graphs_sampler_draws_what_the_engines_draws():
+    # sampling.sample_in_graph (decode.py's step) against sample_with_logprobs: several blocks and
+    # a partial one, greedy rows among sampled ones, rows shifted by their max (both rules shift
+    # these), eager and compiled: the same tokens, logprobs within 1e-6
+    from sampling import sample_in_graph
+    g = torch.Generator().manual_seed(2)
+    N, V = 48, 2 * 1024 + 300
+    logits = torch.randn(N, V, generator=g) * 4
+    logits[:4] += torch.tensor([300.0, -300.0, 100.0, -200.0])[:, None]
+    T = (torch.rand(N, generator=g) + 0.3).masked_fill(torch.arange(N) % 5 == 0, 0.0)
+    seeds, positions = torch.arange(N) * 7919, torch.arange(N) + 3
+    want, want_lp = sample_with_logprobs(logits, T, seeds=seeds, positions=positions)
+    for fn in (sample_in_graph, torch.compile(sample_in_graph, dynamic=True)):
+        tokens, lp = fn(logits, T, seeds, positions)
+        assert torch.equal(tokens, want)
+        assert (lp - want_lp).abs().max().item() < 1e-6
+
+
 class FakeSeq:
     def __init__(self, uid, num_tokens, num_computed, block_table=(), num_samples=1, cached=0,
                  cached_free=0):
