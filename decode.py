@@ -67,6 +67,7 @@ class StaticDecode:
     def __init__(self, model, kv, max_batch_size, max_blocks, scratch_block):
         self.model, self.kv, self.scratch = model, kv, scratch_block
         self.device = kv.k.device
+        model.rope(self.device)        # made before the graph: its making would be a guard
         self.cuda = self.device.type == "cuda"
         self.batch_sizes, self.widths = shapes_of(max_batch_size, max_blocks, self.device.type)
         if self.cuda:                  # the CUDA graphs' inputs, at their largest
@@ -84,6 +85,19 @@ class StaticDecode:
         return self.kv.routes is None and all(
             n == 1 and not s.catching_up and not s.params.top_k and s.params.top_p == 1.0
             and not s.params.top_logprobs for s, n in batch)
+
+    @torch.inference_mode()
+    def warm_up(self):
+        """Compile now (on the CPU), not in the first rollout: one step of two padded rows, which
+        write and read only the scratch block. Returns the seconds it took (about nothing once
+        this process has compiled). On a GPU each shape is captured on first use instead."""
+        if not self.cuda and not self.compile_seconds:
+            W, zeros = self.widths[0], torch.zeros(2, dtype=torch.int64)
+            slots = torch.full((2,), self.scratch * self.kv.block_size)
+            tables = torch.full((2, W), self.scratch)
+            self._run((2, W), (self.model, self.kv.k, self.kv.v, zeros, zeros.clone(), slots,
+                               tables, torch.ones(2), zeros.clone()))
+        return self.compile_seconds
 
     @torch.inference_mode()
     def __call__(self, seqs):

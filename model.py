@@ -435,6 +435,14 @@ class Transformer(nn.Module):
                               else 1.0)
         return int(n) - self.embed_tokens.weight.numel() * (0 if cfg.tie_word_embeddings else 1)
 
+    def rope(self, device):
+        """(inv_freq, cos/sin scale) on device, made once per model and device: a function of the
+        config only (a copy per forward would sync a GPU, and a CUDA graph cannot hold that)."""
+        if self._rope is None or self._rope[0].device != device:
+            inv_freq, scale = rope_frequencies(self.config)
+            self._rope = (inv_freq.to(device), scale)
+        return self._rope
+
     def forward(self, tokens, position_ids, cu_seqlens=None, attention=None, logits_indices=None,
                 aux_loss=True, labels=None, temperature=1.0, branch=None, routes=None,
                 routes_out=None):
@@ -462,10 +470,7 @@ class Transformer(nn.Module):
                 cu_seqlens = torch.tensor([0, T], dtype=torch.int32)
             attention = DocumentCausalAttention(cu_seqlens, T, tokens.device, branch=branch)
         x = self.embed_tokens(tokens)
-        if self._rope is None or self._rope[0].device != x.device:   # once per model and device
-            inv_freq, scale = rope_frequencies(self.config)   # (a copy per call would sync a GPU)
-            self._rope = (inv_freq.to(x.device), scale)
-        cos, sin = rope_cos_sin(position_ids, *self._rope, x.dtype)
+        cos, sin = rope_cos_sin(position_ids, *self.rope(x.device), x.dtype)
         router_logits = []
         for layer in self.layers:
             replay = None if routes is None or not layer.is_moe else routes[:, len(router_logits)]

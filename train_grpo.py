@@ -751,6 +751,8 @@ def main(config):
     reference = reference_model(config, start)
     run = training.setup_run(config, start, sampler)
     engine = make_engine(run.model, env, start, sampler, eval_problems, config)
+    if engine.static is not None:
+        print0(f"engine: decode step compiled in {engine.static.warm_up():.1f} s (once a process)")
     version = engine.get_weight_version()
     if config["rollout_urls"]:
         source = Servers(config, env, sampler, run.model, engine, version, rollout, start.iter_num)
