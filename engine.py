@@ -58,9 +58,9 @@ class EngineConfig:
     max_num_batched_tokens: int = 2048  # new tokens in one step (prefill is chunked to fit)
     memory_fraction: float = 0.5        # of free memory, for the pool when num_blocks is None
     attention_backend: str = "auto"     # 'sdpa' | 'flex' | 'auto'
-    # 'sdpa': a step where every sequence decodes runs as one graph (decode.py: compiled on the
-    # CPU, tens of seconds once per process; CUDA graphs on a GPU). 'flex': FlexAttention through
-    # torch.compile. None: flex on CUDA only
+    # True: with attention_backend 'auto' / 'sdpa', a step where every sequence decodes runs as
+    # one graph (decode.py: compiled on the CPU in float32, tens of seconds once per process; CUDA
+    # graphs on a GPU); with 'flex', FlexAttention through torch.compile. None: flex on CUDA only
     compile: bool | None = None
     seed: int = 0                       # seeds the per-request sampling seeds
     weight_version: int = 0             # the version it starts at (a resumed trainer's)
@@ -84,6 +84,14 @@ class EngineConfig:
                 f"or 'flex'")
         as_dtype(self.dtype)
         torch.device(self.device)   # raises on a malformed device string
+        require(self.compile is None or isinstance(self.compile, bool),
+                f"EngineConfig.compile must be True, False or None, got {self.compile!r}",
+                TypeError)
+        require(not (self.compile and self.attention_backend != "flex"
+                     and torch.device(self.device).type == "cpu" and self.dtype != "float32"),
+                f"EngineConfig.compile=True (train_grpo's engine_compile, serve.py's compile) "
+                f"runs the decode steps as one graph on the CPU in float32 only, got dtype "
+                f"{self.dtype!r}: leave it off, or use float32")
 
 
 # below this (and above 0) a temperature is greedy in all but name, and risks inf / NaN
@@ -347,13 +355,16 @@ class InferenceEngine:
         self.backend, self.compile = attention_choice(self.device.type, config.attention_backend,
                                                       config.compile, model.config.head_dim)
         static = self.compile and self.backend == "sdpa"
-        require(not static or self.device.type == "cuda" and model.config.num_experts == 0 or (
-            self.device.type == "cpu" and grouped_experts(model.config, self.device, self.dtype)),
-            f"compile=True runs the decode steps as one graph: on the CPU in float32 with expert "
-            f"widths that are multiples of 4 (hidden {model.config.hidden_size}, experts "
-            f"{model.config.moe_intermediate_size}), on a GPU for a dense model (the experts' "
-            f"loop syncs with the host); got device {config.device!r}, dtype {config.dtype!r}, "
-            f"{model.config.num_experts} experts: leave compile off")
+        cfg = model.config
+        require(not static or self.device.type != "cpu"
+                or grouped_experts(cfg, self.device, self.dtype),
+                f"EngineConfig.compile=True runs an MoE model's decode steps as one graph on the "
+                f"CPU when its hidden size and expert width are multiples of 4 (the grouped "
+                f"matmul), got {cfg.hidden_size} and {cfg.moe_intermediate_size}: leave it off")
+        require(not static or self.device.type == "cpu" or cfg.num_experts == 0,
+                f"EngineConfig.compile=True runs the decode steps as CUDA graphs for dense models "
+                f"only (the experts' loop syncs with the host), got {cfg.num_experts} experts: "
+                f"leave it off")
         self.static = StaticDecode(
             self.model, self.kv_pool, config.max_batch_size,
             -(-self.max_model_len // self.cache.block_size), self.cache.num_blocks) if static \

@@ -644,10 +644,12 @@ def test_static_decode_steps_are_refused_where_they_are_not_built(moe, tmp_path)
     cfg = HF_CONFIGS["moe"]()
     cfg.moe_intermediate_size = 10
     odd = write_hf_checkpoint(cfg, str(tmp_path))[1]
-    with pytest.raises(ValueError, match="experts 10"):
+    with pytest.raises(ValueError, match="got 32 and 10"):
         engine_for(odd, compile=True)
     with pytest.raises(ValueError, match="'bfloat16'"):
         engine_for(path, compile=True, dtype="bfloat16")
+    with pytest.raises(TypeError, match="'yes'"):
+        engine_for(path, compile="yes")
     engine_for(odd, compile=True, attention_backend="flex").shutdown()   # compiled flex: its own
 
 
