@@ -609,6 +609,11 @@ if __name__ == "__main__":
     (ours_tps, hf_tps, n_ours, n_hf, *roll_peaks), prefill, profiles = bench_rollout(
         ours, hf.to(hf_dtype), prompts, stop
     )
+    decode = bench_decode(ours, prompts, peak)
+    # early lines, in case a time limit (gpu_check.sh) stops the run before the table
+    print(f"rollout tok/s: ours {ours_tps:,.0f}, transformers {hf_tps:,.0f}; decode step of "
+          f"{decode[3]}: {decode[0] * 1e3:.1f} ms (matmul bound {decode[1] * 1e3:.1f}, memory "
+          f"bound {decode[4] * 1e3:.1f})", flush=True)
     hf = hf.float()
     # train on GRPO-shaped sequences: each prompt with completions of the rollout's length spread
     lens = torch.randint(5, args.max_new_tokens + 1, (len(prompts) * args.samples,),
@@ -619,7 +624,6 @@ if __name__ == "__main__":
     ours_train, hf_train, ours_flops, train_tokens, *train_peaks = bench_train(ours, hf, seqs[:fit])
     alone = bench_ours_alone(ours, seqs) if fit < len(seqs) else None
     shared = bench_shared_prompt(ours, prompts, comps)
-    decode = bench_decode(ours, prompts, peak)
     # with our decode steps compiled: the rollout compiled against eager, and the eager step
     rollout = eager_step = None
     if COMPILE:

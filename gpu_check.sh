@@ -15,10 +15,12 @@ PY="${PY:-.venv/bin/python}"
 mkdir -p "$OUT"
 { nvidia-smi -L; $PY -c "import torch; print(torch.__version__, torch.cuda.get_device_name())"; } \
     2>&1 | tee "$OUT/gpu.txt"
-timeout 240 $PY -m pytest -q -p no:cacheprovider test_cuda.py 2>&1 | tail -n 25 \
+timeout 220 $PY -m pytest -q -p no:cacheprovider test_cuda.py 2>&1 | tail -n 25 \
     | tee "$OUT/tests.txt"
-timeout 90 $PY bench.py --device cuda --dtype bfloat16 --peers off --repeats 3 --swap_hidden 0 \
+timeout 80 $PY bench.py --device cuda --dtype bfloat16 --peers off --repeats 3 --swap_hidden 0 \
     2>&1 | tee "$OUT/bench.txt"
-timeout 130 $PY bench.py --device cuda --dtype bfloat16 --peers off --repeats 3 --swap_hidden 0 \
+# its rollout and decode rows print first (a line before the table), should the limit stop it
+timeout 160 $PY bench.py --device cuda --dtype bfloat16 --peers off --repeats 2 --swap_hidden 0 \
     --layout dense --layers 28 --vocab 151936 --prefix_len 248 --question_len 8 \
-    --max_new_tokens 256 --num_stop_ids 1 --train_steps 3 2>&1 | tee "$OUT/bench_0.6b.txt"
+    --max_new_tokens 256 --num_stop_ids 1 --train_steps 3 --turns 2 --turn_tokens 8 2>&1 \
+    | tee "$OUT/bench_0.6b.txt"
