@@ -16,7 +16,6 @@ All compute exactly what transformers' eager attention computes (the tests compa
 
 import functools
 import math
-import threading
 from dataclasses import dataclass
 
 import numpy as np
@@ -25,6 +24,7 @@ import torch.nn.functional as F
 from torch.nn.attention.flex_attention import BlockMask, create_block_mask, flex_attention
 
 from checks import require
+from sampling import scratch
 
 
 
@@ -317,24 +317,15 @@ def paged_attention(q, k, v, kc, vc, slot_mapping, calls, masks, flex=None):
     return ys[0] if len(ys) == 1 else torch.cat(ys)
 
 
-_GATHERED = threading.local()   # per thread: (K or V, device, dtype) -> a buffer, grown as needed
-
-
 def _gathered(i, num_blocks, pool):
-    """Where a step's gathered K (i = 0) or V (1) blocks go on the CPU: a buffer reused from step
-    to step, as a fresh one of a few MB each layer would be page-faulted in anew each time (glibc
-    hands big blocks back to the OS when they are freed) and cost more than the copy. On a GPU a
-    fresh tensor (the caching allocator keeps its memory; a CUDA graph keeps its addresses)."""
+    """Where a step's gathered K (i = 0) or V (1) blocks go: on the CPU a buffer reused from step
+    to step (sampling.scratch: a fresh one of a few MB a layer would be page-faulted in anew each
+    time and cost more than the copy); on a GPU a fresh tensor (the caching allocator keeps its
+    memory, and a CUDA graph its addresses)."""
     shape = (num_blocks, *pool.shape[1:])
     if pool.device.type != "cpu":
         return pool.new_empty(shape)
-    buffers = _GATHERED.__dict__.setdefault("buffers", {})
-    key = (i, pool.device, pool.dtype)
-    numel = math.prod(shape)
-    if key not in buffers or buffers[key].numel() < numel:
-        with torch.inference_mode(False):       # usable in and out of the engine's inference mode
-            buffers[key] = torch.empty(numel, dtype=pool.dtype, device=pool.device)
-    return buffers[key][:numel].view(shape)
+    return scratch(("gathered", i), math.prod(shape), pool.device, pool.dtype).view(shape)
 
 
 def _attend(kc, vc, q, g, mask, flex):

@@ -115,13 +115,15 @@ class StaticDecode:
         n, bs = len(seqs), self.kv.block_size
         widest = max(len(s.block_table) for s in seqs)
         B, W = padded(n, self.batch_sizes), padded(widest, self.widths)
-        ints = np.zeros((4, B), dtype=np.int64)           # tokens, positions, slots, seeds
+        # tokens, positions, slots, seeds; padded rows: token 0 at position 0 of the scratch block
+        ints = np.zeros((4, B), dtype=np.int64)
+        ints[:, :n] = np.array([(s.tokens[s.num_computed], s.num_computed,
+                                 s.block_table[s.num_computed // bs] * bs + s.num_computed % bs,
+                                 s.seed) for s in seqs], dtype=np.int64).T
+        ints[2, n:] = self.scratch * bs
         tables = np.full((B, W), self.scratch, dtype=np.int64)
         for i, s in enumerate(seqs):
-            pos = s.num_computed
-            ints[:, i] = (s.tokens[pos], pos, s.block_table[pos // bs] * bs + pos % bs, s.seed)
             tables[i, :len(s.block_table)] = s.block_table
-        ints[2, n:] = self.scratch * bs                   # padded rows: token 0 at position 0
         temperatures = np.ones(B, dtype=np.float32)
         temperatures[:n] = [s.params.temperature for s in seqs]
         if self.cuda:

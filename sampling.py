@@ -113,7 +113,7 @@ def _shifted_exp(logits, t):
     row's mass does not vanish), so the common case reads the logits once for exp and once for the
     sums; other rows are redone shifted by their max."""
     N, V = logits.shape
-    e = _scratch(N * V, logits.device).view(N, V)
+    e = scratch("exp", N * V, logits.device).view(N, V)
     tempered = bool((t != 1).any())
     torch.div(logits, t, out=e).exp_() if tempered else torch.exp(logits, out=e)
     sums = _block_sums(e)
@@ -136,20 +136,22 @@ def _block_sums(e):
     return torch.cat([sums, e[:, whole * BLOCK:].sum(-1, keepdim=True)], 1) if V % BLOCK else sums
 
 
-_SCRATCH = threading.local()   # per thread: device -> a flat fp32 buffer, grown as needed
+_SCRATCH = threading.local()   # per thread: (use, device, dtype) -> a flat buffer, grown
 
 
-def _scratch(numel, device):
-    """A reusable buffer for the [N, V] exponentials: a fresh 78 MB tensor every step (128 x
-    151,936) would cost more in page faults than the arithmetic it holds. Its contents live only
-    within one sampling call."""
+def scratch(use, numel, device, dtype=torch.float32):
+    """A buffer reused from call to call, one per use (any hashable name), whose contents live
+    only until the next call for the same use: a fresh tensor of many MB (the [N, V]
+    exponentials here, the engine's gathered K/V in attention.py) is handed back to the OS by
+    glibc when freed and page-faulted in anew the next time, which costs more than the arithmetic
+    it holds."""
     buffers = _SCRATCH.__dict__.setdefault("buffers", {})
-    buf = buffers.get(device)
-    if buf is None or buf.numel() < numel:
+    key = (use, torch.device(device), dtype)
+    if key not in buffers or buffers[key].numel() < numel:
         # a normal tensor: usable in and out of the engine's inference mode
         with torch.inference_mode(False):
-            buf = buffers[device] = torch.empty(numel, device=device)
-    return buf[:numel]
+            buffers[key] = torch.empty(numel, device=device, dtype=dtype)
+    return buffers[key][:numel]
 
 
 def _draw(e, block_sums, target):
