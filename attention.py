@@ -1,7 +1,7 @@
 """
-How attention reads keys and values, as small objects handed to model.Transformer's forward
-(`attention=`), built once per forward and called by every layer as attention(layer_idx, q, k, v) ->
-[T, heads, head_dim]:
+How attention reads keys and values, as small objects handed to model.Transformer's
+forward (`attention=`), built once per forward and called by every layer as
+attention(layer_idx, q, k, v) -> [T, heads, head_dim]:
 
   DocumentCausalAttention   training: a packed batch of documents, causal within each, none across
   PagedAttention            inference: each sequence's past keys and values live in blocks of
@@ -9,7 +9,7 @@ How attention reads keys and values, as small objects handed to model.Transforme
                             which block is whose, and paged_step turns its decisions into the
                             step's slots, padded calls and masks
   DecodeAttention           the same, for a step where every sequence decodes, as one graph
-                            sees it (EngineConfig(compile=True), decode.py)
+                            sees it (EngineConfig(compile=True), inference/decode.py)
 
 All compute exactly what transformers' eager attention computes (the tests compare).
 """
@@ -24,7 +24,7 @@ import torch.nn.functional as F
 from torch.nn.attention.flex_attention import BlockMask, create_block_mask, flex_attention
 
 from checks import require
-from sampling import scratch
+from inference.sampling import scratch
 
 
 
@@ -34,27 +34,29 @@ from sampling import scratch
 
 @functools.cache
 def compile_once(fn, dynamic=None):
-    """torch.compile(fn), once per process. Batch sizes and lengths change every call. For flex,
-    torch.compile's automatic dynamic shapes (first call static, then the dims that changed go
-    dynamic) keep recompiles to a few: dynamic=True hits an inductor C++ codegen error for CPU
-    flex (torch 2.13). The decode step (decode.py) takes dynamic=True: one compile for every
-    shape."""
+    """torch.compile(fn), once per process. Batch sizes and lengths change every call. For
+    flex, torch.compile's automatic dynamic shapes (first call static, then the dims
+    that changed go dynamic) keep recompiles to a few: dynamic=True hits an inductor C++
+    codegen error for CPU flex (torch 2.13). The decode step (inference/decode.py) takes
+    dynamic=True: one compile for every shape."""
     return torch.compile(fn, dynamic=dynamic)
 
 
 class DocumentCausalAttention:
-    """Causal attention within each packed document, built once per forward and shared by every
-    layer.
+    """Causal attention within each packed document, built once per forward and shared by
+    every layer.
 
-    The default, on every device: the documents are laid into a padded [N, H, L, D] batch and
-    SDPA runs causally on it: padding sits after each document's last token, so causality alone
-    keeps every real query off it. That is N x L^2 work instead of T^2, same mask, same numbers.
-    flex=True: FlexAttention with a document-causal mask_mod (a sparse BlockMask, no padding),
-    compiled on a GPU (eager flex materialises the T x T scores, and has no CPU backward); torch
-    2.11's compiled flex fails once changing batch shapes make it recompile dynamically
-    (engine.attention_choice), so it is not the default. With branch (training.pack_groups:
-    completions that share their prompt's rows), a row also sees only branch 0 and its own
-    branch: an explicit mask for SDPA, one more condition in the mask_mod."""
+    The default, on every device: the documents are laid into a padded [N, H, L, D]
+    batch and SDPA runs causally on it: padding sits after each document's last token,
+    so causality alone keeps every real query off it. That is N x L^2 work instead of
+    T^2, same mask, same numbers. flex=True: FlexAttention with a document-causal
+    mask_mod (a sparse BlockMask, no padding), compiled on a GPU (eager flex
+    materialises the T x T scores, and has no CPU backward); torch 2.11's compiled flex
+    fails once changing batch shapes make it recompile dynamically
+    (engine.attention_choice), so it is not the default. With branch
+    (training.pack_groups: completions that share their prompt's rows), a row also sees
+    only branch 0 and its own branch: an explicit mask for SDPA, one more condition in
+    the mask_mod."""
 
     def __init__(self, cu_seqlens, num_tokens, device, flex=False, branch=None):
         lengths = (cu_seqlens[1:] - cu_seqlens[:-1]).long().to(device)
@@ -78,9 +80,9 @@ class DocumentCausalAttention:
         self.mask_mod = mask_mod
 
     def _branch_mask(self):
-        """[N, 1, L, L] bool for the padded layout: causal, and a row sees branch 0 and its own
-        branch. Padding is branch 0 after each document's last row: no real row sees it, and a
-        padding row always sees a row."""
+        """[N, 1, L, L] bool for the padded layout: causal, and a row sees branch 0 and
+        its own branch. Padding is branch 0 after each document's last row: no real row
+        sees it, and a padding row always sees a row."""
         br = self.branch.new_zeros(self.num_docs, self.max_len)
         br[self.doc, self.pos] = self.branch
         i = torch.arange(self.max_len, device=br.device)
@@ -104,8 +106,9 @@ class DocumentCausalAttention:
                                                    enable_gqa=True)
             return y.transpose(1, 2)[self.doc, self.pos]
         q, k, v = (t.transpose(0, 1).unsqueeze(0) for t in (q, k, v))   # [1, H, T, D]
-        # eager FlexAttention materialises the T x T scores: on a GPU it runs compiled (a fused
-        # kernel that skips the blocks the mask leaves out), and its mask is built compiled too
+        # eager FlexAttention materialises the T x T scores: on a GPU it runs compiled (a
+        # fused kernel that skips the blocks the mask leaves out), and its mask is built
+        # compiled too
         on_gpu = torch.device(self.device).type != "cpu"
         if self._block_mask is None:
             make_mask = compile_once(create_block_mask) if on_gpu else create_block_mask
@@ -123,16 +126,16 @@ class DocumentCausalAttention:
 class PagedKVCache:
     """Every layer's keys and values, in blocks of `block_size` token slots.
 
-    k[layer] and v[layer] are [num_blocks, block_size, kv_heads, head_dim]: a block is one
-    contiguous chunk, so gathering a batch's blocks is one index_select of whole blocks, and [B *
-    blocks, block_size, H, D] views as [B, L, H, D] -> transposed to [B, H, L, D] for attention,
-    with no copy. Token p of a sequence lives in slot p % block_size of block block_table[p //
-    block_size]. cfg is the model's ModelConfig.
+    k[layer] and v[layer] are [num_blocks, block_size, kv_heads, head_dim]: a block is
+    one contiguous chunk, so gathering a batch's blocks is one index_select of whole
+    blocks, and [B * blocks, block_size, H, D] views as [B, L, H, D] -> transposed to
+    [B, H, L, D] for attention, with no copy. Token p of a sequence lives in slot p %
+    block_size of block block_table[p // block_size]. cfg is the model's ModelConfig.
 
-    routes=True (an MoE model; EngineConfig.record_routes) keeps, beside each token's keys and
-    values, the experts it was routed to in each MoE layer, [num_blocks, block_size, M, top_k]
-    (-1: not computed yet): a sample's routes are read back by its block table, prefix-cache hits
-    included (routing replay, off_policy.py)."""
+    routes=True (an MoE model; EngineConfig.record_routes) keeps, beside each token's
+    keys and values, the experts it was routed to in each MoE layer, [num_blocks,
+    block_size, M, top_k] (-1: not computed yet): a sample's routes are read back by its
+    block table, prefix-cache hits included (routing replay, off_policy.py)."""
 
     def __init__(self, cfg, num_blocks, block_size, device="cpu", dtype=torch.float32,
                  routes=False):
@@ -141,8 +144,9 @@ class PagedKVCache:
         self.k = torch.zeros(shape, device=device, dtype=dtype)
         self.v = torch.zeros(shape, device=device, dtype=dtype)
         for pool in (self.k, self.v):
-            # its sizes never change: compiled code (decode.py) takes them as constants, not as
-            # symbols that could be mistaken for other sizes that happen to be equal
+            # its sizes never change: compiled code (inference/decode.py) takes them as
+            # constants, not as symbols that could be mistaken for other sizes that happen
+            # to be equal
             torch._dynamo.mark_static(pool)
         moe_layers = sum(map(cfg.is_moe_layer, range(cfg.num_hidden_layers)))
         self.routes = None if not (routes and moe_layers) else torch.full(
@@ -159,15 +163,16 @@ class PagedKVCache:
         return 2 * cfg.num_hidden_layers * per_layer
 
     def copy_blocks(self, src, dst):
-        """Copy blocks src -> dst (1-D index tensors) in every layer: a forked sequence's private
-        copy of a shared block."""
+        """Copy blocks src -> dst (1-D index tensors) in every layer: a forked sequence's
+        private copy of a shared block."""
         self.k[:, dst] = self.k[:, src]
         self.v[:, dst] = self.v[:, src]
         if self.routes is not None:
             self.routes[dst] = self.routes[src]
 
     def routes_of(self, block_table, num_positions):
-        """The routes of positions 0 .. num_positions - 1 of a sequence, [P, M, top_k] int16."""
+        """The routes of positions 0 .. num_positions - 1 of a sequence, [P, M, top_k]
+        int16."""
         pos = torch.arange(num_positions)
         table = torch.as_tensor(block_table, dtype=torch.int64)
         slots = (table[pos // self.block_size] * self.block_size + pos % self.block_size)
@@ -176,11 +181,12 @@ class PagedKVCache:
 
 @dataclass(frozen=True)
 class PaddedCall:
-    """Sequences that attend in one padded call: rows [start, start + num_tokens) of the step's flat
-    batch. Sequence b's queries are the call's rows query_index[b] (padded to Qmax by repeating its
-    last row), they sit at positions query_pos[b], and its blocks are block_tables[b]. query_index /
-    token_row are None when every sequence of the call has Qmax new tokens (decodes: Qmax = 1): the
-    rows are then already [B, Qmax] row-major."""
+    """Sequences that attend in one padded call: rows [start, start + num_tokens) of the
+    step's flat batch. Sequence b's queries are the call's rows query_index[b] (padded
+    to Qmax by repeating its last row), they sit at positions query_pos[b], and its
+    blocks are block_tables[b]. query_index / token_row are None when every sequence of
+    the call has Qmax new tokens (decodes: Qmax = 1): the rows are then already [B,
+    Qmax] row-major."""
     start: int
     num_tokens: int
     block_tables: torch.Tensor              # [B, blocks] int64
@@ -192,14 +198,15 @@ class PaddedCall:
 
 
 def paged_step(kv, starts, qlens, block_tables, extras=()):
-    """A step's paged metadata from each sequence's (tokens already computed, new tokens, block
-    table), with the sequences ordered decodes first (qlen 1), then prefill chunks: each kind
-    becomes one PaddedCall. Built in numpy and moved to the device in one copy, with `extras` (more
-    int64 arrays the caller wants on the device) riding along. Returns (positions [T], slot_mapping
-    [T], the calls, extras as tensors).
+    """A step's paged metadata from each sequence's (tokens already computed, new tokens,
+    block table), with the sequences ordered decodes first (qlen 1), then prefill
+    chunks: each kind becomes one PaddedCall. Built in numpy and moved to the device in
+    one copy, with `extras` (more int64 arrays the caller wants on the device) riding
+    along. Returns (positions [T], slot_mapping [T], the calls, extras as tensors).
 
-    A worked example, block_size 4. Three sequences: A decodes its token 5 (blocks [3, 7]), B runs a
-    prefill chunk of 3 tokens from 0 (blocks [5]), C a chunk of 2 from 4 (blocks [1, 6]):
+    A worked example, block_size 4. Three sequences: A decodes its token 5 (blocks [3,
+    7]), B runs a prefill chunk of 3 tokens from 0 (blocks [5]), C a chunk of 2 from 4
+    (blocks [1, 6]):
       qlens [1, 3, 2] -> cu [0, 1, 4, 6]; row_of [0, 1, 1, 1, 2, 2]; positions [5, 0, 1, 2, 4, 5]
       slots = block * 4 + position % 4
             -> [7*4+1, 5*4+0, 5*4+1, 5*4+2, 6*4+0, 6*4+1] = [29, 20, 21, 22, 24, 25]
@@ -245,8 +252,8 @@ def paged_step(kv, starts, qlens, block_tables, extras=()):
 
 
 def sdpa_mask(g: PaddedCall, block_size, dtype):
-    """The call's mask for SDPA, kv_pos <= query_pos: additive (0 / -inf) [B, 1, Qmax, L], made
-    once per step (a boolean mask is converted inside every layer's call)."""
+    """The call's mask for SDPA, kv_pos <= query_pos: additive (0 / -inf) [B, 1, Qmax, L],
+    made once per step (a boolean mask is converted inside every layer's call)."""
     kv_pos = torch.arange(g.block_tables.shape[1] * block_size, device=g.query_pos.device)
     visible = kv_pos[None, None, None, :] <= g.query_pos[:, None, :, None]
     mask = torch.zeros(visible.shape, dtype=dtype, device=visible.device)
@@ -254,23 +261,26 @@ def sdpa_mask(g: PaddedCall, block_size, dtype):
 
 
 class PagedAttention:
-    """Attention for one engine step, built once and shared by every layer (the protocol of
-    DocumentCausalAttention).
+    """Attention for one engine step, built once and shared by every layer (the protocol
+    of DocumentCausalAttention).
 
-    The step's batch is a flat row of T new tokens in padded calls (paged_step above). Per layer:
-      1. the new tokens' k/v are written into their slots (slot_mapping [T], slot = block *
-         block_size + offset),
-      2. per call, each sequence's blocks are gathered into a contiguous [B, kv_heads, L, D] view
-         (L = blocks * block_size; one index_select, a memcpy per block),
-      3. the padded queries [B, heads, Qmax, D] attend to it under the mask kv_pos <= query_pos:
-         causal, and blind to whatever lies in a block past the sequence's length (masks are built
-         here, once per step).
-    Gathering afresh every step keeps K/V hot in cache for the attention call that reads it next.
+    The step's batch is a flat row of T new tokens in padded calls (paged_step above).
+    Per layer:
+      1. the new tokens' k/v are written into their slots (slot_mapping [T], slot =
+         block * block_size + offset),
+      2. per call, each sequence's blocks are gathered into a contiguous [B, kv_heads,
+         L, D] view (L = blocks * block_size; one index_select, a memcpy per block),
+      3. the padded queries [B, heads, Qmax, D] attend to it under the mask kv_pos <=
+         query_pos: causal, and blind to whatever lies in a block past the sequence's
+         length (masks are built here, once per step).
+    Gathering afresh every step keeps K/V hot in cache for the attention call that reads
+    it next.
 
     backend 'sdpa' (the default on every device, engine.attention_choice): torch's
-    scaled_dot_product_attention with an additive mask, the query heads that share a kv head folded
-    in as its extra queries. backend 'flex': FlexAttention with a BlockMask built directly from the
-    positions (create_block_mask is slow on CPU); compiled=True runs it through torch.compile."""
+    scaled_dot_product_attention with an additive mask, the query heads that share a kv
+    head folded in as its extra queries. backend 'flex': FlexAttention with a BlockMask
+    built directly from the positions (create_block_mask is slow on CPU); compiled=True
+    runs it through torch.compile."""
 
     def __init__(self, cache: PagedKVCache, slot_mapping, calls, backend="sdpa", compiled=False):
         require(backend in ("sdpa", "flex"),
@@ -283,9 +293,9 @@ class PagedAttention:
                       else self._block_mask(g) for g in self.calls]
 
     def _block_mask(self, g, block=128):
-        # the sparsity pattern straight from the positions: query tile j of sequence b needs kv
-        # tiles up to the one holding its last query's position; every tile is "partial" (mask_mod
-        # decides inside it)
+        # the sparsity pattern straight from the positions: query tile j of sequence b
+        # needs kv tiles up to the one holding its last query's position; every tile is
+        # "partial" (mask_mod decides inside it)
         query_pos, L = g.query_pos, g.block_tables.shape[1] * self.cache.block_size
         B, Qmax = query_pos.shape
         n_q, n_kv = -(-Qmax // block), -(-L // block)
@@ -307,8 +317,9 @@ class PagedAttention:
 
 
 def paged_attention(q, k, v, kc, vc, slot_mapping, calls, masks, flex=None):
-    """One layer of PagedAttention, on tensors: kc, vc the layer's [num_blocks, block_size, Hkv, D]
-    pool; flex None for SDPA (masks additive) or the flex function (masks BlockMasks)."""
+    """One layer of PagedAttention, on tensors: kc, vc the layer's [num_blocks,
+    block_size, Hkv, D] pool; flex None for SDPA (masks additive) or the flex function
+    (masks BlockMasks)."""
     # the new tokens into their slots
     kc.view(-1, *kc.shape[2:]).index_copy_(0, slot_mapping, k)
     vc.view(-1, *vc.shape[2:]).index_copy_(0, slot_mapping, v)
@@ -318,10 +329,10 @@ def paged_attention(q, k, v, kc, vc, slot_mapping, calls, masks, flex=None):
 
 
 def _gathered(i, num_blocks, pool):
-    """Where a step's gathered K (i = 0) or V (1) blocks go: on the CPU a buffer reused from step
-    to step (sampling.scratch: a fresh one of a few MB a layer would be page-faulted in anew each
-    time and cost more than the copy); on a GPU a fresh tensor (the caching allocator keeps its
-    memory, and a CUDA graph its addresses)."""
+    """Where a step's gathered K (i = 0) or V (1) blocks go: on the CPU a buffer reused
+    from step to step (sampling.scratch: a fresh one of a few MB a layer would be
+    page-faulted in anew each time and cost more than the copy); on a GPU a fresh tensor
+    (the caching allocator keeps its memory, and a CUDA graph its addresses)."""
     shape = (num_blocks, *pool.shape[1:])
     if pool.device.type != "cpu":
         return pool.new_empty(shape)
@@ -338,9 +349,10 @@ def _attend(kc, vc, q, g, mask, flex):
             .view(B, L, Hkv, D).transpose(1, 2) for i, c in enumerate((kc, vc)))  # [B, Hkv, L, D]
     q = q.view(B, Qmax, Hq, D) if g.query_index is None else q[g.query_index]
     if flex is None:
-        # the heads that share a kv head ride along as extra queries: [B, Hkv, group * Qmax, D]
-        # against [B, Hkv, L, D], each K/V read once per kv head (enable_gqa would read it once
-        # per query head). Query head h uses kv head h // group, as in transformers.
+        # the heads that share a kv head ride along as extra queries: [B, Hkv, group *
+        # Qmax, D] against [B, Hkv, L, D], each K/V read once per kv head (enable_gqa
+        # would read it once per query head). Query head h uses kv head h // group, as in
+        # transformers.
         group = Hq // Hkv
         q = q.view(B, Qmax, Hkv, group, D).permute(0, 2, 3, 1, 4).reshape(B, Hkv, group * Qmax, D)
         mask = mask if Qmax == 1 else mask.repeat(1, 1, group, 1)
@@ -353,14 +365,15 @@ def _attend(kc, vc, q, g, mask, flex):
 
 
 # -----------------------------------------------------------------------------
-# the forward of one engine step (a step of decodes alone may run as one graph: decode.py)
+# the forward of one engine step (a step of decodes alone may run as one graph:
+# inference/decode.py)
 
 
 def paged_forward(model, kv, batch, backend, compiled):
-    """One model call over every scheduled token of an engine step (batch: (sequence, new tokens),
-    decodes first), eager (compiled: FlexAttention through torch.compile). Returns the logits at
-    the last token of each sequence that catches up in this step, and those sequences' indices in
-    batch."""
+    """One model call over every scheduled token of an engine step (batch: (sequence, new
+    tokens), decodes first), eager (compiled: FlexAttention through torch.compile).
+    Returns the logits at the last token of each sequence that catches up in this step,
+    and those sequences' indices in batch."""
     qlens = np.fromiter((n for _, n in batch), dtype=np.int64, count=len(batch))
     starts = np.fromiter((s.num_computed for s, _ in batch), dtype=np.int64, count=len(batch))
     tokens = np.array([t for s, n in batch for t in s.tokens[s.num_computed:s.num_computed + n]],
@@ -378,16 +391,17 @@ def paged_forward(model, kv, batch, backend, compiled):
     return logits, ready
 
 
-# a step of decodes as one graph (decode.py): each layer's paged attention is one opaque op. Dynamo
-# cannot follow an attention object made afresh each step, and an in-place write into the pool
-# traced as such would copy the whole pool back per step.
+# a step of decodes as one graph (inference/decode.py): each layer's paged attention is
+# one opaque op. Dynamo cannot follow an attention object made afresh each step, and an
+# in-place write into the pool traced as such would copy the whole pool back per step.
 
 
 class DecodeAttention:
-    """PagedAttention for a step where every sequence decodes (one SDPA call), made inside the
-    decode graph from plain tensors: k_cache / v_cache the whole pool [layers, blocks, block_size,
-    Hkv, D], positions [B] each sequence's one query; slot_mapping and block_tables as in
-    PagedAttention and PaddedCall. The mask is made here, once per step."""
+    """PagedAttention for a step where every sequence decodes (one SDPA call), made inside
+    the decode graph from plain tensors: k_cache / v_cache the whole pool [layers,
+    blocks, block_size, Hkv, D], positions [B] each sequence's one query; slot_mapping
+    and block_tables as in PagedAttention and PaddedCall. The mask is made here, once
+    per step."""
 
     def __init__(self, k_cache, v_cache, slot_mapping, block_tables, positions):
         self.k_cache, self.v_cache, self.slot_mapping = k_cache, v_cache, slot_mapping

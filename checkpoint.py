@@ -1,5 +1,6 @@
 """
-Everything on disk: the Hugging Face format of a model, and the training checkpoints built on it.
+Everything on disk: the Hugging Face format of a model, and the training checkpoints
+built on it.
 
     from checkpoint import load_hf_checkpoint, save_hf_checkpoint     # also importable from model
     model = load_hf_checkpoint("path/to/hf_dir")       # qwen3_moe, qwen3, qwen2, llama; fp32 on cpu
@@ -10,15 +11,17 @@ Everything on disk: the Hugging Face format of a model, and the training checkpo
     meta = read_checkpoint_meta(find_checkpoint(out_dir))        # verified before it is trusted
     start = init_start(config, build_tokenizer)                  # scratch, a stage's dir, or resume
 
-The hub stores one tensor per expert (`model.layers.{i}.mlp.experts.{j}.gate_proj.weight`); in
-memory the experts are fused (`gate_up_proj [E, 2I, H]`, `down_proj [E, H, I]`). The name map below
-(hf_to_ours / ours_to_hf) is the only place that knows both spellings.
+The hub stores one tensor per expert
+(`model.layers.{i}.mlp.experts.{j}.gate_proj.weight`); in memory the experts are fused
+(`gate_up_proj [E, 2I, H]`, `down_proj [E, H, I]`). The name map below (hf_to_ours /
+ours_to_hf) is the only place that knows both spellings.
 
-A training checkpoint {out_dir}/ckpt is a complete transformers model directory (config.json,
-model.safetensors, the tokenizer) plus trainer_state.pt (optimizer, RNG states) and checkpoint.json
-(iteration, config, data state, and the size and xxh64 of every file, written last). It is built in
-ckpt.tmp and swapped in by two renames; a run killed between them leaves ckpt.old, which resume
-falls back to. The next stage's init_from is the out_dir itself.
+A training checkpoint {out_dir}/ckpt is a complete transformers model directory
+(config.json, model.safetensors, the tokenizer) plus trainer_state.pt (optimizer, RNG
+states) and checkpoint.json (iteration, config, data state, and the size and xxh64 of
+every file, written last). It is built in ckpt.tmp and swapped in by two renames; a run
+killed between them leaves ckpt.old, which resume falls back to. The next stage's
+init_from is the out_dir itself.
 """
 
 import json
@@ -39,7 +42,8 @@ from tokenizer import generation_stop_ids, load_tokenizer, save_tokenizer
 # config.json <-> ModelConfig
 
 
-# the families of one Transformer: model_type -> ModelConfig flags (model.py), and what each allows
+# the families of one Transformer: model_type -> ModelConfig flags (model.py), and what
+# each allows
 FAMILIES = {
     "qwen3_moe": dict(family="qwen3", qk_norm=True, rope=("default", "yarn")),
     "qwen3": dict(family="qwen3", qk_norm=True, rope=("default", "yarn")),
@@ -49,8 +53,8 @@ FAMILIES = {
 
 
 def rope_of(d):
-    """(rope_theta, rope_type, the scaling's other keys) of a config.json, either spelling:
-    transformers 5's rope_parameters, or rope_theta + rope_scaling."""
+    """(rope_theta, rope_type, the scaling's other keys) of a config.json, either
+    spelling: transformers 5's rope_parameters, or rope_theta + rope_scaling."""
     rope = dict(d.get("rope_parameters") or d.get("rope_scaling") or {})
     kind = rope.pop("rope_type", rope.pop("type", "default"))
     theta = float(rope.pop("rope_theta", d.get("rope_theta", 10000.0)))
@@ -60,8 +64,8 @@ def rope_of(d):
 
 
 def config_from_hf(d) -> ModelConfig:
-    """A transformers config.json (qwen3_moe, qwen3, qwen2 or llama) -> ModelConfig. Unsupported
-    variants are refused, naming the model_type and what is missing."""
+    """A transformers config.json (qwen3_moe, qwen3, qwen2 or llama) -> ModelConfig.
+    Unsupported variants are refused, naming the model_type and what is missing."""
     model_type = d.get("model_type")
     if model_type not in FAMILIES:
         raise ValueError(f"unsupported model_type {model_type!r}: expected one of "
@@ -103,8 +107,8 @@ def config_from_hf(d) -> ModelConfig:
 
 
 def config_to_hf(cfg: ModelConfig) -> dict:
-    """ModelConfig -> a config.json dict, built by transformers' own config class (so transformers
-    reads it)."""
+    """ModelConfig -> a config.json dict, built by transformers' own config class (so
+    transformers reads it)."""
     from transformers import LlamaConfig, Qwen2Config, Qwen3Config, Qwen3MoeConfig
     kw = {k: v for k, v in asdict(cfg).items()
           if k not in ("num_experts", "family", "qk_norm", "qkv_bias", "rope_scaling")}
@@ -147,8 +151,8 @@ def load_config(path) -> ModelConfig:
 
 
 def hf_weight_shapes(cfg: ModelConfig):
-    """Every tensor name a transformers checkpoint of this config holds, with its shape (the name
-    map's domain)."""
+    """Every tensor name a transformers checkpoint of this config holds, with its shape
+    (the name map's domain)."""
     H, D, E, Hq, Hkv = (
         cfg.hidden_size,
         cfg.head_dim,
@@ -191,8 +195,8 @@ def hf_weight_shapes(cfg: ModelConfig):
 
 
 def hf_to_ours(hf: dict, cfg: ModelConfig) -> dict:
-    """Hub tensors -> our state_dict: strip 'model.', fuse each MoE layer's experts into two stacked
-    tensors."""
+    """Hub tensors -> our state_dict: strip 'model.', fuse each MoE layer's experts into
+    two stacked tensors."""
     ours = {name.removeprefix("model."): t for name, t in hf.items() if ".mlp.experts." not in name}
     for i in range(cfg.num_hidden_layers):
         if cfg.is_moe_layer(i):
@@ -207,8 +211,8 @@ def hf_to_ours(hf: dict, cfg: ModelConfig) -> dict:
 
 
 def ours_to_hf(sd: dict) -> dict:
-    """Our state_dict -> hub tensors: the inverse of hf_to_ours (experts split back to one tensor
-    each)."""
+    """Our state_dict -> hub tensors: the inverse of hf_to_ours (experts split back to one
+    tensor each)."""
     hf = {}
     for name, t in sd.items():
         if ".mlp.experts." not in name:
@@ -259,8 +263,9 @@ def _names(names):
 
 
 def load_hf_checkpoint(path, device="cpu", dtype=torch.float32) -> Transformer:
-    """Load a local transformers directory (config.json + safetensors, sharded or not) of model_type
-    qwen3_moe, qwen3, qwen2 or llama. Every name and shape is checked before anything is copied."""
+    """Load a local transformers directory (config.json + safetensors, sharded or not) of
+    model_type qwen3_moe, qwen3, qwen2 or llama. Every name and shape is checked before
+    anything is copied."""
     dtype = as_dtype(dtype)
     cfg = load_config(path)
     hf = read_safetensors(path)
@@ -322,8 +327,8 @@ TRAINER_STATE = "trainer_state.pt"
 
 
 def save_best(out_dir, model, start):
-    """{out_dir}/best: a transformers model directory (a later stage's init_from) with start's
-    tokenizer and generation config, swapped in by one rename."""
+    """{out_dir}/best: a transformers model directory (a later stage's init_from) with
+    start's tokenizer and generation config, swapped in by one rename."""
     best, tmp = os.path.join(out_dir, "best"), os.path.join(out_dir, "best.tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     save_hf_checkpoint(model, tmp)
@@ -334,17 +339,17 @@ def save_best(out_dir, model, start):
 
 
 def default_generation(tokenizer):
-    """The generation config of a model with no generation_config.json: the tokenizer's stop ids
-    (generation_stop_ids) and pad id."""
+    """The generation config of a model with no generation_config.json: the tokenizer's
+    stop ids (generation_stop_ids) and pad id."""
     return {"eos_token_id": list(generation_stop_ids(tokenizer)),
             "pad_token_id": tokenizer.pad_token_id}
 
 
 def generation_config_of(path, tokenizer):
-    """A model directory's generation_config.json as a dict, its eos_token_id a list of stop ids
-    (one id or several: Llama 3 Instruct lists three; the tokenizer's when it names none). The
-    other fields (a checkpoint's sampling defaults: temperature, top_p, ...) are kept as they are,
-    so the checkpoints a stage writes carry them on."""
+    """A model directory's generation_config.json as a dict, its eos_token_id a list of
+    stop ids (one id or several: Llama 3 Instruct lists three; the tokenizer's when it
+    names none). The other fields (a checkpoint's sampling defaults: temperature, top_p,
+    ...) are kept as they are, so the checkpoints a stage writes carry them on."""
     try:
         with open(os.path.join(path, "generation_config.json")) as f:
             generation = json.load(f)
@@ -370,7 +375,8 @@ def stop_ids_of(path, tokenizer):
 
 
 def save_generation_config(path, generation):
-    """Write generation_config.json into the directory path (a checkpoint being assembled)."""
+    """Write generation_config.json into the directory path (a checkpoint being
+    assembled)."""
     with open(os.path.join(path, "generation_config.json"), "w") as f:
         json.dump(generation, f, indent=2)
 
@@ -384,8 +390,8 @@ def file_digest(path):
 
 
 def rng_state():
-    """python, numpy, torch (and CUDA) RNG states, in a form torch.load(weights_only=True) reads
-    back."""
+    """python, numpy, torch (and CUDA) RNG states, in a form torch.load(weights_only=True)
+    reads back."""
     kind, keys, pos, has_gauss, gauss = np.random.get_state()
     return {"python": random.getstate(),
             "numpy": (kind, torch.from_numpy(keys.copy()), pos, has_gauss, gauss),
@@ -413,9 +419,9 @@ def _fsync(path):
 
 def save_checkpoint(out_dir, model, optimizer, tokenizer, iter_num, config, data_state=None,
                     extra=None, generation=None):
-    """Write {out_dir}/ckpt atomically (see the top of this file). data_state and extra must be
-    JSON-serialisable; generation is its generation_config.json (Start.generation; default the
-    tokenizer's stop ids)."""
+    """Write {out_dir}/ckpt atomically (see the top of this file). data_state and extra
+    must be JSON-serialisable; generation is its generation_config.json
+    (Start.generation; default the tokenizer's stop ids)."""
     final, tmp, old = (os.path.join(out_dir, n) for n in (CKPT, CKPT_TMP, CKPT_OLD))
     shutil.rmtree(tmp, ignore_errors=True)
     os.makedirs(tmp)
@@ -446,9 +452,9 @@ def save_checkpoint(out_dir, model, optimizer, tokenizer, iter_num, config, data
 
 
 def clear_checkpoints(out_dir):
-    """A fresh run's first act: remove an earlier run's checkpoints from out_dir, so that a later
-    init_from='resume' finds this run's or none (never the earlier run's, which it would silently
-    continue). Returns the names removed."""
+    """A fresh run's first act: remove an earlier run's checkpoints from out_dir, so
+    that a later init_from='resume' finds this run's or none (never the earlier run's,
+    which it would silently continue). Returns the names removed."""
     stale = [n for n in (CKPT, CKPT_OLD, CKPT_TMP) if os.path.exists(os.path.join(out_dir, n))]
     for name in stale:
         shutil.rmtree(os.path.join(out_dir, name))
@@ -465,8 +471,8 @@ def find_checkpoint(out_dir):
 
 
 def read_checkpoint_meta(path):
-    """checkpoint.json of a checkpoint dir, after checking every file it lists is there, whole and
-    unchanged."""
+    """checkpoint.json of a checkpoint dir, after checking every file it lists is there,
+    whole and unchanged."""
     try:
         with open(os.path.join(path, META)) as f:
             meta = json.load(f)
@@ -488,8 +494,8 @@ def read_checkpoint_meta(path):
 
 
 def model_dir_of(path):
-    """init_from=path accepts a previous stage's out_dir (its ckpt, or ckpt.old) or a transformers
-    model dir."""
+    """init_from=path accepts a previous stage's out_dir (its ckpt, or ckpt.old) or a
+    transformers model dir."""
     if not isinstance(path, str) or not os.path.isdir(path):
         raise ValueError(f"init_from={path!r}: expected 'scratch', 'resume' or an existing "
                          f"directory")
@@ -503,8 +509,8 @@ def model_dir_of(path):
 
 
 def load_model(path):
-    """The fp32 master weights of a model directory, on cpu (a missing file is a ValueError, like a
-    corrupt one)."""
+    """The fp32 master weights of a model directory, on cpu (a missing file is a
+    ValueError, like a corrupt one)."""
     try:
         return load_hf_checkpoint(path, device="cpu", dtype=torch.float32)
     except FileNotFoundError as e:
@@ -524,15 +530,17 @@ def load_trainer_state(path):
 
 
 # -----------------------------------------------------------------------------
-# where a run starts: a fresh model, a previous stage's weights, or a killed run's checkpoint
+# where a run starts: a fresh model, a previous stage's weights, or a killed run's
+# checkpoint
 
 
 @dataclass(frozen=True)
 class Start:
-    """What a run starts from: the model (fp32 master weights, on cpu), its tokenizer and generation
-    config (generation_config_of: its stop ids end every stage's episodes, and the checkpoints a
-    stage writes keep all of it); when resuming, the checkpoint's verified checkpoint.json
-    (iteration, data state, extra) and trainer state (optimizer + RNG)."""
+    """What a run starts from: the model (fp32 master weights, on cpu), its tokenizer and
+    generation config (generation_config_of: its stop ids end every stage's episodes,
+    and the checkpoints a stage writes keep all of it); when resuming, the checkpoint's
+    verified checkpoint.json (iteration, data state, extra) and trainer state (optimizer
+    + RNG)."""
     model: Transformer
     tokenizer: object
     generation: dict

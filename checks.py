@@ -1,7 +1,8 @@
 """
-Input checks where outside input arrives (a config, an API call, an HTTP request, a checkpoint):
-one helper that raises a ValueError (or TypeError) naming the bad value, and the type tests the
-boundaries share. Internal calls trust their callers (an assert states an invariant).
+Input checks where outside input arrives (a config, an API call, an HTTP request, a
+checkpoint): one helper that raises a ValueError (or TypeError) naming the bad value,
+and the type tests the boundaries share. Internal calls trust their callers (an assert
+states an invariant).
 
     require(top_p > 0, f"top_p must be in (0, 1], got {top_p!r}")
     require(is_int(n), f"n must be an int, got {n!r}", TypeError)

@@ -1,5 +1,6 @@
 """
-nanoGPT-style configuration: module-level defaults in each script, overridden by config files and
+nanoGPT-style configuration: module-level defaults in each script, overridden by config
+files and
 --key=value.
 
     # sft.py
@@ -18,23 +19,23 @@ nanoGPT-style configuration: module-level defaults in each script, overridden by
     pretrain = dict(lr=1e-3)                   # stage sections: only the running stage's is applied
     sft = dict(lr=3e-5, init_from="out/pretrain")
 
-The script's settings are the names in `globals()` at the time of the call that do not start with
-'_' and whose value is exactly one of int, float, bool, str, None, list, tuple, dict. Modules,
-functions, classes and dataclass instances are not settings; call `configure` right after the
-settings block. An imported plain constant (`from math import pi`) would count, so import those
-under a '_' name.
+The script's settings are the names in `globals()` at the time of the call that do not
+start with '_' and whose value is exactly one of int, float, bool, str, None, list,
+tuple, dict. Modules, functions, classes and dataclass instances are not settings; call
+`configure` right after the settings block. An imported plain constant (`from math
+import pi`) would count, so import those under a '_' name.
 
-Apply order: each config file's shared top-level names, then its section for the running stage, then
-the --key=value arguments. Config files run in a fresh namespace (with `__file__` set); names
-starting with '_', names bound by top-level imports, modules, functions and classes in them are
-ignored.
+Apply order: each config file's shared top-level names, then its section for the running
+stage, then the --key=value arguments. Config files run in a fresh namespace (with
+`__file__` set); names starting with '_', names bound by top-level imports, modules,
+functions and classes in them are ignored.
 
-Types follow the default: an int is accepted for a float (converted), a bool is not an int,
-`true/false` work for bools, a None default accepts any plain literal, and None is accepted only
-where the default is None. Command-line values are parsed with `ast.literal_eval`; for a str setting
-the text is taken as is unless it is a quoted string literal (so `--run_name=2024` gives '2024').
-Everything is validated first and applied after: a refused call (ValueError / TypeError) leaves the
-globals untouched.
+Types follow the default: an int is accepted for a float (converted), a bool is not an
+int, `true/false` work for bools, a None default accepts any plain literal, and None is
+accepted only where the default is None. Command-line values are parsed with
+`ast.literal_eval`; for a str setting the text is taken as is unless it is a quoted
+string literal (so `--run_name=2024` gives '2024'). Everything is validated first and
+applied after: a refused call (ValueError / TypeError) leaves the globals untouched.
 """
 import ast
 import copy
@@ -52,16 +53,16 @@ def print0(*args):
         print(*args)
 
 def settings_of(g):
-    """the settings of a script's globals: plain values (exact types, so no enums or namedtuples),
-    no '_' names"""
+    """the settings of a script's globals: plain values (exact types, so no enums or
+    namedtuples), no '_' names"""
     return {k: v for k, v in g.items() if not k.startswith("_") and type(v) in SETTING_TYPES}
 
 # -----------------------------------------------------------------------------
 # checking one value against its default
 
 def check_value(key, value, default, source):
-    """value converted to the default's type, or a TypeError naming the key, the value and the
-    expected type"""
+    """value converted to the default's type, or a TypeError naming the key, the value and
+    the expected type"""
     if default is None:
         if type(value) in SETTING_TYPES:
             return value
@@ -94,8 +95,8 @@ def parse_cli_value(key, text, default):
 # config files
 
 def load_config_file(path):
-    """the settings a config file defines, by name: its plain top-level names, imports and helpers
-    left out"""
+    """the settings a config file defines, by name: its plain top-level names, imports and
+    helpers left out"""
     if not os.path.isfile(path):
         raise ValueError(f"config file not found: {path!r}")
     with open(path) as f:
@@ -119,8 +120,8 @@ def load_config_file(path):
 # the entry point
 
 def configure(g, args, stage):
-    """apply config files and --key=value args to the settings in g (a script's globals()); returns
-    the config"""
+    """apply config files and --key=value args to the settings in g (a script's
+    globals()); returns the config"""
     if not isinstance(g, dict):
         raise TypeError(f"configure: expected the script's globals() dict, got {type(g).__name__}")
     if isinstance(args, str) or not all(isinstance(a, str) for a in args):

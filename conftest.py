@@ -1,7 +1,7 @@
 """
-Shared test fixtures. The reference for correctness is always transformers: tests build random tiny
-checkpoints with transformers itself (its own classes, its own save_pretrained) and compare our code
-against them.
+Shared test fixtures. The reference for correctness is always transformers: tests build
+random tiny checkpoints with transformers itself (its own classes, its own
+save_pretrained) and compare our code against them.
 """
 
 import os
@@ -16,8 +16,8 @@ from transformers import AutoModelForCausalLM
 
 
 def randomise(hf_model, seed=0):
-    """Perturb every parameter: all-zero routers and all-one norms hide bugs (a wrong norm or router
-    path still "matches")."""
+    """Perturb every parameter: all-zero routers and all-one norms hide bugs (a wrong norm
+    or router path still "matches")."""
     g = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for name, p in hf_model.named_parameters():
@@ -31,8 +31,8 @@ def randomise(hf_model, seed=0):
 
 
 def write_hf_checkpoint(hf_config, path, seed=0):
-    """(hf_model, path): a randomised transformers model of hf_config (Qwen3, Qwen3-MoE, Qwen2,
-    Llama), written to path by transformers' own save_pretrained."""
+    """(hf_model, path): a randomised transformers model of hf_config (Qwen3, Qwen3-MoE,
+    Qwen2, Llama), written to path by transformers' own save_pretrained."""
     torch.manual_seed(seed)
     hf = randomise(AutoModelForCausalLM.from_config(hf_config), seed)
     hf.save_pretrained(path)
@@ -49,20 +49,21 @@ def one_thread():
     torch.set_num_threads(n)
 
 
-# gloo's exit race (torch 2.13 on CPU, once in about 150 two-rank runs here): a rank can abort at
-# the very end, "terminate called without an active exception", after the script's last output. A
-# run counts as passed when every rank had written its finish marker (FINISHED, the last line of
-# each script, after destroy_process_group) before one died that way: nothing of the job's work was
-# left. Any other failure, or that abort before a marker, still fails.
+# gloo's exit race (torch 2.13 on CPU, once in about 150 two-rank runs here): a rank can
+# abort at the very end, "terminate called without an active exception", after the
+# script's last output. A run counts as passed when every rank had written its finish
+# marker (FINISHED, the last line of each script, after destroy_process_group) before one
+# died that way: nothing of the job's work was left. Any other failure, or that abort
+# before a marker, still fails.
 GLOO_EXIT_ABORT = "terminate called without an active exception"
 FINISHED = ("import os as _os; open(_os.path.join(_os.environ['FINISH_DIR'], 'finished.' + "
             "_os.environ.get('RANK', '0')), " "'w').close()\n")
 
 
 def run_ranks(argv, nproc, env, **kwargs):
-    """Run `python argv` (under torchrun --standalone when nproc > 1; the script ends with FINISHED)
-    with capture_output=True, text=True; a run that failed only by gloo's exit race comes back with
-    returncode 0."""
+    """Run `python argv` (under torchrun --standalone when nproc > 1; the script ends with
+    FINISHED) with capture_output=True, text=True; a run that failed only by gloo's exit
+    race comes back with returncode 0."""
     cmd = [sys.executable] + (["-m", "torch.distributed.run", "--standalone",
                                f"--nproc_per_node={nproc}"] if nproc > 1 else []) + [str(a)
                                                                                      for a in argv]
@@ -81,7 +82,7 @@ def run_ranks(argv, nproc, env, **kwargs):
 
 PARITY_TASK = '''"""Countdown's problems, scored by the parity of the reply's length: a tiny
 random model gets both rewards, so its groups have variance (the real one would be 0 everywhere)."""
-from task_full import describe, kind, make_problems, prompt_messages
+from tasks.countdown_full import describe, kind, make_problems, prompt_messages
 
 
 def reward(problem, completion_text):
@@ -90,7 +91,8 @@ def reward(problem, completion_text):
 
 
 def write_task(directory, source=PARITY_TASK, name="parity_task.py"):
-    """A task file (environment.py's interface) in directory; returns its path, for --task=."""
+    """A task file (tasks/environment.py's interface) in directory; returns its path, for
+    --task=."""
     path = os.path.join(directory, name)
     with open(path, "w") as f:
         f.write(source)

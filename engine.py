@@ -1,6 +1,6 @@
 """
-The rollout engine: a paged KV cache with prefix caching, continuous batching, per-token logprobs,
-weight hot-swap.
+The rollout engine: a paged KV cache with prefix caching, continuous batching, per-token
+logprobs, weight hot-swap.
 
     from engine import InferenceEngine, EngineConfig, SamplingParams
     engine = InferenceEngine(EngineConfig(model_path="path/to/hf_dir"))   # or model=policy
@@ -8,13 +8,14 @@ weight hot-swap.
     samples = engine.generate(prompts, params, num_samples_per_prompt=8)
     engine.update_weights(policy.state_dict())                   # after each optimizer step
 
-One step() = schedule (scheduler.py: who runs, which block is whose) -> preempt -> admit -> allocate
--> forward (one model call over a flat batch of every scheduled token, attention.PagedAttention
-reading the paged KV cache) -> postprocess: sample_with_logprobs() at the last token of each
-sequence that has caught up, finish the ones that stopped. With compile=True a step in which every
-sequence decodes runs as one graph, the sampler inside (decode.StaticDecode). A GRPO group of G
-samples is one request: its prompt is prefilled once, then it forks into G sequences that share
-the prompt's blocks (the last, partial block is copied so that each sample writes its own).
+One step() = schedule (inference/scheduler.py: who runs, which block is whose) ->
+preempt -> admit -> allocate -> forward (one model call over a flat batch of every
+scheduled token, attention.PagedAttention reading the paged KV cache) -> postprocess:
+sample_with_logprobs() at the last token of each sequence that has caught up, finish the
+ones that stopped. With compile=True a step in which every sequence decodes runs as one
+graph, the sampler inside (decode.StaticDecode). A GRPO group of G samples is one
+request: its prompt is prefilled once, then it forks into G sequences that share the
+prompt's blocks (the last, partial block is copied so that each sample writes its own).
 """
 
 import itertools
@@ -29,15 +30,15 @@ import torch
 
 from checks import is_int, is_number, require
 from attention import PagedKVCache, paged_forward
-from decode import StaticDecode
+from inference.decode import StaticDecode
 from checkpoint import load_hf_checkpoint
 from model import Transformer, as_dtype, grouped_experts
-from radix import RadixCache
+from inference.radix import RadixCache
 # schedule, sample_with_logprobs, compute_block_hash and SchedulerConfig: the low-level pure
 # functions, importable from here too
-from sampling import mix_seed, sample_next, sample_with_logprobs, top_logprobs
-from scheduler import (BlockAllocator, SchedulerConfig, Sequence, check_fits, compute_block_hash,
-                       schedule)
+from inference.sampling import mix_seed, sample_next, sample_with_logprobs, top_logprobs
+from inference.scheduler import (BlockAllocator, SchedulerConfig, Sequence, check_fits,
+                                 compute_block_hash, schedule)
 
 # -----------------------------------------------------------------------------
 # configs and results
@@ -58,13 +59,15 @@ class EngineConfig:
     max_num_batched_tokens: int = 2048  # new tokens in one step (prefill is chunked to fit)
     memory_fraction: float = 0.5        # of free memory, for the pool when num_blocks is None
     attention_backend: str = "auto"     # 'sdpa' | 'flex' | 'auto'
-    # True: with attention_backend 'auto' / 'sdpa', a step where every sequence decodes runs as
-    # one graph (decode.py: compiled on the CPU in float32, tens of seconds once per process; CUDA
-    # graphs on a GPU); with 'flex', FlexAttention through torch.compile. None: flex on CUDA only
+    # True: with attention_backend 'auto' / 'sdpa', a step where every sequence decodes
+    # runs as one graph (inference/decode.py: compiled on the CPU in float32, tens of
+    # seconds once per process; CUDA graphs on a GPU); with 'flex', FlexAttention through
+    # torch.compile. None: flex on CUDA only
     compile: bool | None = None
     seed: int = 0                       # seeds the per-request sampling seeds
     weight_version: int = 0             # the version it starts at (a resumed trainer's)
-    # an MoE model: record each token's experts per layer (TrainingSample.routes; routing replay)
+    # an MoE model: record each token's experts per layer (TrainingSample.routes; routing
+    # replay)
     record_routes: bool = False
 
     def __post_init__(self):
@@ -100,9 +103,10 @@ MIN_TEMPERATURE = 1e-5
 
 @dataclass(frozen=True)
 class SamplingParams:
-    """How to sample. top_k / top_p restrict what is drawn; the logprob recorded is that of the
-    distribution drawn from: log_softmax(logits / T) over the whole vocabulary (T = 1 when greedy),
-    renormalised over what top_k / top_p keep, see sample_with_logprobs."""
+    """How to sample. top_k / top_p restrict what is drawn; the logprob recorded is that
+    of the distribution drawn from: log_softmax(logits / T) over the whole vocabulary (T
+    = 1 when greedy), renormalised over what top_k / top_p keep, see
+    sample_with_logprobs."""
     temperature: float = 1.0            # 0 = greedy
     max_tokens: int = 256               # completion tokens at most
     stop_token_ids: frozenset = frozenset()
@@ -139,11 +143,11 @@ class SamplingParams:
 
 @dataclass(frozen=True)
 class TrainingSample:
-    """One sample, as a trainer takes it. Per completion token: logprobs (log_softmax(logits / T)
-    of the sampled token, T = 1 when greedy, renormalised over what top_k / top_p kept),
-    token_versions (the weights that sampled it), top_logprobs (((token, logprob), ...) most likely
-    first, when asked) and loss_mask (1 sampled, 0 a multi-turn episode's environment id; () = all
-    sampled)."""
+    """One sample, as a trainer takes it. Per completion token: logprobs
+    (log_softmax(logits / T) of the sampled token, T = 1 when greedy, renormalised over
+    what top_k / top_p kept), token_versions (the weights that sampled it), top_logprobs
+    (((token, logprob), ...) most likely first, when asked) and loss_mask (1 sampled, 0
+    a multi-turn episode's environment id; () = all sampled)."""
     prompt_tokens: tuple
     completion_tokens: tuple            # ends with the stop token when finish_reason == 'stop'
     logprobs: tuple
@@ -155,13 +159,14 @@ class TrainingSample:
     sample_index: int = 0               # 0..num_samples-1 within its request
     top_logprobs: tuple = ()
     loss_mask: tuple = ()
-    # EngineConfig(record_routes=True), an MoE model: the experts each position 0 .. P + C - 2
-    # was routed to in each MoE layer, int16 [P + C - 1, M, top_k] (routing replay)
+    # EngineConfig(record_routes=True), an MoE model: the experts each position 0 .. P + C
+    # - 2 was routed to in each MoE layer, int16 [P + C - 1, M, top_k] (routing replay)
     routes: torch.Tensor | None = None
 
 
 def sampled_mask(sample):
-    """1 on the completion ids the engine sampled, 0 on a multi-turn episode's environment ids."""
+    """1 on the completion ids the engine sampled, 0 on a multi-turn episode's environment
+    ids."""
     return sample.loss_mask or (1,) * len(sample.completion_tokens)
 
 
@@ -170,7 +175,8 @@ def sampled_mask(sample):
 
 
 def check_prompt(prompt, vocab_size, max_model_len, where="prompt"):
-    """A prompt as a list of ints, or a TypeError / ValueError naming what is wrong with it."""
+    """A prompt as a list of ints, or a TypeError / ValueError naming what is wrong with
+    it."""
     if isinstance(prompt, torch.Tensor):
         require(prompt.dim() == 1 and not prompt.dtype.is_floating_point
                 and prompt.dtype != torch.bool,
@@ -193,8 +199,8 @@ def check_prompt(prompt, vocab_size, max_model_len, where="prompt"):
 
 
 def check_prompts(prompts, vocab_size, max_model_len):
-    """A list of prompts (token-id lists), each checked by check_prompt; returns them as lists of
-    ints."""
+    """A list of prompts (token-id lists), each checked by check_prompt; returns them as
+    lists of ints."""
     require(hasattr(prompts, "__len__") and not isinstance(prompts, (str, bytes, torch.Tensor)),
             f"prompts must be a list of token-id lists, got {type(prompts).__name__}", TypeError)
     require(not (len(prompts) and is_int(prompts[0])),
@@ -205,8 +211,8 @@ def check_prompts(prompts, vocab_size, max_model_len):
 
 
 def check_layout(state_dict, params):
-    """The tensors of state_dict in params' order, after checking names, shapes and dtypes (cheap:
-    no value is read); otherwise a ValueError / TypeError naming the tensor."""
+    """The tensors of state_dict in params' order, after checking names, shapes and dtypes
+    (cheap: no value is read); otherwise a ValueError / TypeError naming the tensor."""
     require(hasattr(state_dict, "keys") and hasattr(state_dict, "__getitem__"),
             f"state_dict must be a mapping of name -> tensor, got {type(state_dict).__name__}",
             TypeError)
@@ -233,11 +239,13 @@ def check_layout(state_dict, params):
 
 
 def check_values(tensors, params, dtype):
-    """tensors (check_layout's) when every value is finite once cast to the engine's dtype;
-    otherwise a ValueError naming the tensor. It reads every value: the costly half of the check."""
-    # one read of each tensor, one sync: a sum is non-finite when a value is NaN/inf; where the cast
-    # to the engine's dtype could overflow (fp32 -> fp16), the largest |value| must fit it. Only
-    # when that fails (or finite values overflow a sum) does an exact check run, to name the tensor.
+    """tensors (check_layout's) when every value is finite once cast to the engine's
+    dtype; otherwise a ValueError naming the tensor. It reads every value: the costly
+    half of the check."""
+    # one read of each tensor, one sync: a sum is non-finite when a value is NaN/inf;
+    # where the cast to the engine's dtype could overflow (fp32 -> fp16), the largest
+    # |value| must fit it. Only when that fails (or finite values overflow a sum) does an
+    # exact check run, to name the tensor.
     limit = torch.finfo(dtype).max
     narrowing = [t.dtype != dtype and torch.finfo(t.dtype).max > limit for t in tensors]
     with torch.inference_mode():
@@ -267,8 +275,8 @@ def _reduce(scalars, fn):
 
 
 def pool_size(config, model_config, max_model_len, device, dtype):
-    """KV blocks for max_batch_size sequences at full length (what is left over serves the prefix
-    cache), capped at memory_fraction of the device's free memory."""
+    """KV blocks for max_batch_size sequences at full length (what is left over serves the
+    prefix cache), capped at memory_fraction of the device's free memory."""
     per_block = PagedKVCache.bytes_per_block(model_config, config.block_size, dtype)
     want = config.max_batch_size * -(-max_model_len // config.block_size)
     if device.type == "cuda":
@@ -279,22 +287,23 @@ def pool_size(config, model_config, max_model_len, device, dtype):
 
 
 def make_cache(config, num_blocks):
-    """'paged': block hashes over blocks of block_size tokens; 'radix': a radix tree over one-token
-    blocks."""
+    """'paged': block hashes over blocks of block_size tokens; 'radix': a radix tree over
+    one-token blocks."""
     if config.cache_type == "radix":
         return RadixCache(num_blocks * config.block_size)
     return BlockAllocator(num_blocks, config.block_size)
 
 
 def attention_choice(device_type, backend, compile, head_dim):
-    """(backend, compile) the engine runs. 'auto' is SDPA over the gathered blocks on every device:
-    on CPU bench.py measures it faster than eager flex, and on CUDA torch 2.11's compiled flex
-    kernel fails once an engine's changing batch shapes make it recompile dynamically
-    (NoValidChoicesError, seen on an H100; torch 2.13 not tried there). 'flex' stays selectable;
-    compile=None compiles it on CUDA only (on CPU the first compile costs tens of seconds, paid
-    once per process). Compiled flex on CUDA needs heads of at least 16 dims (torch's kernel).
-    With SDPA, compile=True runs the steps where every sequence decodes as one graph
-    (decode.StaticDecode); None and False leave them eager."""
+    """(backend, compile) the engine runs. 'auto' is SDPA over the gathered blocks on
+    every device: on CPU bench/bench.py measures it faster than eager flex, and on CUDA
+    torch 2.11's compiled flex kernel fails once an engine's changing batch shapes make
+    it recompile dynamically (NoValidChoicesError, seen on an H100; torch 2.13 not tried
+    there). 'flex' stays selectable; compile=None compiles it on CUDA only (on CPU the
+    first compile costs tens of seconds, paid once per process). Compiled flex on CUDA
+    needs heads of at least 16 dims (torch's kernel). With SDPA, compile=True runs the
+    steps where every sequence decodes as one graph (decode.StaticDecode); None and
+    False leave them eager."""
     backend = "sdpa" if backend == "auto" else backend
     if compile is None:
         compile = backend == "flex" and device_type == "cuda"
@@ -305,8 +314,8 @@ def attention_choice(device_type, backend, compile, head_dim):
 
 
 def own_copy(model, device, dtype):
-    """The engine's own copy of a trainer's model, in its device and dtype: the trainer keeps
-    stepping its parameters, and the engine must never alias them."""
+    """The engine's own copy of a trainer's model, in its device and dtype: the trainer
+    keeps stepping its parameters, and the engine must never alias them."""
     require(isinstance(model, Transformer),
             f"model must be a model.Transformer, got {type(model).__name__}", TypeError)
     with torch.device("meta"):
@@ -324,9 +333,9 @@ def own_copy(model, device, dtype):
 
 
 class InferenceEngine:
-    """Continuous batching over a paged KV cache. Single-threaded: every call runs on the caller's
-    thread. self.cache is the block allocator (scheduler.BlockAllocator), self.kv_pool the KV
-    tensors (attention.PagedKVCache)."""
+    """Continuous batching over a paged KV cache. Single-threaded: every call runs on the
+    caller's thread. self.cache is the block allocator (scheduler.BlockAllocator),
+    self.kv_pool the KV tensors (attention.PagedKVCache)."""
 
     def __init__(self, config: EngineConfig, model: Transformer | None = None):
         require(isinstance(config, EngineConfig),
@@ -346,7 +355,8 @@ class InferenceEngine:
         num_blocks = config.num_blocks or pool_size(config, model.config, self.max_model_len,
                                                     self.device, self.dtype)
         self.cache = make_cache(config, num_blocks)
-        # one block more than the allocator hands out: the static decode step's scratch block
+        # one block more than the allocator hands out: the static decode step's scratch
+        # block
         self.kv_pool = PagedKVCache(model.config, self.cache.num_blocks + 1, self.cache.block_size,
                                     self.device, self.dtype, routes=config.record_routes)
         self.scheduler_config = SchedulerConfig(config.max_batch_size,
@@ -390,8 +400,8 @@ class InferenceEngine:
     def add_request(self, prompt, params: SamplingParams, num_samples: int = 1,
                     index: int = 0) -> int:
         """Queue a prompt (token ids) for num_samples samples; returns its request_id
-        (TrainingSample.request_id). With params.seed, it draws as prompt `index` of a generate
-        call."""
+        (TrainingSample.request_id). With params.seed, it draws as prompt `index` of a
+        generate call."""
         self._check_request(params, num_samples, "num_samples")
         require(is_int(index) and 0 <= index < 2 ** 63,
                 f"index must be an int in [0, 2**63), got {index!r}")
@@ -401,10 +411,10 @@ class InferenceEngine:
 
     def generate(self, prompts, sampling_params: SamplingParams, num_samples_per_prompt: int = 1,
                  first_index: int = 0) -> list:
-        """Samples for every prompt, in request order: prompt 0 samples 0..G-1, prompt 1 ... Each
-        prompt is prefilled once and its blocks shared by its G samples. Every input is checked
-        before anything is queued. With a seed, prompt i draws as prompt first_index + i of one big
-        call would (a rank's slice of it)."""
+        """Samples for every prompt, in request order: prompt 0 samples 0..G-1, prompt 1
+        ... Each prompt is prefilled once and its blocks shared by its G samples. Every
+        input is checked before anything is queued. With a seed, prompt i draws as
+        prompt first_index + i of one big call would (a rank's slice of it)."""
         params = sampling_params
         self._check_request(params, num_samples_per_prompt, "num_samples_per_prompt")
         require(is_int(first_index) and 0 <= first_index < 2 ** 63,
@@ -442,8 +452,8 @@ class InferenceEngine:
                 f"{name}={num_samples} exceeds max_batch_size={self.config.max_batch_size}")
 
     def _add(self, prompt, params, num_samples, index=0):
-        # a seeded request's draws depend on (its seed, its index in the generate call, sample,
-        # position) only
+        # a seeded request's draws depend on (its seed, its index in the generate call,
+        # sample, position) only
         request_id = next(self._request_ids)
         seed = mix_seed(params.seed,
                         index) if params.seed is not None else self._rng.getrandbits(63)
@@ -546,8 +556,9 @@ class InferenceEngine:
         return finished
 
     def _fork(self, seq):
-        """The group's prompt is computed: seq becomes sample 0 and num_samples - 1 siblings share
-        its blocks (BlockAllocator.fork_table: a partial last block is copied for each)."""
+        """The group's prompt is computed: seq becomes sample 0 and num_samples - 1
+        siblings share its blocks (BlockAllocator.fork_table: a partial last block is
+        copied for each)."""
         forks, copies = [seq], []
         base_seed, seq.seed = seq.seed, mix_seed(seq.seed, 0)
         for k in range(1, seq.num_samples):
@@ -582,9 +593,9 @@ class InferenceEngine:
                               top_logprobs=tuple(seq.top_logprobs), routes=routes)
 
     def abort(self, request_id, sample_index=None) -> int:
-        """Drop a request's samples (all, or the forked sample sample_index) wherever they are and
-        free their blocks: they are never returned. Returns how many were dropped (0: finished or
-        unknown)."""
+        """Drop a request's samples (all, or the forked sample sample_index) wherever they
+        are and free their blocks: they are never returned. Returns how many were
+        dropped (0: finished or unknown)."""
         self._check_open()
         def hit(s):
             return s.request_id == request_id and (sample_index is None
@@ -601,17 +612,18 @@ class InferenceEngine:
     # ---- weights
 
     def update_weights(self, state_dict, blocking: bool = True):
-        """Load new weights, checked first (a bad state_dict is refused and changes nothing).
-        blocking=True checks and copies now. blocking=False checks the layout now (names, shapes,
-        dtypes: a ValueError / TypeError here) and returns: the value check and the copy into the
-        engine's dtype and device run on a side thread, and the next step() applies the result whole
-        (waiting for it if it is still going), or raises the refusal (non-finite values) with the
-        engine unchanged. The tensors are the engine's to read until that step: do not change them
-        in place before it (or pass a copy). A newer call replaces an unapplied one.
-        Copies are in place: storage addresses and compiled graphs stay valid. The version goes up
-        by one per call and the prefix cache is emptied, so no KV of older weights is ever served to
-        a new request; running sequences keep theirs (each token records the version that sampled
-        it)."""
+        """Load new weights, checked first (a bad state_dict is refused and changes
+        nothing). blocking=True checks and copies now. blocking=False checks the layout
+        now (names, shapes, dtypes: a ValueError / TypeError here) and returns: the
+        value check and the copy into the engine's dtype and device run on a side
+        thread, and the next step() applies the result whole (waiting for it if it is
+        still going), or raises the refusal (non-finite values) with the engine
+        unchanged. The tensors are the engine's to read until that step: do not change
+        them in place before it (or pass a copy). A newer call replaces an unapplied
+        one. Copies are in place: storage addresses and compiled graphs stay valid. The
+        version goes up by one per call and the prefix cache is emptied, so no KV of
+        older weights is ever served to a new request; running sequences keep theirs
+        (each token records the version that sampled it)."""
         self._check_open()
         tensors = check_layout(state_dict, self._params)
         if blocking:
@@ -633,8 +645,8 @@ class InferenceEngine:
         return [t.detach().to(self.device, self.dtype, copy=True) for t in tensors]
 
     def _apply_weights(self, tensors):
-        # one fused copy of every tensor (casting dtypes and crossing devices like copy_), in
-        # _params order
+        # one fused copy of every tensor (casting dtypes and crossing devices like copy_),
+        # in _params order
         with torch.inference_mode():
             torch._foreach_copy_(list(self._params.values()), tensors)
         self._version += self._updates_pending
@@ -661,8 +673,8 @@ class InferenceEngine:
                     compile_seconds=self.static.compile_seconds if self.static else 0.0)
 
     def shutdown(self):
-        """Drop the model and the KV pool; queued requests are abandoned. Later calls raise
-        RuntimeError."""
+        """Drop the model and the KV pool; queued requests are abandoned. Later calls
+        raise RuntimeError."""
         self._closed = True
         self.waiting, self.running, self._staged = [], [], None
         if self._side is not None:

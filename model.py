@@ -1,5 +1,6 @@
 """
-A Qwen3-style transformer (MoE or dense) that matches Hugging Face transformers to fp32 rounding.
+A Qwen3-style transformer (MoE or dense) that matches Hugging Face transformers to fp32
+rounding.
 
     from model import ModelConfig, Transformer, load_hf_checkpoint, save_hf_checkpoint
     model = load_hf_checkpoint("path/to/hf_dir")    # qwen3_moe, qwen3, qwen2, llama; fp32 on cpu
@@ -7,20 +8,21 @@ A Qwen3-style transformer (MoE or dense) that matches Hugging Face transformers 
     logits, aux_loss = model(tokens, position_ids, cu_seqlens)
     save_hf_checkpoint(model, "out/hf")                         # AutoModelForCausalLM loads it back
 
-Everything is computed over a *packed* batch: the sequences are laid end to end in one row of T
-tokens and `cu_seqlens` marks where each one starts, so there is no padding and no attention across
-documents. How attention reads keys and values is a small object handed to the forward
-(`attention=`), both kinds in attention.py: training uses DocumentCausalAttention (the default); the
-inference engine hands in a PagedAttention that reads the paged KV cache. The HF format on disk
-lives in checkpoint.py.
+Everything is computed over a *packed* batch: the sequences are laid end to end in one
+row of T tokens and `cu_seqlens` marks where each one starts, so there is no padding and
+no attention across documents. How attention reads keys and values is a small object
+handed to the forward (`attention=`), both kinds in attention.py: training uses
+DocumentCausalAttention (the default); the inference engine hands in a PagedAttention
+that reads the paged KV cache. The HF format on disk lives in checkpoint.py.
 
-Semantics follow transformers' modeling_qwen3_moe.py line by line where it matters for the numbers:
-RMSNorm in fp32, per-head q/k RMSNorm before RoPE, half-split RoPE, GQA, router softmax (fp32) then
-top-k, renormalised only when `norm_topk_prob`, SwiGLU experts, dense MLP layers where
-`mlp_only_layers` / `decoder_sparse_step` say so, the Switch-style load-balancing loss. The other
-families users bring are flags of the same model (ModelConfig.family, set from config.json by
-checkpoint.py): Qwen2 has biases on q, k and v and no q/k norm; Llama 3 has no q/k norm and its
-'llama3' RoPE scaling; Qwen3 may carry YaRN scaling (rope_frequencies).
+Semantics follow transformers' modeling_qwen3_moe.py line by line where it matters for
+the numbers: RMSNorm in fp32, per-head q/k RMSNorm before RoPE, half-split RoPE, GQA,
+router softmax (fp32) then top-k, renormalised only when `norm_topk_prob`, SwiGLU
+experts, dense MLP layers where `mlp_only_layers` / `decoder_sparse_step` say so, the
+Switch-style load-balancing loss. The other families users bring are flags of the same
+model (ModelConfig.family, set from config.json by checkpoint.py): Qwen2 has biases on
+q, k and v and no q/k norm; Llama 3 has no q/k norm and its 'llama3' RoPE scaling; Qwen3
+may carry YaRN scaling (rope_frequencies).
 """
 
 import math
@@ -56,7 +58,8 @@ class ModelConfig:
     rope_theta: float = 1_000_000.0
     tie_word_embeddings: bool = False
     attention_bias: bool = False           # biases on q, k, v and o (Qwen3's / Llama's)
-    # the families users bring are flags of this one model, set from config.json (checkpoint.py)
+    # the families users bring are flags of this one model, set from config.json
+    # (checkpoint.py)
     family: str = "qwen3"                  # 'qwen3' | 'qwen2' | 'llama' (with experts: qwen3_moe)
     qk_norm: bool | None = None            # per-head RMSNorm of q, k before RoPE (None: family's)
     qkv_bias: bool | None = None           # biases on q, k and v only (None: the family's; Qwen2's)
@@ -80,7 +83,8 @@ class ModelConfig:
         require(self.family == "qwen3" or not self.num_experts,
                 f"ModelConfig: num_experts={self.num_experts}, but experts are Qwen3-MoE's, not "
                 f"{self.family}'s (num_experts=0 for a dense model)")
-        # qk_norm, qkv_bias: what the family has (Qwen3 the norm, Qwen2 the biases, Llama neither)
+        # qk_norm, qkv_bias: what the family has (Qwen3 the norm, Qwen2 the biases, Llama
+        # neither)
         flags = {"qwen3": (True, False), "qwen2": (False, True),
                  "llama": (False, False)}[self.family]
         for name, value in zip(("qk_norm", "qkv_bias"), flags):
@@ -133,8 +137,8 @@ def as_dtype(dtype):
 
 
 def rms_norm(x, weight, eps):
-    # normalise the last dim in fp32 whatever the model dtype, then scale in the model dtype (as
-    # transformers does)
+    # normalise the last dim in fp32 whatever the model dtype, then scale in the model
+    # dtype (as transformers does)
     return weight * F.rms_norm(x.float(), x.shape[-1:], eps=eps).to(x.dtype)
 
 
@@ -149,8 +153,9 @@ class RMSNorm(nn.Module):
 
 
 def rope_frequencies(cfg: ModelConfig):
-    """(inv_freq [head_dim / 2], the factor cos and sin are scaled by), for default RoPE and the two
-    scalings a checkpoint may carry, computed as transformers' modeling_rope_utils does:
+    """(inv_freq [head_dim / 2], the factor cos and sin are scaled by), for default RoPE
+    and the two scalings a checkpoint may carry, computed as transformers'
+    modeling_rope_utils does:
       llama3: frequencies whose wavelength exceeds original_max_position_embeddings /
               low_freq_factor are divided by factor, those below .../high_freq_factor kept, those
               between blended;
@@ -226,9 +231,10 @@ class Attention(nn.Module):
             self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
 
     def forward(self, x, cos, sin, attention):
-        # q, k and v in one matmul, and q and k normalised and rotated together as one [T, n_head +
-        # n_kv_head, D] tensor: the same numbers as three projections, two norms and two RoPEs, in a
-        # third of the calls (at decode sizes each call costs more in overhead than in arithmetic)
+        # q, k and v in one matmul, and q and k normalised and rotated together as one [T,
+        # n_head + n_kv_head, D] tensor: the same numbers as three projections, two norms
+        # and two RoPEs, in a third of the calls (at decode sizes each call costs more in
+        # overhead than in arithmetic)
         T, Hq, Hkv, D = x.shape[0], self.n_head, self.n_kv_head, self.head_dim
         projs = (self.q_proj, self.k_proj, self.v_proj)
         bias = torch.cat([p.bias for p in projs]) if self.q_proj.bias is not None else None
@@ -270,28 +276,30 @@ class Experts(nn.Module):
         nn.init.normal_(self.down_proj, std=0.02)
 
     def forward(self, x, top_idx, top_w):
-        # x [T, H]; top_idx / top_w [T, k]: token t goes to experts top_idx[t] with weights
-        # top_w[t]. sort the T*k (token, slot) pairs by expert so each expert's tokens are one
-        # contiguous slice
+        # x [T, H]; top_idx / top_w [T, k]: token t goes to experts top_idx[t] with
+        # weights top_w[t]. sort the T*k (token, slot) pairs by expert so each expert's
+        # tokens are one contiguous slice
         T, k = top_idx.shape
         flat = top_idx.flatten()
         order = flat.argsort(stable=True)
         xs = x.index_select(0, order // k)                # the token of each pair, expert by expert
-        # tokens per expert (a bincount, whose output size torch.compile cannot know in advance)
+        # tokens per expert (a bincount, whose output size torch.compile cannot know in
+        # advance)
         counts = flat.new_zeros(self.gate_up_proj.shape[0]).index_add_(0, flat,
                                                                        torch.ones_like(flat))
         ys = self._grouped(xs, counts) if _use_grouped_mm(x, self) else self._loop(xs,
                                                                                    counts.tolist())
-        # back to (token, slot) order by gathering with the inverse permutation (deterministic,
-        # unlike a scatter-add), then each token's k outputs weighted and summed
+        # back to (token, slot) order by gathering with the inverse permutation
+        # (deterministic, unlike a scatter-add), then each token's k outputs weighted and
+        # summed
         y = ys.index_select(0, order.argsort()).view(T, k, -1)
         return (y * top_w[..., None]).sum(dim=1)
 
     def _loop(self, xs, counts):
-        # the readable path (and the one with gradients): one SwiGLU per expert over its slice.
-        # split / unbind rather than xs[a:b] / w[e]: their backward is one cat / stack, where each
-        # slice's backward would write a zero tensor the size of all of xs (or of all experts'
-        # weights) per expert
+        # the readable path (and the one with gradients): one SwiGLU per expert over its
+        # slice. split / unbind rather than xs[a:b] / w[e]: their backward is one cat /
+        # stack, where each slice's backward would write a zero tensor the size of all of
+        # xs (or of all experts' weights) per expert
         ys = []
         for x, gate_up, down in zip(xs.split(counts), self.gate_up_proj.unbind(0),
                                     self.down_proj.unbind(0)):
@@ -301,15 +309,16 @@ class Experts(nn.Module):
         return torch.cat(ys)
 
     def _grouped(self, xs, counts):
-        # the same two matmuls for all experts in one grouped-GEMM call each (offs = where each
-        # slice ends)
+        # the same two matmuls for all experts in one grouped-GEMM call each (offs = where
+        # each slice ends)
         offs = counts.cumsum(0).to(torch.int32)
         gate, up = grouped_mm(xs, self.gate_up_proj.transpose(1, 2), offs).chunk(2, dim=-1)
         return grouped_mm(F.silu(gate) * up, self.down_proj.transpose(1, 2), offs)
 
 
-# an opaque op for torch.compile, registered on the dispatcher directly: torch.library.custom_op's
-# Python wrapper costs tens of microseconds a call, and a decode step makes a dozen of them
+# an opaque op for torch.compile, registered on the dispatcher directly:
+# torch.library.custom_op's Python wrapper costs tens of microseconds a call, and a decode
+# step makes a dozen of them
 _OPS = torch.library.Library("nanorl", "FRAGMENT")
 _OPS.define("grouped_mm(Tensor x, Tensor w, Tensor offs) -> Tensor")
 _OPS.impl("grouped_mm", lambda x, w, offs: torch._grouped_mm(x, w, offs=offs), "CPU")
@@ -321,23 +330,25 @@ def _(x, w, offs):
 
 
 def grouped_mm(x, w, offs):
-    # torch.compile cannot trace torch._grouped_mm on the CPU in fp32, so a compiled forward calls
-    # it as an opaque op (its output shape registered above); eager calls it directly
+    # torch.compile cannot trace torch._grouped_mm on the CPU in fp32, so a compiled
+    # forward calls it as an opaque op (its output shape registered above); eager calls it
+    # directly
     if torch.compiler.is_compiling():
         return torch.ops.nanorl.grouped_mm(x, w, offs)
     return torch._grouped_mm(x, w, offs=offs)
 
 
-# torch's grouped GEMM on CPU runs forward only (no backward: training takes the loop) and wants
-# 16-byte row strides (hidden and expert widths multiples of 4 in fp32). Where it runs, inference
-# takes it (bench.py compares). GROUPED_MM = False forces the loop everywhere (the reference the
-# tests compare against).
+# torch's grouped GEMM on CPU runs forward only (no backward: training takes the loop) and
+# wants 16-byte row strides (hidden and expert widths multiples of 4 in fp32). Where it
+# runs, inference takes it (bench/bench.py compares). GROUPED_MM = False forces the loop
+# everywhere (the reference the tests compare against).
 GROUPED_MM = hasattr(torch, "_grouped_mm")
 
 
 def grouped_experts(cfg: ModelConfig, device, dtype):
-    """Whether inference runs every MoE layer's experts as grouped matmuls (true of a dense model):
-    what a compiled forward needs, as the loop's per-expert split breaks its graph."""
+    """Whether inference runs every MoE layer's experts as grouped matmuls (true of a
+    dense model): what a compiled forward needs, as the loop's per-expert split breaks
+    its graph."""
     return cfg.num_experts == 0 or _grouped_fits(device, dtype, cfg.hidden_size,
                                                  cfg.moe_intermediate_size)
 
@@ -364,10 +375,10 @@ class MoE(nn.Module):
         self.experts = Experts(cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size)
 
     def forward(self, x, routes=None):
-        """(output, router_logits, the experts each row used [T, k]). routes [T, k]: routing
-        replay, the experts each row must use (another forward's choice, e.g. the engine's); a row
-        of -1 routes itself. The gates are still this router's probabilities at those experts, so
-        the router keeps its gradient."""
+        """(output, router_logits, the experts each row used [T, k]). routes [T, k]:
+        routing replay, the experts each row must use (another forward's choice, e.g.
+        the engine's); a row of -1 routes itself. The gates are still this router's
+        probabilities at those experts, so the router keeps its gradient."""
         router_logits = self.gate(x)                                     # [T, E]
         probs = F.softmax(router_logits, dim=-1, dtype=torch.float)      # softmax first, then top-k
         top_w, top_idx = torch.topk(probs, self.top_k, dim=-1)
@@ -427,8 +438,8 @@ class Transformer(nn.Module):
         return sum(p.numel() for p in self.parameters())
 
     def num_active_params(self):
-        """Parameters one token touches: experts count top_k / E of their weights (for FLOP
-        estimates)."""
+        """Parameters one token touches: experts count top_k / E of their weights (for
+        FLOP estimates)."""
         cfg, n = self.config, 0
         for name, p in self.named_parameters():
             n += p.numel() * (cfg.num_experts_per_tok / cfg.num_experts if ".experts." in name
@@ -436,8 +447,9 @@ class Transformer(nn.Module):
         return int(n) - self.embed_tokens.weight.numel() * (0 if cfg.tie_word_embeddings else 1)
 
     def rope(self, device):
-        """(inv_freq, cos/sin scale) on device, made once per model and device: a function of the
-        config only (a copy per forward would sync a GPU, and a CUDA graph cannot hold that)."""
+        """(inv_freq, cos/sin scale) on device, made once per model and device: a function
+        of the config only (a copy per forward would sync a GPU, and a CUDA graph cannot
+        hold that)."""
         if self._rope is None or self._rope[0].device != device:
             inv_freq, scale = rope_frequencies(self.config)
             self._rope = (inv_freq.to(device), scale)
@@ -446,18 +458,20 @@ class Transformer(nn.Module):
     def forward(self, tokens, position_ids, cu_seqlens=None, attention=None, logits_indices=None,
                 aux_loss=True, labels=None, temperature=1.0, branch=None, routes=None,
                 routes_out=None):
-        """tokens, position_ids: [T] (a packed batch); cu_seqlens: int32 [N+1] document boundaries.
-        attention: how to attend (default: causal within each document of cu_seqlens; with branch
-        [T], documents whose completions share a prompt, training.pack_groups: a row sees its own
-        branch and branch 0). logits_indices: compute logits only at these rows (the engine wants
-        one per sequence). Returns (logits / temperature [T or len(logits_indices), V], aux_loss):
-        aux_loss is the load-balancing loss over all MoE layers (transformers'
-        load_balancing_loss_func), a 0-dim tensor, 0 for a dense model; None when aux_loss=False
-        (inference: the engine never needs it). labels [T]: return log_softmax(logits /
-        temperature)[label] per row [T] (fp32) instead of the logits, made a chunk of rows at a time
-        (head_logprobs), so no [T, V] tensor is ever whole: the trainers' path. routes [T, M, k]:
-        routing replay, the experts each row uses in each of the M MoE layers (-1: its own
-        choice); routes_out: a list that receives the experts each MoE layer used, [T, k] each."""
+        """tokens, position_ids: [T] (a packed batch); cu_seqlens: int32 [N+1] document
+        boundaries. attention: how to attend (default: causal within each document of
+        cu_seqlens; with branch [T], documents whose completions share a prompt,
+        training.pack_groups: a row sees its own branch and branch 0). logits_indices:
+        compute logits only at these rows (the engine wants one per sequence). Returns
+        (logits / temperature [T or len(logits_indices), V], aux_loss): aux_loss is the
+        load-balancing loss over all MoE layers (transformers'
+        load_balancing_loss_func), a 0-dim tensor, 0 for a dense model; None when
+        aux_loss=False (inference: the engine never needs it). labels [T]: return
+        log_softmax(logits / temperature)[label] per row [T] (fp32) instead of the
+        logits, made a chunk of rows at a time (head_logprobs), so no [T, V] tensor is
+        ever whole: the trainers' path. routes [T, M, k]: routing replay, the experts
+        each row uses in each of the M MoE layers (-1: its own choice); routes_out: a
+        list that receives the experts each MoE layer used, [T, k] each."""
         require(tokens.dim() == 1 and position_ids.shape == tokens.shape,
                 f"tokens and position_ids must be 1-D and equal in shape, got "
                 f"{tuple(tokens.shape)} and {tuple(position_ids.shape)}")
@@ -494,15 +508,17 @@ class Transformer(nn.Module):
 
 
 # -----------------------------------------------------------------------------
-# the head's logprobs, a chunk of rows at a time: at a real vocabulary (151,936) a 16k-token batch's
-# fp32 logits alone are 10 GB, and log_softmax and its gradient each want as much again
+# the head's logprobs, a chunk of rows at a time: at a real vocabulary (151,936) a
+# 16k-token batch's fp32 logits alone are 10 GB, and log_softmax and its gradient each
+# want as much again
 
 
 def head_logprobs(hidden, weight, labels, temperature=1.0, chunk_bytes=256 * 2 ** 20):
-    """log_softmax(hidden @ weight.T / temperature)[label] per row, [T, D] x [V, D] -> [T] fp32,
-    equal to the whole computation; no more than chunk_bytes of fp32 logits exist at once, forward
-    or backward (backward recomputes each chunk's logits, as fused linear-cross-entropy kernels do).
-    Under autocast the matmuls run in the autocast dtype, as F.linear would."""
+    """log_softmax(hidden @ weight.T / temperature)[label] per row, [T, D] x [V, D] -> [T]
+    fp32, equal to the whole computation; no more than chunk_bytes of fp32 logits exist
+    at once, forward or backward (backward recomputes each chunk's logits, as fused
+    linear-cross-entropy kernels do). Under autocast the matmuls run in the autocast
+    dtype, as F.linear would."""
     require(hidden.dim() == 2 and labels.shape == hidden.shape[:1],
             f"hidden {tuple(hidden.shape)} and labels {tuple(labels.shape)}: expected [T, D] and "
             f"[T]")
@@ -513,8 +529,9 @@ def head_logprobs(hidden, weight, labels, temperature=1.0, chunk_bytes=256 * 2 *
 
 
 class HeadLogprobs(torch.autograd.Function):
-    """d logp_t / d logits_t = (onehot(label_t) - softmax(logits_t / T)) / T: each chunk's logits
-    are made again in backward and turned into the gradients of hidden and weight right away."""
+    """d logp_t / d logits_t = (onehot(label_t) - softmax(logits_t / T)) / T: each chunk's
+    logits are made again in backward and turned into the gradients of hidden and weight
+    right away."""
 
     @staticmethod
     def forward(ctx, hidden, weight, labels, temperature, rows, dtype):
@@ -548,8 +565,9 @@ class HeadLogprobs(torch.autograd.Function):
 
 
 def load_balancing_loss(router_logits, num_experts, top_k, like):
-    """Switch-Transformer aux loss, as transformers computes it: E * sum_e(fraction routed to e *
-    mean prob of e), the fractions and means taken over every (layer, token) row together."""
+    """Switch-Transformer aux loss, as transformers computes it: E * sum_e(fraction routed
+    to e * mean prob of e), the fractions and means taken over every (layer, token) row
+    together."""
     if not router_logits:
         return torch.zeros((), device=like.device, dtype=torch.float32)
     logits = torch.cat(router_logits, dim=0)                                  # [layers * T, E]
@@ -561,11 +579,12 @@ def load_balancing_loss(router_logits, num_experts, top_k, like):
 
 
 def train_flops(config: ModelConfig, seqlens, pairs=None):
-    """FLOPs of one forward+backward over packed sequences of these lengths (a forward alone is a
-    third): 6 per active matmul weight per token (experts count top_k of E, the router and the head
-    count, the embedding lookup doesn't) plus attention's QK^T and AV over the causal pairs within
-    each sequence (or over `pairs` query-key pairs: a batch's sum of position_ids + 1, which also
-    holds where completions share a prompt)."""
+    """FLOPs of one forward+backward over packed sequences of these lengths (a forward
+    alone is a third): 6 per active matmul weight per token (experts count top_k of E,
+    the router and the head count, the embedding lookup doesn't) plus attention's QK^T
+    and AV over the causal pairs within each sequence (or over `pairs` query-key pairs:
+    a batch's sum of position_ids + 1, which also holds where completions share a
+    prompt)."""
     H, D = config.hidden_size, config.head_dim
     per_token = config.vocab_size * H
     for i in range(config.num_hidden_layers):
@@ -585,9 +604,10 @@ def train_flops(config: ModelConfig, seqlens, pairs=None):
 
 
 def __getattr__(name):
-    # the HF format lives in checkpoint.py, which imports this file; the project imports it from
-    # there. `from model import load_hf_checkpoint` (the design's usage block) is resolved here, on
-    # first use, so that model.py never imports checkpoint.py while either loads
+    # the HF format lives in checkpoint.py, which imports this file; the project imports
+    # it from there. `from model import load_hf_checkpoint` (the design's usage block) is
+    # resolved here, on first use, so that model.py never imports checkpoint.py while
+    # either loads
     if name in ("load_hf_checkpoint", "save_hf_checkpoint"):
         import checkpoint
         return getattr(checkpoint, name)

@@ -7,24 +7,25 @@ Pretraining: next-token prediction on packed documents, every token weighted 1.
     # data-parallel
     torchrun --standalone --nproc_per_node=2 pretrain.py config/qwen_small.py --grad_accum=2
 
-The data is the task's corpus (its pretrain_corpus; the embedded countdown's: blind attempts of
-steps over some digits, dead ends included), each document tokenized and closed with
-<|endoftext|>. The tokenizer is saved into every checkpoint, so {out_dir}/ckpt is a self-contained
-transformers directory and sft.py can start from --init_from={out_dir}.
+The data is the task's corpus (its pretrain_corpus; the embedded countdown's: blind
+attempts of steps over some digits, dead ends included), each document tokenized and
+closed with <|endoftext|>. The tokenizer is saved into every checkpoint, so
+{out_dir}/ckpt is a self-contained transformers directory and sft.py can start from
+--init_from={out_dir}.
 """
 import sys
 
-import distributed
+from scaleout import distributed
 import training
 from checkpoint import init_start
 from configurator import configure, print0
-from environment import load_task, offers
+from tasks.environment import load_task, offers
 from tokenizer import ENDOFTEXT, build_tokenizer
 
 # -----------------------------------------------------------------------------
 # settings (a config file, then --key=value, override these)
 out_dir = "out/pretrain"
-task = "task"     # the task whose corpus to learn (environment.py); 'task' = countdown
+task = "tasks.countdown"     # the task whose corpus to learn (a module or a .py path)
 # 'scratch' | 'resume' | a previous run's out_dir | a transformers model dir
 init_from = "scratch"
 model = dict()    # ModelConfig fields for init_from='scratch' (vocab_size comes from the tokenizer)
@@ -62,8 +63,8 @@ config = configure(globals(), sys.argv[1:], stage="pretrain")
 
 
 def documents(tokenizer, the_task, n, seed):
-    """token ids of n corpus documents, each closed with <|endoftext|> so the model learns where one
-    ends"""
+    """token ids of n corpus documents, each closed with <|endoftext|> so the model learns
+    where one ends"""
     eot = tokenizer.convert_tokens_to_ids(ENDOFTEXT)
     return [tokenizer.encode(d, add_special_tokens=False) + [eot]
             for d in the_task.pretrain_corpus(n, seed)]

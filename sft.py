@@ -1,6 +1,6 @@
 """
-Supervised fine-tuning on chat conversations: the loss is on the assistant reply only (weights =
-loss mask).
+Supervised fine-tuning on chat conversations: the loss is on the assistant reply only
+(weights = loss mask).
 
     python sft.py config/qwen_small.py
     python sft.py config/qwen_small.py --init_from=out/qwen_small/pretrain --max_iters=100
@@ -10,19 +10,21 @@ loss mask).
     python sft.py config/qwen_small.py --init_from=out/qwen_small/sft --out_dir=out/rft \
         --rft_samples=8 --rft_problems=2000 --max_flops=1e13 --keep_best=True --max_iters=1000000
 
-The data is the task's demonstrations (its sft_examples: for the embedded countdown a minority of
-the training problems, each with one right chain of steps), each made by tokenizer.chat_example, the
-same chat template the engine's prompts use. With rft_samples > 0 it is rejection-sampling
-fine-tuning instead: the starting model answers rft_problems training problems (the ones GRPO's
-prompt stream would take first, same seed) rft_samples times each at rft_temperature, and the
-distinct correct answers, token for token as sampled, are the data.
+The data is the task's demonstrations (its sft_examples: for the embedded countdown a
+minority of the training problems, each with one right chain of steps), each made by
+tokenizer.chat_example, the same chat template the engine's prompts use. With
+rft_samples > 0 it is rejection-sampling fine-tuning instead: the starting model answers
+rft_problems training problems (the ones GRPO's prompt stream would take first, same
+seed) rft_samples times each at rft_temperature, and the distinct correct answers, token
+for token as sampled, are the data.
 
-Every eval_interval: eval/loss on demonstrations of validation problems, and eval/accuracy, the
-greedy accuracy on n_eval_problems validation problems, over whole episodes as evaluate.py and
-train_grpo.py run them (max_turns > 1: the task's multi-turn episodes). keep_best=True keeps
-the model of the best eval/accuracy in {out_dir}/best (early stopping on validation); max_flops > 0
-stops once the run (sampling included) has spent that many FLOPs (a compute-matched baseline). The
-test split is never read here.
+Every eval_interval: eval/loss on demonstrations of validation problems, and
+eval/accuracy, the greedy accuracy on n_eval_problems validation problems, over whole
+episodes as tasks/evaluate.py and train_grpo.py run them (max_turns > 1: the task's
+multi-turn episodes). keep_best=True keeps the model of the best eval/accuracy in
+{out_dir}/best (early stopping on validation); max_flops > 0 stops once the run
+(sampling included) has spent that many FLOPs (a compute-matched baseline). The test
+split is never read here.
 """
 import json
 import os
@@ -31,19 +33,19 @@ import sys
 
 import torch
 
-import distributed
-import evaluate
+from scaleout import distributed
+from tasks import evaluate
 import training
 from checkpoint import init_start, save_best
 from configurator import configure, print0
 from engine import sampled_mask
-from environment import Environment, load_task, offers, solved
+from tasks.environment import Environment, load_task, offers, solved
 from tokenizer import build_tokenizer, chat_example, check_template_kwargs
 
 # -----------------------------------------------------------------------------
 # settings (a config file, then --key=value, override these)
 out_dir = "out/sft"
-task = "task"                # a module name or a .py path (environment.py); 'task' = countdown
+task = "tasks.countdown"      # a module name or a .py path (tasks/environment.py)
 # 'scratch' | 'resume' | a previous run's out_dir | a transformers model dir
 init_from = "out/pretrain"
 model = dict()               # ModelConfig fields, used only with init_from='scratch'
@@ -98,9 +100,9 @@ def demonstrations(env, problems):
 
 
 def rejection_samples(model, env, problems):
-    """(examples, flops): the distinct correct answers of model to each problem, as chat examples
-    made of the exact prompt and completion ids that were sampled (mask on the completion), and the
-    FLOPs sampling them cost."""
+    """(examples, flops): the distinct correct answers of model to each problem, as chat
+    examples made of the exact prompt and completion ids that were sampled (mask on the
+    completion), and the FLOPs sampling them cost."""
     engine = evaluate.task_engine(model, env, problems, seed=seed)
     episodes = env.episodes(engine, problems, rft_samples, rft_temperature, seed)
     engine.shutdown()
@@ -179,7 +181,8 @@ if __name__ == "__main__":
     val_problems = the_task.make_problems("val", n_eval_problems or None)
     start = init_start(config, build_tokenizer)
     tokenizer = start.tokenizer
-    # the episodes evaluate.py and train_grpo.py run: stop ids, turns, template settings
+    # the episodes tasks/evaluate.py and train_grpo.py run: stop ids, turns, template
+    # settings
     env = Environment(the_task, tokenizer, eval_max_tokens, max_turns, max_episode_tokens,
                       start.stop_ids, check_template_kwargs(tokenizer, chat_template_kwargs))
     # a fresh run: no best model of an earlier run in out_dir

@@ -39,9 +39,9 @@ stage train_grpo.py
 # the SFT model is GRPO's start (the SFT run's best on validation)
 # the config's SFT and GRPO directories, its task and the no-learning rules that task offers
 info=$($PY -c "exec(open('$CONFIG').read())
-from environment import load_task
-from evaluate import offered_rules
-task = globals().get('task', 'task')
+from tasks.environment import load_task
+from tasks.evaluate import offered_rules
+task = globals().get('task', 'tasks.countdown')
 print(grpo['init_from'], grpo['out_dir'], task, *offered_rules(load_task(task)))")
 read -r SFT GRPO TASK RULES <<< "$info"   # (a failing python stops the script on the line above)
 TEST=(--max_iters=0 --eval_split=test --n_eval_problems=0 --pass_k=8)
@@ -50,14 +50,14 @@ stage train_grpo.py --init_from="$GRPO/best" --out_dir="$GRPO/../test_grpo" "${T
 VAL_RULES=()
 for rule in $RULES; do   # no learning, the same reward; validation for the plot
     for split in val test; do
-        $PY evaluate.py "$rule" $split "$GRPO/../${split}_$rule" --task="$TASK"
+        $PY -m tasks.evaluate "$rule" $split "$GRPO/../${split}_$rule" --task="$TASK"
     done
     VAL_RULES+=("$GRPO/../val_$rule")
 done
-$PY report.py --run "$GRPO" "$GRPO/../grpo.png" "${VAL_RULES[@]}"
+$PY -m bench.report --run "$GRPO" "$GRPO/../grpo.png" "${VAL_RULES[@]}"
 $PY - "$GRPO" $RULES <<'PY'
 import json, os, sys
-from evaluate import RULES
+from tasks.evaluate import RULES
 def evals(path):
     rows = [json.loads(line) for line in open(os.path.join(path, "metrics.jsonl"))]
     return [r for r in rows if "eval/accuracy" in r]

@@ -1,5 +1,6 @@
 """
-engine.py against transformers: random tiny checkpoints written by transformers itself, CPU, fp32.
+engine.py against transformers: random tiny checkpoints written by transformers itself,
+CPU, fp32.
 
     python -m pytest -q test_engine.py
 """
@@ -128,7 +129,8 @@ def test_sampled_logprobs_match_transformers(checkpoint):
                 keep = (torch.arange(probs.shape[1]) < params.top_k) & \
                     (top.cumsum(-1) - top < params.top_p)
                 ref = ref - (top * keep).sum(-1).log()
-                # every sampled token is inside the top-k and the nucleus of its distribution
+                # every sampled token is inside the top-k and the nucleus of its
+                # distribution
                 for row, tok in zip(probs, s.completion_tokens):
                     rank = (row > row[tok]).sum().item()
                     assert rank < params.top_k
@@ -168,8 +170,8 @@ def test_paged_attention_mixed_batch_matches_document_attention(backend):
     g = torch.Generator().manual_seed(0)
     cfg = ModelConfig(num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2, head_dim=8)
     cache = PagedKVCache(cfg, num_blocks=40, block_size=4)
-    # total length / already cached: two decodes, then a whole prefill, a chunk after a cached
-    # prefix, a 1-token one
+    # total length / already cached: two decodes, then a whole prefill, a chunk after a
+    # cached prefix, a 1-token one
     lens, done = [6, 9, 9, 7, 1], [5, 8, 0, 4, 0]
     perm = torch.randperm(40, generator=g).tolist()    # pages scattered over the pool
     tables = [perm[8 * b: 8 * b + 8] for b in range(5)]
@@ -201,7 +203,8 @@ def test_flex_backend_and_chunked_prefill_give_the_same_tokens(moe):
     params = SamplingParams(temperature=0, max_tokens=8)
     ref = outputs(engine_for(path).generate(PROMPTS, params, 2))
     assert outputs(engine_for(path, attention_backend="flex").generate(PROMPTS, params, 2)) == ref
-    # a token budget of 7: prompts are prefilled in chunks, mixed with other sequences' decodes
+    # a token budget of 7: prompts are prefilled in chunks, mixed with other sequences'
+    # decodes
     chunked = engine_for(path, max_num_batched_tokens=7)
     assert outputs(chunked.generate(PROMPTS, params, 2)) == ref
     assert chunked.stats()["steps"] > 20
@@ -277,8 +280,8 @@ def test_update_weights_serves_no_stale_kv(moe, tmp_path_factory):
         assert engine.stats()["prefix_cache_hit_tokens"] == hits      # not one old page was served
         engine.generate(PROMPTS, params, 2)                            # ... though new ones are
         assert engine.stats()["prefix_cache_hit_tokens"] > hits
-    # one version per call: a snapshot replaced before it was applied still counts, and only the
-    # newest is served
+    # one version per call: a snapshot replaced before it was applied still counts, and
+    # only the newest is served
     engine = engine_for(path)
     old_sd = {k: v.clone() for k, v in engine.model.state_dict().items()}
     engine.update_weights(old_sd, blocking=False)
@@ -486,8 +489,9 @@ def test_bad_inputs_are_refused_and_change_nothing(moe):
 
 
 def test_the_design_documents_usage_block_runs_as_written(moe):
-    # DESIGN.md's usage code line for line, the model path aside and the names it leaves to the
-    # reader filled in first; shutdown moves after the mid and low levels, which need the engine
+    # DESIGN.md's usage code line for line, the model path aside and the names it leaves
+    # to the reader filled in first; shutdown moves after the mid and low levels, which
+    # need the engine
     _, path = moe
     import torch
     prompts, eos, prompt = PROMPTS[:2], 2, PROMPTS[0]
@@ -553,8 +557,9 @@ def test_attention_choice_is_sdpa_unless_flex_is_asked_for():
 
 
 def test_compiled_paged_flex_attention_on_cpu_matches_transformers(moe):
-    # the compiled kernel GPU users run, here on CPU: chunked prefill, decode, a prefix hit and a
-    # preemption (a pool too small for every sample at once), against transformers
+    # the compiled kernel GPU users run, here on CPU: chunked prefill, decode, a prefix
+    # hit and a preemption (a pool too small for every sample at once), against
+    # transformers
     hf, path = moe
     engine = engine_for(path, attention_backend="flex", compile=True, num_blocks=12,
                         max_num_batched_tokens=24)
@@ -573,13 +578,14 @@ def test_compiled_paged_flex_attention_on_cpu_matches_transformers(moe):
 
 @pytest.mark.parametrize("padding", ["cpu", "cuda"])
 def test_static_decode_steps_equal_the_eager_ones_and_transformers(moe, monkeypatch, padding):
-    # compile=True with SDPA: every step in which all sequences decode runs as one compiled graph,
-    # sampler included (decode.py). The same seeded draws and logprobs within 1e-5 as the eager
-    # engine through chunked prefill, prefix hits (the second call), preemptions and a weight
-    # update; greedy tokens equal to transformers'. padding='cuda': batches and block tables padded
-    # to a GPU's buckets (1, 2, 4, 8, 16 rows; 2, 4, 8 blocks), the padded rows through the scratch
-    # block, across bucket boundaries as samples finish
-    import decode
+    # compile=True with SDPA: every step in which all sequences decode runs as one
+    # compiled graph, sampler included (inference/decode.py). The same seeded draws and
+    # logprobs within 1e-5 as the eager engine through chunked prefill, prefix hits (the
+    # second call), preemptions and a weight update; greedy tokens equal to transformers'.
+    # padding='cuda': batches and block tables padded to a GPU's buckets (1, 2, 4, 8, 16
+    # rows; 2, 4, 8 blocks), the padded rows through the scratch block, across bucket
+    # boundaries as samples finish
+    from inference import decode
     hf, path = moe
     shapes = decode.shapes_of
     monkeypatch.setattr(decode, "shapes_of", lambda b, w, _: shapes(b, w, padding))
@@ -617,9 +623,9 @@ def test_static_decode_steps_equal_the_eager_ones_and_transformers(moe, monkeypa
 
 
 def test_static_decode_compiles_once_for_every_batch_size(moe):
-    # one graph for every batch size and context length (dynamic sizes, no duck sizing): from the
-    # warm-up's step of 2 rows and 2 blocks, batches of 2 to 30 rows and contexts to 53 tokens add
-    # no graph (dynamo's count, from a reset)
+    # one graph for every batch size and context length (dynamic sizes, no duck sizing):
+    # from the warm-up's step of 2 rows and 2 blocks, batches of 2 to 30 rows and contexts
+    # to 53 tokens add no graph (dynamo's count, from a reset)
     import attention
     from torch._dynamo.utils import counters
     _, path = moe
@@ -638,8 +644,8 @@ def test_static_decode_compiles_once_for_every_batch_size(moe):
 
 
 def test_static_decode_steps_are_refused_where_they_are_not_built(moe, tmp_path):
-    # the experts' loop (widths not multiples of 4) would break the compiled graph, and bf16 on
-    # the CPU is not built: refused up front, named (a GPU's MoE: test_cuda.py)
+    # the experts' loop (widths not multiples of 4) would break the compiled graph, and
+    # bf16 on the CPU is not built: refused up front, named (a GPU's MoE: test_cuda.py)
     _, path = moe
     cfg = HF_CONFIGS["moe"]()
     cfg.moe_intermediate_size = 10

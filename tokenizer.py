@@ -1,18 +1,18 @@
 """
-The embedded default's own tokenizer: a tiny, fixed vocabulary built with HF `tokenizers`, no
-downloads.
+The embedded default's own tokenizer: a tiny, fixed vocabulary built with HF
+`tokenizers`, no downloads.
 
-Every character of printable ASCII (plus newline) is one token, a handful of words that every prompt
-repeats ("user", "assistant", "digits", ...) are one token each so prompts stay short, and the three
-ChatML special tokens of Qwen sit at the front. The result is wrapped as a transformers tokenizer
-with a Qwen-style ChatML chat template, so the rest of the stack treats it exactly like a hub
-tokenizer:
+Every character of printable ASCII (plus newline) is one token, a handful of words that
+every prompt repeats ("user", "assistant", "digits", ...) are one token each so prompts
+stay short, and the three ChatML special tokens of Qwen sit at the front. The result is
+wrapped as a transformers tokenizer with a Qwen-style ChatML chat template, so the rest
+of the stack treats it exactly like a hub tokenizer:
 
     <|im_start|>user\ndigits 3 5 7 target 22<|im_end|>\n<|im_start|>assistant\n3*5+7<|im_end|>\n
 
-eos for chat is <|im_end|> (the engine's stop token); pad and the pretraining document separator is
-<|endoftext|>. The vocabulary is a literal list below, so ids are the same on every run and every
-machine.
+eos for chat is <|im_end|> (the engine's stop token); pad and the pretraining document
+separator is <|endoftext|>. The vocabulary is a literal list below, so ids are the same
+on every run and every machine.
 """
 
 import json
@@ -43,9 +43,9 @@ CHARS = ["\n"] + [chr(c) for c in range(32, 127)]  # newline + printable ASCII (
 VOCAB = SPECIAL_TOKENS + CHARS + WORDS  # 4 + 96 + 5 = 105 ids
 GENERIC_CLASSES = (None, "TokenizersBackend", "PreTrainedTokenizerFast")   # no class of its own
 
-# Qwen-style ChatML. No default system prompt (the task's prompts are short on purpose). An
-# assistant turn is "<|im_start|>assistant\n" + content + "<|im_end|>" + "\n"; add_generation_prompt
-# appends the header only.
+# Qwen-style ChatML. No default system prompt (the task's prompts are short on purpose).
+# An assistant turn is "<|im_start|>assistant\n" + content + "<|im_end|>" + "\n";
+# add_generation_prompt appends the header only.
 CHAT_TEMPLATE = (
     "{%- for message in messages %}"
     "{%- if message['role'] not in ['system', 'user', 'assistant'] %}"
@@ -63,14 +63,14 @@ CHAT_TEMPLATE = (
 
 
 def build_tokenizer() -> PreTrainedTokenizerFast:
-    """The tokenizer, built from the literal vocabulary above (deterministic ids, no files, no
-    network)."""
+    """The tokenizer, built from the literal vocabulary above (deterministic ids, no
+    files, no network)."""
     vocab = {tok: i for i, tok in enumerate(VOCAB)}
     assert len(vocab) == len(VOCAB), "duplicate vocabulary entry"
     core = Tokenizer(models.WordLevel(vocab=vocab, unk_token=UNK))
-    # each piece is either one of WORDS or a single character; WordLevel then maps pieces to ids one
-    # to one. [\s\S] is any character, newline included. The words come first so the regex prefers
-    # them over letters.
+    # each piece is either one of WORDS or a single character; WordLevel then maps pieces
+    # to ids one to one. [\s\S] is any character, newline included. The words come first
+    # so the regex prefers them over letters.
     pattern = "|".join(WORDS) + r"|[\s\S]"
     core.pre_tokenizer = pre_tokenizers.Split(Regex(pattern), behavior="isolated")
     core.decoder = decoders.Fuse()  # concatenate the pieces back, no spaces inserted
@@ -78,7 +78,8 @@ def build_tokenizer() -> PreTrainedTokenizerFast:
                                   pad_token=ENDOFTEXT, unk_token=UNK,
                                   additional_special_tokens=[IM_START], chat_template=CHAT_TEMPLATE,
                                   clean_up_tokenization_spaces=False, model_max_length=4096)
-    # the specials must keep the ids of VOCAB (add_special_tokens must not have appended new ones)
+    # the specials must keep the ids of VOCAB (add_special_tokens must not have appended
+    # new ones)
     for i, s in enumerate(SPECIAL_TOKENS):
         if tok.convert_tokens_to_ids(s) != i:
             raise RuntimeError(f"special token {s!r} got id {tok.convert_tokens_to_ids(s)}, "
@@ -89,9 +90,9 @@ def build_tokenizer() -> PreTrainedTokenizerFast:
 
 
 def save_tokenizer(tok, path) -> None:
-    """Write tok to the directory path: into a temp dir first, then renamed into place (the whole
-    dir if new, file by file into an existing one, e.g. a checkpoint dir, whose other files are
-    kept)."""
+    """Write tok to the directory path: into a temp dir first, then renamed into place
+    (the whole dir if new, file by file into an existing one, e.g. a checkpoint dir,
+    whose other files are kept)."""
     path = os.fspath(path)
     if os.path.exists(path) and not os.path.isdir(path):
         raise ValueError(f"tokenizer path exists and is not a directory: {path!r}")
@@ -120,10 +121,11 @@ def _named_class(path):
 
 
 def load_tokenizer(path) -> PreTrainedTokenizerFast:
-    """Load a tokenizer saved by save_tokenizer (or any local HF tokenizer dir): with AutoTokenizer
-    when its tokenizer_config.json names a class of its own (Qwen2Tokenizer, ...), else as what
-    tokenizer.json says. AutoTokenizer would pick the class of the model_type in a config.json
-    beside ours (Qwen2Tokenizer, say), which rebuilds the pre-tokenizer and loses our spaces."""
+    """Load a tokenizer saved by save_tokenizer (or any local HF tokenizer dir): with
+    AutoTokenizer when its tokenizer_config.json names a class of its own
+    (Qwen2Tokenizer, ...), else as what tokenizer.json says. AutoTokenizer would pick
+    the class of the model_type in a config.json beside ours (Qwen2Tokenizer, say),
+    which rebuilds the pre-tokenizer and loses our spaces."""
     path = os.fspath(path)
     if not os.path.isdir(path):
         raise FileNotFoundError(f"tokenizer directory not found: {path!r}")
@@ -142,12 +144,14 @@ def load_tokenizer(path) -> PreTrainedTokenizerFast:
 
 
 # -----------------------------------------------------------------------------
-# chat helpers: the only way prompt ids and training examples are made, so the two always agree
+# chat helpers: the only way prompt ids and training examples are made, so the two always
+# agree
 
 
 def _ids(out) -> list[int]:
-    # transformers 5 returns a BatchEncoding from apply_chat_template(tokenize=True) unless
-    # return_dict=False; accept either so a version change cannot silently hand a dict to the engine
+    # transformers 5 returns a BatchEncoding from apply_chat_template(tokenize=True)
+    # unless return_dict=False; accept either so a version change cannot silently hand a
+    # dict to the engine
     if isinstance(out, Mapping):
         out = out["input_ids"]
     if hasattr(out, "tolist"):
@@ -176,9 +180,9 @@ def _check_messages(tok, messages) -> None:
 
 
 def chat_ids(tok, messages, add_generation_prompt, **template_kwargs) -> list[int]:
-    """The chat template's ids of messages (unchecked: the callers check them). A template that
-    raises on them (an unknown role, turns out of order, ...) is refused with a ValueError that
-    names its failure."""
+    """The chat template's ids of messages (unchecked: the callers check them). A template
+    that raises on them (an unknown role, turns out of order, ...) is refused with a
+    ValueError that names its failure."""
     try:
         out = tok.apply_chat_template(list(messages), add_generation_prompt=add_generation_prompt,
                                       tokenize=True, return_dict=False, **template_kwargs)
@@ -189,8 +193,8 @@ def chat_ids(tok, messages, add_generation_prompt, **template_kwargs) -> list[in
     return _ids(out)
 
 
-# what a caller's template_kwargs may not set: the rendering's own inputs, and what this stack
-# does not render (tools, documents)
+# what a caller's template_kwargs may not set: the rendering's own inputs, and what this
+# stack does not render (tools, documents)
 RESERVED_TEMPLATE_NAMES = frozenset({
     "messages", "add_generation_prompt", "continue_final_message", "tools", "custom_tools",
     "documents", "raise_exception", "strftime_now", "bos_token", "eos_token", "pad_token",
@@ -198,10 +202,10 @@ RESERVED_TEMPLATE_NAMES = frozenset({
 
 
 def check_template_kwargs(tok, kwargs, name="chat_template_kwargs") -> dict:
-    """kwargs for the chat template (Qwen3's {"enable_thinking": false}), refused with a ValueError
-    naming the key unless it is a variable the template reads and does not overwrite (it may set a
-    default when the variable `is not defined`, as Llama 3's date_string): a key it ignores or
-    overwrites would be honoured silently by nothing."""
+    """kwargs for the chat template (Qwen3's {"enable_thinking": false}), refused with a
+    ValueError naming the key unless it is a variable the template reads and does not
+    overwrite (it may set a default when the variable `is not defined`, as Llama 3's
+    date_string): a key it ignores or overwrites would be honoured silently by nothing."""
     import jinja2.meta   # transformers renders chat templates with jinja2
     if not (isinstance(kwargs, dict) and all(isinstance(k, str) for k in kwargs)):
         raise ValueError(f"{name} must be a dict with string keys, got {kwargs!r}")
@@ -226,25 +230,27 @@ def chat_prompt_ids(tok, messages, **template_kwargs) -> list[int]:
 
 
 def generation_stop_ids(tok) -> list[int]:
-    """What ends a generation when no generation_config.json says (checkpoint.stop_ids_of reads
-    it): the eos (<|im_end|>, a chat turn's end) and, when the vocabulary has it, the document
-    separator <|endoftext|> (a plain completion's end), as Qwen's generation_config lists them."""
+    """What ends a generation when no generation_config.json says (checkpoint.stop_ids_of
+    reads it): the eos (<|im_end|>, a chat turn's end) and, when the vocabulary has it,
+    the document separator <|endoftext|> (a plain completion's end), as Qwen's
+    generation_config lists them."""
     ids = [tok.eos_token_id,
            tok.convert_tokens_to_ids(ENDOFTEXT) if ENDOFTEXT in tok.get_vocab() else None]
     return [i for i in dict.fromkeys(ids) if i is not None]
 
 
 def completion_text(tok, ids) -> str:
-    """What the reward reads: the completion's text with its special tokens kept. Skipping them
-    would let '3*<|im_start|>5+7' pass as '3*5+7'; task.reward drops the closing <|im_end|>
-    itself."""
+    """What the reward reads: the completion's text with its special tokens kept. Skipping
+    them would let '3*<|im_start|>5+7' pass as '3*5+7'; task.reward drops the closing
+    <|im_end|> itself."""
     return tok.decode(ids, skip_special_tokens=False)
 
 
 def reply_parts(tok, text) -> tuple[str | None, str]:
-    """(reasoning, content) of a reply's text. A template with a </think> token (Qwen3's) has the
-    model think first: "<think>\nplan\n</think>\n\n42" -> ("plan", "42"). Without that token,
-    or a </think> in the text, the whole text is content: (None, text)."""
+    """(reasoning, content) of a reply's text. A template with a </think> token (Qwen3's)
+    has the model think first: "<think>\nplan\n</think>\n\n42" -> ("plan", "42").
+    Without that token, or a </think> in the text, the whole text is content: (None,
+    text)."""
     think_end = tok.convert_tokens_to_ids(THINK_END)
     if think_end is None or think_end == tok.unk_token_id or THINK_END not in text:
         return None, text
@@ -253,15 +259,16 @@ def reply_parts(tok, text) -> tuple[str | None, str]:
 
 
 def chat_example(tok, messages, stop_ids=None, **template_kwargs) -> tuple[list[int], list[int]]:
-    """(ids, loss_mask) of a whole conversation whose last message is the assistant reply to learn.
+    """(ids, loss_mask) of a whole conversation whose last message is the assistant reply
+    to learn.
 
-    The mask covers exactly what the model would sample for that turn: the template's ids after the
-    generation prompt up to and including the first stop id (stop_ids, default
-    generation_stop_ids), so the model learns to stop. That is the reply then <|im_end|> in ChatML,
-    an (empty) think block, the reply and <|im_end|> in Qwen3's, the reply and <|eot_id|> in
-    Llama 3's. Everything before is 0, and so is what the template writes after the stop (ChatML's
-    newline). The prompt is the very ids chat_prompt_ids gives for messages[:-1]; that is checked,
-    not assumed.
+    The mask covers exactly what the model would sample for that turn: the template's
+    ids after the generation prompt up to and including the first stop id (stop_ids,
+    default generation_stop_ids), so the model learns to stop. That is the reply then
+    <|im_end|> in ChatML, an (empty) think block, the reply and <|im_end|> in Qwen3's,
+    the reply and <|eot_id|> in Llama 3's. Everything before is 0, and so is what the
+    template writes after the stop (ChatML's newline). The prompt is the very ids
+    chat_prompt_ids gives for messages[:-1]; that is checked, not assumed.
     """
     _check_messages(tok, messages)
     if messages[-1]["role"] != "assistant" or len(messages) < 2:
@@ -278,8 +285,8 @@ def chat_example(tok, messages, stop_ids=None, **template_kwargs) -> tuple[list[
     if end is None:
         raise ValueError(f"the chat template closes the assistant turn with none of the stop ids "
                          f"{sorted(stop)}")
-    # the learned text must end with the reply (catches characters the tokenizer cannot spell
-    # -> <|unk|>; the template may trim the reply, or write a think block before it)
+    # the learned text must end with the reply (catches characters the tokenizer cannot
+    # spell -> <|unk|>; the template may trim the reply, or write a think block before it)
     learned = tok.decode(full[len(prompt):end - 1], skip_special_tokens=False)
     reply = messages[-1]["content"]
     if not learned.strip().endswith(reply.strip()):
@@ -294,17 +301,19 @@ STUB = [{"role": "user", "content": "x"}, {"role": "assistant", "content": ""}]
 
 
 class TurnBridge:
-    """The ids between one reply and the next, rendered by the template on a stub conversation, so
-    an episode grows by ids and earlier replies are never re-rendered (the training sequence is
-    the sampling sequence, for any template, including Qwen3's, which renders earlier turns
-    without their think blocks). E.g. ChatML, after a reply that stopped on <|im_end|>:
+    """The ids between one reply and the next, rendered by the template on a stub
+    conversation, so an episode grows by ids and earlier replies are never re-rendered
+    (the training sequence is the sampling sequence, for any template, including
+    Qwen3's, which renders earlier turns without their think blocks). E.g. ChatML, after
+    a reply that stopped on <|im_end|>:
 
         \n <|im_start|>user\n= 22, target 23<|im_end|>\n <|im_start|>assistant\n
 
-    close: the template's ids from the first stop id after an assistant turn's header to the end
-    of the turn (ChatML: <|im_end|> \n; Llama 3: <|eot_id|>). A reply that stopped on any stop id
-    has closed its turn with it (as the renderers package's bridges treat <|endoftext|> or
-    <|eom_id|>), so the rest follows; one cut at max_tokens gets all of them."""
+    close: the template's ids from the first stop id after an assistant turn's header to
+    the end of the turn (ChatML: <|im_end|> \n; Llama 3: <|eot_id|>). A reply that
+    stopped on any stop id has closed its turn with it (as the renderers package's
+    bridges treat <|endoftext|> or <|eom_id|>), so the rest follows; one cut at
+    max_tokens gets all of them."""
 
     def __init__(self, tok, stop_ids, **template_kwargs):
         self.tok, self.stop, self.kwargs = tok, frozenset(stop_ids), template_kwargs
@@ -320,10 +329,10 @@ class TurnBridge:
         self.user = chat_ids(tok, STUB[:1], False, **template_kwargs)
 
     def next_ids(self, new_messages, last_id) -> list[int]:
-        """The ids after a reply whose last id is last_id: the rest of its turn's close, the
-        new messages as the template renders them after an assistant turn, the generation prompt.
-        Found in the template's rendering of STUB + new_messages: what follows the stub reply's
-        close."""
+        """The ids after a reply whose last id is last_id: the rest of its turn's close,
+        the new messages as the template renders them after an assistant turn, the
+        generation prompt. Found in the template's rendering of STUB + new_messages:
+        what follows the stub reply's close."""
         _check_messages(self.tok, new_messages)
         whole = chat_ids(self.tok, STUB + list(new_messages), True, **self.kwargs)
         n = len(self.close)

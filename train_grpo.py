@@ -1,7 +1,7 @@
 """
-GRPO, the main job: the policy samples groups of answers (or multi-turn episodes) with the
-in-process engine, the task's reward scores them, and the shared loss pushes up those that beat
-their group's mean.
+GRPO, the main job: the policy samples groups of answers (or multi-turn episodes) with
+the in-process engine, the task's reward scores them, and the shared loss pushes up
+those that beat their group's mean.
 
     python train_grpo.py config/qwen_small.py
     python train_grpo.py config/qwen_small.py --max_iters=20 --out_dir=out/try
@@ -9,7 +9,7 @@ their group's mean.
     python train_grpo.py config/countdown_feedback.py                # a multi-turn task
     # data-parallel, one engine each
     torchrun --standalone --nproc_per_node=2 train_grpo.py config/qwen_small.py
-    # rank 1 only samples, a step ahead of rank 0's training (rollout_ranks.py)
+    # rank 1 only samples, a step ahead of rank 0's training (scaleout/rollout_ranks.py)
     torchrun --standalone --nproc_per_node=2 train_grpo.py config/qwen_small.py --rollout_ranks=1 \
         --max_staleness=1 --tis_cap=2
     # only evaluate init_from, on test
@@ -17,46 +17,51 @@ their group's mean.
         --eval_split=test --n_eval_problems=0
 
 One iteration (grpo_step, with the same numbers):
-  1. sample and score (rollout): draw prompts_per_step training problems with the sampler
-     (ProblemSampler: in proportion to p(1 - p), p a problem's success rate so far, so rollouts go
-     where groups can have reward variance); their chat-template ids are made once and those exact
-     ids go to the engine and into the training batch. env.episodes (environment.py) runs
-     engine.generate(prompt_ids, num_samples_per_prompt=group_size): each prompt prefilled once,
-     its G samples sharing its KV blocks; a multi-turn task's episodes go on, the environment's
-     answer appended by ids, until it says they are over; every sampled token carries the weight
-     version that produced it. Rewards are the task's (setting `task`), 0 for a reply that did not
-     stop by itself. A group whose rewards are all equal teaches nothing: it is dropped and counted
-     (rollout/zero_var_groups), and the sampler's record makes its problem rarer; one rollout call
-     per step, never a refill;
-  2. advantages = reward - group mean (divided by the group std only when scale_rewards=True: Dr.
-     GRPO shows the division biases toward easy/hard groups); token_weights = advantage x loss mask
-     (1 on sampled tokens), packed into PackedBatches that carry the mask; the loss normalizer is
-     fixed now (loss_norm, below);
-  3. this rank's share of the batches, with the per-token no-grad corrections folded into their
-     weights: an importance-sampling factor (tis_cap, mis_low / mis_high, is_level; off_policy.py)
-     and the KL to the starting policy (kl_coef > 0), from a logprob pass that runs only for them
-     (or for PPO's old logprobs, or the engine's experts: record_routes / routing_replay);
-  4. one optimizer step (training.train_step) on policy_loss, the shared unified_loss (PPO's
-     clipped objective with ppo_clip > 0, ppo_epochs steps): a fork changes the objective there;
-  5. publish: engine.update_weights(model.state_dict()), in place, version += 1, prefix cache
-     flushed (a version per iteration, even one without a step);
+  1. sample and score (rollout): draw prompts_per_step training problems with the
+     sampler (ProblemSampler: in proportion to p(1 - p), p a problem's success rate so
+     far, so rollouts go where groups can have reward variance); their chat-template ids
+     are made once and those exact ids go to the engine and into the training batch.
+     env.episodes (tasks/environment.py) runs engine.generate(prompt_ids,
+     num_samples_per_prompt=group_size): each prompt prefilled once, its G samples
+     sharing its KV blocks; a multi-turn task's episodes go on, the environment's answer
+     appended by ids, until it says they are over; every sampled token carries the
+     weight version that produced it. Rewards are the task's (setting `task`), 0 for a
+     reply that did not stop by itself. A group whose rewards are all equal teaches
+     nothing: it is dropped and counted (rollout/zero_var_groups), and the sampler's
+     record makes its problem rarer; one rollout call per step, never a refill;
+  2. advantages = reward - group mean (divided by the group std only when
+     scale_rewards=True: Dr. GRPO shows the division biases toward easy/hard groups);
+     token_weights = advantage x loss mask (1 on sampled tokens), packed into
+     PackedBatches that carry the mask; the loss normalizer is fixed now (loss_norm,
+     below);
+  3. this rank's share of the batches, with the per-token no-grad corrections folded
+     into their weights: an importance-sampling factor (tis_cap, mis_low / mis_high,
+     is_level; off_policy.py) and the KL to the starting policy (kl_coef > 0), from a
+     logprob pass that runs only for them (or for PPO's old logprobs, or the engine's
+     experts: record_routes / routing_replay);
+  4. one optimizer step (training.train_step) on policy_loss, the shared unified_loss
+     (PPO's clipped objective with ppo_clip > 0, ppo_epochs steps): a fork changes the
+     objective there;
+  5. publish: engine.update_weights(model.state_dict()), in place, version += 1, prefix
+     cache flushed (a version per iteration, even one without a step);
   then log, evaluate on the validation split (every eval_interval) and checkpoint (with the
   sampler's record).
 
-loss_norm, the denominator of unified_loss: 'constant' (the default, Dr. GRPO: prompts_per_step x
-group_size x max_new_tokens x max_turns, the same every step, so a step's size follows how much its
-samples have to teach and not how many of them there are), 'tokens' (the completion tokens of the
-step: a per-token mean, DAPO) or 'weights' (sum |advantage| over completion tokens: a weighted mean
-whose scale ignores how many groups succeed). No KL term unless kl_coef > 0: it is the k1 estimate
-log p - log p_start per completion token, a per-token penalty in the weights, as in KL-in-reward.
+loss_norm, the denominator of unified_loss: 'constant' (the default, Dr. GRPO:
+prompts_per_step x group_size x max_new_tokens x max_turns, the same every step, so a
+step's size follows how much its samples have to teach and not how many of them there
+are), 'tokens' (the completion tokens of the step: a per-token mean, DAPO) or 'weights'
+(sum |advantage| over completion tokens: a weighted mean whose scale ignores how many
+groups succeed). No KL term unless kl_coef > 0: it is the k1 estimate log p - log
+p_start per completion token, a per-token penalty in the weights, as in KL-in-reward.
 
-The trainer keeps fp32 master weights; the engine holds its own copy (its dtype) and never aliases
-them. The trainer scores log_softmax(logits / T), the distribution the engine samples at temperature
-T (with top_p / top_k the engine samples a truncated one: off-policy, off_policy.py corrects it).
-train/logprob_mismatch is the mean |engine - trainer logprob| over the step's weighted completion
-tokens, measured by the step's own forward (before the update): fp32 rounding when both hold the
-same fp32 weights, and the staleness too with rollout ranks; offpolicy/* are the mismatch metrics
-of off_policy.py.
+The trainer keeps fp32 master weights; the engine holds its own copy (its dtype) and
+never aliases them. The trainer scores log_softmax(logits / T), the distribution the
+engine samples at temperature T (with top_p / top_k the engine samples a truncated one:
+off-policy, off_policy.py corrects it). train/logprob_mismatch is the mean |engine -
+trainer logprob| over the step's weighted completion tokens, measured by the step's own
+forward (before the update): fp32 rounding when both hold the same fp32 weights, and the
+staleness too with rollout ranks; offpolicy/* are the mismatch metrics of off_policy.py.
 """
 import dataclasses
 import functools
@@ -70,24 +75,23 @@ import numpy as np
 import torch
 
 from checks import is_number, require
-import distributed
-import evaluate
-import rollout_ranks as ranks
+from scaleout import distributed
+from tasks import evaluate
+from scaleout import rollout_ranks as ranks
 import off_policy
 import training
-from rollout_servers import Servers
-from environment import Environment, load_task, solved
+from scaleout.rollout_servers import Servers
+from tasks.environment import Environment, load_task, solved
 from checkpoint import init_start, load_model, model_dir_of, save_best, save_checkpoint
 from configurator import configure, print0
 from engine import EngineConfig, SamplingParams, sampled_mask
-from measure import Meter
 from model import train_flops
 from tokenizer import build_tokenizer, check_template_kwargs
 
 # -----------------------------------------------------------------------------
 # settings (a config file, then --key=value, override these)
 out_dir = "out/grpo"
-task = "task"                 # a module name or a .py path (environment.py); 'task' = countdown
+task = "tasks.countdown"      # a module name or a .py path (tasks/environment.py)
 init_from = "out/sft"         # 'resume' | a previous run's out_dir | a transformers model dir
 model = dict()                # ModelConfig fields, used only with init_from='scratch'
 seed = 1337
@@ -134,7 +138,8 @@ grad_clip = 1.0
 aux_loss_coef = 0.01          # times the router's load-balancing loss
 batch_tokens = 4096           # tokens per micro-batch; a step takes as many as its samples need
 dist_timeout_s = 300          # torchrun: a collective waiting longer than this ends the job
-# rollout ranks (torchrun; rollout_ranks.py) and servers (rollout_servers.py)
+# rollout ranks (torchrun; scaleout/rollout_ranks.py) and servers
+# (scaleout/rollout_servers.py)
 rollout_ranks = 0             # the last K ranks only sample, the others only train; 0 = off
 max_staleness = 0             # rollout j samples with the weights of step j - s (s >= 1: TIS)
 weight_bucket_mb = 64.0       # bucket size of the weight broadcast to workers and servers
@@ -162,9 +167,9 @@ wandb_run_name = ""
 
 
 def group_advantages(rewards, group_size, scale_rewards=False, eps=1e-6):
-    """reward - mean of its group, for rewards laid out group by group ([num_groups * G] -> same
-    shape). With scale_rewards the centred rewards are divided by the group's std (+eps), as in the
-    GRPO paper."""
+    """reward - mean of its group, for rewards laid out group by group ([num_groups * G]
+    -> same shape). With scale_rewards the centred rewards are divided by the group's
+    std (+eps), as in the GRPO paper."""
     r = torch.as_tensor(rewards, dtype=torch.float32)
     require(r.dim() == 1 and r.numel() > 0 and r.numel() % group_size == 0,
             f"rewards must be a flat list of whole groups of {group_size}, got shape "
@@ -177,8 +182,8 @@ def group_advantages(rewards, group_size, scale_rewards=False, eps=1e-6):
 
 
 def reply_index(mask):
-    """Per token of an episode, 0 where it was not sampled, else which reply it belongs to:
-    mask [1, 1, 0, 0, 1, 1] -> [1, 1, 0, 0, 2, 2]."""
+    """Per token of an episode, 0 where it was not sampled, else which reply it belongs
+    to: mask [1, 1, 0, 0, 1, 1] -> [1, 1, 0, 0, 2, 2]."""
     out, k, before = [], 0, 0
     for m in mask:
         k += bool(m and not before)
@@ -188,15 +193,16 @@ def reply_index(mask):
 
 
 def token_advantages(masks, rewards, config):
-    """Each sample's advantage on each of its tokens (masks: its sampled_mask), 0 where it was not
-    sampled. By default (and for one-reply episodes) the sample's group advantage on every sampled
-    token. With turn_baseline the tokens of reply k get the episode's reward minus the mean reward
-    of the group's episodes that reached reply k: a reply after feedback competes with the other
-    replies after feedback, not with first answers that were right. Worked example, one group:
-    rewards 1, 0, 1, 0 from episodes of 1, 3, 2 and 3 replies. Reply 1 (all four): baseline 0.5.
-    Reply 2 (episodes 2, 3, 4): baseline 1/3, so episode 3's second reply, the one that recovered,
-    gets +2/3 and episode 2's -1/3. Reply 3 (episodes 2 and 4, both failed): baseline 0, advantage
-    0."""
+    """Each sample's advantage on each of its tokens (masks: its sampled_mask), 0 where it
+    was not sampled. By default (and for one-reply episodes) the sample's group
+    advantage on every sampled token. With turn_baseline the tokens of reply k get the
+    episode's reward minus the mean reward of the group's episodes that reached reply k:
+    a reply after feedback competes with the other replies after feedback, not with
+    first answers that were right. Worked example, one group: rewards 1, 0, 1, 0 from
+    episodes of 1, 3, 2 and 3 replies. Reply 1 (all four): baseline 0.5. Reply 2
+    (episodes 2, 3, 4): baseline 1/3, so episode 3's second reply, the one that
+    recovered, gets +2/3 and episode 2's -1/3. Reply 3 (episodes 2 and 4, both failed):
+    baseline 0, advantage 0."""
     if not config["turn_baseline"]:
         adv = group_advantages(rewards, config["group_size"], config["scale_rewards"]).tolist()
         return [[a * m for m in mask] for a, mask in zip(adv, masks)]
@@ -213,25 +219,26 @@ def token_advantages(masks, rewards, config):
 
 
 def zero_variance_groups(rewards, group_size):
-    """[num_groups] bool: True where every sample of the group got the same reward (nothing to
-    learn)."""
+    """[num_groups] bool: True where every sample of the group got the same reward
+    (nothing to learn)."""
     g = torch.as_tensor(rewards, dtype=torch.float32).view(-1, group_size)
     return (g == g[:, :1]).all(dim=1)
 
 
 class ProblemSampler:
-    """The training problems, drawn in proportion to how much each can teach now: p(1 - p), where p
-    is the problem's success rate so far under a uniform prior, (successes + 1) / (samples + 2). An
-    unseen problem weighs the most (1/4); one always or never solved sinks toward 0 as its samples
-    grow, so the rollouts go to problems whose groups have reward variance. A step's problems are
-    distinct.
+    """The training problems, drawn in proportion to how much each can teach now: p(1 -
+    p), where p is the problem's success rate so far under a uniform prior, (successes +
+    1) / (samples + 2). An unseen problem weighs the most (1/4); one always or never
+    solved sinks toward 0 as its samples grow, so the rollouts go to problems whose
+    groups have reward variance. A step's problems are distinct.
 
-    Worked example: a problem solved 4 of 8 times has p = 5/10 and weight 0.25, as an unseen one;
-    8 of 8 gives p = 9/10 and weight 0.09; 0 of 8 gives p = 1/10 and weight 0.09, so it is drawn
-    0.09 / 0.25 as often.
+    Worked example: a problem solved 4 of 8 times has p = 5/10 and weight 0.25, as an
+    unseen one; 8 of 8 gives p = 9/10 and weight 0.09; 0 of 8 gives p = 1/10 and weight
+    0.09, so it is drawn 0.09 / 0.25 as often.
 
-    The record (successes and samples per problem) and the number of draws are the whole state: draw
-    d is fixed by (seed, d), so a resumed run draws what the killed one would have."""
+    The record (successes and samples per problem) and the number of draws are the whole
+    state: draw d is fixed by (seed, d), so a resumed run draws what the killed one
+    would have."""
 
     def __init__(self, items, seed):
         self.items, self.seed = items, seed
@@ -244,22 +251,25 @@ class ProblemSampler:
         return p * (1 - p)
 
     def draw(self, n):
-        """The next draw: n distinct problem indices, by weight. The state changes only when its
-        outcome is recorded, so a rollout that fails leaves the sampler as it was."""
+        """The next draw: n distinct problem indices, by weight. The state changes only
+        when its outcome is recorded, so a rollout that fails leaves the sampler as it
+        was."""
         w = self.weights()
         rng = np.random.default_rng([self.seed, self.draws])
         return rng.choice(len(self.items), size=n, replace=False, p=w / w.sum()).tolist()
 
     def record(self, indices, successes, group_size):
-        """Add a draw's outcome: successes[i] of group_size samples right for problem indices[i]."""
+        """Add a draw's outcome: successes[i] of group_size samples right for problem
+        indices[i]."""
         np.add.at(self.successes, indices, successes)
         np.add.at(self.samples, indices, group_size)
         self.draws, self.taken = self.draws + 1, self.taken + len(indices)
 
     def follow(self, indices, successes, group_size):
-        """A trainer's copy of a rollout rank's sampler: it makes the same draw (checked: a trainer
-        and a worker that disagree on the record stop here) and adds its outcome, so both hold the
-        same state (the trainer's is what a checkpoint records)."""
+        """A trainer's copy of a rollout rank's sampler: it makes the same draw
+        (checked: a trainer and a worker that disagree on the record stop here) and adds
+        its outcome, so both hold the same state (the trainer's is what a checkpoint
+        records)."""
         mine = self.draw(len(indices))
         if mine != list(indices):
             raise RuntimeError(f"draw {self.draws}: the rollout ranks drew problems "
@@ -293,10 +303,11 @@ class ProblemSampler:
 
 
 def rollout(engine, env, sampler, config, it):
-    """One rollout call: prompts_per_step problems drawn by the sampler, group_size episodes each,
-    scored, and the outcome added to the sampler's record. A group whose rewards are all equal
-    teaches nothing and is dropped (counted). Returns (the kept groups as (problem, prompt_ids,
-    samples, rewards), the draw as (indices, successes), rollout metrics)."""
+    """One rollout call: prompts_per_step problems drawn by the sampler, group_size
+    episodes each, scored, and the outcome added to the sampler's record. A group whose
+    rewards are all equal teaches nothing and is dropped (counted). Returns (the kept
+    groups as (problem, prompt_ids, samples, rewards), the draw as (indices, successes),
+    rollout metrics)."""
     G = config["group_size"]
     indices = sampler.draw(config["prompts_per_step"])
     problems = [sampler.items[i] for i in indices]
@@ -331,20 +342,20 @@ def rollout(engine, env, sampler, config, it):
 
 
 def build_batches(groups, config):
-    """The step's packed batches: token_weights = the sample's advantage on its sampled tokens, 0 on
-    the prompt (and on a multi-turn episode's environment tokens); loss_mask = 1 on the sampled
-    tokens; log_probs = the engine's logprob of each. A document is a group whose samples share
-    its prompt's rows (share_prompt, training.pack_groups; a group longer than batch_tokens is
-    split into several such documents) or one sample. Whole documents are split under
-    batch_tokens."""
+    """The step's packed batches: token_weights = the sample's advantage on its sampled
+    tokens, 0 on the prompt (and on a multi-turn episode's environment tokens);
+    loss_mask = 1 on the sampled tokens; log_probs = the engine's logprob of each. A
+    document is a group whose samples share its prompt's rows (share_prompt,
+    training.pack_groups; a group longer than batch_tokens is split into several such
+    documents) or one sample. Whole documents are split under batch_tokens."""
     docs, owners = [], []   # (prompt, completions, weights, logprobs, masks), samples: per document
     for _, prompt, samples, group_rewards in groups:
         masks = [list(sampled_mask(s)) for s in samples]
         weights = token_advantages(masks, group_rewards, config)
         rows = [(list(s.completion_tokens), w, list(s.logprobs), m)
                 for s, w, m in zip(samples, weights, masks)]
-        # share_prompt: the group is one document (or as few as fit in batch_tokens); else each
-        # sample is one
+        # share_prompt: the group is one document (or as few as fit in batch_tokens); else
+        # each sample is one
         parts = [[i] for i in range(len(rows))]
         if config["share_prompt"]:
             parts = training.split_under_budget([len(c) + 1 for c, *_ in rows],
@@ -364,9 +375,10 @@ def build_batches(groups, config):
 
 
 def document_routes(prompt, samples):
-    """The engine's experts for each row of a pack_groups document: row p of the prompt, then per
-    sample its rows from the prompt's last token on, and -1 (route yourself) on its last row,
-    whose token the engine never computed. A sample's routes cover positions 0 .. P + C - 2."""
+    """The engine's experts for each row of a pack_groups document: row p of the prompt,
+    then per sample its rows from the prompt's last token on, and -1 (route yourself) on
+    its last row, whose token the engine never computed. A sample's routes cover
+    positions 0 .. P + C - 2."""
     n, shape = len(prompt) - 1, samples[0].routes.shape[1:]
     rows = [samples[0].routes[:n].long()]
     for s in samples:
@@ -375,9 +387,9 @@ def document_routes(prompt, samples):
 
 
 def loss_normalizer(batches, config):
-    """The denominator of the step's loss, fixed before any correction is folded into the weights
-    (so TIS is the paper's estimator, its ratio outside the normalizer): see loss_norm at the top of
-    this file."""
+    """The denominator of the step's loss, fixed before any correction is folded into the
+    weights (so TIS is the paper's estimator, its ratio outside the normalizer): see
+    loss_norm at the top of this file."""
     if config["loss_norm"] == "constant":
         return float(config["prompts_per_step"] * config["group_size"] * config["max_new_tokens"]
                      * config["max_turns"])
@@ -387,11 +399,11 @@ def loss_normalizer(batches, config):
 
 
 def policy_loss(logp, batch, normalizer, config, stats=None):
-    """GRPO's objective on a batch: the shared unified_loss, -(token_weights * log p).sum() /
-    normalizer, with token_weights = advantage x loss mask (times an IS factor and minus the KL
-    term, when on). With ppo_clip > 0, PPO's clipped objective on the same weights instead
-    (off_policy.ppo_loss; stats counts the rows it clipped). A fork changes the objective here,
-    reading its settings from config (docs/forks.md)."""
+    """GRPO's objective on a batch: the shared unified_loss, -(token_weights * log
+    p).sum() / normalizer, with token_weights = advantage x loss mask (times an IS
+    factor and minus the KL term, when on). With ppo_clip > 0, PPO's clipped objective
+    on the same weights instead (off_policy.ppo_loss; stats counts the rows it clipped).
+    A fork changes the objective here, reading its settings from config (docs/forks.md)."""
     if config["ppo_clip"] > 0:
         old = logp.detach() if batch.old_log_probs is None else batch.old_log_probs
         loss, clipped = off_policy.ppo_loss(logp, old, batch.token_weights, batch.loss_mask,
@@ -403,10 +415,10 @@ def policy_loss(logp, batch, normalizer, config, stats=None):
 
 
 def tempered(model, temperature):
-    """model with its logits divided by temperature: the policy the engine samples from at that
-    temperature (its logprobs are log_softmax(logits / T)), so the loss, train/logprob_mismatch and
-    TIS all score the distribution that was sampled, as TRL's GRPOTrainer does. T = 1 returns model
-    itself."""
+    """model with its logits divided by temperature: the policy the engine samples from at
+    that temperature (its logprobs are log_softmax(logits / T)), so the loss,
+    train/logprob_mismatch and TIS all score the distribution that was sampled, as TRL's
+    GRPOTrainer does. T = 1 returns model itself."""
     if temperature == 1.0:
         return model
 
@@ -423,21 +435,23 @@ def trainer_logprobs(model, batch, autocast, routes_out=None):
 
 
 def needs_trainer_pass(config):
-    """Whether a step scores its batches with the trainer's weights before the update: for an IS
-    correction, the KL term, PPO's old logprobs or the engine's experts to compare."""
+    """Whether a step scores its batches with the trainer's weights before the update: for
+    an IS correction, the KL term, PPO's old logprobs or the engine's experts to
+    compare."""
     return (config["tis_cap"] > 0 or config["mis_high"] > 0 or config["kl_coef"] > 0
             or config["ppo_clip"] > 0 or config["record_routes"] or config["routing_replay"])
 
 
 def apply_corrections(batches, model, reference, autocast, config):
-    """The per-token no-grad factors folded into the weights (the loss contract), from a logprob
-    pass of the trainer's current weights (off_policy.py has the formulas): an IS factor (tis_cap:
-    truncated, mis_high: masked; is_level='sequence': of the sample's geometric mean ratio)
-    multiplies the advantage; with kl_coef > 0, kl_coef * (trainer - reference logprob) is
-    subtracted; with ppo_clip > 0 the pass's logprobs are PPO's old ones. With the engine's experts
-    recorded, the pass routes by them (routing_replay) or by its own router, and counts where the
-    two differ. Without any of these there is no pass: on-policy, the step's own forward measures
-    the mismatch. Returns (batches, metrics)."""
+    """The per-token no-grad factors folded into the weights (the loss contract), from a
+    logprob pass of the trainer's current weights (off_policy.py has the formulas): an
+    IS factor (tis_cap: truncated, mis_high: masked; is_level='sequence': of the
+    sample's geometric mean ratio) multiplies the advantage; with kl_coef > 0, kl_coef *
+    (trainer - reference logprob) is subtracted; with ppo_clip > 0 the pass's logprobs
+    are PPO's old ones. With the engine's experts recorded, the pass routes by them
+    (routing_replay) or by its own router, and counts where the two differ. Without any
+    of these there is no pass: on-policy, the step's own forward measures the mismatch.
+    Returns (batches, metrics)."""
     if not needs_trainer_pass(config):
         return batches, {}
     out, counts = [], [0, 0, 0, 0]   # tokens corrected, sampled; expert pairs differing, compared
@@ -468,29 +482,31 @@ def apply_corrections(batches, model, reference, autocast, config):
 
 
 class RolloutSource(typing.Protocol):
-    """Where a step's groups come from and where its new weights go. Colocated (below) is the
-    engine in this process; rollout_ranks.RolloutRanks samples on other torchrun ranks and
-    rollout_servers.Servers on running serve.py processes, up to max_staleness steps ahead."""
+    """Where a step's groups come from and where its new weights go. Colocated (below) is
+    the engine in this process; rollout_ranks.RolloutRanks samples on other torchrun
+    ranks and rollout_servers.Servers on running scaleout/serve.py processes, up to
+    max_staleness steps ahead."""
     version: int   # the trainer's weight version (staleness is counted from it; checkpointed)
 
     def groups(self, it):
-        """Iteration it's kept groups, each (problem, prompt_ids, samples, rewards), and the rollout
-        metrics (rollout() makes both)."""
+        """Iteration it's kept groups, each (problem, prompt_ids, samples, rewards), and
+        the rollout metrics (rollout() makes both)."""
 
     def publish(self, model, it):
-        """Hand model's new weights to whatever samples; returns metrics (the time it took)."""
+        """Hand model's new weights to whatever samples; returns metrics (the time it
+        took)."""
 
     def eval_engine(self, model):
         """An engine that holds model's current weights, for evaluation."""
 
     def data_state(self):
-        """What a checkpoint records so that a resumed run draws the problems the killed one
-        would have (the sampler's record)."""
+        """What a checkpoint records so that a resumed run draws the problems the killed
+        one would have (the sampler's record)."""
 
 
 class Colocated:
-    """The RolloutSource of one process: its engine samples with the trainer's current weights,
-    swapped in place after each step."""
+    """The RolloutSource of one process: its engine samples with the trainer's current
+    weights, swapped in place after each step."""
 
     def __init__(self, engine, env, sampler, config):
         self.engine, self.env, self.sampler, self.config = engine, env, sampler, config
@@ -538,7 +554,8 @@ def grpo_step(source, run, reference, config, it):
         metrics.update(optimizer_steps(policy, run, mine, normalizer, config, it))
         metrics["train/normalizer"] = normalizer
         clock["step"] = time.perf_counter()
-    # 5. publish the new weights to the rollout source (Colocated: in place, so the next rollout
+    # 5. publish the new weights to the rollout source (Colocated: in place, so the next
+    #    rollout
     # is on-policy)
     metrics.update(source.publish(run.model, it))
     clock["end"] = time.perf_counter()
@@ -546,9 +563,9 @@ def grpo_step(source, run, reference, config, it):
 
 
 def optimizer_steps(policy, run, batches, normalizer, config, it):
-    """ppo_epochs optimizer steps on the step's batches (one by default); the metrics of the last,
-    with the first's logprob mismatch and KL (those of the weights that sampled) and the share of
-    sampled tokens PPO's clip held back over all of them."""
+    """ppo_epochs optimizer steps on the step's batches (one by default); the metrics of
+    the last, with the first's logprob mismatch and KL (those of the weights that
+    sampled) and the share of sampled tokens PPO's clip held back over all of them."""
     stats, lr = {"clipped": 0}, training.scheduled_lr(config, it)
     loss_fn = functools.partial(policy_loss, config=config, stats=stats)
     epochs = [training.train_step(policy, run.optimizer, batches, lr, config["grad_clip"],
@@ -566,9 +583,10 @@ def optimizer_steps(policy, run, batches, normalizer, config, it):
 
 
 def step_costs(metrics, clock, batches, run, reference, config):
-    """The step's bookkeeping: its FLOPs (rollout, the optimizer step and any logprob pass), its
-    timings, throughput and MFU (of the optimizer step alone), and with rollout ranks the share of
-    the step the trainer waited on them. clock: grpo_step's time marks."""
+    """The step's bookkeeping: its FLOPs (rollout, the optimizer step and any logprob
+    pass), its timings, throughput and MFU (of the optimizer step alone), and with
+    rollout ranks the share of the step the trainer waited on them. clock: grpo_step's
+    time marks."""
     flops = metrics.pop("perf/rollout_flops")
     if batches:
         step_flops = sum(train_flops(run.model.config, [b.num_tokens],
@@ -593,8 +611,8 @@ def step_costs(metrics, clock, batches, run, reference, config):
 
 
 def check_settings(config):
-    """GRPO's own settings, then the loop's, each refused with a ValueError naming it before any
-    work."""
+    """GRPO's own settings, then the loop's, each refused with a ValueError naming it
+    before any work."""
     for name, low in (("prompts_per_step", 1), ("group_size", 2), ("max_new_tokens", 1),
                       ("pass_k", 0), ("n_eval_problems", 0), ("max_turns", 1),
                       ("max_episode_tokens", 0)):
@@ -646,8 +664,8 @@ def check_settings(config):
 
 
 def reference_model(config, start):
-    """The starting policy, frozen, for the KL term (None when kl_coef = 0). A resumed run reloads
-    the model its first run started from."""
+    """The starting policy, frozen, for the KL term (None when kl_coef = 0). A resumed run
+    reloads the model its first run started from."""
     if config["kl_coef"] == 0:
         return None
     source = config["init_from"] if start.meta is None else start.meta["config"]["init_from"]
@@ -655,8 +673,9 @@ def reference_model(config, start):
 
 
 def evaluate_and_log(engine, env, run, problems, config, done, meter, best):
-    """Evaluate, log, and with keep_best save the model to {out_dir}/best when its accuracy beats
-    best["accuracy"]. On the test split each problem's outcome goes to {out_dir}/outcomes.jsonl."""
+    """Evaluate, log, and with keep_best save the model to {out_dir}/best when its
+    accuracy beats best["accuracy"]. On the test split each problem's outcome goes to
+    {out_dir}/outcomes.jsonl."""
     t0 = time.perf_counter()
     metrics, outcomes = evaluate.evaluate(engine, env, problems, config["pass_k"],
                                           config["temperature"], config["seed"])
@@ -685,8 +704,8 @@ def log_iteration(logger, done, metrics):
 
 
 def check_off_policy_settings(config):
-    """The corrections' settings (off_policy.py): one IS correction at a time, and what needs
-    what."""
+    """The corrections' settings (off_policy.py): one IS correction at a time, and what
+    needs what."""
     require(not (config["tis_cap"] > 0 and config["mis_high"] > 0),
             f"tis_cap={config['tis_cap']} and mis_high={config['mis_high']}: truncated and masked "
             f"IS are two corrections of one ratio; set one")
@@ -720,8 +739,8 @@ def make_engine(model, env, start, sampler, eval_problems, config):
 
 
 def rollout_worker(config, roles, start, env, sampler, eval_problems):
-    """A rollout rank's job (rollout_ranks.run_worker): the trainers' engine, fed by the weight
-    broadcast."""
+    """A rollout rank's job (rollout_ranks.run_worker): the trainers' engine, fed by the
+    weight broadcast."""
     if start.meta is not None:
         sampler.load_state_dict(start.meta["data_state"])
     model = start.model.to(config["device"])
@@ -760,7 +779,7 @@ def main(config):
         source = ranks.RolloutRanks(config, roles, run.model, sampler, engine, version)
     else:
         source = Colocated(engine, env, sampler, config)
-    meter = Meter(run.start)
+    meter = training.Meter(run.start)
     fresh = {"accuracy": -1.0, "iter": None}
     best = fresh if start.meta is None else start.meta["extra"].get("best")
     # a fresh run: no best model of an earlier run in out_dir

@@ -1,17 +1,19 @@
 """
-What the three trainers share: one batch contract and one loss, packing and the data cursor, AdamW
-and its schedule, one optimizer step, logging, one run setup, and the loop of a fixed dataset
-(pretrain.py, sft.py).
+What the three trainers share: one batch contract and one loss, packing and the data
+cursor, AdamW and its schedule, one optimizer step, logging, one run setup, and the loop
+of a fixed dataset (pretrain.py, sft.py).
 
     start = checkpoint.init_start(config, build_tokenizer)   # the weights; what resume restores
     run = setup_run(config, start, loader)                   # device, optimizer, restored state
     batch = pack_sequences([ids_a, ids_b], [weights_a, weights_b])   # a PackedBatch: no padding
     train_step(run.forward, run.optimizer, [batch], scheduled_lr(config, it))   # one step
 
-The data sources differ only in the per-token weights they hand to pack_sequences, never in the step
-(see unified_loss). train_grpo.py writes its own loop over these parts."""
+The data sources differ only in the per-token weights they hand to pack_sequences, never
+in the step (see unified_loss). train_grpo.py writes its own loop over these parts."""
 
+import json
 import math
+import os
 import random
 import time
 from contextlib import nullcontext
@@ -21,11 +23,10 @@ import numpy as np
 import torch
 
 from checks import is_finite_number, require
-import distributed
+from scaleout import distributed
 import off_policy
 from checkpoint import Start, clear_checkpoints, save_checkpoint, set_rng_state
 from configurator import print0
-from measure import Logger, Meter, measure_matmul_flops
 from model import Transformer, train_flops
 
 
@@ -35,9 +36,9 @@ from model import Transformer, train_flops
 
 @dataclass(frozen=True)
 class PackedBatch:
-    """N sequences laid end to end in one row of T tokens. Everything per token is aligned with
-    `labels`: row j of a sequence reads tokens[j] and is scored on predicting labels[j] = the
-    sequence's next token."""
+    """N sequences laid end to end in one row of T tokens. Everything per token is aligned
+    with `labels`: row j of a sequence reads tokens[j] and is scored on predicting
+    labels[j] = the sequence's next token."""
     tokens: torch.Tensor                     # [T] int64, the inputs
     labels: torch.Tensor                     # [T] int64, the next token (0 on a last row)
     position_ids: torch.Tensor               # [T] int64, from 0 in every sequence
@@ -67,8 +68,9 @@ class PackedBatch:
 
 
 def token_logprobs(logits, labels):
-    """log p(label) per row, in fp32 with log_softmax + gather (never log(softmax)): [T, V], [T] ->
-    [T]. The same quantity the engine reports as a sample's logprob at temperature 1."""
+    """log p(label) per row, in fp32 with log_softmax + gather (never log(softmax)): [T,
+    V], [T] -> [T]. The same quantity the engine reports as a sample's logprob at
+    temperature 1."""
     require(logits.dim() == 2 and labels.shape == logits.shape[:1],
             f"logits {tuple(logits.shape)} and labels {tuple(labels.shape)}: expected [T, V] and "
             f"[T] (T rows, one per label)")
@@ -76,20 +78,20 @@ def token_logprobs(logits, labels):
 
 
 def unified_loss(logits, batch, normalizer=None):
-    """-(token_weights * log p(labels)).sum() / normalizer, the one loss of all three trainers.
-    `logits` is [T, V], or the [T] log p(labels) themselves: what model(..., labels=batch.labels)
-    returns, computed a chunk of rows at a time so that no [T, V] tensor is ever whole (the
-    trainers' path; the same numbers). The default normalizer is
-    token_weights.abs().sum().clamp(min=1), which means:
+    """-(token_weights * log p(labels)).sum() / normalizer, the one loss of all three
+    trainers. `logits` is [T, V], or the [T] log p(labels) themselves: what model(...,
+    labels=batch.labels) returns, computed a chunk of rows at a time so that no [T, V]
+    tensor is ever whole (the trainers' path; the same numbers). The default normalizer
+    is token_weights.abs().sum().clamp(min=1), which means:
       pretrain  weights 1         -> the mean next-token NLL (== F.cross_entropy's mean)
       SFT       weights 0/1 mask  -> the mean NLL over assistant tokens (== cross_entropy with
                                      ignore_index)
       GRPO      advantage x mask  -> sum_t A_t * (-log p_t) / sum_t |A_t| (clamped at 1);
                                      importance ratios and other per-token, no-grad factors are
                                      folded into the weights
-    A constant denominator (Dr. GRPO's num_sequences * max_tokens) is passed as `normalizer`;
-    train_step passes the whole step's sum over micro-batches. The weights are constants (no
-    gradient flows into them)."""
+    A constant denominator (Dr. GRPO's num_sequences * max_tokens) is passed as
+    `normalizer`; train_step passes the whole step's sum over micro-batches. The weights
+    are constants (no gradient flows into them)."""
     logp = logits if logits.dim() == 1 else token_logprobs(logits, batch.labels)
     w = batch.token_weights.detach().to(logp.dtype)
     if normalizer is None:
@@ -98,9 +100,9 @@ def unified_loss(logits, batch, normalizer=None):
 
 
 def batch_logprobs(model, batch, routes_out=None):
-    """(log p(label) per row [T], aux loss) of model on a packed batch, its shared prefixes
-    included, routed by batch.routes when it carries them (routing replay); routes_out receives
-    the experts each MoE layer used."""
+    """(log p(label) per row [T], aux loss) of model on a packed batch, its shared
+    prefixes included, routed by batch.routes when it carries them (routing replay);
+    routes_out receives the experts each MoE layer used."""
     extra = {} if batch.branch is None else {"branch": batch.branch}
     extra |= {} if batch.routes is None else {"routes": batch.routes}
     extra |= {} if routes_out is None else {"routes_out": routes_out}
@@ -108,18 +110,20 @@ def batch_logprobs(model, batch, routes_out=None):
 
 
 # -----------------------------------------------------------------------------
-# packing, and the data cursor: endless epochs over a fixed list, its position the whole data state
+# packing, and the data cursor: endless epochs over a fixed list, its position the whole
+# data state
 
 
 def pack_sequences(sequences, weights, log_probs=None, rewards=None, loss_masks=None):
     """Pack variable-length sequences into one PackedBatch (no padding).
 
-    sequences: token-id lists. weights: same shapes; weights[i][t] weighs predicting sequences[i][t]
-    from the tokens before it (weights[i][0] is never used). log_probs: optional, aligned like
-    weights (the sampler's logprob of token t, 0 where it did not sample). rewards: optional, one
-    float per sequence. loss_masks: optional, aligned like weights (1 where token t was sampled).
-    Row j of a sequence reads token j and is labelled with token j+1, carrying weights[i][j+1]; its
-    last row has nothing to predict: label 0 (a placeholder), weight 0."""
+    sequences: token-id lists. weights: same shapes; weights[i][t] weighs predicting
+    sequences[i][t] from the tokens before it (weights[i][0] is never used). log_probs:
+    optional, aligned like weights (the sampler's logprob of token t, 0 where it did not
+    sample). rewards: optional, one float per sequence. loss_masks: optional, aligned
+    like weights (1 where token t was sampled). Row j of a sequence reads token j and is
+    labelled with token j+1, carrying weights[i][j+1]; its last row has nothing to
+    predict: label 0 (a placeholder), weight 0."""
     n = len(sequences)
     require(n > 0, "pack_sequences: no sequences")
     for name, rows in (("weight lists", weights), ("log_probs lists", log_probs),
@@ -161,18 +165,20 @@ def pack_sequences(sequences, weights, log_probs=None, rewards=None, loss_masks=
 
 
 def pack_groups(prompts, completions, weights, log_probs=None, loss_masks=None):
-    """Pack groups of completions that share a prompt (GRPO's G samples of one prompt) with each
-    prompt once: the prompt's rows are computed once and every completion attends to them, so a
-    group costs P - 1 + sum(len(completion) + 1) rows instead of sum(P + len(completion)), for the
-    same logprobs.
+    """Pack groups of completions that share a prompt (GRPO's G samples of one prompt)
+    with each prompt once: the prompt's rows are computed once and every completion
+    attends to them, so a group costs P - 1 + sum(len(completion) + 1) rows instead of
+    sum(P + len(completion)), for the same logprobs.
 
-    prompts[i]: token ids; completions[i]: its completions' ids; weights[i], log_probs[i] and
-    loss_masks[i]: one list per completion, aligned with its tokens. Document i is branch 0, the
-    prompt but its last token, then for every completion b = 1, 2, ... branch b: the prompt's last
-    token again and the completion, at the positions it has after the prompt. A row attends to the
-    rows before it in its document on branch 0 or on its own branch (model.py). The router's
-    balancing loss sees each prompt once. On CPU a document's mask is dense (its L^2 scores), so
-    with long completions plain packing may be faster. Prompt [5, 6, 7], completions [8, 9], [4]:
+    prompts[i]: token ids; completions[i]: its completions' ids; weights[i],
+    log_probs[i] and loss_masks[i]: one list per completion, aligned with its tokens.
+    Document i is branch 0, the prompt but its last token, then for every completion b =
+    1, 2, ... branch b: the prompt's last token again and the completion, at the
+    positions it has after the prompt. A row attends to the rows before it in its
+    document on branch 0 or on its own branch (model.py). The router's balancing loss
+    sees each prompt once. On CPU a document's mask is dense (its L^2 scores), so with
+    long completions plain packing may be faster. Prompt [5, 6, 7], completions [8, 9],
+    [4]:
         tokens    5  6 | 7  8  9 | 7  4
         branch    0  0 | 1  1  1 | 2  2
         position  0  1 | 2  3  4 | 2  3
@@ -221,8 +227,8 @@ def _finite(values, name):
 
 
 def split_under_budget(lengths, max_tokens):
-    """Sequence indices, in order, split greedily into consecutive runs of at most max_tokens tokens
-    each: [3, 4, 2, 5, 1] under 7 -> [[0, 1], [2, 3], [4]]."""
+    """Sequence indices, in order, split greedily into consecutive runs of at most
+    max_tokens tokens each: [3, 4, 2, 5, 1] under 7 -> [[0, 1], [2, 3], [4]]."""
     runs, run, total = [], [], 0
     for i, n in enumerate(lengths):
         require(n <= max_tokens,
@@ -246,9 +252,9 @@ def fixed_batches(sequences, weights, max_tokens):
 class EpochCursor:
     """Endless passes over a fixed list of items, in a new order every epoch.
 
-    Each epoch's order is a permutation fixed by (seed, epoch), so the position (epoch, cursor) is
-    the whole data state: a resumed run continues with exactly the items the killed one would have
-    seen."""
+    Each epoch's order is a permutation fixed by (seed, epoch), so the position (epoch,
+    cursor) is the whole data state: a resumed run continues with exactly the items the
+    killed one would have seen."""
 
     def __init__(self, items, seed):
         self.items, self.seed = items, seed
@@ -256,7 +262,8 @@ class EpochCursor:
         self._order_epoch, self._order = None, None
 
     def peek(self):
-        """The next item, not taken yet (a finished epoch rolls over to the next one here)."""
+        """The next item, not taken yet (a finished epoch rolls over to the next one
+        here)."""
         if self.cursor == len(self.items):
             self.epoch, self.cursor = self.epoch + 1, 0
         if self._order_epoch != self.epoch:
@@ -284,8 +291,8 @@ class EpochCursor:
 
 
 class PackedLoader(EpochCursor):
-    """Endless shuffled batches of at most batch_tokens tokens from a fixed list of (ids, weights)
-    examples."""
+    """Endless shuffled batches of at most batch_tokens tokens from a fixed list of (ids,
+    weights) examples."""
 
     def __init__(self, sequences, weights, batch_tokens, seed):
         require(len(sequences) > 0 and len(sequences) == len(weights),
@@ -305,13 +312,14 @@ class PackedLoader(EpochCursor):
 
 
 # -----------------------------------------------------------------------------
-# optimizer, schedule, one step, and its cost (FLOPs against this machine's matmul rate: MFU)
+# optimizer, schedule, one step, and its cost (FLOPs against this machine's matmul rate:
+# MFU)
 
 
 def configure_optimizer(model, learning_rate, weight_decay, betas, device_type):
-    """AdamW; weight decay only on matrices (linear weights, experts, router), never on norms,
-    biases or the embedding (decaying a tied embedding would also shrink rare tokens' rows that get
-    no gradient)."""
+    """AdamW; weight decay only on matrices (linear weights, experts, router), never on
+    norms, biases or the embedding (decaying a tied embedding would also shrink rare
+    tokens' rows that get no gradient)."""
     decay, no_decay = [], []
     for name, p in model.named_parameters():
         if p.requires_grad:
@@ -323,7 +331,8 @@ def configure_optimizer(model, learning_rate, weight_decay, betas, device_type):
 
 
 def get_lr(it, learning_rate, min_lr, warmup_iters, lr_decay_iters):
-    """Linear warmup for warmup_iters, cosine decay to min_lr at lr_decay_iters, then min_lr."""
+    """Linear warmup for warmup_iters, cosine decay to min_lr at lr_decay_iters, then
+    min_lr."""
     if it < warmup_iters:
         return learning_rate * (it + 1) / (warmup_iters + 1)
     if it >= lr_decay_iters:
@@ -340,18 +349,20 @@ def scheduled_lr(config, it):
 
 def train_step(model, optimizer, batches, lr, grad_clip=1.0, aux_loss_coef=0.0, autocast=None,
                normalizer=None, loss_fn=unified_loss):
-    """One optimizer step of loss_fn(log p(labels) [T], batch, normalizer) (unified_loss unless a
-    trainer passes its own objective) over one or more micro-batches (already on the model's
-    device). They share one normalizer (by default the sum of |weights| over all of them), so the
-    step is the same as one big batch; the router's load-balancing loss (mean over micro-batches)
-    is added with its coefficient. Returns metrics. Under torchrun, batches are this rank's share
-    and model is DDP-wrapped: normalizer, aux mean and metrics are over every rank's micro-batches
-    and the gradients summed (DDP averages: each loss is taken world() times), so N ranks step as
-    one process would on all of them. A rank with no micro-batch joins with a zero-weight one.
-    Batches that carry the sampler's log_probs (GRPO) also give train/logprob_mismatch: the mean
+    """One optimizer step of loss_fn(log p(labels) [T], batch, normalizer) (unified_loss
+    unless a trainer passes its own objective) over one or more micro-batches (already
+    on the model's device). They share one normalizer (by default the sum of |weights|
+    over all of them), so the step is the same as one big batch; the router's
+    load-balancing loss (mean over micro-batches) is added with its coefficient. Returns
+    metrics. Under torchrun, batches are this rank's share and model is DDP-wrapped:
+    normalizer, aux mean and metrics are over every rank's micro-batches and the
+    gradients summed (DDP averages: each loss is taken world() times), so N ranks step
+    as one process would on all of them. A rank with no micro-batch joins with a
+    zero-weight one. Batches that carry the sampler's log_probs (GRPO) also give
+    train/logprob_mismatch: the mean
     |sampler - trainer logprob| over the rows with a weight, from this forward, on the weights
-    before the step, and offpolicy/kl_k3, the k3 estimate of KL(sampler || trainer) over them (the
-    tokens the loss weighs: those masked IS dropped are not in it)."""
+    before the step, and offpolicy/kl_k3, the k3 estimate of KL(sampler || trainer) over
+    them (the tokens the loss weighs: those masked IS dropped are not in it)."""
     if isinstance(batches, PackedBatch):
         batches = [batches]
     device = next(p.device for g in optimizer.param_groups for p in g["params"])
@@ -360,7 +371,8 @@ def train_step(model, optimizer, batches, lr, grad_clip=1.0, aux_loss_coef=0.0, 
     normalizer = max(weight_sum, 1.0) if normalizer is None else normalizer
     for group in optimizer.param_groups:
         group["lr"] = lr
-    # a rank with no micro-batch joins with one of zero weight (every field a loss_fn may read)
+    # a rank with no micro-batch joins with one of zero weight (every field a loss_fn may
+    # read)
     passes = batches or [pack_sequences([[0, 0]], [[0.0, 0.0]], log_probs=[[0.0, 0.0]],
                                         loss_masks=[[0, 0]]).to(device)]
     loss_sum, aux_sum, diff, kl, scored = 0.0, 0.0, 0.0, 0.0, 0
@@ -397,9 +409,9 @@ def train_step(model, optimizer, batches, lr, grad_clip=1.0, aux_loss_coef=0.0, 
 
 @torch.no_grad()
 def evaluate_loss(model, batches, device):
-    """unified_loss over fixed batches, normalised over all of them together (run it under the
-    autocast); under torchrun each rank scores its share of the batches and the sums are added
-    up."""
+    """unified_loss over fixed batches, normalised over all of them together (run it under
+    the autocast); under torchrun each rank scores its share of the batches and the sums
+    are added up."""
     total, norm = 0.0, 0.0
     for b in distributed.shard(batches):
         b = b.to(device)
@@ -411,13 +423,106 @@ def evaluate_loss(model, batches, device):
 
 
 # -----------------------------------------------------------------------------
+# what a run spends and where its metrics go
+
+_MATMUL_RATE = {}
+
+
+def measure_matmul_flops(device="cpu", dtype=torch.float32):
+    """FLOP/s of a square matmul on this machine, timed once per process (the MFU
+    denominator). Uses its own generator, so measuring never shifts the training RNG."""
+    key = (str(device), dtype)
+    if key not in _MATMUL_RATE:
+        n = 4096 if torch.device(device).type == "cuda" else 1024
+        g = torch.Generator().manual_seed(0)
+        a, b = (torch.randn(n, n, generator=g).to(device, dtype) for _ in range(2))
+        sync = torch.cuda.synchronize if torch.device(device).type == "cuda" else (lambda: None)
+        (a @ b, sync())
+        reps, t0 = 0, time.perf_counter()
+        while reps < 3 or time.perf_counter() - t0 < 0.2:
+            a @ b
+            reps += 1
+        sync()
+        _MATMUL_RATE[key] = 2 * n ** 3 * reps / (time.perf_counter() - t0)
+    return _MATMUL_RATE[key]
+
+
+class Logger:
+    """One JSON object per log call in {out_dir}/metrics.jsonl ({"iter": ..., metrics}),
+    and wandb when asked. A resumed run first drops the lines after its checkpoint's
+    iteration (the killed run may have logged past it), so the file reads as one
+    uninterrupted run; a fresh run (resume_iter None) starts an empty file."""
+
+    def __init__(self, out_dir, config, resume_iter=None):
+        self.file = self.wandb = None
+        if not distributed.is_main():   # rank 0 alone writes
+            return
+        os.makedirs(out_dir, exist_ok=True)
+        self.path = os.path.join(out_dir, "metrics.jsonl")
+        kept = []
+        if resume_iter is not None and os.path.exists(self.path):
+            with open(self.path) as f:
+                for line in f:
+                    try:
+                        row = json.loads(line)
+                    except json.JSONDecodeError:
+                        continue  # a line cut short by the kill
+                    if row.get("iter", math.inf) <= resume_iter:
+                        kept.append(line if line.endswith("\n") else line + "\n")
+        with open(self.path + ".tmp", "w") as f:
+            f.writelines(kept)
+        os.replace(self.path + ".tmp", self.path)
+        self.file = open(self.path, "a")
+        if config.get("wandb_log"):
+            # only when asked: it is slow to import; offline unless WANDB_MODE says
+            # otherwise
+            import wandb
+            self.wandb = wandb.init(project=config["wandb_project"],
+                                    name=config.get("wandb_run_name") or None, config=config,
+                                    dir=out_dir, mode=os.environ.get("WANDB_MODE", "offline"))
+
+    def log(self, iter_num, metrics):
+        if self.file is None:
+            return
+        metrics = {k: float(v) for k, v in metrics.items()}
+        self.file.write(json.dumps({"iter": iter_num, **metrics}) + "\n")
+        self.file.flush()
+        if self.wandb is not None:
+            self.wandb.log(metrics, step=iter_num)
+
+    def close(self):
+        if self.file is not None:
+            self.file.close()
+        if self.wandb is not None:
+            self.wandb.finish()
+
+
+class Meter:
+    """What a run has spent: FLOPs (training steps, plus any sampling the caller adds) and
+    seconds of training (evaluation excluded), kept in every checkpoint; max_flops > 0
+    ends a run once spent (compute-matched arms)."""
+
+    def __init__(self, start, flops=0.0):
+        state = ((start.meta or {}).get("extra") or {}).get("meter",
+                                                            {"flops": flops, "seconds": 0.0})
+        self.flops, self.seconds = float(state["flops"]), float(state["seconds"])
+
+    def add(self, flops, seconds):
+        self.flops, self.seconds = self.flops + flops, self.seconds + seconds
+        return {"perf/flops_total": self.flops, "perf/elapsed_s": self.seconds}
+
+    def state_dict(self):
+        return {"flops": self.flops, "seconds": self.seconds}
+
+
+# -----------------------------------------------------------------------------
 # the run: its log, the one setup every trainer shares, and the loop of a fixed
 # dataset (pretrain, sft)
 
 
 def precision(config):
-    """(device_type, autocast context) for config's device and dtype; bf16 is autocast over fp32
-    weights."""
+    """(device_type, autocast context) for config's device and dtype; bf16 is autocast
+    over fp32 weights."""
     device_type = torch.device(config["device"]).type
     require(config["dtype"] in ("float32", "bfloat16"),
             f"dtype={config['dtype']!r}: use 'float32' or 'bfloat16' (float16 needs a grad "
@@ -444,10 +549,10 @@ class Run:
 
 
 def setup_run(config, start, data):
-    """Everything between a Start and the first step, in the one order every trainer shares (it
-    fixes the RNG stream): seeds, precision, the model on its device (compiled when asked), AdamW;
-    on resume the optimizer, the data position (data.load_state_dict) and the RNG states; the log;
-    the matmul rate."""
+    """Everything between a Start and the first step, in the one order every trainer
+    shares (it fixes the RNG stream): seeds, precision, the model on its device
+    (compiled when asked), AdamW; on resume the optimizer, the data position
+    (data.load_state_dict) and the RNG states; the log; the matmul rate."""
     random.seed(config["seed"])
     np.random.seed(config["seed"])
     torch.manual_seed(config["seed"])
@@ -479,8 +584,8 @@ def setup_run(config, start, data):
 
 
 def check_loop_settings(config):
-    """The settings every training loop reads, each refused with a ValueError naming it before any
-    work (those of them that config has: GRPO has no grad_accum)."""
+    """The settings every training loop reads, each refused with a ValueError naming it
+    before any work (those of them that config has: GRPO has no grad_accum)."""
     for name, low in (("max_iters", 0), ("warmup_iters", 0), ("lr_decay_iters", 0),
                       ("grad_accum", 1), ("batch_tokens", 1), ("log_interval", 1),
                       ("eval_interval", 1), ("ckpt_interval", 1)):
@@ -505,10 +610,10 @@ def due(config, interval, done, last):
 
 
 def train(config, start, loader, eval_fn=None, spent_flops=0.0):
-    """Train start.model on loader's batches per config, for max_iters steps or until max_flops are
-    spent (with spent_flops already counted); eval_fn(model) -> metrics every eval_interval and at
-    the end. Checkpoints every ckpt_interval and at the end. Returns the last evaluation's
-    metrics."""
+    """Train start.model on loader's batches per config, for max_iters steps or until
+    max_flops are spent (with spent_flops already counted); eval_fn(model) -> metrics
+    every eval_interval and at the end. Checkpoints every ckpt_interval and at the end.
+    Returns the last evaluation's metrics."""
     check_loop_settings(config)
     run = setup_run(config, start, loader)
     meter, final = Meter(run.start, spent_flops), {}

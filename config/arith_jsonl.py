@@ -1,9 +1,9 @@
-# Your own task, the example: task_jsonl.py over data/arith.jsonl ("417-8" -> "417-8=409").
-# SFT on the answers of 30% of the training rows, then GRPO on all of them, from the speedrun's
-# pretrained model (bash speedrun.sh first; or pretrain on countdown's corpus: python pretrain.py
-# config/qwen_small.py):
+# Your own task, the example: tasks/jsonl.py over tasks/arith.jsonl ("417-8" ->
+# "417-8=409"). SFT on the answers of 30% of the training rows, then GRPO on all of them,
+# from the speedrun's pretrained model (bash speedrun.sh first; or pretrain on countdown's
+# corpus: python pretrain.py config/qwen_small.py):
 #   python sft.py config/arith_jsonl.py && python train_grpo.py config/arith_jsonl.py
-task = "task_jsonl.py"
+task = "tasks/jsonl.py"
 seed = 1337
 device = "cpu"
 wandb_log = False

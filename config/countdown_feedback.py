@@ -1,17 +1,17 @@
-# Multi-turn GRPO on countdown with feedback (task_feedback.py): the model answers, the environment
-# names the first broken step of a wrong answer and gives the problem again, and the model may try
-# again, up to 3 answers. SFT from the speedrun's pretrained model (bash speedrun.sh first), then
-# GRPO:
+# Multi-turn GRPO on countdown with feedback (tasks/countdown_feedback.py): the model
+# answers, the environment names the first broken step of a wrong answer and gives the
+# problem again, and the model may try again, up to 3 answers. SFT from the speedrun's
+# pretrained model (bash speedrun.sh first), then GRPO:
 #   python sft.py config/countdown_feedback.py
 #   python train_grpo.py config/countdown_feedback.py
-#   python report.py --run out/countdown_feedback/grpo out/countdown_feedback/grpo.png
-task = "task_feedback"
+#   python -m bench.report --run out/countdown_feedback/grpo out/countdown_feedback/grpo.png
+task = "tasks.countdown_feedback"
 seed = 1337
 device = "cpu"
 wandb_log = False
 
-# SFT: countdown's demonstrations, two thirds of them after misses and feedback; sft.py evaluates
-# whole episodes of up to 3 answers, as GRPO does, so keep_best picks on those
+# SFT: countdown's demonstrations, two thirds of them after misses and feedback; sft.py
+# evaluates whole episodes of up to 3 answers, as GRPO does, so keep_best picks on those
 sft = dict(
     out_dir="out/countdown_feedback/sft",
     init_from="out/qwen_small/pretrain",

@@ -1,16 +1,17 @@
-# Multi-turn GRPO on higher or lower (task_guess.py): the environment holds a secret number from 1
-# to n (10..63), the model guesses, and the environment says too high or too low and what range is
-# left, up to 6 guesses. SFT from the speedrun's pretrained model (bash speedrun.sh first) on
-# uniform guesses in the range left, then GRPO:
+# Multi-turn GRPO on higher or lower (tasks/guess.py): the environment holds a secret
+# number from 1 to n (10..63), the model guesses, and the environment says too high or too
+# low and what range is left, up to 6 guesses. SFT from the speedrun's pretrained model
+# (bash speedrun.sh first) on uniform guesses in the range left, then GRPO:
 #   python sft.py config/guess.py
 #   python train_grpo.py config/guess.py
-#   python report.py --run out/guess/grpo out/guess/grpo.png
-task = "task_guess"
+#   python -m bench.report --run out/guess/grpo out/guess/grpo.png
+task = "tasks.guess"
 seed = 1337
 device = "cpu"
 wandb_log = False
 
-# SFT: the format and staying in the range (its first-guess accuracy is 1/n whatever it learns)
+# SFT: the format and staying in the range (its first-guess accuracy is 1/n whatever it
+# learns)
 sft = dict(
     out_dir="out/guess/sft",
     init_from="out/qwen_small/pretrain",

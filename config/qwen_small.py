@@ -1,7 +1,7 @@
-# The embedded default experiment: a small Qwen3-MoE-shaped model learns mini-countdown (task.py) on
-# a CPU, on the problems at the edge of its competence: four digits that one blind attempt of the
-# corpus's search solves at least 1 time in 20.
-# One file for every stage, each stage's output feeding the next:
+# The embedded default experiment: a small Qwen3-MoE-shaped model learns mini-countdown
+# (tasks/countdown.py) on a CPU, on the problems at the edge of its competence: four
+# digits that one blind attempt of the corpus's search solves at least 1 time in 20. One
+# file for every stage, each stage's output feeding the next:
 #   python pretrain.py config/qwen_small.py      # -> out/qwen_small/pretrain
 #   python sft.py config/qwen_small.py           # init_from the pretrain run -> out/qwen_small/sft
 #   python train_grpo.py config/qwen_small.py    # init_from the sft run
@@ -15,7 +15,8 @@ model = dict(
     num_experts=8, num_experts_per_tok=2, norm_topk_prob=True,
     rope_theta=10000.0, tie_word_embeddings=True, max_position_embeddings=1024,
 )
-task = "task"   # countdown at the edge (task.py); "task_full": every problem of the space
+# countdown at the edge (tasks/countdown.py); "tasks.countdown_full": every problem of the space
+task = "tasks.countdown"
 seed = 1337
 device = "cpu"
 dtype = "float32"
@@ -42,11 +43,11 @@ sft = dict(
     log_interval=10, eval_interval=200, ckpt_interval=200,
 )
 
-# chosen on the validation split (docs/results.md): 96 problems per step drawn by p(1 - p) in one
-# rollout call, 8 samples each at temperature 1; advantages divided by the group's std (the few
-# right answers of a hard problem weigh as much as an easy problem's); the loss normalizer is the
-# constant one (Dr. GRPO); no KL term; 100 steps fill the rest of the speedrun's 10 minutes; every
-# validation problem (718) scored every 20 steps
+# chosen on the validation split (docs/results.md): 96 problems per step drawn by p(1 - p)
+# in one rollout call, 8 samples each at temperature 1; advantages divided by the group's
+# std (the few right answers of a hard problem weigh as much as an easy problem's); the
+# loss normalizer is the constant one (Dr. GRPO); no KL term; 100 steps fill the rest of
+# the speedrun's 10 minutes; every validation problem (718) scored every 20 steps
 grpo = dict(
     out_dir="out/qwen_small/grpo",
     init_from="out/qwen_small/sft/best",   # the SFT run's best model on validation

@@ -1,0 +1,220 @@
+"""
+The engine on its own thread, for the HTTP server: one owner runs step(), every client
+talks to it by message.
+
+    loop = EngineLoop(engine, tokenizer)       # starts the owner thread
+    request = loop.submit([prompt_ids], params, n=4, stop=["\\n\\n"], emit=callback)
+    ...                                        # callback(list[Delta]) runs on the owner thread
+    loop.abort(request)                        # its client went away
+    loop.call(lambda engine: engine.update_weights(state_dict))   # runs between two steps
+    loop.close()
+
+InferenceEngine is single-threaded, so exactly one thread (the owner) ever touches it.
+Requests, aborts and weight updates reach it through a queue; between two engine steps
+it takes everything queued, so requests that arrive while a step runs join the next one
+(continuous batching across HTTP requests). After each step it reports, for every sample
+that moved, a Delta: the new token ids, their logprobs, the new text. The text is
+detokenized here, where the stop strings are found: a sample whose text reaches one is
+aborted in the engine at once (its blocks are freed) and finishes with reason 'stop'.
+
+The engine keeps the tokens of a running sample in engine.running (scheduler.Sequence:
+tokens, num_prompt, logprobs, versions); a preempted sample keeps them while it waits,
+so what was reported is never taken back.
+"""
+
+import queue
+import threading
+from dataclasses import dataclass
+
+
+@dataclass
+class Delta:
+    """What one sample (one choice) produced since its last Delta."""
+    index: int          # the choice: prompt_index * n + sample_index
+    token_ids: list     # new sampled ids (a stop token included; the stop string's tokens included)
+    logprobs: list      # one per new id: log_softmax(logits / T) at it
+    top_logprobs: list  # one per new id when asked: ((id, logprob), ...), else []
+    versions: list      # one per new id: the weight version that sampled it
+    text: str           # new text (stop strings and what follows them cut, special tokens skipped)
+    finish_reason: str | None = None   # 'stop' | 'length' on the last Delta of a sample
+    error: str | None = None  # the engine failed: the request is over
+
+
+class SampleText:
+    """One sample's ids and text so far. The text is decoded in full each time (simple and
+    exact; fine for the completion lengths this server sees) and handed out with the
+    last few characters held back while they could still be the start of a stop string,
+    or an incomplete character."""
+
+    def __init__(self, tokenizer, stop):
+        self.tokenizer, self.stop = tokenizer, stop
+        self.hold = max((len(s) for s in stop), default=1) - 1
+        self.ids, self.sent, self.finish_reason = [], 0, None
+
+    def add(self, ids, final):
+        """Take new ids; returns (new text, stopped): stopped when a stop string appeared
+        (text cut before it)."""
+        self.ids += ids
+        text = self.tokenizer.decode(self.ids, skip_special_tokens=True)
+        cut = min((i for i in (text.find(s, max(self.sent - len(s), 0)) for s in self.stop)
+                   if i >= 0), default=-1)
+        if cut >= 0:
+            text, final = text[:cut], True
+        elif not final:
+            text = text[:len(text) - self.hold] if self.hold else text
+            # an incomplete multi-byte character: wait for its other bytes
+            while text.endswith("\ufffd"):
+                text = text[:-1]
+        new, self.sent = text[self.sent:], max(self.sent, len(text))
+        return new, cut >= 0
+
+
+class Request:
+    """One server request: its prompts, each an engine request of n samples, and what each
+    choice has so far."""
+
+    def __init__(self, prompts, params, n, stop, emit, tokenizer, first_index=0):
+        self.prompts, self.params, self.n, self.emit = prompts, params, n, emit
+        self.first_index = first_index   # seeded: prompt i draws as prompt first_index + i
+        self.samples = [SampleText(tokenizer, stop) for _ in range(len(prompts) * n)]
+        self.request_ids = []         # the engine's request_id of each prompt, once added
+
+
+class EngineLoop:
+    """The owner thread of an InferenceEngine. Every public method may be called from any
+    thread."""
+
+    def __init__(self, engine, tokenizer):
+        self.engine, self.tokenizer = engine, tokenizer
+        self.inbox = queue.Queue()
+        # engine request_id -> (Request, prompt index), for requests still running
+        self.by_request = {}
+        self.peak_batch = 0   # the most samples one step has run (continuous batching at work)
+        self.thread = threading.Thread(target=self._run, name="engine-owner", daemon=True)
+        self.thread.start()
+
+    # ---- called from other threads
+
+    def submit(self, prompts, params, n, stop, emit, first_index=0) -> Request:
+        """Queue a request (prompts already checked against the engine's limits);
+        emit(list[Delta]) is called from the owner thread, in order, until every sample
+        has finished (or an error Delta)."""
+        request = Request(prompts, params, n, stop, emit, self.tokenizer, first_index)
+        self.inbox.put(("add", request))
+        return request
+
+    def abort(self, request):
+        """Drop what is left of a request (its client went away): its samples stop and
+        free their blocks."""
+        self.inbox.put(("abort", request))
+
+    def call(self, fn):
+        """Run fn(engine) on the owner thread between two steps; returns its result (or
+        raises its error)."""
+        reply = queue.Queue(maxsize=1)
+        self.inbox.put(("call", (fn, reply)))
+        ok, value = reply.get()
+        if not ok:
+            raise value
+        return value
+
+    def close(self):
+        self.inbox.put(("stop", None))
+        self.thread.join(timeout=30)
+
+    # ---- the owner thread
+
+    def _run(self):
+        while True:
+            if not self._take_messages(block=not self.engine.has_pending()):
+                return
+            if self.engine.has_pending():
+                try:
+                    self.peak_batch = max(self.peak_batch, len(self.engine.running))
+                    finished = self.engine.step()
+                except Exception as e:
+                    # a bug, not bad input (that was refused at the door): end every request
+                    self._fail_all(f"engine step failed: {type(e).__name__}: {e}")
+                    continue
+                self._report(finished)
+
+    def _take_messages(self, block):
+        """Handle everything queued (waiting for the first message when block); False once
+        told to stop."""
+        while True:
+            try:
+                kind, payload = self.inbox.get(block=block)
+            except queue.Empty:
+                return True
+            block = False
+            if kind == "stop":
+                self._fail_all("the server is shutting down")
+                return False
+            if kind == "add":
+                self._add(payload)
+            elif kind == "abort":
+                self._drop(payload)
+            elif kind == "call":
+                fn, reply = payload
+                try:
+                    reply.put((True, fn(self.engine)))
+                except Exception as e:
+                    reply.put((False, e))
+
+    def _add(self, request):
+        try:
+            for i, prompt in enumerate(request.prompts):
+                request_id = self.engine.add_request(prompt, request.params, request.n,
+                                                     request.first_index + i)
+                request.request_ids.append(request_id)
+                self.by_request[request_id] = (request, i)
+        except Exception as e:               # checked at the door, so not expected: refuse it whole
+            self._drop(request)
+            request.emit([Delta(-1, [], [], [], [], "", None, error=f"{type(e).__name__}: {e}")])
+
+    def _report(self, finished):
+        """One Delta per sample that moved in this step, sent per request."""
+        out = {}
+        for seq in self.engine.running:            # samples still going: their new tokens
+            if seq.request_id in self.by_request and seq.num_samples == 1:
+                self._progress(out, seq.request_id, seq.sample_index, seq.tokens[seq.num_prompt:],
+                               seq.logprobs, seq.top_logprobs, seq.versions, None)
+        for s in finished:                    # samples that finished in this step: the rest of them
+            if s.request_id in self.by_request:
+                self._progress(out, s.request_id, s.sample_index, s.completion_tokens, s.logprobs,
+                               s.top_logprobs, s.token_versions, s.finish_reason)
+        for request, deltas in out.items():
+            if all(t.finish_reason for t in request.samples):
+                self._forget(request)
+            request.emit(deltas)
+
+    def _progress(self, out, request_id, sample_index, ids, logprobs, tops, versions,
+                  finish_reason):
+        request, p = self.by_request[request_id]
+        index = p * request.n + sample_index
+        sample = request.samples[index]
+        k = len(sample.ids)
+        if (len(ids) == k and finish_reason is None) or sample.finish_reason:
+            return
+        text, stopped = sample.add(list(ids[k:]), final=finish_reason is not None)
+        # a stop string: this sample ends here, in the engine too
+        if stopped and finish_reason is None:
+            self.engine.abort(request_id, sample_index)
+        sample.finish_reason = "stop" if stopped else finish_reason
+        out.setdefault(request,
+                       []).append(Delta(index, list(ids[k:]), list(logprobs[k:]), list(tops[k:]),
+                                        list(versions[k:]), text, sample.finish_reason))
+
+    def _drop(self, request):
+        for request_id in request.request_ids:
+            self.engine.abort(request_id)
+        self._forget(request)
+
+    def _forget(self, request):
+        for request_id in request.request_ids:
+            self.by_request.pop(request_id, None)
+
+    def _fail_all(self, message):
+        for request in {r for r, _ in self.by_request.values()}:
+            self._drop(request)
+            request.emit([Delta(-1, [], [], [], [], "", None, error=message)])

@@ -1,0 +1,744 @@
+"""
+An OpenAI-compatible HTTP server over InferenceEngine that hands back what a trainer
+needs: token ids, logprobs.
+
+    python -m scaleout.serve --model_path=out/qwen_small/grpo/ckpt    # http://127.0.0.1:8000/v1
+    python -m scaleout.serve --model_path=DIR --port=8001 --api_key=secret \
+        --enable_weight_updates=True
+
+Endpoints, with vLLM's and SGLang's names and shapes, so the openai client and agent
+frameworks work unchanged: GET /health, GET /v1/models (max_model_len, stop_token_ids),
+POST /v1/completions and
+/v1/chat/completions (stream=true too), vLLM's token-in / token-out POST /inference/v1/generate,
+POST /tokenize and /detokenize, and new weights (off unless
+--enable_weight_updates=True): POST
+/update_weights_from_disk {"model_path": DIR}, or over a process group of the trainer's, SGLang's
+POST /init_weights_update_group then /update_weights_from_distributed per version
+(weight_sync.ServerWeights is the trainer's side). Extras on both generation endpoints:
+return_token_ids=true adds prompt_token_ids and each choice's token_ids (the exact ids
+sampled, a stop token included); each choice carries weight_version (the oldest weights
+that sampled a token of it); logprobs are log_softmax(logits / T) at the sampled token,
+the engine's own numbers. scaleout/client.py turns a response into a TrainingSample and
+continues a conversation by token ids (chat uses the checkpoint's template). With a
+seed, /v1/completions' prompt i draws as prompt first_index + i (default 0) of one
+engine.generate call, so a rollout split across servers samples what one engine would
+(scaleout/rollout_servers.py).
+
+A request's path: its handler checks the JSON (a bad field: 400, the OpenAI error body
+naming it, nothing queued), makes the prompt ids and hands them to the EngineLoop
+(scaleout/engine_loop.py), whose one thread owns the engine and batches every client's
+samples together. Deltas come back through an asyncio queue and become one response or,
+streaming, server-sent events. A client that goes away has its samples aborted.
+"""
+
+import asyncio
+import contextlib
+import hmac
+import json
+import math
+import os
+import re
+import sys
+import time
+import uuid
+
+import torch
+import uvicorn
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+from checkpoint import load_hf_checkpoint, stop_ids_of
+from checks import is_int
+from configurator import configure
+from engine import EngineConfig, InferenceEngine, SamplingParams, check_fits, check_prompt
+from scaleout.engine_loop import EngineLoop
+from tokenizer import check_template_kwargs, chat_ids, load_tokenizer
+from scaleout.weight_sync import PeerGroup, WeightSync
+
+# -----------------------------------------------------------------------------
+# settings (--key=value overrides these)
+model_path = ""              # a model directory with its tokenizer (any stage's {out_dir}/ckpt)
+host = "127.0.0.1"           # only this machine, unless told otherwise
+port = 8000
+device = "cpu"
+dtype = "float32"
+served_model_name = ""    # the name clients send as "model"; '' = model_path as given
+api_key = ""              # '' = no key; else every endpoint wants "Authorization: Bearer <api_key>"
+enable_weight_updates = False  # POST /update_weights_from_disk, /init_weights_update_group, ...
+max_batch_size = 64          # sequences in one engine step
+max_num_batched_tokens = 2048
+max_model_len = 0            # prompt + completion; 0 = the model's max_position_embeddings
+num_blocks = 0               # KV blocks; 0 = sized from memory
+block_size = 16
+# 'paged' | 'radix' (token-granular: a chat's next turn reuses all of its history)
+cache_type = "paged"
+# decode steps as one compiled graph (engine.py's compile): 1.4x the rollout speed on a
+# CPU, for a compile of tens of seconds at startup
+compile = False
+seed = 0                     # seeds the sampling of requests without a seed
+# the most top_logprobs a request may ask for
+max_logprobs = 20
+# uvicorn's
+log_level = "warning"
+# -----------------------------------------------------------------------------
+
+
+class BadRequest(Exception):
+    """A request the server refuses: HTTP status and the OpenAI error body naming the
+    field."""
+
+    def __init__(self, message, param=None, status=400, kind="invalid_request_error"):
+        super().__init__(message)
+        self.message, self.param, self.status, self.kind = message, param, status, kind
+
+
+# OpenAI's error shape
+def error_body(message, param=None, status=400, kind="invalid_request_error"):
+    return {"error": {"message": message, "type": kind, "param": param, "code": status}}
+
+
+class Server:
+    """What the handlers share: the engine's owner loop, the tokenizer, the served name
+    and the rules."""
+
+    def __init__(self, engine, tokenizer, name, api_key="", enable_weight_updates=False, eos_ids=(),
+                 max_logprobs=20):
+        self.engine, self.tokenizer, self.name, self.max_logprobs = (engine, tokenizer, name,
+                                                                     max_logprobs)
+        self.api_key, self.enable_weight_updates = api_key, enable_weight_updates
+        self.vocab_size, self.max_model_len = engine.model.config.vocab_size, engine.max_model_len
+        self.eos_ids = frozenset(eos_ids) | {tokenizer.eos_token_id} - {None}
+        self.loop = EngineLoop(engine, tokenizer)
+        self.peer, self.receiving = None, None   # a trainer's weight-update group, its transfer
+
+
+# -----------------------------------------------------------------------------
+# reading a request: one line per rule, each naming its field
+
+
+def _field(body, name, kinds, default, ok=lambda v: True, rule=""):
+    value = body.get(name)
+    if value is None:
+        return default
+    if not isinstance(value, kinds) or isinstance(value, bool) and bool not in kinds:
+        raise BadRequest(f"{name} must be {' or '.join(k.__name__ for k in kinds)}, got {value!r}",
+                         name)
+    if not ok(value):
+        raise BadRequest(f"{name} {rule}, got {value!r}", name)
+    return value
+
+
+def _ids_list(x):   # a non-empty list of token ids
+    return isinstance(x, list) and len(x) > 0 and all(is_int(t) for t in x)
+
+
+UNSUPPORTED = dict(best_of=1, echo=False, suffix=None, logit_bias=None, presence_penalty=0,
+                   frequency_penalty=0, tools=None, response_format=None, use_beam_search=False,
+                   repetition_penalty=1, min_p=0, min_tokens=0)
+
+
+def read_sampling(server, body, logprobs_k, prompts):
+    """(SamplingParams, n, stop strings) of a request, every field checked against its
+    rule."""
+    for name, off in UNSUPPORTED.items():
+        if body.get(name) not in (None, off):
+            raise BadRequest(f"{name}={body[name]!r} is not supported by this server", name)
+    n = _field(body, "n", (int,), 1, lambda v: 1 <= v <= server.engine.config.max_batch_size,
+               f"must be in [1, {server.engine.config.max_batch_size}]")
+    default_tokens = 16 if "messages" not in body else server.max_model_len - max(map(len, prompts))
+    max_tokens = _field(body, "max_completion_tokens", (int,), None, lambda v: v >= 1,
+                        "must be >= 1")
+    max_tokens = _field(body, "max_tokens", (int,), max_tokens or default_tokens, lambda v: v >= 1,
+                        "must be >= 1")
+    temperature = _field(body, "temperature", (int, float), 1.0,
+                         lambda v: math.isfinite(v) and v >= 0, "must be a finite number >= 0")
+    top_p = _field(body, "top_p", (int, float), 1.0, lambda v: 0 < v <= 1, "must be in (0, 1]")
+    top_k = _field(body, "top_k", (int,), 0, lambda v: v >= -1, "must be -1 or 0 (off), or >= 1")
+    seed = _field(body, "seed", (int,), None, lambda v: 0 <= v < 2 ** 64, "must be in [0, 2**64)")
+    stop = [body["stop"]] if isinstance(body.get("stop"), str) else _field(body, "stop", (list,),
+                                                                           [])
+    if not all(isinstance(s, str) and s for s in stop):
+        raise BadRequest(f"stop must be a non-empty string or a list of them, got {stop!r}", "stop")
+    stop_ids = _field(body, "stop_token_ids", (list,), [],
+                      lambda v: all(isinstance(t, int) and 0 <= t < server.vocab_size for t in v),
+                      f"must be ids in [0, {server.vocab_size})")
+    eos = set() if _field(body, "ignore_eos", (bool,), False) else server.eos_ids
+    if max(map(len, prompts)) + max_tokens > server.max_model_len:
+        raise BadRequest(f"max_tokens={max_tokens} with a prompt of {max(map(len, prompts))} "
+                         f"tokens exceeds max_model_len={server.max_model_len}", "max_tokens")
+    try:
+        params = SamplingParams(temperature=float(temperature), max_tokens=max_tokens,
+                                top_p=float(top_p), top_k=max(top_k, 0), seed=seed,
+                                stop_token_ids=frozenset(stop_ids) | eos, top_logprobs=logprobs_k)
+        for prompt in prompts:
+            check_fits(prompt, params, n, server.engine.cache, server.max_model_len, "prompt")
+    except ValueError as e:
+        field = re.search(r"SamplingParams\.(\w+)", str(e))
+        raise BadRequest(str(e), field.group(1) if field else "prompt") from None
+    return params, n, stop
+
+
+def completion_prompts(server, body):
+    """Token ids of each prompt: text, a list of ids, or a list of either."""
+    prompt = body.get("prompt")
+    if isinstance(prompt, str) or _ids_list(prompt):
+        prompt = [prompt]
+    if not (isinstance(prompt, list) and prompt
+            and all(isinstance(p, str) or _ids_list(p) for p in prompt)):
+        raise BadRequest(f"prompt must be a string, a list of token ids, or a non-empty list of "
+                         f"either, got {str(prompt)[:80]!r}", "prompt")
+    ids = [server.tokenizer.encode(p) if isinstance(p, str) else p for p in prompt]
+    return [_checked(server, p, f"prompt[{i}]" if len(ids) > 1 else "prompt")
+            for i, p in enumerate(ids)]
+
+
+def chat_prompt(server, body, add_generation_prompt=True):
+    """Token ids of the conversation in the checkpoint's chat template, generation prompt
+    included (unless add_generation_prompt=False)."""
+    messages = body.get("messages")
+    if not (isinstance(messages, list) and messages):
+        raise BadRequest(f"messages must be a non-empty list, got {str(messages)[:80]!r}",
+                         "messages")
+    plain = []
+    for i, m in enumerate(messages):
+        content = m.get("content") if isinstance(m, dict) else None
+        if isinstance(content, list):   # content parts: text only
+            if not all(isinstance(p, dict) and p.get("type") == "text"
+                       and isinstance(p.get("text"), str) for p in content):
+                raise BadRequest(f"messages[{i}].content: only text parts are supported",
+                                 "messages")
+            content = "".join(p["text"] for p in content)
+        if not (isinstance(m, dict) and isinstance(m.get("role"), str)
+                and isinstance(content, str)):
+            raise BadRequest(f"messages[{i}] must have a string role and content, got "
+                             f"{str(m)[:80]!r}", "messages")
+        plain.append({"role": m["role"], "content": content})
+        if isinstance(m.get("reasoning_content"), str):   # a thinking template renders it
+            plain[-1]["reasoning_content"] = m["reasoning_content"]
+    try:   # as vLLM: chat_template_kwargs reach the template ({"enable_thinking": false})
+        kwargs = body.get("chat_template_kwargs")
+        kwargs = {} if kwargs is None else check_template_kwargs(server.tokenizer, kwargs)
+    except ValueError as e:
+        raise BadRequest(str(e), "chat_template_kwargs") from None
+    try:   # the template raises on what it cannot render (an unknown role, ...)
+        ids = chat_ids(server.tokenizer, plain, add_generation_prompt, **kwargs)
+    except ValueError as e:
+        raise BadRequest(f"messages: {e}", "messages") from None
+    return _checked(server, ids, "messages")
+
+
+def _checked(server, ids, where):
+    try:
+        return check_prompt(ids, server.vocab_size, server.max_model_len, where)
+    except (ValueError, TypeError) as e:
+        raise BadRequest(str(e), where.split("[")[0]) from None   # prompt[1] -> prompt
+
+
+def read_logprobs(server, body, chat):
+    """How many top alternatives to record per token (0: the sampled one only), and
+    whether logprobs are on."""
+    if chat:
+        on = _field(body, "logprobs", (bool,), False)
+        k = _field(body, "top_logprobs", (int,), 0, lambda v: 0 <= v <= server.max_logprobs,
+                   f"must be in [0, {server.max_logprobs}]")
+        if k and not on:
+            raise BadRequest("top_logprobs needs logprobs=true", "top_logprobs")
+        return on, k
+    k = _field(body, "logprobs", (int,), None, lambda v: 0 <= v <= server.max_logprobs,
+               f"must be in [0, {server.max_logprobs}]")
+    return k is not None, k or 0
+
+
+# -----------------------------------------------------------------------------
+# running a request: Deltas from the engine's owner thread, until every choice has finished
+
+
+class Choice:
+    """One choice as it grows: the sampled ids, their logprobs and versions, its text."""
+
+    def __init__(self, index, prompt_ids):
+        self.index, self.prompt_ids = index, prompt_ids
+        self.ids, self.logprobs, self.tops, self.versions, self.text = [], [], [], [], ""
+        self.finish_reason = None
+
+    def add(self, d):
+        self.ids += d.token_ids
+        self.logprobs += d.logprobs
+        self.tops += d.top_logprobs
+        self.versions += d.versions
+        self.text += d.text
+        self.finish_reason = d.finish_reason
+
+
+async def deltas_of(server, http, prompts, params, n, stop, first_index=0):
+    """Yield lists of Deltas until every choice has finished. A client that disconnects
+    (seen while waiting, or as this generator being closed) has what is left of its
+    request aborted in the engine."""
+    queue, loop = asyncio.Queue(), asyncio.get_running_loop()
+
+    def emit(deltas):   # called on the owner thread
+        try:
+            loop.call_soon_threadsafe(queue.put_nowait, deltas)
+        except RuntimeError:   # the event loop is gone (shutting down): nobody is listening
+            pass
+
+    request = server.loop.submit(prompts, params, n, stop, emit, first_index)
+    left, checked = len(prompts) * n, time.monotonic()
+    try:
+        while left:
+            try:
+                deltas = await asyncio.wait_for(queue.get(), timeout=0.1)
+            except asyncio.TimeoutError:
+                deltas = []
+            # is the client still there? (an instant, non-blocking look)
+            if time.monotonic() - checked > 0.1:
+                if await http.is_disconnected():
+                    return
+                checked = time.monotonic()
+            for d in deltas:
+                if d.error:
+                    raise BadRequest(d.error, None, 500, "internal_server_error")
+                left -= d.finish_reason is not None
+            if deltas:
+                yield deltas
+    finally:
+        if left:
+            server.loop.abort(request)
+
+
+# a special token is shown as itself in logprobs (it is cut from the text)
+def token_text(tokenizer, token_id):
+    return tokenizer.decode([token_id], skip_special_tokens=False)
+
+
+def completion_logprobs(tokenizer, ids, logprobs, tops, offset):
+    """OpenAI completions logprobs: tokens, token_logprobs, top_logprobs, text_offset
+    (from offset)."""
+    tokens = [token_text(tokenizer, t) for t in ids]
+    offsets = [offset + sum(len(t) for t in tokens[:i]) for i in range(len(tokens))]
+    top = [{token_text(tokenizer, t): lp for t, lp in alts} for alts in tops] if tops else None
+    return {"tokens": tokens, "token_logprobs": logprobs, "top_logprobs": top,
+            "text_offset": offsets}
+
+
+def chat_logprobs(tokenizer, ids, logprobs, tops):
+    """OpenAI chat logprobs: content[j] = {token, logprob, bytes, top_logprobs}."""
+    def entry(t, lp):
+        text = token_text(tokenizer, t)
+        return {"token": text, "logprob": lp, "bytes": list(text.encode())}
+    tops = tops or [()] * len(ids)
+    return {"content": [dict(entry(t, lp), top_logprobs=[entry(a, b) for a, b in alts])
+                        for t, lp, alts in zip(ids, logprobs, tops)]}
+
+
+def usage(prompts, n, choices):
+    p, c = sum(map(len, prompts)), sum(len(ch.ids) for ch in choices)
+    return {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c}
+
+
+# -----------------------------------------------------------------------------
+# the two generation endpoints
+
+
+def new_choices(prompts, n):
+    return [Choice(p * n + j, prompt) for p, prompt in enumerate(prompts) for j in range(n)]
+
+
+async def completions(server, http, body):
+    prompts = completion_prompts(server, body)
+    want_logprobs, k = read_logprobs(server, body, chat=False)
+    params, n, stop = read_sampling(server, body, k, prompts)
+    ids_back, stream = _field(body, "return_token_ids", (bool,), False), _field(body, "stream",
+                                                                                (bool,), False)
+    # seeded: prompt i draws as prompt first_index + i of one engine.generate call (a
+    # trainer's share of a rollout split across servers draws what one engine would)
+    first = _field(body, "first_index", (int,), 0, lambda v: 0 <= v < 2 ** 63,
+                   "must be in [0, 2**63)")
+    head = {"id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion",
+            "created": int(time.time()), "model": server.name}
+    choices = new_choices(prompts, n)
+
+    def choice_body(ch, d=None):   # the whole choice, or (streaming) the part that Delta d added
+        ids, lps, tops, text = (ch.ids, ch.logprobs, ch.tops, ch.text) if d is None else \
+            (d.token_ids, d.logprobs, d.top_logprobs, d.text)
+        offset = len(ch.text) - len(text)
+        out = {"index": ch.index, "text": text, "finish_reason": ch.finish_reason,
+               "logprobs": completion_logprobs(server.tokenizer, ids, lps, tops if k else [],
+                                               offset) if want_logprobs else None}
+        if ids_back:
+            out.update(token_ids=ids, **({"prompt_token_ids": ch.prompt_ids} if d is None or
+                                         len(ch.ids) == len(ids) else {}))
+        if ch.finish_reason:
+            out["weight_version"] = min(ch.versions, default=server.engine.get_weight_version())
+        return out
+
+    if stream:
+        return sse(server, http, prompts, params, n, stop, choices, body, head,
+                   lambda ch, d: [choice_body(ch, d)], first)
+    async for deltas in deltas_of(server, http, prompts, params, n, stop, first):
+        for d in deltas:
+            choices[d.index].add(d)
+    return dict(head, choices=[choice_body(ch) for ch in choices], usage=usage(prompts, n, choices))
+
+
+async def chat_completions(server, http, body):
+    prompt = chat_prompt(server, body)
+    want_logprobs, k = read_logprobs(server, body, chat=True)
+    params, n, stop = read_sampling(server, body, k, [prompt])
+    ids_back, stream = _field(body, "return_token_ids", (bool,), False), _field(body, "stream",
+                                                                                (bool,), False)
+    head = {"id": f"chatcmpl-{uuid.uuid4().hex}", "object": "chat.completion",
+            "created": int(time.time()), "model": server.name}
+    choices = new_choices([prompt], n)
+
+    def logprobs(ids, lps, tops):
+        return chat_logprobs(server.tokenizer, ids, lps,
+                             tops if k else []) if want_logprobs else None
+
+    def extras(ch, ids):
+        return dict({"token_ids": ids} if ids_back else {},
+                    **({"weight_version": min(ch.versions,
+                                              default=server.engine.get_weight_version())}
+                       if ch.finish_reason else {}))
+
+    def chunk_choices(ch, d):   # streaming: the role first, then the content as it comes
+        first = len(ch.ids) == len(d.token_ids)
+        role = [{"index": ch.index, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                 "finish_reason": None}] if first else []
+        return role + [dict({"index": ch.index, "delta": {"content": d.text},
+                             "finish_reason": ch.finish_reason,
+                             "logprobs": logprobs(d.token_ids, d.logprobs, d.top_logprobs)},
+                            **extras(ch, d.token_ids))]
+
+    if stream:
+        head = dict(head, object="chat.completion.chunk",
+                    **({"prompt_token_ids": prompt} if ids_back else {}))
+        return sse(server, http, [prompt], params, n, stop, choices, body, head, chunk_choices)
+    async for deltas in deltas_of(server, http, [prompt], params, n, stop):
+        for d in deltas:
+            choices[d.index].add(d)
+    return dict(head,
+                choices=[dict({"index": ch.index,
+                               "message": {"role": "assistant", "content": ch.text},
+                               "finish_reason": ch.finish_reason,
+                               "logprobs": logprobs(ch.ids, ch.logprobs, ch.tops)},
+                              **extras(ch, ch.ids)) for ch in choices],
+                **({"prompt_token_ids": prompt} if ids_back else {}),
+                usage=usage([prompt], n, choices))
+
+
+async def generate_tokens(server, http, body):
+    """POST /inference/v1/generate, vLLM's token-in / token-out endpoint (what verifiers'
+    training client calls): {token_ids, sampling_params: {max_tokens, temperature,
+    top_p, top_k, seed, n, stop, stop_token_ids, ignore_eos, logprobs, ...}} ->
+    {request_id, prompt_token_ids, choices: [{index, token_ids, finish_reason, logprobs:
+    {content: [{token: "token_id:<id>", logprob}]}}], usage}. Advisory keys this server
+    has no use for (skip_special_tokens, cache_salt, priority, ...) are accepted; a
+    missing max_tokens means up to max_model_len."""
+    prompt = body.get("token_ids")
+    if not _ids_list(prompt):
+        raise BadRequest(f"token_ids must be a non-empty list of token ids, got "
+                         f"{str(prompt)[:80]!r}", "token_ids")
+    prompt = _checked(server, prompt, "token_ids")
+    sampling = dict(_field(body, "sampling_params", (dict,), {}))
+    try:
+        k = _field(sampling, "logprobs", (int,), None, lambda v: 0 <= v <= server.max_logprobs,
+                   f"must be in [0, {server.max_logprobs}]")
+        if sampling.get("max_tokens") is None:
+            sampling["max_tokens"] = server.max_model_len - len(prompt)
+        params, n, stop = read_sampling(server, sampling, k or 0, [prompt])
+    except BadRequest as e:   # name the field where the request has it
+        raise BadRequest(e.message, f"sampling_params.{e.param}" if e.param else None) from None
+    if _field(body, "stream", (bool,), False):
+        raise BadRequest("stream=true is not supported on /inference/v1/generate", "stream")
+    choices = new_choices([prompt], n)
+    async for deltas in deltas_of(server, http, [prompt], params, n, stop):
+        for d in deltas:
+            choices[d.index].add(d)
+
+    def logprobs(ch):   # the token spelled as vLLM spells it when it returns ids: token_id:<id>
+        tops = ch.tops or [()] * len(ch.ids)
+        return {"content": [{"token": f"token_id:{t}", "logprob": lp, "top_logprobs": [
+            {"token": f"token_id:{a}", "logprob": b} for a, b in alts]}
+            for t, lp, alts in zip(ch.ids, ch.logprobs, tops)]}
+    return {"request_id": f"gen-{uuid.uuid4().hex}", "prompt_token_ids": prompt,
+            "choices": [{"index": ch.index, "token_ids": ch.ids, "finish_reason": ch.finish_reason,
+                         "logprobs": logprobs(ch) if k is not None else None,
+                         "weight_version": min(ch.versions,
+                                               default=server.engine.get_weight_version())}
+                        for ch in choices], "usage": usage([prompt], n, choices)}
+
+
+async def tokenize(server, http, body):
+    """POST /tokenize as vLLM spells it: {prompt, add_special_tokens} or {messages,
+    add_generation_prompt} -> {count, max_model_len, tokens}: the ids this server would
+    sample from (with messages: the chat template's, the generation prompt included
+    unless told otherwise)."""
+    if "messages" in body:
+        ids = chat_prompt(server, body, _field(body, "add_generation_prompt", (bool,), True))
+    else:
+        prompt = _field(body, "prompt", (str,), None)
+        if prompt is None:
+            raise BadRequest("prompt (a string) or messages is required", "prompt")
+        special = _field(body, "add_special_tokens", (bool,), True)
+        ids = server.tokenizer.encode(prompt, add_special_tokens=special)
+    return {"count": len(ids), "max_model_len": server.max_model_len, "tokens": list(ids)}
+
+
+async def detokenize(server, http, body):
+    """POST /detokenize as vLLM spells it: {tokens} -> {prompt}, special tokens kept."""
+    tokens = body.get("tokens")
+    if not (_ids_list(tokens) and all(0 <= t < server.vocab_size for t in tokens)):
+        raise BadRequest(f"tokens must be a non-empty list of ids in [0, {server.vocab_size}), got "
+                         f"{str(tokens)[:80]!r}", "tokens")
+    return {"prompt": server.tokenizer.decode(tokens, skip_special_tokens=False)}
+
+
+def sse(server, http, prompts, params, n, stop, choices, body, head, chunk_choices, first_index=0):
+    """A streaming response: one server-sent event per choice of a Delta (chat: the role
+    of a choice first, in an event of its own), then usage if asked, then [DONE]."""
+    options = _field(body, "stream_options", (dict,), {})
+    with_usage = _field(options, "include_usage", (bool,), False)
+
+    async def events():
+        try:
+            async for deltas in deltas_of(server, http, prompts, params, n, stop, first_index):
+                for d in deltas:
+                    choices[d.index].add(d)
+                    # one choice per event: the openai SDK's accumulator
+                    # (ChatCompletionStream) takes two choices of one index in a chunk for
+                    # two
+                    for choice in chunk_choices(choices[d.index], d):
+                        yield f"data: {json.dumps(dict(head, choices=[choice]))}\n\n"
+            if with_usage:
+                tail = dict(head, choices=[], usage=usage(prompts, n, choices))
+                yield f"data: {json.dumps(tail)}\n\n"
+        except BadRequest as e:
+            yield f"data: {json.dumps(error_body(e.message, e.param, e.status, e.kind))}\n\n"
+        yield "data: [DONE]\n\n"
+
+    return StreamingResponse(events(), media_type="text/event-stream")
+
+
+# -----------------------------------------------------------------------------
+# weights
+
+
+def check_updates_on(server):
+    if not server.enable_weight_updates:
+        raise BadRequest("weight updates are off: start the server with "
+                         "--enable_weight_updates=True", None, 403, "permission_error")
+
+
+async def update_weights_from_disk(server, http, body):
+    """Load DIR's weights, check them against the engine's (names, shapes, finite), swap
+    them in between two steps; a refused directory changes nothing."""
+    check_updates_on(server)
+    path = _field(body, "model_path", (str,), None)
+    if not path:
+        raise BadRequest("model_path is required: a model directory", "model_path")
+    config = server.engine.config
+    try:
+        model = await asyncio.to_thread(load_hf_checkpoint, path, config.device, config.dtype)
+    except (OSError, ValueError, TypeError, KeyError) as e:
+        raise BadRequest(f"model_path={path!r}: {e}", "model_path") from None
+
+    def swap(engine):
+        engine.update_weights(model.state_dict())
+        return engine.get_weight_version()
+
+    try:
+        version = await asyncio.to_thread(server.loop.call, swap)
+    except (ValueError, TypeError) as e:
+        raise BadRequest(f"model_path={path!r} does not fit the served model: {e}",
+                         "model_path") from None
+    return {"success": True, "message": f"loaded {path}", "weight_version": version}
+
+
+async def init_weights_update_group(server, http, body):
+    """Join a trainer's process group (weight_sync.PeerGroup) as rank rank_offset of
+    world_size, met at master_address:master_port; returns once every rank has joined. A
+    later call (a trainer that restarted) replaces the group."""
+    check_updates_on(server)
+    address = _field(body, "master_address", (str,), "")
+    port = _field(body, "master_port", (int,), 0, lambda v: 0 < v < 65536, "must be in (0, 65536)")
+    rank = _field(body, "rank_offset", (int,), 0, lambda v: v >= 1, "must be >= 1 (0: the trainer)")
+    world = _field(body, "world_size", (int,), 0, lambda v: v > rank, "must be > rank_offset")
+    backend = _field(body, "backend", (str,), "gloo", lambda v: v in ("gloo", "nccl"),
+                     "must be 'gloo' or 'nccl'")
+    for name, value in (("master_address", address), ("master_port", port), ("rank_offset", rank),
+                        ("world_size", world)):
+        if not value:
+            raise BadRequest(f"{name} is required", name)
+    if backend == "nccl" and not server.engine.config.device.startswith("cuda"):
+        raise BadRequest("backend 'nccl' needs a server on CUDA; use 'gloo'", "backend")
+    if server.receiving is not None and not server.receiving.done():
+        raise BadRequest("a weight transfer is under way in the current group", "master_address")
+    server.peer = await asyncio.to_thread(PeerGroup, address, port, rank, world, backend)
+    return {"success": True, "message": f"rank {rank} of {world} ({backend})"}
+
+
+async def update_weights_from_distributed(server, http, body):
+    """{names, dtypes, shapes, bucket_mb}: checked against the served model (a mismatch:
+    400 naming the tensor, nothing received), then the tensors arrive by the group's
+    broadcast in buckets (weight_sync.WeightSync), are applied whole between two engine
+    steps (version += 1), and the new version goes back over the group (-1 if the engine
+    refused the values). Returns once the check has passed, so that the trainer can
+    start broadcasting. With check_only=true it only checks: a trainer with several
+    servers asks them all first, so that no server waits for bytes that a refusal
+    elsewhere stops from coming."""
+    check_updates_on(server)
+    if server.peer is None:
+        raise BadRequest("no weight-update group: call /init_weights_update_group first", None)
+    if server.receiving is not None and not server.receiving.done():
+        raise BadRequest("a weight transfer is under way: one at a time", None, 409, "conflict")
+    meta = [_field(body, k, (list,), []) for k in ("names", "shapes", "dtypes")]
+    bucket_mb = _field(body, "bucket_mb", (int, float), 64, lambda v: v > 0, "must be > 0")
+    ours = {n: tuple(t.shape) for n, t in server.engine.model.state_dict().items()}
+    if not (len(meta[0]) == len(meta[1]) == len(meta[2]) == len(ours)
+            and set(meta[0]) == set(ours)):
+        missing = sorted(set(ours) - set(meta[0]))[:3]
+        unknown = sorted(set(meta[0]) - set(ours))[:3]
+        raise BadRequest(f"names must list every tensor of the served model once, with a shape "
+                         f"and a dtype each (missing: {missing}, unknown: {unknown})", "names")
+    for name, shape, dtype in zip(*meta):
+        if not (isinstance(shape, list) and tuple(shape) == ours[name]):
+            raise BadRequest(f"tensor {name!r} has shape {shape}, the served model "
+                             f"{list(ours[name])}", "shapes")
+        if not (isinstance(dtype, str) and isinstance(getattr(torch, dtype, None), torch.dtype)
+                and getattr(torch, dtype).is_floating_point):
+            raise BadRequest(f"tensor {name!r}: dtype {dtype!r} is not a floating torch dtype",
+                             "dtypes")
+    if _field(body, "check_only", (bool,), False):
+        return {"success": True, "message": f"the {len(meta[0])} tensors fit"}
+    state = {n: torch.empty(sh, dtype=getattr(torch, d), device="meta") for n, sh, d in zip(*meta)}
+    sync = WeightSync(state, src=0, bucket_mb=bucket_mb, group=server.peer,
+                      device=torch.device(server.engine.config.device))
+
+    def receive_and_apply():   # on a thread of its own: the engine keeps serving meanwhile
+        version = -1
+        try:
+            tensors, _, _ = sync.receive()
+
+            def swap(engine):
+                engine.update_weights(dict(zip(meta[0], tensors)))
+                return engine.get_weight_version()
+            version = server.loop.call(swap)
+        finally:
+            server.peer.gather_ints(version)
+    server.receiving = asyncio.create_task(asyncio.to_thread(receive_and_apply))
+    return {"success": True, "message": f"receiving {len(meta[0])} tensors"}
+
+
+# -----------------------------------------------------------------------------
+# the app
+
+
+_POST_ENDPOINTS = {   # a plain dict at the top level would count as a setting: hence the _
+    "/v1/completions": completions,
+    "/v1/chat/completions": chat_completions,
+    "/inference/v1/generate": generate_tokens,
+    "/tokenize": tokenize,
+    "/detokenize": detokenize,
+    "/update_weights_from_disk": update_weights_from_disk,
+    "/init_weights_update_group": init_weights_update_group,
+    "/update_weights_from_distributed": update_weights_from_distributed,
+}
+
+
+async def body_of(server, http):
+    """The request's JSON object, or a BadRequest naming what is wrong with it."""
+    try:
+        body = json.loads(await http.body())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise BadRequest(f"the request body is not valid JSON: {e}") from None
+    if not isinstance(body, dict):
+        raise BadRequest(f"the request body must be a JSON object, got {type(body).__name__}")
+    if body.get("model") not in (None, server.name):
+        raise BadRequest(f"the model {body['model']!r} does not exist: this server serves "
+                         f"{server.name!r}", "model")
+    return body
+
+
+def build_app(server) -> FastAPI:
+    @contextlib.asynccontextmanager
+    async def lifespan(app):
+        yield
+        # on shutdown (Ctrl-C): the owner thread ends its requests
+        await asyncio.to_thread(server.loop.close)
+
+    app = FastAPI(title="nano-rl serve", docs_url=None, redoc_url=None, openapi_url=None,
+                  lifespan=lifespan)
+    key = f"Bearer {server.api_key}".encode()
+
+    @app.middleware("http")
+    async def check_key(http: Request, call_next):
+        sent = http.headers.get("authorization", "").encode()
+        if server.api_key and not hmac.compare_digest(sent, key):
+            return JSONResponse(error_body("missing or wrong API key: send 'Authorization: "
+                                           "Bearer <key>'", None, 401, "authentication_error"), 401)
+        return await call_next(http)
+
+    def endpoint(path, handler):
+        async def run(http: Request):
+            try:
+                out = await handler(server, http, await body_of(server, http))
+            except BadRequest as e:
+                return JSONResponse(error_body(e.message, e.param, e.status, e.kind), e.status)
+            return out if isinstance(out, Response) else JSONResponse(out)
+        app.post(path)(run)
+
+    for path, handler in _POST_ENDPOINTS.items():
+        endpoint(path, handler)
+
+    @app.get("/health")
+    async def health():
+        return Response(status_code=200)
+
+    # the engine's counters, read on its own thread, and the largest batch it has stepped
+    @app.get("/stats")
+    async def stats():
+        return dict(await asyncio.to_thread(server.loop.call, lambda engine: engine.stats()),
+                    peak_batch=server.loop.peak_batch)
+
+    @app.get("/v1/models")
+    async def models():
+        card = {"id": server.name, "object": "model", "created": int(time.time()),
+                "owned_by": "nano-rl",
+                "max_model_len": server.max_model_len,
+                "weight_version": server.engine.get_weight_version(),
+                "stop_token_ids": sorted(server.eos_ids)}   # what ends a reply unless ignore_eos
+        return {"object": "list", "data": [card]}
+
+    return app
+
+
+def main():
+    configure(globals(), sys.argv[1:], stage="serve")
+    if not model_path:
+        raise ValueError("model_path is required: --model_path=DIR (a model directory with its "
+                         "tokenizer)")
+    if not 0 <= port < 65536:
+        raise ValueError(f"port must be in [0, 65536), got {port}")
+    tokenizer = load_tokenizer(model_path)
+    engine = InferenceEngine(EngineConfig(
+        model_path=model_path, device=device, dtype=dtype, max_batch_size=max_batch_size, seed=seed,
+        max_num_batched_tokens=max_num_batched_tokens, max_model_len=max_model_len or None,
+        num_blocks=num_blocks or None, block_size=block_size, cache_type=cache_type,
+        compile=compile))
+    if engine.static is not None:
+        print(f"decode step compiled in {engine.static.warm_up():.1f} s", flush=True)
+    server = Server(engine, tokenizer, served_model_name or model_path, api_key,
+                    enable_weight_updates, stop_ids_of(model_path, tokenizer),
+                    max_logprobs)
+    print(f"serving {server.name!r} on http://{host}:{port}/v1 ({engine.cache.num_blocks} KV "
+          f"blocks)", flush=True)
+    # keep idle connections longer than clients pool them (httpx: 5 s), so that a client
+    # never reuses one the server is closing at that moment ("disconnected without a
+    # response")
+    uvicorn.run(build_app(server), host=host, port=port, log_level=log_level,
+                timeout_graceful_shutdown=5, timeout_keep_alive=30)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,254 @@
+"""
+New weights from a trainer rank to rollout ranks: one broadcast over torch.distributed
+in buckets, in the manner of MoonshotAI's checkpoint-engine (NCCL on GPU, gloo on CPU).
+
+    # every rank of the group, the same order
+    sync = WeightSync(model.state_dict(), src=0, bucket_mb=64)
+    sync.connect()        # once: the workers check every name, shape and dtype against the sender's
+    # the sender, after each optimizer step (returns seconds, bytes)
+    sync.send(model.state_dict())
+    # a worker: the whole new version, or an error; never half of one
+    tensors = sync.receive()
+    engine.update_weights(dict(zip(sync.names, tensors)))
+
+How it works: the state is one stream of bytes (every tensor flattened, in order), cut
+into buckets of at most bucket_mb, so a tensor larger than a bucket is simply split
+across two. The sender packs bucket k + 1 into one of two flat buffers while bucket k is
+on the wire (async broadcast), and waits for a buffer's previous broadcast before
+packing into it again. A worker receives straight into its own flat buffer of the whole
+state; only when the last bucket has arrived does it hand out views of it, so a version
+is applied whole or not at all.
+"""
+
+import socket
+import time
+from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
+from datetime import timedelta
+
+import httpx
+import torch
+import torch.distributed as dist
+
+MB = 1 << 20
+
+
+def manifest(state):
+    """(name, shape, dtype) of each tensor, in order: what both sides must agree on."""
+    return [(name, tuple(t.shape), str(t.dtype).replace("torch.", "")) for name, t in state.items()]
+
+
+class WeightSync:
+    """One sender (src) and every other rank of group as receivers, for a fixed manifest
+    of tensors."""
+
+    def __init__(self, state, src=0, bucket_mb=64, group=None, device=None):
+        if not (isinstance(bucket_mb, (int, float)) and bucket_mb > 0):
+            raise ValueError(f"bucket_mb must be a number > 0, got {bucket_mb!r}")
+        self.src, self.group = src, group
+        self.manifest = manifest(state)
+        self.names = [name for name, _, _ in self.manifest]
+        self.sizes = [t.numel() * t.element_size() for t in state.values()]
+        self.total = sum(self.sizes)
+        self.bucket = max(1, int(bucket_mb * MB))
+        self.device = device or next(iter(state.values())).device   # state may be on 'meta' 
+        self._buffers = None                   # the sender's two bucket buffers, made on first send
+        self._flat = None                      # a receiver's buffer of the whole state
+
+    def is_sender(self):
+        return dist.get_rank() == self.src
+
+    def connect(self):
+        """The sender's manifest to every receiver, which compares it with its own; any
+        mismatch raises on every rank (ValueError naming the first tensor that differs),
+        so nobody waits on a transfer that cannot fit."""
+        theirs = [self.manifest]
+        dist.broadcast_object_list(theirs, src=self.src, group=self.group)
+        error = "" if self.is_sender() else first_difference(theirs[0], self.manifest)
+        errors = [None] * dist.get_world_size(self.group)
+        dist.all_gather_object(errors, error, group=self.group)
+        bad = [e for e in errors if e]
+        if bad:
+            raise ValueError(f"weight sync refused at connect: {bad[0]}")
+
+    def send(self, state):
+        """Broadcast every tensor of state (the sender). Returns (seconds, bytes)."""
+        t0 = time.perf_counter()
+        if self._buffers is None:
+            n = min(self.bucket, self.total)
+            self._buffers = [torch.empty(n, dtype=torch.uint8, device=self.device)
+                             for _ in range(2)]
+        pending = [None, None]
+        stream = ByteStream(state.values())
+        for k, (start, end) in enumerate(spans(self.total, self.bucket)):
+            i = k % 2
+            if pending[i] is not None:
+                pending[i].wait()                 # this buffer's previous bucket has left
+            buf = self._buffers[i][:end - start]
+            stream.fill(buf)
+            pending[i] = self.broadcast(buf, async_op=True)
+        for work in pending:
+            if work is not None:
+                work.wait()
+        return time.perf_counter() - t0, self.total
+
+    def receive(self):
+        """The sender's next version, as tensors shaped like the manifest (views of one
+        flat buffer, valid until the next receive). Returns (tensors, seconds, bytes)."""
+        t0 = time.perf_counter()
+        if self._flat is None:
+            self._flat = torch.empty(self.total, dtype=torch.uint8, device=self.device)
+        for start, end in spans(self.total, self.bucket):
+            self.broadcast(self._flat[start:end])
+        tensors, offset = [], 0
+        for (_, shape, dtype), size in zip(self.manifest, self.sizes):
+            tensors.append(self._flat[offset:offset + size].view(getattr(torch, dtype)).view(shape))
+            offset += size
+        return tensors, time.perf_counter() - t0, self.total
+
+
+    def broadcast(self, buf, async_op=False):
+        if isinstance(self.group, PeerGroup):    # a group of its own, outside torchrun's world
+            return self.group.broadcast(buf, self.src, async_op)
+        return dist.broadcast(buf, src=self.src, group=self.group, async_op=async_op)
+
+
+def first_difference(sender, mine):
+    """'' when two manifests agree, else what differs first, naming the tensor."""
+    for i, (a, b) in enumerate(zip(sender, mine)):
+        if a != b:
+            return (f"tensor {i} {a[0]!r}: the sender has shape {a[1]} {a[2]}, "
+                    f"this model has {b[0]!r} {b[1]} {b[2]}")
+    if len(sender) != len(mine):
+        extra = sender[len(mine)] if len(sender) > len(mine) else mine[len(sender)]
+        return (f"the sender has {len(sender)} tensors, this model {len(mine)} "
+                f"(first unmatched: {extra[0]!r})")
+    return ""
+
+
+def spans(total, bucket):
+    """[start, end) of each bucket; e.g. total 10, bucket 4 -> (0, 4), (4, 8), (8, 10)."""
+    return [(s, min(s + bucket, total)) for s in range(0, total, bucket)]
+
+
+class ByteStream:
+    """Tensors as one stream of bytes (each flattened, in order); fill(buf) copies the
+    next buf.numel() bytes, so a tensor cut by one bucket's end continues at the start
+    of the next."""
+
+    def __init__(self, tensors):
+        self.parts = (t.detach().contiguous().view(-1).view(torch.uint8) for t in tensors)
+        self.rest = None
+
+    def fill(self, buf):
+        done, n = 0, buf.numel()
+        while done < n:
+            if self.rest is None or self.rest.numel() == 0:
+                self.rest = next(self.parts)
+            take = min(n - done, self.rest.numel())
+            buf[done:done + take].copy_(self.rest[:take])
+            self.rest, done = self.rest[take:], done + take
+
+
+# -----------------------------------------------------------------------------
+# a trainer and running scaleout/serve.py processes: a process group of their own, set up
+# over HTTP
+
+
+class PeerGroup:
+    """A process group outside torchrun's world, met at a TCPStore that rank 0 (the
+    trainer) hosts at master_address:master_port: the trainer is rank 0, the servers
+    ranks 1..world_size - 1. Making one blocks until every rank has made its own (gloo
+    on CPU, NCCL on CUDA)."""
+
+    def __init__(self, master_address, master_port, rank, world_size, backend="gloo",
+                 timeout_s=300):
+        timeout = timedelta(seconds=timeout_s)
+        self.rank, self.world_size = rank, world_size
+        self.device = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else \
+            torch.device("cpu")          # where NCCL wants even its small tensors
+        store = dist.TCPStore(master_address, master_port, world_size, is_master=rank == 0,
+                              timeout=timeout)
+        if backend == "gloo":
+            self.pg = dist.ProcessGroupGloo(store, rank, world_size, timeout)
+        else:
+            self.pg = dist.ProcessGroupNCCL(store, rank, world_size)
+
+    def broadcast(self, tensor, src, async_op=False):
+        work = self.pg.broadcast(tensor, src)
+        return work if async_op else work.wait()
+
+    def gather_ints(self, value):
+        """value of every rank (one int each), in rank order: every rank calls it."""
+        out = [torch.zeros(1, dtype=torch.int64, device=self.device)
+               for _ in range(self.world_size)]
+        mine = torch.tensor([value], dtype=torch.int64, device=self.device)
+        self.pg.allgather([out], [mine]).wait()
+        return [int(t) for t in out]
+
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("", 0))
+        return s.getsockname()[1]
+
+
+class ServerWeights:
+    """A trainer's new weights to running scaleout/serve.py processes (started with
+    --enable_weight_updates=True), over a process group of their own, in buckets:
+
+        push = ServerWeights(["http://127.0.0.1:8000"], model.state_dict())   # they join the group
+        versions = push.send(model.state_dict())   # after each step: every server's new version
+
+    Each send first has every server check the manifest (names, dtypes, shapes) against
+    its model (a mismatch: ValueError naming the tensor and the server, nothing sent, no
+    server waiting; a server lost between the check and the bytes can still leave the
+    others waiting until timeout), then posts it again for each to wait for the bytes;
+    one broadcast reaches them all, each applies the version whole between two engine
+    steps, and the servers' new versions come back over the group."""
+
+    def __init__(self, urls, state, bucket_mb=64, backend="gloo", master_address="127.0.0.1",
+                 api_key="", timeout_s=300):
+        self.urls, self.bucket_mb, self.timeout_s = list(urls), bucket_mb, timeout_s
+        self.headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        port, world = free_port(), len(self.urls) + 1
+        # a server's POST returns once the group has formed, which needs this rank too:
+        # all in threads, and a server that refuses to join fails the call at once
+        pool = ThreadPoolExecutor(len(self.urls) + 1)
+        joins = [pool.submit(self.post, url, "/init_weights_update_group", {
+            "master_address": master_address, "master_port": port, "rank_offset": i + 1,
+            "world_size": world, "backend": backend}) for i, url in enumerate(self.urls)]
+        mine = pool.submit(PeerGroup, master_address, port, 0, world, backend, timeout_s)
+        wait(joins + [mine], return_when=FIRST_EXCEPTION)
+        pool.shutdown(wait=False)
+        for join in joins:
+            join.result()
+        self.group = mine.result()
+        self.sync = WeightSync(state, src=0, bucket_mb=bucket_mb, group=self.group)
+
+    def post(self, url, path, body):
+        """POST body to url + path; a refusal raises ValueError naming the url and the
+        reason."""
+        try:
+            r = httpx.post(url + path, json=body, headers=self.headers, timeout=self.timeout_s)
+        except httpx.HTTPError as e:
+            raise RuntimeError(f"{url}{path}: {type(e).__name__}: {e}") from e
+        if r.status_code != 200:
+            raise ValueError(f"{url}{path} refused ({r.status_code}): {r.text[:300]}")
+        return r.json()
+
+    def send(self, state):
+        """Broadcast state to every server; returns their new weight versions."""
+        names, shapes, dtypes = zip(*manifest(state))
+        body = {"names": list(names), "shapes": [list(s) for s in shapes], "dtypes": list(dtypes),
+                "bucket_mb": self.bucket_mb}
+        for url in self.urls:     # all check first: a server that waits can only be freed by bytes
+            self.post(url, "/update_weights_from_distributed", {**body, "check_only": True})
+        for url in self.urls:     # then each waits for the bytes
+            self.post(url, "/update_weights_from_distributed", body)
+        self.sync.send(state)
+        versions = self.group.gather_ints(-1)[1:]
+        refused = [url for url, v in zip(self.urls, versions) if v < 0]
+        if refused:
+            raise RuntimeError(f"{', '.join(refused)} did not apply the weights (see its log)")
+        return versions
+

@@ -1,0 +1,295 @@
+"""
+torchrun: pretrain, SFT and GRPO on 2 gloo ranks (CPU) against the same run in one
+process, resume across world sizes, and a killed rank. Every run is a real `python -m
+torch.distributed.run` (torchrun) of the real script.
+
+    python -m pytest -q tests/test_distributed.py
+"""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+import checkpoint
+from conftest import FINISHED, run_ranks, write_task
+from test_grpo import CORRECTED
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+CONFIG = os.path.join(ROOT, "config", "qwen_small.py")
+
+# Runs a script the way torchrun would, with two test-only additions: on a rank other than
+# 0, any write under OUT_DIR fails the run (only rank 0 writes), and GRPO dumps its
+# sampled groups to SAMPLES_OUT.<rank>.json. (launch gives GRPO the parity task,
+# conftest.PARITY_TASK, unless the test names another: a random policy gets reward
+# variance from it.)
+LAUNCHER = r'''
+import json, os, runpy, sys
+sys.path.insert(0, os.environ["ROOT"])
+out_dir, rank = os.path.realpath(os.environ["OUT_DIR"]), int(os.environ.get("RANK", "0"))
+
+def guard(event, args):
+    path = None
+    if event == "open" and args[0] is not None and not isinstance(args[0], int):
+        mode, flags = args[1] or "", args[2] or 0
+        if any(c in mode for c in "wax+") or flags & (os.O_WRONLY | os.O_RDWR | os.O_CREAT):
+            path = args[0]
+    elif event in ("os.rename", "os.replace", "os.mkdir", "os.remove", "os.rmdir", "shutil.rmtree"):
+        path = args[0]
+    real = path is not None and os.path.realpath(os.fsdecode(path))
+    if path is not None and (real == out_dir or real.startswith(out_dir + os.sep)):
+        raise PermissionError(f"rank {rank} wrote {path}: only rank 0 may write")
+
+if rank != 0:
+    sys.addaudithook(guard)
+script, argv = sys.argv[1], sys.argv[2:]
+if script.endswith("train_grpo.py"):
+    import train_grpo
+    from configurator import configure
+    seen, real = [], train_grpo.rollout
+    def rollout(*a):
+        groups, draw, metrics = real(*a)
+        seen.append([[list(s.completion_tokens), list(s.logprobs)] for g in groups for s in g[2]])
+        return groups, draw, metrics
+    train_grpo.rollout = rollout
+    settings = {k: v for k, v in vars(train_grpo).items() if not k.startswith("_")}
+    train_grpo.main(configure(settings, argv, stage="grpo"))
+    with open(os.environ["SAMPLES_OUT"] + f".{rank}.json", "w") as f:
+        json.dump(seen, f)
+else:
+    sys.argv = [script] + argv
+    runpy.run_path(script, run_name="__main__")
+''' + FINISHED
+
+TINY = (
+    "{'hidden_size':32,'intermediate_size':64,'moe_intermediate_size':32,'num_hidden_layers':2,"
+    "'num_attention_heads':2,'num_key_value_heads':1,'head_dim':16,'num_experts':4,"
+    "'num_experts_per_tok':2,"
+    "'max_position_embeddings':128}"
+)
+PRETRAIN = ["--n_docs=200", "--n_val_docs=16", "--batch_tokens=256", "--grad_accum=2",
+            f"--model={TINY}", "--log_interval=1", "--eval_interval=5", "--lr_decay_iters=5",
+            "--warmup_iters=1"]
+
+
+def launch(tmp, script, out_dir, args, nproc=1, wait=True, timeout=300):
+    """Run script (under torchrun when nproc > 1) with out_dir and args; returns the
+    CompletedProcess (or Popen)."""
+    launcher = tmp / "launcher.py"
+    launcher.write_text(LAUNCHER)
+    env = dict(os.environ, ROOT=ROOT, OUT_DIR=str(out_dir), SAMPLES_OUT=str(out_dir) + ".samples",
+               OMP_NUM_THREADS="1", WANDB_MODE="disabled", PYTHONPATH=ROOT)
+    if script == "train_grpo.py" and not any(str(a).startswith("--task=") for a in args):
+        args = [f"--task={write_task(str(tmp))}", *args]
+    argv = [launcher, os.path.join(ROOT, script), CONFIG, f"--out_dir={out_dir}", *args]
+    if not wait:
+        run = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+               f"--nproc_per_node={nproc}"] \
+            if nproc > 1 else [sys.executable]
+        return subprocess.Popen(run + [str(a) for a in argv], env=env, cwd=tmp,
+                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    done = run_ranks(argv, nproc, env, cwd=tmp, timeout=timeout)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    return done
+
+
+def rows(out_dir):
+    with open(os.path.join(out_dir, "metrics.jsonl")) as f:
+        return [json.loads(line) for line in f]
+
+
+def assert_same_run(a, b, keys, rel=1e-5, only=lambda row: True):
+    ra, rb = [r for r in rows(a) if only(r)], [r for r in rows(b) if only(r)]
+    assert [r["iter"] for r in ra] == [r["iter"] for r in rb]
+    checked = 0
+    for x, y in zip(ra, rb):
+        for k in keys:
+            if k in x:
+                assert abs(x[k] - y[k]) <= rel * max(abs(x[k]), 1e-3), (x["iter"], k, x[k], y[k])
+                checked += 1
+    assert checked >= 5
+
+
+def weights(out_dir):
+    return checkpoint.load_hf_checkpoint(os.path.join(out_dir, "ckpt")).state_dict()
+
+
+@pytest.fixture(scope="module")
+def pretrained(tmp_path_factory):
+    """5 pretraining steps in one process, and the same on 2 ranks."""
+    tmp = tmp_path_factory.mktemp("pretrain")
+    one, two = tmp / "one", tmp / "two"
+    launch(tmp, "pretrain.py", one, PRETRAIN + ["--max_iters=5"])
+    launch(tmp, "pretrain.py", two, PRETRAIN + ["--max_iters=5"], nproc=2)
+    return tmp, one, two
+
+
+def test_pretrain_on_two_ranks_steps_like_one_process(pretrained):
+    _, one, two = pretrained
+    assert_same_run(one, two,
+                    ("train/loss", "train/aux_loss", "train/grad_norm", "train/tokens",
+                     "eval/loss"))
+    a, b = weights(one), weights(two)
+    assert all(torch.allclose(a[n], b[n], rtol=1e-4, atol=1e-6) for n in a)
+    # rank 1 wrote nothing (the launcher fails any write of it under out_dir); rank 0
+    # wrote it all
+    assert sorted(os.listdir(two)) == sorted(os.listdir(one))
+
+
+def test_grad_accum_must_split_over_the_ranks(pretrained):
+    tmp = pretrained[0]
+    with pytest.raises(AssertionError, match="grad_accum=1: expected a multiple of the 2 ranks"):
+        launch(tmp, "pretrain.py", tmp / "bad", PRETRAIN + ["--max_iters=1", "--grad_accum=1"],
+               nproc=2)
+
+
+def test_a_two_rank_checkpoint_resumes_on_one_rank_exactly(pretrained):
+    tmp, one, _ = pretrained
+    half = tmp / "half"
+    launch(tmp, "pretrain.py", half, PRETRAIN + ["--max_iters=3", "--ckpt_interval=3"], nproc=2)
+    launch(tmp, "pretrain.py", half, PRETRAIN + ["--max_iters=5", "--init_from=resume"])
+    # (the 2-rank run also evaluated at its last step, 3)
+    assert_same_run(one, half, ("train/loss", "train/grad_norm"),
+                    only=lambda row: "train/loss" in row)
+    assert (
+        abs(rows(one)[-1]["eval/loss"] - rows(half)[-1]["eval/loss"])
+        < 1e-5 * rows(one)[-1]["eval/loss"]
+    )
+
+
+def test_sft_on_two_ranks_steps_like_one_process(pretrained):
+    tmp, one, _ = pretrained
+    args = [f"--init_from={one}", "--max_iters=5", "--grad_accum=2", "--batch_tokens=256",
+            "--n_eval_problems=12", "--eval_interval=5", "--log_interval=1", "--demo_fraction=0.02"]
+    launch(tmp, "sft.py", tmp / "sft1", args)
+    launch(tmp, "sft.py", tmp / "sft2", args, nproc=2)
+    assert_same_run(tmp / "sft1", tmp / "sft2",
+                    ("train/loss", "train/grad_norm", "eval/loss", "eval/accuracy"))
+
+
+@pytest.mark.parametrize("corrections", [[], CORRECTED], ids=["plain", "corrected"])
+def test_grpo_on_two_ranks_samples_and_steps_like_one_process(tmp_path, corrections):
+    args = ["--init_from=scratch", f"--model={TINY}", "--max_iters=5", "--prompts_per_step=5",
+            "--group_size=4", "--max_new_tokens=8", "--n_eval_problems=6", "--pass_k=2",
+            "--learning_rate=3e-3", "--warmup_iters=0", "--eval_interval=5", "--log_interval=1",
+            "--batch_tokens=128", *corrections]
+    one, two = tmp_path / "one", tmp_path / "two"
+    launch(tmp_path, "train_grpo.py", one, args)
+    launch(tmp_path, "train_grpo.py", two, args, nproc=2)
+    assert_same_run(one, two,
+                    ("train/loss", "train/grad_norm", "rollout/reward_mean", "rollout/problems",
+                     "train/tokens", "eval/accuracy", "eval/pass@1"))
+    # fp32 rounding only
+    assert all(r["train/logprob_mismatch"] < 1e-5 for r in rows(two) if "train/loss" in r)
+    single = json.loads((tmp_path / "one.samples.0.json").read_text())
+    for r in (0, 1):   # every rank saw every group, and they are the single process's samples
+        ranked = json.loads((tmp_path / f"two.samples.{r}.json").read_text())
+        assert [[s[0] for s in step] for step in ranked] == [[s[0] for s in step]
+                                                             for step in single]
+        assert max(abs(x - y) for a, b in zip(ranked, single) for s, t in zip(a, b)
+                   for x, y in zip(s[1], t[1])) < 1e-5
+    assert sum(len(step) for step in single) >= 5 * 4
+
+
+def test_multi_turn_grpo_on_two_ranks_steps_like_one_process(tmp_path):
+    # test_environment's multi-turn task: each rank runs its share of every turn's episodes
+    from test_environment import AGAIN_TASK
+    again = write_task(str(tmp_path), AGAIN_TASK, "again.py")
+    model = TINY.replace("'max_position_embeddings':128", "'max_position_embeddings':512")
+    args = ["--init_from=scratch", f"--model={model}", f"--task={again}", "--max_iters=4",
+            "--prompts_per_step=8", "--group_size=4", "--max_new_tokens=40", "--max_turns=3",
+            "--max_episode_tokens=160", "--n_eval_problems=6", "--pass_k=0", "--learning_rate=3e-3",
+            "--warmup_iters=0", "--eval_interval=4", "--log_interval=1", "--batch_tokens=1024"]
+    one, two = tmp_path / "one", tmp_path / "two"
+    launch(tmp_path, "train_grpo.py", one, args)
+    launch(tmp_path, "train_grpo.py", two, args, nproc=2)
+    assert_same_run(one, two, ("train/loss", "rollout/reward_mean", "rollout/turns_mean",
+                               "train/tokens", "eval/accuracy", "eval/success_by_turn_3"))
+    assert max(r["rollout/turns_mean"] for r in rows(two) if "rollout/turns_mean" in r) > 1
+
+
+def test_a_killed_rank_ends_the_job_and_resume_works(pretrained):
+    tmp, _, _ = pretrained
+    out = tmp / "killed"
+    job = launch(tmp, "pretrain.py", out,
+                 PRETRAIN + ["--max_iters=100000", "--lr_decay_iters=100000", "--ckpt_interval=2",
+                             "--dist_timeout_s=30"], nproc=2, wait=False)
+    try:
+        deadline = time.time() + 120
+        while not (out / "ckpt").exists() or len(rows(out)) < 3:
+            assert job.poll() is None and time.time() < deadline, "the 2-rank run did not get going"
+            time.sleep(0.5)
+        os.kill(rank_pid(job.pid, 1), signal.SIGKILL)
+        t0 = time.time()
+        job.wait(timeout=90)
+        assert job.returncode != 0 and time.time() - t0 < 60
+    finally:
+        if job.poll() is None:
+            job.kill()
+    step = checkpoint.read_checkpoint_meta(checkpoint.find_checkpoint(str(out)))["iter"]
+    launch(tmp, "pretrain.py", out, PRETRAIN + ["--init_from=resume", f"--max_iters={step + 2}",
+                                                "--lr_decay_iters=100000"])
+    assert [r["iter"] for r in rows(out) if "train/loss" in r][-2:] == [step + 1, step + 2]
+
+
+def rank_pid(torchrun_pid, rank):
+    """The pid of torchrun's worker with this RANK (found through /proc)."""
+    for pid in [int(p) for p in os.listdir("/proc") if p.isdigit()]:
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                parent = int(f.read().rsplit(")", 1)[1].split()[1])
+            with open(f"/proc/{pid}/environ", "rb") as f:
+                env = f.read().split(b"\0")
+        except OSError:
+            continue
+        if parent == torchrun_pid and f"RANK={rank}".encode() in env:
+            return pid
+    raise AssertionError(f"no worker with RANK={rank} under pid {torchrun_pid}")
+
+
+def test_ranks_whose_parameters_differ_are_caught(tmp_path):
+    script = tmp_path / "drift.py"
+    script.write_text(
+        "import torch\n"
+        "from scaleout import distributed\n"
+        "distributed.setup('cpu', 60)\n"
+        "torch.manual_seed(0)\n"
+        "model = torch.nn.Linear(4, 4)\n"
+        "distributed.check_in_sync(model)\n"            # the same weights on both ranks: passes
+        "with torch.no_grad():\n"
+        "    model.bias[0] += 1e-7 * distributed.rank()\n"  # one float's last bits on rank 1
+        "try:\n"
+        "    distributed.check_in_sync(model)\n"
+        "except RuntimeError as e:\n"
+        "    print(f'caught: {e}', flush=True)\n"   # one write per rank: the two do not interleave
+        "distributed.teardown()\n" + FINISHED)
+    env = dict(os.environ, PYTHONPATH=ROOT, OMP_NUM_THREADS="1")
+    done = run_ranks([script], 2, env, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.count("caught: the ranks' parameters differ") == 2
+
+
+def test_a_bad_collective_timeout_is_refused():
+    from scaleout import distributed
+    for bad in (0, -5, "300", None):
+        with pytest.raises(ValueError, match="dist_timeout_s"):
+            distributed.setup("cpu", bad)
+
+
+@pytest.mark.parametrize("finish_first", [True, False])
+def test_only_an_abort_after_every_rank_finished_is_forgiven(tmp_path, finish_first):
+    # the harness's allowance for gloo's exit race (conftest.run_ranks) must not hide a
+    # rank that died mid-job
+    script = tmp_path / "aborts.py"
+    body = ["import os, sys", "sys.stderr.write('terminate called without an active exception\\n')",
+            "sys.stderr.flush()", "os.abort() if os.environ['RANK'] == '1' else None"]
+    script.write_text("\n".join([FINISHED.strip()] + body if finish_first
+                                else body + [FINISHED.strip()]) + "\n")
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    done = run_ranks([script], 2, env, timeout=120)
+    assert (done.returncode == 0) == finish_first, done.stderr[-2000:]

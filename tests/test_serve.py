@@ -1,0 +1,586 @@
+"""
+scaleout/serve.py through the real openai client against a real server process, checked
+against transformers and the engine in-process on the same checkpoint;
+scaleout/client.py's token-exact conversations.
+"""
+
+import dataclasses
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+
+import httpx
+import pytest
+import torch
+from openai import OpenAI
+from transformers import AutoTokenizer, Qwen3MoeConfig
+
+from checkpoint import load_hf_checkpoint
+from scaleout.client import next_turn_prompt, sample_from_response
+from conftest import write_hf_checkpoint
+from engine import EngineConfig, InferenceEngine, SamplingParams
+from tokenizer import IM_END, build_tokenizer, generation_stop_ids, save_tokenizer
+
+KEY = "test-key"
+EXTRA = {"return_token_ids": True}
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def tiny_config(vocab_size):
+    return Qwen3MoeConfig(vocab_size=vocab_size, hidden_size=32, intermediate_size=64,
+                          moe_intermediate_size=16, num_hidden_layers=2, num_attention_heads=4,
+                          num_key_value_heads=2, head_dim=8, num_experts=4, num_experts_per_tok=2,
+                          max_position_embeddings=256, tie_word_embeddings=False,
+                          decoder_sparse_step=1, mlp_only_layers=[])
+
+
+def model_dir(path, seed):
+    """A random transformers checkpoint with the project's tokenizer: what
+    scaleout/serve.py is pointed at."""
+    tok = build_tokenizer()
+    hf, _ = write_hf_checkpoint(tiny_config(len(tok)), path, seed=seed)
+    save_tokenizer(tok, path)
+    return hf
+
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Served:
+    """A scaleout/serve.py process on a free port; stop() sends Ctrl-C and returns its
+    exit code."""
+
+    def __init__(self, path, *args):
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        env = dict(os.environ, OMP_NUM_THREADS="1")
+        self.proc = subprocess.Popen([sys.executable, "-m", "scaleout.serve",
+                                      f"--model_path={path}", f"--port={self.port}",
+                                      "--max_model_len=256", *args], env=env, cwd=ROOT,
+                                     stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        headers = {"Authorization": f"Bearer {KEY}"} if any(a.startswith("--api_key")
+                                                            for a in args) else {}
+        for _ in range(600):
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"scaleout/serve.py exited: {self.proc.stdout.read()}")
+            try:
+                if httpx.get(self.url + "/health", headers=headers, timeout=1).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.1)
+        raise RuntimeError("scaleout/serve.py did not come up")
+
+    def stop(self):
+        self.proc.send_signal(signal.SIGINT)
+        try:
+            return self.proc.wait(timeout=30)
+        finally:
+            self.proc.kill()
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory):
+    root = tmp_path_factory.mktemp("serve")
+    hf = model_dir(root / "a", seed=1)
+    model_dir(root / "b", seed=2)
+    server = Served(root / "a", f"--api_key={KEY}", "--enable_weight_updates=True",
+                    "--served_model_name=tiny")
+    yield dict(root=root, hf=hf, server=server,
+               api=OpenAI(base_url=server.url + "/v1", api_key=KEY, max_retries=0),
+               tok=build_tokenizer())
+    assert server.stop() == 0, "Ctrl-C must shut the server down cleanly"
+
+
+@pytest.fixture(scope="module")
+def engine(setup):
+    return InferenceEngine(EngineConfig(model_path=str(setup["root"] / "a"), max_model_len=256,
+                                        num_blocks=256))
+
+
+def post(setup, path, body, key=KEY):
+    headers = {"Authorization": f"Bearer {key}"} if key else {}
+    return httpx.post(setup["server"].url + path, json=body, headers=headers, timeout=60)
+
+
+def greedy(stop, max_tokens=8, **kw):
+    return SamplingParams(temperature=0.0, max_tokens=max_tokens, stop_token_ids=frozenset(stop),
+                          **kw)
+
+
+def hf_greedy(hf, prompt, n, stop):
+    """transformers, one token at a time: the reference greedy continuation."""
+    ids = list(prompt)
+    with torch.no_grad():
+        for _ in range(n):
+            ids.append(int(hf(torch.tensor([ids])).logits[0, -1].argmax()))
+            if ids[-1] in stop:
+                break
+    return ids[len(prompt):]
+
+
+PROMPTS = [[1, 100, 4, 103, 5, 24, 5, 26], [7, 8, 9], list(range(10, 40))]
+
+
+def test_greedy_completions_equal_engine_and_transformers(setup, engine):
+    api, stop = setup["api"], generation_stop_ids(setup["tok"])
+    mine = engine.generate(PROMPTS, greedy(stop))
+    r = api.completions.create(model="tiny", prompt=PROMPTS, max_tokens=8, temperature=0,
+                               logprobs=0, extra_body=EXTRA)
+    for prompt, ours, choice in zip(PROMPTS, mine, r.choices):
+        extra = choice.model_extra
+        assert extra["prompt_token_ids"] == prompt
+        assert extra["token_ids"] == list(ours.completion_tokens) == hf_greedy(setup["hf"], prompt,
+                                                                               8, stop)
+        assert choice.logprobs.token_logprobs == pytest.approx(list(ours.logprobs), abs=1e-5)
+        assert choice.text == setup["tok"].decode(ours.completion_tokens, skip_special_tokens=True)
+        assert extra["weight_version"] == 0
+    assert r.usage.prompt_tokens == sum(map(len, PROMPTS))
+
+
+def test_chat_uses_the_checkpoints_template(setup, engine):
+    api, stop, root = setup["api"], generation_stop_ids(setup["tok"]), setup["root"]
+    messages = [{"role": "system", "content": "be brief"},
+                {"role": "user", "content": "digits 3 5 7 target 22"}]
+    r = api.chat.completions.create(model="tiny", messages=messages, max_tokens=8, temperature=0,
+                                    logprobs=True, top_logprobs=3, extra_body=EXTRA)
+    tokenizer = AutoTokenizer.from_pretrained(root / "a")
+    expected = tokenizer.apply_chat_template(messages, add_generation_prompt=True,
+                                             return_dict=False)
+    assert r.model_extra["prompt_token_ids"] == list(expected)
+    ours = engine.generate([expected], greedy(stop))[0]
+    choice = r.choices[0]
+    assert choice.model_extra["token_ids"] == list(ours.completion_tokens) == hf_greedy(setup["hf"],
+                                                                                        expected, 8,
+                                                                                        stop)
+    assert [c.logprob for c in choice.logprobs.content] == pytest.approx(list(ours.logprobs),
+                                                                         abs=1e-5)
+    # greedy: the sampled token is the most likely, and the list is sorted
+    for c in choice.logprobs.content:
+        assert c.top_logprobs[0].logprob == pytest.approx(c.logprob,
+                                                          abs=1e-6) and len(c.top_logprobs) == 3
+        assert [t.logprob for t in c.top_logprobs] == sorted((t.logprob for t in c.top_logprobs),
+                                                             reverse=True)
+
+
+def test_top_logprobs_equal_transformers(setup):
+    api, hf = setup["api"], setup["hf"]
+    prompt = PROMPTS[0]
+    r = api.completions.create(model="tiny", prompt=prompt, max_tokens=1, temperature=0.7,
+                               logprobs=4, seed=3, extra_body=EXTRA)
+    with torch.no_grad():
+        ref = torch.log_softmax(hf(torch.tensor([prompt])).logits[0, -1] / 0.7, -1)
+    values, ids = ref.topk(4)
+    tops = r.choices[0].logprobs.top_logprobs[0]
+    assert list(tops) == [setup["tok"].decode([i]) for i in ids.tolist()]
+    assert list(tops.values()) == pytest.approx(values.tolist(), abs=1e-4)
+    assert r.choices[0].logprobs.token_logprobs[0] == pytest.approx(
+        ref[r.choices[0].model_extra["token_ids"][0]].item(), abs=1e-4
+    )
+
+
+def collect_stream(stream, chat):
+    text, ids, logprobs, finish = {}, {}, {}, {}
+    for chunk in stream:
+        for c in chunk.choices:
+            i = c.index
+            text[i] = text.get(i, "") + ((c.delta.content or "") if chat else c.text)
+            ids[i] = ids.get(i, []) + (c.model_extra.get("token_ids") or [])
+            if c.logprobs is not None:
+                new = [x.logprob for x in c.logprobs.content] if chat else c.logprobs.token_logprobs
+                logprobs[i] = logprobs.get(i, []) + new
+            finish[i] = c.finish_reason or finish.get(i)
+    return text, ids, logprobs, finish
+
+
+@pytest.mark.parametrize("n", [1, 2])
+def test_streamed_equals_non_streamed(setup, n):
+    api = setup["api"]
+    kw = dict(model="tiny", max_tokens=12, temperature=0.9, seed=11, n=n, extra_body=EXTRA)
+    whole = api.completions.create(prompt=PROMPTS[1], logprobs=0, **kw)
+    text, ids, logprobs, finish = collect_stream(api.completions.create(prompt=PROMPTS[1],
+                                                                        logprobs=0, stream=True,
+                                                                        **kw), chat=False)
+    for c in whole.choices:
+        assert (text[c.index], ids[c.index], finish[c.index]) == (c.text,
+                                                                  c.model_extra["token_ids"],
+                                                                  c.finish_reason)
+        # the same tokens; logprobs to fp32 rounding, which depends on the rows the
+        # engine computed together
+        assert logprobs[c.index] == pytest.approx(c.logprobs.token_logprobs, abs=1e-5)
+    messages = [{"role": "user", "content": "digits 1 2 3 target 6"}]
+    whole = api.chat.completions.create(messages=messages, logprobs=True, **kw)
+    text, ids, logprobs, finish = collect_stream(api.chat.completions.create(messages=messages,
+                                                                             logprobs=True,
+                                                                             stream=True, **kw),
+                                                 chat=True)
+    for c in whole.choices:
+        assert (text[c.index], ids[c.index], finish[c.index]) == (c.message.content,
+                                                                  c.model_extra["token_ids"],
+                                                                  c.finish_reason)
+        assert logprobs[c.index] == pytest.approx([x.logprob for x in c.logprobs.content], abs=1e-5)
+
+
+def test_seeded_n4_repeats_and_stop_strings(setup):
+    api = setup["api"]
+    kw = dict(model="tiny", prompt=PROMPTS[0], max_tokens=10, temperature=1.0, n=4, seed=1234,
+              extra_body=EXTRA)
+    a, b = api.completions.create(**kw), api.completions.create(**kw)
+    ids = [c.model_extra["token_ids"] for c in a.choices]
+    assert ids == [c.model_extra["token_ids"] for c in b.choices]
+    assert len({tuple(x) for x in ids}) > 1, "four samples of a random model all the same"
+    # a stop string: the text ends before it, and the sample ends at the token that
+    # completed it (same seed)
+    tok, stop = setup["tok"], a.choices[0].text[3:5]
+    cut = api.completions.create(stop=[stop], **kw)
+    for whole, part in zip(a.choices, cut.choices):
+        full_ids, ids = whole.model_extra["token_ids"], part.model_extra["token_ids"]
+        if stop not in whole.text:
+            assert (part.text, ids, part.finish_reason) == (whole.text, full_ids,
+                                                            whole.finish_reason)
+            continue
+        assert part.finish_reason == "stop" and part.text == whole.text[:whole.text.index(stop)]
+        assert (ids == full_ids[: len(ids)] and stop in tok.decode(ids)
+                and stop not in tok.decode(ids[:-1]))
+
+
+def test_64_concurrent_requests_batch_and_match(setup):
+    api = setup["api"]
+    prompts = [[1 + (i % 90), 5, 2 + (i * 7) % 90, 4] for i in range(64)]
+    kw = dict(model="tiny", max_tokens=32, temperature=0, extra_body=dict(EXTRA, ignore_eos=True))
+    alone = [api.completions.create(prompt=p, **kw).choices[0].model_extra["token_ids"]
+             for p in prompts]
+    results = [None] * 64
+
+    def one(i):
+        results[i] = api.completions.create(prompt=prompts[i],
+                                            **kw).choices[0].model_extra["token_ids"]
+
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(64)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert all(r is not None for r in results)
+    assert results == alone
+    stats = httpx.get(setup["server"].url + "/stats",
+                      headers={"Authorization": f"Bearer {KEY}"}).json()
+    assert stats["peak_batch"] >= 16, stats
+
+
+BAD = [
+    ("/v1/completions", dict(prompt=[1, 2], model="other"), "model"),
+    ("/v1/completions", dict(prompt=""), "prompt"),
+    ("/v1/completions", dict(prompt=[]), "prompt"),
+    ("/v1/completions", dict(prompt=[1, 999]), "prompt"),
+    ("/v1/completions", dict(prompt=[1] * 300), "prompt"),
+    ("/v1/completions", dict(prompt=[1], max_tokens=0), "max_tokens"),
+    ("/v1/completions", dict(prompt=[1], max_tokens=500), "max_tokens"),
+    ("/v1/completions", dict(prompt=[1], temperature=-1), "temperature"),
+    ("/v1/completions", dict(prompt=[1], temperature="hot"), "temperature"),
+    ("/v1/completions", dict(prompt=[1], top_p=0), "top_p"),
+    ("/v1/completions", dict(prompt=[1], top_p=1.5), "top_p"),
+    ("/v1/completions", dict(prompt=[1], n=0), "n"),
+    ("/v1/completions", dict(prompt=[1], logprobs=99), "logprobs"),
+    ("/v1/completions", dict(prompt=[1], echo=True), "echo"),
+    ("/v1/chat/completions", dict(messages=[]), "messages"),
+    ("/v1/chat/completions", dict(messages=[{"role": "tool", "content": "x"}]), "messages"),
+    ("/v1/chat/completions", dict(messages=[{"role": "user"}]), "messages"),
+    ("/v1/chat/completions", dict(messages=[{"role": "user", "content": "x"}], top_logprobs=2),
+     "top_logprobs"),
+]
+
+
+@pytest.mark.parametrize("path,body,param", BAD, ids=[f"{b}" for _, b, _ in BAD])
+def test_bad_request_is_400_naming_the_field(setup, path, body, param):
+    r = post(setup, path, body)
+    assert r.status_code == 400, r.text
+    error = r.json()["error"]
+    assert (
+        error["param"] == param and error["type"] == "invalid_request_error" and error["message"]
+    ), error
+    good = post(setup, "/v1/completions", dict(prompt=[1, 2], max_tokens=2))
+    assert good.status_code == 200 and len(good.json()["choices"][0]["text"]) >= 0
+
+
+def test_malformed_json_and_auth(setup):
+    url = setup["server"].url
+    r = httpx.post(url + "/v1/completions", content=b"{not json",
+                   headers={"Authorization": f"Bearer {KEY}"})
+    assert r.status_code == 400 and "JSON" in r.json()["error"]["message"]
+    for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": KEY}):
+        for path in ("/health", "/v1/models"):
+            assert httpx.get(url + path, headers=headers).status_code == 401
+        assert httpx.post(url + "/v1/completions", json=dict(prompt=[1]),
+                          headers=headers).status_code == 401
+    assert [m.id for m in setup["api"].models.list()] == ["tiny"]
+
+
+def test_disconnect_mid_stream_frees_its_sequences(setup):
+    url, headers = setup["server"].url, {"Authorization": f"Bearer {KEY}"}
+    body = dict(prompt=PROMPTS[1], max_tokens=250, temperature=1.0, n=4, stream=True,
+                ignore_eos=True)
+    before = httpx.get(url + "/stats", headers=headers).json()["generated_tokens"]
+    with httpx.stream("POST", url + "/v1/completions", json=body, headers=headers, timeout=60) as r:
+        next(r.iter_lines())   # one event, then hang up
+    for _ in range(100):
+        stats = httpx.get(url + "/stats", headers=headers).json()
+        if stats["running"] == 0 and stats["waiting"] == 0:
+            break
+        time.sleep(0.1)
+    assert stats["running"] == 0 and stats["waiting"] == 0, stats
+    assert stats["generated_tokens"] - before < 4 * 250, (f"the aborted samples ran to the end: "
+                                                          f"{stats}")
+
+
+def test_update_weights_from_disk(setup):
+    root, api, stop = setup["root"], setup["api"], generation_stop_ids(setup["tok"])
+    before = api.completions.create(model="tiny", prompt=PROMPTS[0], max_tokens=8, temperature=0,
+                                    extra_body=EXTRA)
+    for bad in (root / "missing", root):   # no such directory; a directory without a checkpoint
+        r = post(setup, "/update_weights_from_disk", {"model_path": str(bad)})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "model_path", r.text
+    other = root / "wide"                  # a checkpoint of another shape: refused whole
+    write_hf_checkpoint(_wider(), other)
+    assert post(setup, "/update_weights_from_disk", {"model_path": str(other)}).status_code == 400
+    same = api.completions.create(model="tiny", prompt=PROMPTS[0], max_tokens=8, temperature=0,
+                                  extra_body=EXTRA)
+    # nothing changed, version included
+    assert same.choices[0].model_extra == before.choices[0].model_extra
+    r = post(setup, "/update_weights_from_disk", {"model_path": str(root / "b")})
+    assert r.status_code == 200 and r.json()["weight_version"] == 1, r.text
+    after = api.completions.create(model="tiny", prompt=PROMPTS[0], max_tokens=8, temperature=0,
+                                   logprobs=0, extra_body=EXTRA)
+    ref = InferenceEngine(EngineConfig(model_path=str(root / "b"), max_model_len=256,
+                                       num_blocks=64))
+    want = ref.generate([PROMPTS[0]], greedy(stop))[0]
+    assert after.choices[0].model_extra["token_ids"] == list(want.completion_tokens)
+    assert after.choices[0].logprobs.token_logprobs == pytest.approx(list(want.logprobs), abs=1e-5)
+    assert after.choices[0].model_extra["weight_version"] == 1
+    assert post(setup, "/update_weights_from_disk",
+                {"model_path": str(root / "a")}).json()["weight_version"] == 2
+
+
+def _wider():
+    config = tiny_config(105)
+    config.hidden_size = 48
+    return config
+
+
+def test_weight_updates_refused_unless_enabled(setup):
+    server = Served(setup["root"] / "a")
+    try:
+        r = httpx.post(server.url + "/update_weights_from_disk",
+                       json={"model_path": str(setup["root"] / "b")})
+        assert r.status_code == 403 and "enable_weight_updates" in r.json()["error"]["message"]
+        assert httpx.get(server.url + "/v1/models").json()["data"][0]["id"] == str(
+            setup["root"] / "a"
+        )
+    finally:
+        assert server.stop() == 0
+
+
+def test_two_turn_conversation_is_one_token_sequence(setup):
+    api, tok, root = setup["api"], setup["tok"], setup["root"]
+    messages = [{"role": "user", "content": "digits 3 5 7 target 22"}]
+    r1 = api.chat.completions.create(model="tiny", messages=messages, max_tokens=6, temperature=0,
+                                     logprobs=True, extra_body=EXTRA)
+    s1 = sample_from_response(r1)
+    turn2 = [{"role": "user", "content": "and the target 15?"}]
+    ids = next_turn_prompt(tok, s1, turn2)
+    r2 = api.completions.create(model="tiny", prompt=ids, max_tokens=6, temperature=0, logprobs=0,
+                                extra_body=EXTRA)
+    s2 = sample_from_response(r2, sent=ids)
+    conversation = messages + [{"role": "assistant",
+                                "content": r1.choices[0].message.content}] + turn2
+    template = AutoTokenizer.from_pretrained(root / "a").apply_chat_template(
+        conversation, add_generation_prompt=True, return_dict=False
+    )
+    assert list(s2.prompt_tokens) == list(template)
+    assert list(s2.prompt_tokens[:len(s1.prompt_tokens) + len(s1.completion_tokens)]) == \
+        list(s1.prompt_tokens + s1.completion_tokens)
+    assert s2.logprobs == tuple(r2.choices[0].logprobs.token_logprobs) and len(s2.logprobs) == len(
+        s2.completion_tokens
+    )
+    # a reply sampled as "user" spelled in four character ids, where the tokenizer has one
+    # word id: kept as sampled (never re-tokenized), then the same ids for the new turn
+    bridge = ids[len(s1.prompt_tokens) + len(s1.completion_tokens):]
+    if s1.finish_reason == "length":   # turn 1 was cut: its bridge starts with the <|im_end|>
+        bridge = bridge[1:]
+    chars = tuple(tok.convert_tokens_to_ids(c) for c in "user")
+    im_end = tok.convert_tokens_to_ids(IM_END)
+    stopped = dataclasses.replace(s1, completion_tokens=chars + (im_end,))
+    assert next_turn_prompt(tok, stopped, turn2) == \
+        list(s1.prompt_tokens + stopped.completion_tokens) + bridge
+    # one cut at max_tokens gets the whole close of its turn: <|im_end|> then the newline
+    cut = dataclasses.replace(s1, completion_tokens=chars)
+    assert next_turn_prompt(tok, cut, turn2) == \
+        list(s1.prompt_tokens + chars) + [im_end] + bridge
+
+
+@pytest.mark.parametrize("n", [1, 2])
+def test_the_sdks_stream_accumulator_gives_the_non_streamed_chat_completion(setup, n):
+    # ChatCompletionStream (chat.completions.stream(...).get_final_completion(), what
+    # harnesses use) builds the completion from the chunks itself: one role chunk per
+    # choice, then the content (it refuses a choice cut at max_tokens: stop ids that a
+    # random model soon samples end them)
+    api = setup["api"]
+    kw = dict(model="tiny", max_tokens=60, temperature=0.9, seed=5, n=n, logprobs=True,
+              messages=[{"role": "user", "content": "digits 1 2 3 target 6"}],
+              extra_body=dict(EXTRA, stop_token_ids=list(range(60, 70))))
+    whole = api.chat.completions.create(**kw)
+    with api.chat.completions.stream(**kw) as stream:
+        final = stream.get_final_completion()
+    assert len(final.choices) == len(whole.choices) == n
+    for got, want in zip(final.choices, whole.choices):
+        assert (got.index, got.message.role, got.message.content, got.finish_reason) == \
+            (want.index, "assistant", want.message.content, want.finish_reason)
+        assert want.finish_reason == "stop" and len(want.model_extra["token_ids"]) > 1
+        assert [c.logprob for c in got.logprobs.content] == \
+            pytest.approx([c.logprob for c in want.logprobs.content], abs=1e-5)
+
+    async def async_final():
+        from openai import AsyncOpenAI
+        client = AsyncOpenAI(base_url=setup["server"].url + "/v1", api_key=KEY, max_retries=0)
+        async with client.chat.completions.stream(**kw) as stream:
+            return await stream.get_final_completion()
+    import asyncio
+    final = asyncio.run(async_final())
+    for got, want in zip(final.choices, whole.choices):
+        assert (got.index, got.message.content, got.finish_reason) == \
+            (want.index, want.message.content, want.finish_reason)
+        assert [c.logprob for c in got.logprobs.content] == \
+            pytest.approx([c.logprob for c in want.logprobs.content], abs=1e-5)
+
+
+def test_token_in_token_out_generate_equals_the_engine(setup, engine):
+    # vLLM's POST /inference/v1/generate, as verifiers' training client sends it (advisory
+    # keys too)
+    stop = generation_stop_ids(setup["tok"])
+    mine = engine.generate(PROMPTS[:2], greedy(stop, max_tokens=8))
+    for prompt, ours in zip(PROMPTS[:2], mine):
+        sampling = {"max_tokens": 8, "temperature": 0.0, "logprobs": 0, "n": 1,
+                    "skip_special_tokens": False, "cache_salt": "x", "priority": 0,
+                    "routed_experts_prompt_start": None}
+        r = post(setup, "/inference/v1/generate", {"model": "tiny", "token_ids": prompt,
+                                                   "sampling_params": sampling})
+        assert r.status_code == 200, r.text
+        body = r.json()
+        (choice,) = body["choices"]
+        assert body["prompt_token_ids"] == prompt
+        assert choice["token_ids"] == list(ours.completion_tokens)
+        assert [c["token"] for c in choice["logprobs"]["content"]] == \
+            [f"token_id:{t}" for t in ours.completion_tokens]
+        assert [c["logprob"] for c in choice["logprobs"]["content"]] == \
+            pytest.approx(list(ours.logprobs), abs=1e-5)
+        assert body["usage"]["completion_tokens"] == len(ours.completion_tokens)
+    # n samples with a seed, no max_tokens (up to max_model_len), stop ids honoured
+    r = post(setup, "/inference/v1/generate", {"token_ids": PROMPTS[1], "sampling_params": {
+        "n": 2, "seed": 3, "temperature": 1.0, "stop_token_ids": list(range(60, 70))}}).json()
+    assert [c["index"] for c in r["choices"]] == [0, 1] and r["choices"][0]["logprobs"] is None
+    ends = set(range(60, 70)) | set(stop)
+    assert all(c["finish_reason"] == "stop" and c["token_ids"][-1] in ends or
+               c["finish_reason"] == "length" and len(c["token_ids"]) == 256 - len(PROMPTS[1])
+               for c in r["choices"]), r["choices"]
+
+
+@pytest.mark.parametrize("body,field", [
+    ({"sampling_params": {}}, "token_ids"),
+    ({"token_ids": [1, 2.5]}, "token_ids"),
+    ({"token_ids": [1, 10 ** 6]}, "token_ids"),
+    ({"token_ids": [1, 2], "sampling_params": {"temperature": -1}}, "sampling_params.temperature"),
+    ({"token_ids": [1, 2], "sampling_params": {"n": 0}}, "sampling_params.n"),
+    ({"token_ids": [1, 2], "sampling_params": {"logprobs": 99}}, "sampling_params.logprobs"),
+    ({"token_ids": [1, 2], "sampling_params": {"max_tokens": 1000}}, "sampling_params.max_tokens"),
+    ({"token_ids": [1, 2], "sampling_params": "greedy"}, "sampling_params"),
+])
+def test_bad_generate_requests_get_400_naming_the_field(setup, body, field):
+    r = post(setup, "/inference/v1/generate", body)
+    assert r.status_code == 400 and r.json()["error"]["param"] == field, r.text
+    assert post(setup, "/inference/v1/generate", {"token_ids": [1, 2], "sampling_params": {
+        "max_tokens": 2}}).status_code == 200            # and the server keeps serving
+
+
+def test_tokenize_and_detokenize_as_vllm_spells_them(setup):
+    tok = AutoTokenizer.from_pretrained(setup["root"] / "a")
+    messages = [{"role": "user", "content": "digits 3 5 7 target 22"}]
+    r = post(setup, "/tokenize", {"model": "tiny", "messages": messages}).json()
+    assert r["tokens"] == list(tok.apply_chat_template(messages, add_generation_prompt=True,
+                                                       return_dict=False))
+    assert r["count"] == len(r["tokens"]) and r["max_model_len"] == 256
+    bare = post(setup, "/tokenize", {"messages": messages, "add_generation_prompt": False}).json()
+    assert r["tokens"][:bare["count"]] == bare["tokens"] and bare["count"] < r["count"]
+    text = post(setup, "/tokenize", {"prompt": "3*5+7"}).json()
+    assert text["tokens"] == tok.encode("3*5+7")
+    assert post(setup, "/detokenize", {"tokens": r["tokens"]}).json()["prompt"] == \
+        tok.decode(r["tokens"], skip_special_tokens=False)
+    assert post(setup, "/detokenize", {"tokens": [-1]}).json()["error"]["param"] == "tokens"
+    assert post(setup, "/tokenize", {}).json()["error"]["param"] == "prompt"
+    card = httpx.get(setup["server"].url + "/v1/models", headers={"Authorization": f"Bearer {KEY}"})
+    assert card.json()["data"][0]["stop_token_ids"] == sorted(generation_stop_ids(setup["tok"]))
+
+
+def test_weights_over_a_process_group_reach_a_running_server(setup):
+    # the trainer (this process) pushes b's weights to the server over a gloo group of
+    # their own; the server then samples exactly what an engine on b samples, at the next
+    # version
+    from scaleout.weight_sync import ServerWeights
+    root, api, stop = setup["root"], setup["api"], generation_stop_ids(setup["tok"])
+    card = httpx.get(setup["server"].url + "/v1/models", headers={"Authorization": f"Bearer {KEY}"})
+    before = card.json()["data"][0]["weight_version"]
+    b = load_hf_checkpoint(str(root / "b")).state_dict()
+    push = ServerWeights([setup["server"].url], b, bucket_mb=0.01, api_key=KEY)   # 10 KiB buckets
+    embed = next(k for k in b if "embed" in k)
+    wide = {**b, embed: torch.zeros(105, 48)}
+    with pytest.raises(ValueError, match=f"{embed}.* has shape \\[105, 48\\]"):
+        push.send(wide)                                     # refused before a byte is sent
+    assert push.send(b) == [before + 1]
+    r = api.completions.create(model="tiny", prompt=PROMPTS[0], max_tokens=8, temperature=0,
+                               logprobs=0, extra_body=EXTRA)
+    ref = InferenceEngine(EngineConfig(model_path=str(root / "b"), max_model_len=256,
+                                       num_blocks=64))
+    want = ref.generate([PROMPTS[0]], greedy(stop))[0]
+    assert r.choices[0].model_extra["token_ids"] == list(want.completion_tokens)
+    assert r.choices[0].logprobs.token_logprobs == pytest.approx(list(want.logprobs), abs=1e-5)
+    assert r.choices[0].model_extra["weight_version"] == before + 1
+    a = load_hf_checkpoint(str(root / "a")).state_dict()
+    assert push.send(a) == [before + 2]                     # and back, for the tests after this one
+    # a trainer that restarts makes a new group, which replaces the old one
+    assert ServerWeights([setup["server"].url], b, api_key=KEY).send(a) == [before + 3]
+    # a server without --enable_weight_updates refuses to join
+    server = Served(root / "a")
+    try:
+        r = httpx.post(server.url + "/init_weights_update_group", json={
+            "master_address": "127.0.0.1", "master_port": 1234, "rank_offset": 1, "world_size": 2})
+        assert r.status_code == 403 and "enable_weight_updates" in r.json()["error"]["message"]
+    finally:
+        assert server.stop() == 0
+
+
+def test_a_server_that_refuses_the_weights_leaves_the_others_free(setup):
+    # two servers, one of another shape: it refuses the manifest while the other was only
+    # asked to check, so nothing waits for bytes; the good server joins the next trainer's
+    # group at once
+    from scaleout.weight_sync import ServerWeights
+    root = setup["root"]
+    write_hf_checkpoint(_wider(), root / "wide_served")
+    save_tokenizer(build_tokenizer(), root / "wide_served")
+    wide = Served(root / "wide_served", f"--api_key={KEY}", "--enable_weight_updates=True")
+    try:
+        card = httpx.get(setup["server"].url + "/v1/models",
+                         headers={"Authorization": f"Bearer {KEY}"})
+        before = card.json()["data"][0]["weight_version"]
+        a = load_hf_checkpoint(str(root / "a")).state_dict()
+        both = ServerWeights([setup["server"].url, wide.url], a, api_key=KEY)
+        with pytest.raises(ValueError, match=f"{wide.url}.* refused \\(400\\).* has shape"):
+            both.send(a)
+        assert ServerWeights([setup["server"].url], a, api_key=KEY).send(a) == [before + 1]
+    finally:
+        assert wide.stop() == 0
