@@ -47,21 +47,9 @@ One iteration (grpo_step, with the same numbers):
   then log, evaluate on the validation split (every eval_interval) and checkpoint (with the
   sampler's record).
 
-loss_norm, the denominator of unified_loss: 'constant' (the default, Dr. GRPO:
-prompts_per_step x group_size x max_new_tokens x max_turns, the same every step, so a
-step's size follows how much its samples have to teach and not how many of them there
-are), 'tokens' (the completion tokens of the step: a per-token mean, DAPO) or 'weights'
-(sum |advantage| over completion tokens: a weighted mean whose scale ignores how many
-groups succeed). No KL term unless kl_coef > 0: it is the k1 estimate log p - log
-p_start per completion token, a per-token penalty in the weights, as in KL-in-reward.
-
-The trainer keeps fp32 master weights; the engine holds its own copy (its dtype) and
-never aliases them. The trainer scores log_softmax(logits / T), the distribution the
-engine samples at temperature T (with top_p / top_k the engine samples a truncated one:
-off-policy, off_policy.py corrects it). train/logprob_mismatch is the mean |engine -
-trainer logprob| over the step's weighted completion tokens, measured by the step's own
-forward (before the update): fp32 rounding when both hold the same fp32 weights, and the
-staleness too with rollout ranks; offpolicy/* are the mismatch metrics of off_policy.py.
+The loss normalizer (loss_norm), the KL option, train/logprob_mismatch and the
+off-policy metrics are explained in docs/pipeline.md; three worked forks of this
+step in docs/forks.md.
 """
 import dataclasses
 import functools
@@ -69,23 +57,20 @@ import os
 import shutil
 import sys
 import time
-import typing
 
 import numpy as np
 import torch
 
-from checks import is_number, require
-from scaleout import distributed
-from tasks import evaluate
-from scaleout import rollout_ranks as ranks
 import off_policy
 import training
-from scaleout.rollout_servers import Servers
-from tasks.environment import Environment, load_task, solved
+from checks import require
 from checkpoint import init_start, load_model, model_dir_of, save_best, save_checkpoint
 from configurator import configure, print0
 from engine import EngineConfig, SamplingParams, sampled_mask
 from model import train_flops
+from scaleout import distributed, sources
+from tasks import evaluate
+from tasks.environment import Environment, load_task, solved
 from tokenizer import build_tokenizer, check_template_kwargs
 
 # -----------------------------------------------------------------------------
@@ -138,15 +123,6 @@ grad_clip = 1.0
 aux_loss_coef = 0.01          # times the router's load-balancing loss
 batch_tokens = 4096           # tokens per micro-batch; a step takes as many as its samples need
 dist_timeout_s = 300          # torchrun: a collective waiting longer than this ends the job
-# rollout ranks (torchrun; scaleout/rollout_ranks.py) and servers
-# (scaleout/rollout_servers.py)
-rollout_ranks = 0             # the last K ranks only sample, the others only train; 0 = off
-max_staleness = 0             # rollout j samples with the weights of step j - s (s >= 1: TIS)
-weight_bucket_mb = 64.0       # bucket size of the weight broadcast to workers and servers
-rollout_urls = ""             # 'http://host:port[,...]': they sample, the trainer pushes weights
-rollout_api_key = ""          # the servers' --api_key
-weight_master_address = "127.0.0.1"   # where the servers reach this trainer for the weight group
-weight_backend = "gloo"       # the weight group's backend: 'gloo', or 'nccl' with device='cuda'
 # evaluation (with the engine; 'test' is for the final comparison only)
 eval_split = "val"            # 'val' | 'test'
 n_eval_problems = 500         # the first n of the split (0 = all of it)
@@ -159,6 +135,8 @@ ckpt_interval = 25
 wandb_log = False
 wandb_project = "nano-rl"
 wandb_run_name = ""
+# rollout ranks and servers (torchrun, rollout_urls) add their settings: scaleout/sources.py
+globals().update(sources.SETTINGS)
 # -----------------------------------------------------------------------------
 
 
@@ -245,6 +223,7 @@ class ProblemSampler:
         self.successes = np.zeros(len(items), dtype=np.int64)
         self.samples = np.zeros(len(items), dtype=np.int64)
         self.draws, self.taken = 0, 0
+        self.last = None   # the last draw's (indices, successes): rollout ranks send it
 
     def weights(self):
         p = (self.successes + 1) / (self.samples + 2)
@@ -264,6 +243,7 @@ class ProblemSampler:
         np.add.at(self.successes, indices, successes)
         np.add.at(self.samples, indices, group_size)
         self.draws, self.taken = self.draws + 1, self.taken + len(indices)
+        self.last = (list(indices), list(successes))
 
     def follow(self, indices, successes, group_size):
         """A trainer's copy of a rollout rank's sampler: it makes the same draw
@@ -305,9 +285,9 @@ class ProblemSampler:
 def rollout(engine, env, sampler, config, it):
     """One rollout call: prompts_per_step problems drawn by the sampler, group_size
     episodes each, scored, and the outcome added to the sampler's record. A group whose
-    rewards are all equal teaches nothing and is dropped (counted). Returns (the kept
-    groups as (problem, prompt_ids, samples, rewards), the draw as (indices, successes),
-    rollout metrics)."""
+    rewards are all equal teaches nothing and is dropped (counted). Returns the kept
+    groups, each (problem, prompt_ids, samples, rewards), the FLOPs sampling them took
+    and the rollout metrics."""
     G = config["group_size"]
     indices = sampler.draw(config["prompts_per_step"])
     problems = [sampler.items[i] for i in indices]
@@ -332,13 +312,12 @@ def rollout(engine, env, sampler, config, it):
                "rollout/truncated": float(np.mean([e.finish_reason != "stop" for e in episodes])),
                "rollout/tokens_per_s": sum(sampled) / gen_time, "perf/rollout_time_s": gen_time,
                "rollout/weight_version": engine.get_weight_version(),
-               "perf/rollout_flops": evaluate.sampling_flops(engine.model.config, samples, G),
                # the behaviour policy's entropy, estimated on its own samples: mean -log p
                "offpolicy/entropy": -sum(lp for e in episodes for lp, m in zip(e.logprobs, e.mask)
                                          if m) / max(sum(sampled), 1)}
     if env.max_turns > 1:
         metrics["rollout/turns_mean"] = float(np.mean([e.turns for e in episodes]))
-    return kept, (indices, successes), metrics
+    return kept, evaluate.sampling_flops(engine.model.config, samples, G), metrics
 
 
 def build_batches(groups, config):
@@ -481,32 +460,10 @@ def apply_corrections(batches, model, reference, autocast, config):
     return out, metrics
 
 
-class RolloutSource(typing.Protocol):
-    """Where a step's groups come from and where its new weights go. Colocated (below) is
-    the engine in this process; rollout_ranks.RolloutRanks samples on other torchrun
-    ranks and rollout_servers.Servers on running scaleout/serve.py processes, up to
-    max_staleness steps ahead."""
-    version: int   # the trainer's weight version (staleness is counted from it; checkpointed)
-
-    def groups(self, it):
-        """Iteration it's kept groups, each (problem, prompt_ids, samples, rewards), and
-        the rollout metrics (rollout() makes both)."""
-
-    def publish(self, model, it):
-        """Hand model's new weights to whatever samples; returns metrics (the time it
-        took)."""
-
-    def eval_engine(self, model):
-        """An engine that holds model's current weights, for evaluation."""
-
-    def data_state(self):
-        """What a checkpoint records so that a resumed run draws the problems the killed
-        one would have (the sampler's record)."""
-
-
 class Colocated:
-    """The RolloutSource of one process: its engine samples with the trainer's current
-    weights, swapped in place after each step."""
+    """Where a step's groups come from and its new weights go, in one process: its engine
+    samples with the trainer's current weights, swapped in place after each step.
+    Rollout ranks and servers have the same interface (scaleout/sources.py)."""
 
     def __init__(self, engine, env, sampler, config):
         self.engine, self.env, self.sampler, self.config = engine, env, sampler, config
@@ -516,8 +473,7 @@ class Colocated:
         return self.engine.get_weight_version()
 
     def groups(self, it):
-        groups, _, metrics = rollout(self.engine, self.env, self.sampler, self.config, it)
-        return groups, metrics
+        return rollout(self.engine, self.env, self.sampler, self.config, it)
 
     def publish(self, model, it):
         t0 = time.perf_counter()
@@ -535,7 +491,7 @@ def grpo_step(source, run, reference, config, it):
     """One GRPO iteration, top to bottom. Returns its metrics and the FLOPs it spent."""
     clock = {"start": time.perf_counter()}
     # 1. sample group_size episodes for each drawn problem, score them, drop the flat groups
-    groups, metrics = source.groups(it)
+    groups, flops, metrics = source.groups(it)
     clock["rollout"], batches = time.perf_counter(), []
     if not groups:   # every group had zero reward variance: no step, the weights stay
         print0(f"iter {it + 1}: no group with reward variance")
@@ -554,12 +510,10 @@ def grpo_step(source, run, reference, config, it):
         metrics.update(optimizer_steps(policy, run, mine, normalizer, config, it))
         metrics["train/normalizer"] = normalizer
         clock["step"] = time.perf_counter()
-    # 5. publish the new weights to the rollout source (Colocated: in place, so the next
-    #    rollout
-    # is on-policy)
+    # 5. publish the new weights (Colocated: in place, so the next rollout is on-policy)
     metrics.update(source.publish(run.model, it))
     clock["end"] = time.perf_counter()
-    return step_costs(metrics, clock, batches, run, reference, config)
+    return metrics, flops + step_flops(metrics, clock, batches, run, reference, config)
 
 
 def optimizer_steps(policy, run, batches, normalizer, config, it):
@@ -582,28 +536,29 @@ def optimizer_steps(policy, run, batches, normalizer, config, it):
     return metrics
 
 
-def step_costs(metrics, clock, batches, run, reference, config):
-    """The step's bookkeeping: its FLOPs (rollout, the optimizer step and any logprob
-    pass), its timings, throughput and MFU (of the optimizer step alone), and with
-    rollout ranks the share of the step the trainer waited on them. clock: grpo_step's
-    time marks."""
-    flops = metrics.pop("perf/rollout_flops")
+def step_flops(metrics, clock, batches, run, reference, config):
+    """The FLOPs of the step's training (the optimizer steps and any logprob pass); adds
+    its timings, throughput and MFU (of the optimizer step alone), and with rollout ranks
+    the share of the step the trainer waited on them, to metrics. clock: grpo_step's time
+    marks."""
+    flops = 0.0
     if batches:
-        step_flops = sum(train_flops(run.model.config, [b.num_tokens],
-                                     pairs=int((b.position_ids + 1).sum())) for b in batches)
+        forward_backward = sum(train_flops(run.model.config, [b.num_tokens],
+                                           pairs=int((b.position_ids + 1).sum()))
+                               for b in batches)
         # + the logprob pass (and the reference's) when one ran; ppo_epochs optimizer steps
         passes = needs_trainer_pass(config) + (reference is not None)
-        flops += step_flops * (3 * config["ppo_epochs"] + passes) / 3
+        flops = forward_backward * (3 * config["ppo_epochs"] + passes) / 3
         train_s = clock["step"] - clock["corrections"]
         metrics.update({"perf/logprob_pass_s": clock["corrections"] - clock["rollout"],
                         "perf/train_time_s": train_s,
                         "perf/tokens_per_sec": metrics["train/tokens"] / train_s,
-                        "perf/mfu": step_flops / train_s / run.peak_flops})
+                        "perf/mfu": forward_backward / train_s / run.peak_flops})
     metrics["perf/step_time_s"] = clock["end"] - clock["start"]
     if "perf/rollout_wait_s" in metrics:
         waited = metrics["perf/rollout_wait_s"] + metrics.get("perf/weight_sync_wait_s", 0.0)
         metrics["perf/trainer_idle_frac"] = waited / metrics["perf/step_time_s"]
-    return metrics, flops
+    return flops
 
 
 # -----------------------------------------------------------------------------
@@ -611,56 +566,44 @@ def step_costs(metrics, clock, batches, run, reference, config):
 
 
 def check_settings(config):
-    """GRPO's own settings, then the loop's, each refused with a ValueError naming it
-    before any work."""
-    for name, low in (("prompts_per_step", 1), ("group_size", 2), ("max_new_tokens", 1),
-                      ("pass_k", 0), ("n_eval_problems", 0), ("max_turns", 1),
-                      ("max_episode_tokens", 0)):
-        require(type(config[name]) is int and config[name] >= low,
-                f"{name}={config[name]!r}: expected an int >= {low}")
-    for name in ("tis_cap", "kl_coef", "mis_low", "mis_high", "ppo_clip"):
-        require(is_number(config[name]) and config[name] >= 0,
-                f"{name}={config[name]!r}: expected a number >= 0 (0 = off)")
+    """GRPO's settings, then the loop's, each refused with a ValueError naming it before
+    any work (the configurator has checked every setting's type against its default)."""
+    at_least = dict(prompts_per_step=1, group_size=2, max_new_tokens=1, max_turns=1,
+                    max_episode_tokens=0, pass_k=0, n_eval_problems=0, ppo_epochs=1,
+                    tis_cap=0, mis_low=0, mis_high=0, kl_coef=0, ppo_clip=0)
+    for name, low in at_least.items():
+        require(config[name] >= low, f"{name}={config[name]!r}: expected >= {low}")
+    for name, allowed in (("loss_norm", ("constant", "tokens", "weights")),
+                          ("is_level", ("token", "sequence")), ("eval_split", ("val", "test"))):
+        require(config[name] in allowed, f"{name}={config[name]!r}: expected one of {allowed}")
     check_off_policy_settings(config)
-    require(config["loss_norm"] in ("constant", "tokens", "weights"),
-            f"loss_norm={config['loss_norm']!r}: expected 'constant', 'tokens' or 'weights'")
-    for name in ("rollout_ranks", "max_staleness"):
-        require(type(config[name]) is int and config[name] >= 0,
-                f"{name}={config[name]!r}: expected an int >= 0")
-    require(config["max_staleness"] == 0 or config["rollout_ranks"] > 0 or config["rollout_urls"],
-            f"max_staleness={config['max_staleness']}: only rollout ranks or servers sample ahead "
-            f"of the trainer; set rollout_ranks or rollout_urls too (or max_staleness=0)")
-    require(config["max_staleness"] == 0 or config["tis_cap"] > 0 or config["mis_high"] > 0,
-            f"max_staleness={config['max_staleness']} trains on samples of older weights: set "
-            f"tis_cap > 0 (e.g. 2) or mis_high so that IS corrects them")
-    alone = (config["rollout_ranks"], distributed.world()) == (0, 1)
-    require(not config["rollout_urls"] or alone,
-            f"rollout_urls={config['rollout_urls']!r}: serve.py rollouts run with one trainer "
-            f"process (no rollout_ranks, no torchrun) for now")
-    require(config["weight_backend"] in ("gloo", "nccl"),
-            f"weight_backend={config['weight_backend']!r}: expected 'gloo' or 'nccl'")
-    require(config["weight_backend"] == "gloo" or config["device"].startswith("cuda"),
-            "weight_backend='nccl' broadcasts from a GPU: set device='cuda' (or use 'gloo')")
-    require(type(config["weight_master_address"]) is str and config["weight_master_address"],
-            f"weight_master_address={config['weight_master_address']!r}: expected a host name "
-            f"or address the servers can reach")
-    require(is_number(config["weight_bucket_mb"]) and config["weight_bucket_mb"] > 0,
-            f"weight_bucket_mb={config['weight_bucket_mb']!r}: expected a number > 0")
-    require(config["eval_split"] in ("val", "test"),
-            f"eval_split={config['eval_split']!r}: expected 'val' or 'test'")
-    # refuses a bad temperature / top_p / top_k
+    # a bad temperature / top_p / top_k, engine dtype or block size is refused by its owner
     SamplingParams(temperature=config["temperature"], top_p=config["top_p"],
                    top_k=config["top_k"])
-    require(config["temperature"] != 0,
-            "temperature=0: GRPO needs sampled groups (greedy samples of a prompt are all the "
-            "same)")
-    require(config["kl_coef"] == 0 or config["init_from"] != "scratch",
-            "kl_coef > 0 with init_from='scratch': a KL to a random starting policy teaches "
-            "nothing")
-    # a bad engine dtype or block size is refused here, before the run setup touches out_dir
+    require(config["temperature"] != 0, "temperature=0: GRPO needs sampled groups (greedy "
+            "samples of a prompt are all the same)")
+    require(config["kl_coef"] == 0 or config["init_from"] != "scratch", "kl_coef > 0 with "
+            "init_from='scratch': a KL to a random starting policy teaches nothing")
     EngineConfig(device=config["device"], dtype=config["engine_dtype"],
                  block_size=config["engine_block_size"], compile=config["engine_compile"])
+    sources.check_settings(config)
     training.check_loop_settings(config)
+
+
+def check_off_policy_settings(config):
+    """The corrections' settings (off_policy.py): one IS correction at a time, and what
+    needs what."""
+    tis, mis_low, mis_high = config["tis_cap"], config["mis_low"], config["mis_high"]
+    require(not (tis > 0 and mis_high > 0), f"tis_cap={tis} and mis_high={mis_high}: "
+            f"truncated and masked IS are two corrections of one ratio; set one")
+    require(mis_high == 0 or mis_low < 1 < mis_high, f"mis_low={mis_low}, mis_high={mis_high}: "
+            f"masked IS keeps the ratios in [mis_low, mis_high], which must hold 1")
+    require(config["is_level"] == "token" or tis > 0 or mis_high > 0, f"is_level="
+            f"{config['is_level']!r} is the level of an IS correction: set tis_cap or mis_high")
+    require(config["ppo_clip"] < 1, f"ppo_clip={config['ppo_clip']}: expected in [0, 1)")
+    require(config["ppo_epochs"] == 1 or config["ppo_clip"] > 0, f"ppo_epochs="
+            f"{config['ppo_epochs']}: later epochs train off-policy on the same rollout; set "
+            f"ppo_clip > 0 (e.g. 0.2)")
 
 
 def reference_model(config, start):
@@ -703,58 +646,30 @@ def log_iteration(logger, done, metrics):
            f"rollout {metrics['rollout/tokens_per_s']:.0f} tok/s")
 
 
-def check_off_policy_settings(config):
-    """The corrections' settings (off_policy.py): one IS correction at a time, and what
-    needs what."""
-    require(not (config["tis_cap"] > 0 and config["mis_high"] > 0),
-            f"tis_cap={config['tis_cap']} and mis_high={config['mis_high']}: truncated and masked "
-            f"IS are two corrections of one ratio; set one")
-    require(config["mis_high"] == 0 or config["mis_low"] < 1 < config["mis_high"],
-            f"mis_low={config['mis_low']}, mis_high={config['mis_high']}: masked IS keeps the "
-            f"ratios in [mis_low, mis_high], which must hold 1 (mis_low < 1 < mis_high)")
-    require(config["is_level"] in ("token", "sequence"),
-            f"is_level={config['is_level']!r}: expected 'token' or 'sequence'")
-    require(config["is_level"] == "token" or config["tis_cap"] > 0 or config["mis_high"] > 0,
-            f"is_level={config['is_level']!r} is the level of an IS correction: set tis_cap or "
-            f"mis_high too")
-    require(config["ppo_clip"] < 1, f"ppo_clip={config['ppo_clip']}: expected in [0, 1)")
-    require(type(config["ppo_epochs"]) is int and config["ppo_epochs"] >= 1,
-            f"ppo_epochs={config['ppo_epochs']!r}: expected an int >= 1")
-    require(config["ppo_epochs"] == 1 or config["ppo_clip"] > 0,
-            f"ppo_epochs={config['ppo_epochs']}: later epochs train off-policy on the same "
-            f"rollout; set ppo_clip > 0 (e.g. 0.2)")
-    routes = config["record_routes"] or config["routing_replay"]
-    require(not routes or (config["rollout_ranks"] == 0 and not config["rollout_urls"]),
-            "record_routes / routing_replay: routes travel only from this process's engine for "
-            "now (no rollout_ranks, no rollout_urls)")
-
-
-def make_engine(model, env, start, sampler, eval_problems, config):
+def make_engine(model, env, start, problems, config):
+    """The engine that samples and evaluates, holding model's weights at the run's weight
+    version, with blocks for the longest of problems' episodes."""
     version = 0 if start.meta is None else start.meta["extra"]["weight_version"]
     routes = config["record_routes"] or config["routing_replay"]
-    return evaluate.task_engine(model, env, sampler.items + eval_problems,
-                                config["engine_block_size"], config["engine_dtype"],
-                                config["device"], config["seed"], version, routes,
-                                config["engine_compile"])
+    return evaluate.task_engine(model, env, problems, config["engine_block_size"],
+                                config["engine_dtype"], config["device"], config["seed"],
+                                version, routes, config["engine_compile"])
 
 
-def rollout_worker(config, roles, start, env, sampler, eval_problems):
-    """A rollout rank's job (rollout_ranks.run_worker): the trainers' engine, fed by the
-    weight broadcast."""
+def best_so_far(config, start):
+    """The best evaluation so far, for keep_best: a resumed run's, or none (a fresh run
+    deletes an earlier run's best model in out_dir)."""
     if start.meta is not None:
-        sampler.load_state_dict(start.meta["data_state"])
-    model = start.model.to(config["device"])
-    engine = make_engine(model, env, start, sampler, eval_problems, config)
-    ranks.run_worker(config, roles, start, env, sampler, engine, rollout)
-    engine.shutdown()
-    distributed.teardown()
-    return {}
+        return start.meta["extra"].get("best")
+    if distributed.is_main():
+        shutil.rmtree(os.path.join(config["out_dir"], "best"), ignore_errors=True)
+    return {"accuracy": -1.0, "iter": None}
 
 
 def main(config):
     config["device"] = distributed.setup(config["device"], config["dist_timeout_s"])
     check_settings(config)
-    roles = distributed.split_roles(config["rollout_ranks"]) if config["rollout_ranks"] else None
+    roles = sources.roles(config)   # with rollout ranks: which ranks sample, which train
     the_task = load_task(config["task"])
     start = init_start(config, build_tokenizer)
     env = Environment(the_task, start.tokenizer, config["max_new_tokens"], config["max_turns"],
@@ -765,26 +680,18 @@ def main(config):
     require(config["prompts_per_step"] <= len(sampler.items),
             f"prompts_per_step={config['prompts_per_step']}: a step's problems are distinct, and "
             f"there are {len(sampler.items)} training problems")
-    if roles is not None and roles.is_worker:
-        return rollout_worker(config, roles, start, env, sampler, eval_problems)
+    engine_for = functools.partial(make_engine, env=env, start=start,
+                                   problems=sampler.items + eval_problems, config=config)
+    if roles is not None and roles.is_worker:   # a rollout rank only samples
+        return sources.run_worker(config, roles, start, env, sampler, engine_for, rollout)
     reference = reference_model(config, start)
     run = training.setup_run(config, start, sampler)
-    engine = make_engine(run.model, env, start, sampler, eval_problems, config)
+    engine = engine_for(run.model)
     if engine.static is not None:
         print0(f"engine: decode step compiled in {engine.static.warm_up():.1f} s (once a process)")
-    version = engine.get_weight_version()
-    if config["rollout_urls"]:
-        source = Servers(config, env, sampler, run.model, engine, version, rollout, start.iter_num)
-    elif roles is not None:
-        source = ranks.RolloutRanks(config, roles, run.model, sampler, engine, version)
-    else:
-        source = Colocated(engine, env, sampler, config)
-    meter = training.Meter(run.start)
-    fresh = {"accuracy": -1.0, "iter": None}
-    best = fresh if start.meta is None else start.meta["extra"].get("best")
-    # a fresh run: no best model of an earlier run in out_dir
-    if start.meta is None and distributed.is_main():
-        shutil.rmtree(os.path.join(config["out_dir"], "best"), ignore_errors=True)
+    source = sources.make_source(config, roles, run.model, env, sampler, engine, rollout,
+                                 start.iter_num) or Colocated(engine, env, sampler, config)
+    meter, best = training.Meter(run.start), best_so_far(config, start)
     print0(f"{config['prompts_per_step']} prompts x {config['group_size']} samples per step, "
            f"{len(eval_problems)} {config['eval_split']} problems")
     final = {} if start.meta is not None else \

@@ -49,19 +49,19 @@ from scaleout.weight_sync import WeightSync
 # exact in float64, and so is a float32 logprob), and its metric names as utf-8 bytes
 
 
-def encode_rollout(iteration, draw, groups, metrics):
-    """(data float64, names uint8); draw is the sampler's (problem indices, successes).
-    data, e.g. for a draw of n problems and one kept group of 2 samples of a 3-token
-    prompt:
-        [iteration, n, *indices, *successes, num_metrics, *metric values, num_groups,
+def encode_rollout(iteration, draw, groups, flops, metrics):
+    """(data float64, names uint8); draw is the sampler's (problem indices, successes),
+    flops what sampling cost. data, e.g. for a draw of n problems and one kept group of 2
+    samples of a 3-token prompt:
+        [iteration, flops, n, *indices, *successes, num_metrics, *metric values, num_groups,
          3, p0, p1, p2, 2,                       prompt length, prompt ids, group size
          r, stopped, n, *n token ids, *n logprobs, *n versions, *n mask,     sample 0
          r, stopped, n, ...]                                                 sample 1
     (r the reward, stopped 1 for finish reason 'stop'; the mask is 1 on sampled ids, 0
     on a multi-turn episode's environment ids)"""
     indices, successes = draw
-    data = [iteration, len(indices), *indices, *successes, len(metrics), *metrics.values(),
-            len(groups)]
+    data = [iteration, flops, len(indices), *indices, *successes, len(metrics),
+            *metrics.values(), len(groups)]
     for _, prompt, samples, rewards in groups:
         data += [len(prompt), *prompt, len(samples)]
         for s, r in zip(samples, rewards):
@@ -72,8 +72,8 @@ def encode_rollout(iteration, draw, groups, metrics):
 
 
 def decode_rollout(data, names):
-    """(iteration, draw, groups, metrics) from encode_rollout's tensors; a group's problem
-    is None (the trainer needs only the prompt, the samples and their rewards)."""
+    """(iteration, draw, groups, flops, metrics) from encode_rollout's tensors; a group's
+    problem is None (the trainer needs only the prompt, the samples and their rewards)."""
     values, at = data.tolist(), 0
 
     def take(n):
@@ -81,7 +81,8 @@ def decode_rollout(data, names):
         at += n
         return values[at - n:at]
 
-    iteration, n = (int(v) for v in take(2))
+    iteration, flops, n = take(3)
+    iteration, n = int(iteration), int(n)
     draw = ([int(v) for v in take(n)], [int(v) for v in take(n)])
     num_metrics = int(take(1)[0])
     keys = bytes(names.tolist()).decode().split("\n") if num_metrics else []
@@ -102,7 +103,7 @@ def decode_rollout(data, names):
                                           loss_mask=() if all(mask) else tuple(map(int, mask))))
             rewards.append(reward)
         groups.append((None, prompt, samples, rewards))
-    return iteration, draw, groups, metrics
+    return iteration, draw, groups, flops, metrics
 
 
 def send_rollout(tensors, dst):
@@ -156,7 +157,7 @@ def run_worker(config, roles, start, env, sampler, engine, rollout):
             engine.update_weights(dict(zip(sync.names, tensors)))
             weights_of, received = weights_of + 1, received + seconds
         waited = time.perf_counter() - t0
-        groups, draw, metrics = rollout(engine, env, sampler, config, it)
+        groups, flops, metrics = rollout(engine, env, sampler, config, it)
         t1 = time.perf_counter()
         for work in works:
             work.wait()                       # the previous rollout has reached trainer 0
@@ -166,7 +167,7 @@ def run_worker(config, roles, start, env, sampler, engine, rollout):
                         "perf/weight_receive_s": received})
         t_last = now
         if distributed.rank() == 0:   # every worker holds the same groups; the first one sends them
-            tensors = encode_rollout(it, draw, groups, metrics)
+            tensors = encode_rollout(it, sampler.last, groups, flops, metrics)
             works, _sent = send_rollout(tensors, roles.trainers[0])
     for work in works:
         work.wait()
@@ -194,7 +195,8 @@ class RolloutRanks:
         """Rollout it from the workers (the trainer waits for it) and its staleness; the
         sampler follows its draw."""
         t0 = time.perf_counter()
-        iteration, draw, groups, metrics = decode_rollout(*recv_rollout(self.roles.workers[0]))
+        iteration, draw, groups, flops, metrics = decode_rollout(
+            *recv_rollout(self.roles.workers[0]))
         if iteration != it:
             raise RuntimeError(f"iteration {it} received the rollout of iteration {iteration}: the "
                                f"trainer and the workers disagree on where the run is (resumed "
@@ -205,7 +207,7 @@ class RolloutRanks:
         metrics.update({"rollout/staleness_mean": float(np.mean(lags)),
                         "rollout/staleness_max": max(lags),
                         "perf/rollout_wait_s": time.perf_counter() - t0})
-        return groups, metrics
+        return groups, flops, metrics
 
     def publish(self, model, it):
         """After iteration it: the new weights to the workers, if a later rollout is due

@@ -123,10 +123,10 @@ class Servers:
                     self.push.send(self.weights.get())
                     weights_of, self.remote.version = weights_of + 1, self.remote.version + 1
                     pushed += time.perf_counter() - t0
-                groups, _, metrics = self.rollout(self.remote, self.env, self.sampler, self.config,
-                                                  j)
+                groups, flops, metrics = self.rollout(self.remote, self.env, self.sampler,
+                                                      self.config, j)
                 metrics["perf/weight_sync_s"] = pushed
-                self.rollouts.put((groups, metrics, self.sampler.state_dict()))
+                self.rollouts.put((groups, flops, metrics, self.sampler.state_dict()))
         except Exception as e:                      # the trainer raises it in groups()
             self.rollouts.put(e)
 
@@ -136,12 +136,12 @@ class Servers:
         out = self.rollouts.get()
         if isinstance(out, Exception):
             raise out
-        groups, metrics, self.state = out
+        groups, flops, metrics, self.state = out
         lags = [self.version - v for _, _, samples, _ in groups for s in samples
                 for v in s.token_versions] or [0]
         metrics.update({"rollout/staleness_max": max(lags), "perf/rollout_wait_s":
                         time.perf_counter() - t0})
-        return groups, metrics
+        return groups, flops, metrics
 
     def data_state(self):
         return self.state

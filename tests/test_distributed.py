@@ -53,9 +53,9 @@ if script.endswith("train_grpo.py"):
     from configurator import configure
     seen, real = [], train_grpo.rollout
     def rollout(*a):
-        groups, draw, metrics = real(*a)
+        groups, flops, metrics = real(*a)
         seen.append([[list(s.completion_tokens), list(s.logprobs)] for g in groups for s in g[2]])
-        return groups, draw, metrics
+        return groups, flops, metrics
     train_grpo.rollout = rollout
     settings = {k: v for k, v in vars(train_grpo).items() if not k.startswith("_")}
     train_grpo.main(configure(settings, argv, stage="grpo"))

@@ -154,9 +154,9 @@ def test_tiny_run_versions_advance_and_loss_is_finite(tmp_path, monkeypatch):
     real_rollout = train_grpo.rollout
 
     def spy(engine, tok, sampler, c, it):
-        groups, draw, m = real_rollout(engine, tok, sampler, c, it)
+        groups, flops, m = real_rollout(engine, tok, sampler, c, it)
         seen.append((it, engine.get_weight_version(), [s for g in groups for s in g[2]]))
-        return groups, draw, m
+        return groups, flops, m
 
     monkeypatch.setattr(train_grpo, "rollout", spy)
     out = tmp_path / "run"

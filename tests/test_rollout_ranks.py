@@ -147,10 +147,11 @@ def test_a_rollout_crosses_as_tensors_and_comes_back_whole():
                               token_versions=(4,))]
     groups = [("problem", prompt, samples, [1.0, 0.0])]
     metrics = {"rollout/reward_mean": 0.5, "rollout/valid_groups": 1, "perf/rollout_time_s": 0.25}
-    data, names = rollout_ranks.encode_rollout(7, ([12, 3, 17464], [8, 0, 5]), groups, metrics)
-    it, draw, back, got = rollout_ranks.decode_rollout(data, names)
-    assert (it, draw, got) == (7, ([12, 3, 17464], [8, 0, 5]), metrics)
+    data, names = rollout_ranks.encode_rollout(7, ([12, 3, 17464], [8, 0, 5]), groups, 1.5e9,
+                                               metrics)
+    it, draw, back, flops, got = rollout_ranks.decode_rollout(data, names)
+    assert (it, draw, flops, got) == (7, ([12, 3, 17464], [8, 0, 5]), 1.5e9, metrics)
     assert type(got["rollout/valid_groups"]) is int
     assert back == [(None, prompt, samples, [1.0, 0.0])]
-    empty = rollout_ranks.encode_rollout(0, ([], []), [], {})
+    empty = rollout_ranks.encode_rollout(0, ([], []), [], 0.0, {})
     assert rollout_ranks.decode_rollout(*empty)[1:3] == (([], []), [])

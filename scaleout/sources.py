@@ -1,0 +1,88 @@
+"""
+Where GRPO's groups come from when not from train_grpo's own engine: rollout ranks (the
+last K ranks of a torchrun job sample, scaleout/rollout_ranks.py) or running servers
+(rollout_urls, scaleout/rollout_servers.py). The seam with train_grpo.py is this file:
+its settings join train_grpo's (SETTINGS), check_settings refuses bad ones before any
+work, and make_source returns an object with train_grpo.Colocated's interface:
+
+    groups(it) -> (groups, flops, metrics)   iteration it's kept groups, each (problem,
+                                             prompt_ids, samples, rewards), what sampling
+                                             them cost, the rollout metrics
+    publish(model, it) -> metrics            hand model's new weights to whatever samples
+    eval_engine(model) -> engine             an engine holding model's weights
+    data_state() -> dict                     the sampler's record, for a checkpoint
+    version                                  the trainer's weight version (checkpointed)
+
+    torchrun --standalone --nproc_per_node=2 train_grpo.py config/qwen_small.py \\
+        --rollout_ranks=1 --max_staleness=1 --tis_cap=2
+    python train_grpo.py config/qwen_small.py --rollout_urls=http://127.0.0.1:8000
+"""
+
+from checks import require
+from scaleout import distributed, rollout_ranks
+from scaleout.rollout_servers import Servers
+
+SETTINGS = dict(
+    rollout_ranks=0,                     # the last K ranks only sample, the others train; 0 = off
+    max_staleness=0,                     # rollout j samples with the weights of step j - s
+    weight_bucket_mb=64.0,               # bucket size of the weight broadcast
+    rollout_urls="",                     # 'http://host:port[,...]': servers sample
+    rollout_api_key="",                  # the servers' --api_key
+    weight_master_address="127.0.0.1",   # where the servers reach the trainer's weight group
+    weight_backend="gloo",               # the weight group's backend: 'gloo', or 'nccl' on cuda
+)
+
+
+def check_settings(config):
+    """The scale-out settings, each refused with a ValueError naming it."""
+    ranks, stale, urls = config["rollout_ranks"], config["max_staleness"], config["rollout_urls"]
+    require(ranks >= 0, f"rollout_ranks={ranks!r}: expected an int >= 0")
+    require(stale >= 0, f"max_staleness={stale!r}: expected an int >= 0")
+    require(stale == 0 or ranks > 0 or urls, f"max_staleness={stale}: only rollout ranks or "
+            f"servers sample ahead of the trainer; set rollout_ranks or rollout_urls too")
+    require(stale == 0 or config["tis_cap"] > 0 or config["mis_high"] > 0, f"max_staleness="
+            f"{stale} trains on samples of older weights: set tis_cap > 0 (e.g. 2) or mis_high "
+            f"so that IS corrects them")
+    require(not urls or (ranks, distributed.world()) == (0, 1), f"rollout_urls={urls!r}: "
+            f"serve.py rollouts run with one trainer process (no rollout_ranks, no torchrun)")
+    require(not (ranks or urls) or not (config["record_routes"] or config["routing_replay"]),
+            "record_routes / routing_replay: routes travel only from this process's engine for "
+            "now (no rollout_ranks, no rollout_urls)")
+    backend = config["weight_backend"]
+    require(backend in ("gloo", "nccl"), f"weight_backend={backend!r}: expected gloo or nccl")
+    require(backend == "gloo" or config["device"].startswith("cuda"),
+            "weight_backend='nccl' broadcasts from a GPU: set device='cuda' (or use 'gloo')")
+    require(config["weight_master_address"], "weight_master_address='': expected a host name "
+            "or address the servers can reach")
+    require(config["weight_bucket_mb"] > 0,
+            f"weight_bucket_mb={config['weight_bucket_mb']!r}: expected a number > 0")
+
+
+def roles(config):
+    """With rollout ranks, which ranks sample and which train (distributed.split_roles);
+    None without."""
+    return distributed.split_roles(config["rollout_ranks"]) if config["rollout_ranks"] else None
+
+
+def make_source(config, roles, model, env, sampler, engine, rollout, start_iter):
+    """The rollout source of the trainer ranks: servers (rollout_urls), rollout ranks, or
+    None (train_grpo.Colocated: the trainer's own engine samples). rollout is
+    train_grpo.rollout; engine evaluates."""
+    version = engine.get_weight_version()
+    if config["rollout_urls"]:
+        return Servers(config, env, sampler, model, engine, version, rollout, start_iter)
+    if roles is not None:
+        return rollout_ranks.RolloutRanks(config, roles, model, sampler, engine, version)
+    return None
+
+
+def run_worker(config, roles, start, env, sampler, make_engine, rollout):
+    """A rollout rank's whole job: an engine of the run's starting weights, fed by the
+    weight broadcast, sampling every iteration's rollout (rollout_ranks.run_worker)."""
+    if start.meta is not None:
+        sampler.load_state_dict(start.meta["data_state"])
+    engine = make_engine(start.model.to(config["device"]))
+    rollout_ranks.run_worker(config, roles, start, env, sampler, engine, rollout)
+    engine.shutdown()
+    distributed.teardown()
+    return {}
