@@ -43,20 +43,19 @@ def compile_once(fn, dynamic=None):
 
 
 class DocumentCausalAttention:
-    """Causal attention within each packed document, built once per forward and shared by
-    every layer.
+    """Causal attention within each packed document, built once per forward and shared
+    by every layer.
 
-    The default, on every device: the documents are laid into a padded [N, H, L, D]
-    batch and SDPA runs causally on it: padding sits after each document's last token,
-    so causality alone keeps every real query off it. That is N x L^2 work instead of
-    T^2, same mask, same numbers. flex=True: FlexAttention with a document-causal
-    mask_mod (a sparse BlockMask, no padding), compiled on a GPU (eager flex
-    materialises the T x T scores, and has no CPU backward); torch 2.11's compiled flex
-    fails once changing batch shapes make it recompile dynamically
-    (engine.attention_choice), so it is not the default. With branch
-    (training.pack_groups: completions that share their prompt's rows), a row also sees
-    only branch 0 and its own branch: an explicit mask for SDPA, one more condition in
-    the mask_mod."""
+    The default, on every device: the documents are laid into a padded [N, H, L, D] batch
+    and SDPA runs causally on it: padding sits after each document's last token, so
+    causality alone keeps every real query off it. That is N x L^2 work instead of T^2,
+    same mask, same numbers. flex=True: FlexAttention with a document-causal mask_mod (a
+    sparse BlockMask, no padding), compiled on a GPU (eager flex materialises the T x T
+    scores, and has no CPU backward); torch 2.11's compiled flex fails once changing batch
+    shapes make it recompile dynamically (engine.attention_choice), so it is not the
+    default. With branch (training.pack_groups: completions that share their prompt's
+    rows), a row also sees only branch 0 and its own branch: an explicit mask for SDPA,
+    one more condition in the mask_mod."""
 
     def __init__(self, cu_seqlens, num_tokens, device, flex=False, branch=None):
         lengths = (cu_seqlens[1:] - cu_seqlens[:-1]).long().to(device)
@@ -106,9 +105,9 @@ class DocumentCausalAttention:
                                                    enable_gqa=True)
             return y.transpose(1, 2)[self.doc, self.pos]
         q, k, v = (t.transpose(0, 1).unsqueeze(0) for t in (q, k, v))   # [1, H, T, D]
-        # eager FlexAttention materialises the T x T scores: on a GPU it runs compiled (a
-        # fused kernel that skips the blocks the mask leaves out), and its mask is built
-        # compiled too
+        # eager FlexAttention materialises the T x T scores: on a GPU it runs compiled
+        # (a fused kernel that skips the blocks the mask leaves out), and its mask is
+        # built compiled too
         on_gpu = torch.device(self.device).type != "cpu"
         if self._block_mask is None:
             make_mask = compile_once(create_block_mask) if on_gpu else create_block_mask
@@ -182,11 +181,11 @@ class PagedKVCache:
 @dataclass(frozen=True)
 class PaddedCall:
     """Sequences that attend in one padded call: rows [start, start + num_tokens) of the
-    step's flat batch. Sequence b's queries are the call's rows query_index[b] (padded
-    to Qmax by repeating its last row), they sit at positions query_pos[b], and its
-    blocks are block_tables[b]. query_index / token_row are None when every sequence of
-    the call has Qmax new tokens (decodes: Qmax = 1): the rows are then already [B,
-    Qmax] row-major."""
+    step's flat batch. Sequence b's queries are the call's rows query_index[b]
+    (padded to Qmax by repeating its last row), they sit at positions query_pos[b],
+    and its blocks are block_tables[b]. query_index / token_row are None when every
+    sequence of the call has Qmax new tokens (decodes: Qmax = 1): the rows are then
+    already [B, Qmax] row-major."""
     start: int
     num_tokens: int
     block_tables: torch.Tensor              # [B, blocks] int64
@@ -261,11 +260,11 @@ def sdpa_mask(g: PaddedCall, block_size, dtype):
 
 
 class PagedAttention:
-    """Attention for one engine step, built once and shared by every layer (the protocol
-    of DocumentCausalAttention).
+    """Attention for one engine step, built once and shared by every layer (the
+    protocol of DocumentCausalAttention).
 
-    The step's batch is a flat row of T new tokens in padded calls (paged_step above).
-    Per layer:
+    The step's batch is a flat row of T new tokens in padded calls (paged_step
+    above). Per layer:
       1. the new tokens' k/v are written into their slots (slot_mapping [T], slot =
          block * block_size + offset),
       2. per call, each sequence's blocks are gathered into a contiguous [B, kv_heads,
@@ -273,8 +272,8 @@ class PagedAttention:
       3. the padded queries [B, heads, Qmax, D] attend to it under the mask kv_pos <=
          query_pos: causal, and blind to whatever lies in a block past the sequence's
          length (masks are built here, once per step).
-    Gathering afresh every step keeps K/V hot in cache for the attention call that reads
-    it next.
+    Gathering afresh every step keeps K/V hot in cache for the attention call that
+    reads it next.
 
     backend 'sdpa' (the default on every device, engine.attention_choice): torch's
     scaled_dot_product_attention with an additive mask, the query heads that share a kv
@@ -318,8 +317,8 @@ class PagedAttention:
 
 def paged_attention(q, k, v, kc, vc, slot_mapping, calls, masks, flex=None):
     """One layer of PagedAttention, on tensors: kc, vc the layer's [num_blocks,
-    block_size, Hkv, D] pool; flex None for SDPA (masks additive) or the flex function
-    (masks BlockMasks)."""
+    block_size, Hkv, D] pool; flex None for SDPA (masks additive) or the flex
+    function (masks BlockMasks)."""
     # the new tokens into their slots
     kc.view(-1, *kc.shape[2:]).index_copy_(0, slot_mapping, k)
     vc.view(-1, *vc.shape[2:]).index_copy_(0, slot_mapping, v)
@@ -349,10 +348,9 @@ def _attend(kc, vc, q, g, mask, flex):
             .view(B, L, Hkv, D).transpose(1, 2) for i, c in enumerate((kc, vc)))  # [B, Hkv, L, D]
     q = q.view(B, Qmax, Hq, D) if g.query_index is None else q[g.query_index]
     if flex is None:
-        # the heads that share a kv head ride along as extra queries: [B, Hkv, group *
-        # Qmax, D] against [B, Hkv, L, D], each K/V read once per kv head (enable_gqa
-        # would read it once per query head). Query head h uses kv head h // group, as in
-        # transformers.
+        # the heads that share a kv head ride along as extra queries: [B, Hkv, group * Qmax,
+        # D] against [B, Hkv, L, D], each K/V read once per kv head (enable_gqa would read
+        # it once per query head). Query head h uses kv head h // group, as in transformers.
         group = Hq // Hkv
         q = q.view(B, Qmax, Hkv, group, D).permute(0, 2, 3, 1, 4).reshape(B, Hkv, group * Qmax, D)
         mask = mask if Qmax == 1 else mask.repeat(1, 1, group, 1)
@@ -397,11 +395,11 @@ def paged_forward(model, kv, batch, backend, compiled):
 
 
 class DecodeAttention:
-    """PagedAttention for a step where every sequence decodes (one SDPA call), made inside
-    the decode graph from plain tensors: k_cache / v_cache the whole pool [layers,
-    blocks, block_size, Hkv, D], positions [B] each sequence's one query; slot_mapping
-    and block_tables as in PagedAttention and PaddedCall. The mask is made here, once
-    per step."""
+    """PagedAttention for a step where every sequence decodes (one SDPA call), made
+    inside the decode graph from plain tensors: k_cache / v_cache the whole pool
+    [layers, blocks, block_size, Hkv, D], positions [B] each sequence's one query;
+    slot_mapping and block_tables as in PagedAttention and PaddedCall. The mask is
+    made here, once per step."""
 
     def __init__(self, k_cache, v_cache, slot_mapping, block_tables, positions):
         self.k_cache, self.v_cache, self.slot_mapping = k_cache, v_cache, slot_mapping

@@ -42,8 +42,8 @@ from tokenizer import generation_stop_ids, load_tokenizer, save_tokenizer
 # config.json <-> ModelConfig
 
 
-# the families of one Transformer: model_type -> ModelConfig flags (model.py), and what
-# each allows
+# the families of one Transformer: model_type -> ModelConfig flags (model.py), and
+# what each allows
 FAMILIES = {
     "qwen3_moe": dict(family="qwen3", qk_norm=True, rope=("default", "yarn")),
     "qwen3": dict(family="qwen3", qk_norm=True, rope=("default", "yarn")),
@@ -211,8 +211,8 @@ def hf_to_ours(hf: dict, cfg: ModelConfig) -> dict:
 
 
 def ours_to_hf(sd: dict) -> dict:
-    """Our state_dict -> hub tensors: the inverse of hf_to_ours (experts split back to one
-    tensor each)."""
+    """Our state_dict -> hub tensors: the inverse of hf_to_ours (experts split back to
+    one tensor each)."""
     hf = {}
     for name, t in sd.items():
         if ".mlp.experts." not in name:
@@ -301,8 +301,8 @@ def _write_atomically(path, write):
 
 
 def save_hf_checkpoint(model: Transformer, path):
-    """Write config.json + model.safetensors (hub names, one tensor per expert), each file
-    atomically."""
+    """Write config.json + model.safetensors (hub names, one tensor per expert),
+    each file atomically."""
     from safetensors.torch import save_file
     os.makedirs(path, exist_ok=True)
     hf = {k: v.detach().contiguous().cpu() for k, v in ours_to_hf(model.state_dict()).items()}
@@ -390,8 +390,8 @@ def file_digest(path):
 
 
 def rng_state():
-    """python, numpy, torch (and CUDA) RNG states, in a form torch.load(weights_only=True)
-    reads back."""
+    """python, numpy, torch (and CUDA) RNG states, in a form
+    torch.load(weights_only=True) reads back."""
     kind, keys, pos, has_gauss, gauss = np.random.get_state()
     return {"python": random.getstate(),
             "numpy": (kind, torch.from_numpy(keys.copy()), pos, has_gauss, gauss),
@@ -539,8 +539,8 @@ class Start:
     """What a run starts from: the model (fp32 master weights, on cpu), its tokenizer and
     generation config (generation_config_of: its stop ids end every stage's episodes,
     and the checkpoints a stage writes keep all of it); when resuming, the checkpoint's
-    verified checkpoint.json (iteration, data state, extra) and trainer state (optimizer
-    + RNG)."""
+    verified checkpoint.json (iteration, data state, extra) and trainer state
+    (optimizer + RNG)."""
     model: Transformer
     tokenizer: object
     generation: dict

@@ -19,6 +19,14 @@ def require(ok, message, error=ValueError):
         raise error(message)
 
 
+def require_field(obj, name, ok, expected, error=ValueError):
+    """require() for a config's field: the message names the class, the field, what it
+    must be and what it is."""
+    if not ok:
+        raise error(f"{type(obj).__name__}.{name} must be {expected}, "
+                    f"got {getattr(obj, name)!r}")
+
+
 def is_int(x):
     """An int (a numpy integer too), never a bool."""
     return isinstance(x, (int, np.integer)) and not isinstance(x, bool)

@@ -1,6 +1,6 @@
 """
-nanoGPT-style configuration: module-level defaults in each script, overridden by config
-files and
+nanoGPT-style configuration: module-level defaults in each script, overridden by
+config files and
 --key=value.
 
     # sft.py

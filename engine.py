@@ -18,6 +18,7 @@ request: its prompt is prefilled once, then it forks into G sequences that share
 prompt's blocks (the last, partial block is copied so that each sample writes its own).
 """
 
+import functools
 import itertools
 import math
 import os
@@ -28,7 +29,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from checks import is_int, is_number, require
+from checks import is_int, is_number, require, require_field
 from attention import PagedKVCache, paged_forward
 from inference.decode import StaticDecode
 from checkpoint import load_hf_checkpoint
@@ -66,35 +67,33 @@ class EngineConfig:
     compile: bool | None = None
     seed: int = 0                       # seeds the per-request sampling seeds
     weight_version: int = 0             # the version it starts at (a resumed trainer's)
-    # an MoE model: record each token's experts per layer (TrainingSample.routes; routing
-    # replay)
+    # an MoE model: record each token's experts per layer
+    # (TrainingSample.routes; routing replay)
     record_routes: bool = False
 
     def __post_init__(self):
-        require(self.cache_type in ("paged", "radix"),
-                f"unknown cache_type {self.cache_type!r}: expected 'paged' or 'radix'")
-        for name in ("block_size", "max_batch_size", "max_num_batched_tokens", "num_blocks",
-                     "max_model_len"):
+        need = functools.partial(require_field, self)
+        need("cache_type", self.cache_type in ("paged", "radix"), "'paged' or 'radix'")
+        for name in ("block_size", "max_batch_size", "max_num_batched_tokens"):
+            need(name, is_int(getattr(self, name)) and getattr(self, name) >= 1, "an int >= 1")
+        for name in ("num_blocks", "max_model_len"):
             value = getattr(self, name)
-            require(value is None and name in ("num_blocks", "max_model_len") or is_int(value)
-                    and value >= 1, f"EngineConfig.{name} must be an int >= 1, got {value!r}")
-        require(is_int(self.weight_version) and self.weight_version >= 0,
-                f"EngineConfig.weight_version must be an int >= 0, got {self.weight_version!r}")
-        require(is_number(self.memory_fraction) and 0 < self.memory_fraction <= 1,
-                f"EngineConfig.memory_fraction must be in (0, 1], got {self.memory_fraction!r}")
-        require(self.attention_backend in ("auto", "sdpa", "flex"),
-                f"unknown attention_backend {self.attention_backend!r}: expected 'auto', 'sdpa' "
-                f"or 'flex'")
+            need(name, value is None or is_int(value) and value >= 1, "an int >= 1 or None")
+        need("weight_version", is_int(self.weight_version) and self.weight_version >= 0,
+             "an int >= 0")
+        need("memory_fraction", is_number(self.memory_fraction)
+             and 0 < self.memory_fraction <= 1, "in (0, 1]")
+        need("attention_backend", self.attention_backend in ("auto", "sdpa", "flex"),
+             "'auto', 'sdpa' or 'flex'")
+        need("compile", self.compile is None or isinstance(self.compile, bool),
+             "True, False or None", TypeError)
         as_dtype(self.dtype)
         torch.device(self.device)   # raises on a malformed device string
-        require(self.compile is None or isinstance(self.compile, bool),
-                f"EngineConfig.compile must be True, False or None, got {self.compile!r}",
-                TypeError)
-        require(not (self.compile and self.attention_backend != "flex"
-                     and torch.device(self.device).type == "cpu" and self.dtype != "float32"),
-                f"EngineConfig.compile=True (train_grpo's engine_compile, serve.py's compile) "
-                f"runs the decode steps as one graph on the CPU in float32 only, got dtype "
-                f"{self.dtype!r}: leave it off, or use float32")
+        cpu = torch.device(self.device).type == "cpu"
+        require(not (self.compile and self.attention_backend != "flex" and cpu
+                     and self.dtype != "float32"), f"EngineConfig.compile=True (train_grpo's "
+                f"engine_compile, serve.py's compile) runs the decode steps as one graph on the "
+                f"CPU in float32 only, got dtype {self.dtype!r}: leave it off, or use float32")
 
 
 # below this (and above 0) a temperature is greedy in all but name, and risks inf / NaN
@@ -116,28 +115,22 @@ class SamplingParams:
     top_logprobs: int = 0               # also record this many most likely tokens (OpenAI's)
 
     def __post_init__(self):
-        t, p, stop, seed = self.temperature, self.top_p, self.stop_token_ids, self.seed
-        require(is_number(t) and math.isfinite(t) and t >= 0,
-                f"SamplingParams.temperature must be a finite number >= 0, got {t!r}")
-        require(not 0 < t < MIN_TEMPERATURE,
-                f"SamplingParams.temperature {t!r} is greedy in all but name: use 0 for greedy, "
-                f"or at least {MIN_TEMPERATURE}")
-        require(is_int(self.max_tokens) and self.max_tokens >= 1,
-                f"SamplingParams.max_tokens must be an int >= 1, got {self.max_tokens!r}")
-        require(is_int(self.top_k) and self.top_k >= 0,
-                f"SamplingParams.top_k must be an int >= 0 (0 = off), got {self.top_k!r}")
-        # NaN fails
-        require(is_number(p) and 0 < p <= 1, f"SamplingParams.top_p must be in (0, 1], got {p!r}")
-        require(hasattr(stop, "__iter__") and not isinstance(stop, (str, bytes)),
-                f"SamplingParams.stop_token_ids must be a set of ints, got {stop!r}", TypeError)
-        bad = [s for s in stop if not (is_int(s) and s >= 0)]
-        require(not bad, f"SamplingParams.stop_token_ids must be ints >= 0, got {bad[:1]!r}")
-        require(seed is None or is_int(seed),
-                f"SamplingParams.seed must be an int or None, got {seed!r}", TypeError)
-        require(seed is None or 0 <= seed < 2 ** 64,
-                f"SamplingParams.seed must be in [0, 2**64), got {seed!r}")
-        require(is_int(self.top_logprobs) and self.top_logprobs >= 0,
-                f"SamplingParams.top_logprobs must be an int >= 0, got {self.top_logprobs!r}")
+        t, stop, seed = self.temperature, self.stop_token_ids, self.seed
+        need = functools.partial(require_field, self)
+        need("temperature", is_number(t) and math.isfinite(t) and t >= 0,
+             "a finite number >= 0")
+        need("temperature", not 0 < t < MIN_TEMPERATURE,
+             f"0 (greedy) or at least {MIN_TEMPERATURE}")
+        need("max_tokens", is_int(self.max_tokens) and self.max_tokens >= 1, "an int >= 1")
+        need("top_k", is_int(self.top_k) and self.top_k >= 0, "an int >= 0 (0 = off)")
+        need("top_p", is_number(self.top_p) and 0 < self.top_p <= 1, "in (0, 1]")  # NaN fails
+        need("stop_token_ids", hasattr(stop, "__iter__") and not isinstance(stop, (str, bytes)),
+             "a set of ints", TypeError)
+        need("stop_token_ids", all(is_int(s) and s >= 0 for s in stop), "ints >= 0")
+        need("seed", seed is None or is_int(seed), "an int or None", TypeError)
+        need("seed", seed is None or 0 <= seed < 2 ** 64, "in [0, 2**64)")
+        need("top_logprobs", is_int(self.top_logprobs) and self.top_logprobs >= 0,
+             "an int >= 0")
         object.__setattr__(self, "stop_token_ids", frozenset(stop))
 
 
@@ -165,13 +158,373 @@ class TrainingSample:
 
 
 def sampled_mask(sample):
-    """1 on the completion ids the engine sampled, 0 on a multi-turn episode's environment
-    ids."""
+    """1 on the completion ids the engine sampled, 0 on a multi-turn
+    episode's environment ids."""
     return sample.loss_mask or (1,) * len(sample.completion_tokens)
 
 
 # -----------------------------------------------------------------------------
-# checks at the engine's boundary (before anything is queued or copied)
+# the engine
+
+
+class InferenceEngine:
+    """Continuous batching over a paged KV cache. Single-threaded: every call runs on the
+    caller's thread. self.blocks is the block allocator (scheduler.BlockAllocator),
+    self.kv_cache the KV tensors (attention.PagedKVCache)."""
+
+    def __init__(self, config: EngineConfig, model: Transformer | None = None):
+        require(isinstance(config, EngineConfig),
+                f"config must be an EngineConfig, got {config!r}", TypeError)
+        require(model is not None or config.model_path is not None,
+                "EngineConfig.model_path is None and no model was given")
+        self.config = config
+        self.device, self.dtype = torch.device(config.device), as_dtype(config.dtype)
+        if model is None:
+            model = load_hf_checkpoint(config.model_path, device=self.device, dtype=self.dtype)
+        else:
+            model = own_copy(model, self.device, self.dtype)
+        self.model = model.eval().requires_grad_(False)
+        # name -> tensor sharing the parameter's storage (copy_ targets)
+        self._params = model.state_dict()
+        self.max_model_len = config.max_model_len or model.config.max_position_embeddings
+        num_blocks = config.num_blocks or pool_size(config, model.config, self.max_model_len,
+                                                    self.device, self.dtype)
+        self.blocks = make_blocks(config, num_blocks)
+        # one block more than the allocator hands out: the static decode
+        # step's scratch block
+        self.kv_cache = PagedKVCache(model.config, self.blocks.num_blocks + 1,
+                                     self.blocks.block_size, self.device, self.dtype,
+                                     routes=config.record_routes)
+        self.scheduler_config = SchedulerConfig(config.max_batch_size,
+                                                config.max_num_batched_tokens,
+                                                self.blocks.block_size)
+        self.backend, self.compile = attention_choice(self.device.type, config.attention_backend,
+                                                      config.compile, model.config.head_dim)
+        static = self.compile and self.backend == "sdpa"
+        cfg = model.config
+        require(not static or self.device.type != "cpu"
+                or grouped_experts(cfg, self.device, self.dtype),
+                f"EngineConfig.compile=True runs an MoE model's decode steps as one graph on the "
+                f"CPU when its hidden size and expert width are multiples of 4 (the grouped "
+                f"matmul), got {cfg.hidden_size} and {cfg.moe_intermediate_size}: leave it off")
+        require(not static or self.device.type == "cpu" or cfg.num_experts == 0,
+                f"EngineConfig.compile=True runs the decode steps as CUDA graphs for dense models "
+                f"only (the experts' loop syncs with the host), got {cfg.num_experts} experts: "
+                f"leave it off")
+        self.static = StaticDecode(
+            self.model, self.kv_cache, config.max_batch_size,
+            -(-self.max_model_len // self.blocks.block_size), self.blocks.num_blocks) if static \
+            else None
+        self._version = config.weight_version
+        self._staged = None                       # a non-blocking update (a Future)
+        self._side = None                         # the thread that checks and copies it
+        # update_weights calls not applied yet (staged, or replaced unapplied)
+        self._updates_pending = 0
+        self._rng = random.Random(config.seed)
+        # per request, per sample
+        self._request_ids, self._uids = itertools.count(), itertools.count(1)
+        # Sequences; running in age order
+        self.waiting, self.running = [], []
+        self._undelivered = []              # finished samples generate() took from others' requests
+        self._stats = dict(prefix_cache_hit_tokens=0, prefill_tokens=0, decode_tokens=0,
+                           preemptions=0, steps=0, forks=0, generated_tokens=0, weight_updates=0,
+                           compiled_steps=0)
+        self._closed = False
+
+    # ---- requests in
+
+    def add_request(self, prompt, params: SamplingParams, num_samples: int = 1,
+                    index: int = 0) -> int:
+        """Queue a prompt (token ids) for num_samples samples; returns its request_id
+        (TrainingSample.request_id). With params.seed, it draws as prompt `index` of
+        a generate call."""
+        self._check_request(params, num_samples, "num_samples")
+        require(is_int(index) and 0 <= index < 2 ** 63,
+                f"index must be an int in [0, 2**63), got {index!r}")
+        prompt = check_prompt(prompt, self.model.config.vocab_size, self.max_model_len)
+        check_fits(prompt, params, num_samples, self.blocks, self.max_model_len, "prompt")
+        return self._add(prompt, params, num_samples, index)
+
+    def generate(self, prompts, sampling_params: SamplingParams, num_samples_per_prompt: int = 1,
+                 first_index: int = 0) -> list:
+        """Samples for every prompt, in request order: prompt 0 samples 0..G-1, prompt 1
+        ... Each prompt is prefilled once and its blocks shared by its G samples. Every
+        input is checked before anything is queued. With a seed, prompt i draws as
+        prompt first_index + i of one big call would (a rank's slice of it)."""
+        params = sampling_params
+        self._check_request(params, num_samples_per_prompt, "num_samples_per_prompt")
+        require(is_int(first_index) and 0 <= first_index < 2 ** 63,
+                f"first_index must be an int in [0, 2**63), got {first_index!r}")
+        checked = check_prompts(prompts, self.model.config.vocab_size, self.max_model_len)
+        for i, p in enumerate(checked):
+            check_fits(p, params, num_samples_per_prompt, self.blocks, self.max_model_len,
+                       f"prompts[{i}]")
+        ids = {self._add(p, params, num_samples_per_prompt, index=first_index + i)
+               for i, p in enumerate(checked)}
+        mine, others = [], []
+        try:
+            while any(s.request_id in ids for s in self.waiting + self.running):
+                for s in self.step():
+                    (mine if s.request_id in ids else others).append(s)
+        except Exception:   # a refused weight update, ...: this call's requests go, nothing else
+            for request_id in ids:
+                self.abort(request_id)
+            raise
+        finally:
+            self._undelivered += others   # another caller's samples: step() hands them out next
+        # request_ids grow in request order
+        return sorted(mine, key=lambda s: (s.request_id, s.sample_index))
+
+    def has_pending(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def _check_request(self, params, num_samples, name):
+        self._check_open()
+        require(isinstance(params, SamplingParams),
+                f"params must be SamplingParams, got {params!r}", TypeError)
+        require(is_int(num_samples) and num_samples >= 1,
+                f"{name} must be an int >= 1, got {num_samples!r}")
+        require(num_samples <= self.config.max_batch_size,
+                f"{name}={num_samples} exceeds max_batch_size={self.config.max_batch_size}")
+
+    def _add(self, prompt, params, num_samples, index=0):
+        # a seeded request's draws depend on (its seed, its index in the generate call,
+        # sample, position) only
+        request_id = next(self._request_ids)
+        seed = mix_seed(params.seed,
+                        index) if params.seed is not None else self._rng.getrandbits(63)
+        self.waiting.append(Sequence(next(self._uids), request_id, 0, prompt, params, num_samples,
+                                     seed))
+        return request_id
+
+    # ---- one step: schedule, preempt, admit, allocate, forward, postprocess
+
+    @torch.inference_mode()   # not just no_grad: no autograd dispatch or version counters
+    def step(self) -> list:
+        """One schedule and one forward. Returns the samples that finished in this step."""
+        self._check_open()
+        if self._staged is not None:              # a non-blocking update: applied whole, here
+            staged, self._staged = self._staged, None
+            try:
+                tensors = staged.result()
+            except Exception:
+                self._updates_pending -= 1        # refused (or failed): nothing changed
+                raise
+            self._apply_weights(tensors)
+        out, self._undelivered = self._undelivered, []
+        if not self.has_pending():
+            return out
+        for seq in self.waiting[:max(self.config.max_batch_size - len(self.running), 0)]:
+            self.blocks.match_prefix(seq)
+        sched = schedule(self.waiting, self.running, self.blocks.num_free_blocks(),
+                         self.scheduler_config)
+        self._stats["steps"] += 1
+        by_uid = {s.uid: s for s in self.running}
+        self._preempt([by_uid[uid] for uid in sched.preempted])
+        by_uid.update((s.uid, s) for s in self._admit(set(sched.admitted)))
+        # decodes first
+        batch = sorted(((by_uid[uid], n) for uid, n in sched.scheduled), key=lambda x: x[1] > 1)
+        if not batch:
+            return out
+        for seq, n in batch:        # after the hits were taken: a fresh block may evict a named one
+            self.blocks.grow(seq, n)
+        if self.static is not None and self.static.takes(batch):   # one graph, sampler inside
+            seqs = [seq for seq, _ in batch]
+            tokens, logprobs = self.static(seqs)
+            self._stats["compiled_steps"] += 1
+            self._computed(batch)
+            return out + self._append(seqs, tokens, logprobs, [None] * len(seqs))
+        logits, ready = paged_forward(self.model, self.kv_cache, batch, self.backend, self.compile)
+        self._computed(batch)
+        return out + self._sample(logits, [batch[b][0] for b in ready])
+
+    def _preempt(self, victims):
+        for seq in victims:
+            self.blocks.release(seq, cache=seq.kv_version == self._version)
+        gone = {s.uid for s in victims}
+        self.running = [s for s in self.running if s.uid not in gone]
+        self.waiting[:0] = victims[::-1]  # the newest was preempted first: the oldest goes in front
+        self._stats["preemptions"] += len(victims)
+
+    def _admit(self, uids):
+        # schedule() admits a prefix of the waiting queue, in order
+        seqs = [s for s in self.waiting[:len(uids)] if s.uid in uids]
+        for seq in seqs:
+            self.blocks.take_prefix(seq)
+            seq.kv_version = self._version
+            self._stats["prefix_cache_hit_tokens"] += seq.num_cached_tokens
+        self.waiting = self.waiting[len(seqs):]
+        self.running += seqs
+        return seqs
+
+    def _computed(self, batch):
+        for seq, n in batch:              # what this step computed: prefill (catching up) or decode
+            self._stats["prefill_tokens" if seq.catching_up else "decode_tokens"] += n
+            seq.num_computed += n
+            seq.catching_up = seq.num_computed < seq.num_tokens
+            # name the newly full blocks (never those of older weights)
+            if seq.kv_version == self._version:
+                self.blocks.name_computed(seq, n)
+
+    def _sample(self, logits, ready):
+        if not ready:
+            return []
+        seqs, rows = [], []          # a group whose prompt just finished forks: one logits row each
+        for j, seq in enumerate(ready):
+            group = self._fork(seq) if seq.num_samples > 1 else [seq]
+            seqs += group
+            rows += [j] * len(group)
+        if len(rows) != len(ready):
+            logits = logits[torch.tensor(rows, device=logits.device)]
+        tokens, logprobs = sample_next(seqs, logits)
+        return self._append(seqs, tokens.tolist(), logprobs.tolist(), top_logprobs(seqs, logits))
+
+    def _append(self, seqs, tokens, logprobs, tops):
+        """Each sequence's sampled token joins it; returns the samples that finished."""
+        finished = []
+        for seq, token, logprob, top in zip(seqs, tokens, logprobs, tops):
+            reason = seq.append(token, logprob, self._version, self.max_model_len, top)
+            if reason is not None:
+                finished.append(self._finish(seq, reason))
+        self._stats["generated_tokens"] += len(seqs)
+        if finished:
+            self.running = [s for s in self.running if s.finish_reason is None]
+        return finished
+
+    def _fork(self, seq):
+        """The group's prompt is computed: seq becomes sample 0 and num_samples - 1
+        siblings share its blocks (BlockAllocator.fork_table: a partial last block is
+        copied for each)."""
+        forks, copies = [seq], []
+        base_seed, seq.seed = seq.seed, mix_seed(seq.seed, 0)
+        for k in range(1, seq.num_samples):
+            f = Sequence(next(self._uids), seq.request_id, k, seq.tokens, seq.params, 1,
+                         mix_seed(base_seed, k))
+            f.num_prompt, f.num_computed, f.kv_version = (seq.num_prompt, seq.num_computed,
+                                                          seq.kv_version)
+            f.catching_up, f.block_hashes = False, list(seq.block_hashes)
+            f.block_table, copy = self.blocks.fork_table(seq)
+            copies += [copy] if copy else []
+            forks.append(f)
+        if copies:
+            src, dst = zip(*copies)
+            self.kv_cache.copy_blocks(torch.tensor(src, device=self.device),
+                                     torch.tensor(dst, device=self.device))
+        seq.num_samples = 1
+        i = self.running.index(seq)
+        self.running[i + 1:i + 1] = forks[1:]     # siblings are as old as their leader
+        self._stats["forks"] += len(forks) - 1
+        return forks
+
+    def _finish(self, seq, reason):
+        seq.finish_reason = reason
+        routes = None if self.kv_cache.routes is None else \
+            self.kv_cache.routes_of(seq.block_table, seq.num_tokens - 1)
+        self.blocks.release(seq, cache=seq.kv_version == self._version)
+        return TrainingSample(prompt_tokens=tuple(seq.tokens[:seq.num_prompt]),
+                              completion_tokens=tuple(seq.tokens[seq.num_prompt:]),
+                              logprobs=tuple(seq.logprobs), weight_version=min(seq.versions),
+                              finish_reason=reason, token_versions=tuple(seq.versions),
+                              request_id=seq.request_id, sample_index=seq.sample_index,
+                              top_logprobs=tuple(seq.top_logprobs), routes=routes)
+
+    def abort(self, request_id, sample_index=None) -> int:
+        """Drop a request's samples (all, or the forked sample sample_index) wherever they
+        are and free their blocks: they are never returned. Returns how many were
+        dropped (0: finished or unknown)."""
+        self._check_open()
+        def hit(s):
+            return s.request_id == request_id and (sample_index is None
+                                                   or s.sample_index == sample_index
+                                                   and s.num_samples == 1)
+        gone = [s for s in self.waiting + self.running if hit(s)]
+        for seq in gone:
+            self.blocks.release(seq, cache=seq.kv_version == self._version)
+        self.waiting = [s for s in self.waiting if not hit(s)]
+        self.running = [s for s in self.running if not hit(s)]
+        self._undelivered = [s for s in self._undelivered if not hit(s)]
+        return len(gone)
+
+    # ---- weights
+
+    def update_weights(self, state_dict, blocking: bool = True):
+        """Load new weights, checked first (a bad state_dict is refused and changes
+        nothing). blocking=True checks and copies now. blocking=False checks the layout
+        now (names, shapes, dtypes: a ValueError / TypeError here) and returns: the
+        value check and the copy into the engine's dtype and device run on a side
+        thread, and the next step() applies the result whole (waiting for it if it is
+        still going), or raises the refusal (non-finite values) with the engine
+        unchanged. The tensors are the engine's to read until that step: do not change
+        them in place before it (or pass a copy). A newer call replaces an unapplied
+        one. Copies are in place: storage addresses and compiled graphs stay valid. The
+        version goes up by one per call and the prefix cache is emptied, so no KV of
+        older weights is ever served to a new request; running sequences keep theirs
+        (each token records the version that sampled it)."""
+        self._check_open()
+        tensors = check_layout(state_dict, self._params)
+        if blocking:
+            check_values(tensors, self._params, self.dtype)
+            self._staged = None
+            self._updates_pending += 1   # one version per call, even one a newer call superseded
+            self._apply_weights(tensors)
+            return
+        if self._side is None:
+            self._side = ThreadPoolExecutor(1, thread_name_prefix="engine-weights")
+        if self._staged is not None:
+            self._staged.cancel()                 # replaced before it was applied
+        self._updates_pending += 1
+        self._staged = self._side.submit(self._stage, tensors)
+
+    def _stage(self, tensors):
+        # on the side thread: the value check, then a copy in the engine's dtype and device
+        check_values(tensors, self._params, self.dtype)
+        return [t.detach().to(self.device, self.dtype, copy=True) for t in tensors]
+
+    def _apply_weights(self, tensors):
+        # one fused copy of every tensor (casting dtypes and crossing devices like copy_),
+        # in _params order
+        with torch.inference_mode():
+            torch._foreach_copy_(list(self._params.values()), tensors)
+        self._version += self._updates_pending
+        self._stats["weight_updates"] += self._updates_pending
+        self._updates_pending = 0
+        self.blocks.invalidate()
+
+    def get_weight_version(self) -> int:
+        return self._version
+
+    # ---- housekeeping
+
+    def flush_cache(self):
+        """Forget the prefix cache (blocks in use are untouched)."""
+        self._check_open()
+        self.blocks.invalidate()
+
+    def stats(self) -> dict:
+        return dict(self._stats, num_blocks=self.blocks.num_blocks,
+                    num_free_blocks=self.blocks.num_free_blocks(),
+                    cached_blocks=self.blocks.num_cached_blocks(), waiting=len(self.waiting),
+                    running=len(self.running), weight_version=self._version,
+                    attention_backend=self.backend,
+                    compile_seconds=self.static.compile_seconds if self.static else 0.0)
+
+    def shutdown(self):
+        """Drop the model and the KV pool; queued requests are abandoned. Later
+        calls raise RuntimeError."""
+        self._closed = True
+        self.waiting, self.running, self._staged = [], [], None
+        if self._side is not None:
+            self._side.shutdown(wait=False)
+        self.kv_cache = self.model = self.static = None
+
+    def _check_open(self):
+        if self._closed:
+            raise RuntimeError("the engine was shut down")
+
+
+# -----------------------------------------------------------------------------
+# the engine's helpers: checks at its boundary (before anything is queued or
+# copied), the pool's size, the block allocator, the attention, its own copy of a model
 
 
 def check_prompt(prompt, vocab_size, max_model_len, where="prompt"):
@@ -286,9 +639,9 @@ def pool_size(config, model_config, max_model_len, device, dtype):
     return max(1, min(want, int(free_bytes * config.memory_fraction) // per_block))
 
 
-def make_cache(config, num_blocks):
-    """'paged': block hashes over blocks of block_size tokens; 'radix': a radix tree over
-    one-token blocks."""
+def make_blocks(config, num_blocks):
+    """'paged': block hashes over blocks of block_size tokens; 'radix': a radix tree
+    over one-token blocks."""
     if config.cache_type == "radix":
         return RadixCache(num_blocks * config.block_size)
     return BlockAllocator(num_blocks, config.block_size)
@@ -326,361 +679,3 @@ def own_copy(model, device, dtype):
         for name, t in own.state_dict().items():
             t.copy_(theirs[name])
     return own
-
-
-# -----------------------------------------------------------------------------
-# the engine
-
-
-class InferenceEngine:
-    """Continuous batching over a paged KV cache. Single-threaded: every call runs on the
-    caller's thread. self.cache is the block allocator (scheduler.BlockAllocator),
-    self.kv_pool the KV tensors (attention.PagedKVCache)."""
-
-    def __init__(self, config: EngineConfig, model: Transformer | None = None):
-        require(isinstance(config, EngineConfig),
-                f"config must be an EngineConfig, got {config!r}", TypeError)
-        require(model is not None or config.model_path is not None,
-                "EngineConfig.model_path is None and no model was given")
-        self.config = config
-        self.device, self.dtype = torch.device(config.device), as_dtype(config.dtype)
-        if model is None:
-            model = load_hf_checkpoint(config.model_path, device=self.device, dtype=self.dtype)
-        else:
-            model = own_copy(model, self.device, self.dtype)
-        self.model = model.eval().requires_grad_(False)
-        # name -> tensor sharing the parameter's storage (copy_ targets)
-        self._params = model.state_dict()
-        self.max_model_len = config.max_model_len or model.config.max_position_embeddings
-        num_blocks = config.num_blocks or pool_size(config, model.config, self.max_model_len,
-                                                    self.device, self.dtype)
-        self.cache = make_cache(config, num_blocks)
-        # one block more than the allocator hands out: the static decode step's scratch
-        # block
-        self.kv_pool = PagedKVCache(model.config, self.cache.num_blocks + 1, self.cache.block_size,
-                                    self.device, self.dtype, routes=config.record_routes)
-        self.scheduler_config = SchedulerConfig(config.max_batch_size,
-                                                config.max_num_batched_tokens,
-                                                self.cache.block_size)
-        self.backend, self.compile = attention_choice(self.device.type, config.attention_backend,
-                                                      config.compile, model.config.head_dim)
-        static = self.compile and self.backend == "sdpa"
-        cfg = model.config
-        require(not static or self.device.type != "cpu"
-                or grouped_experts(cfg, self.device, self.dtype),
-                f"EngineConfig.compile=True runs an MoE model's decode steps as one graph on the "
-                f"CPU when its hidden size and expert width are multiples of 4 (the grouped "
-                f"matmul), got {cfg.hidden_size} and {cfg.moe_intermediate_size}: leave it off")
-        require(not static or self.device.type == "cpu" or cfg.num_experts == 0,
-                f"EngineConfig.compile=True runs the decode steps as CUDA graphs for dense models "
-                f"only (the experts' loop syncs with the host), got {cfg.num_experts} experts: "
-                f"leave it off")
-        self.static = StaticDecode(
-            self.model, self.kv_pool, config.max_batch_size,
-            -(-self.max_model_len // self.cache.block_size), self.cache.num_blocks) if static \
-            else None
-        self._version = config.weight_version
-        self._staged = None                       # a non-blocking update (a Future)
-        self._side = None                         # the thread that checks and copies it
-        # update_weights calls not applied yet (staged, or replaced unapplied)
-        self._updates_pending = 0
-        self._rng = random.Random(config.seed)
-        # per request, per sample
-        self._request_ids, self._uids = itertools.count(), itertools.count(1)
-        # Sequences; running in age order
-        self.waiting, self.running = [], []
-        self._undelivered = []              # finished samples generate() took from others' requests
-        self._stats = dict(prefix_cache_hit_tokens=0, prefill_tokens=0, decode_tokens=0,
-                           preemptions=0, steps=0, forks=0, generated_tokens=0, weight_updates=0,
-                           compiled_steps=0)
-        self._closed = False
-
-    # ---- requests in
-
-    def add_request(self, prompt, params: SamplingParams, num_samples: int = 1,
-                    index: int = 0) -> int:
-        """Queue a prompt (token ids) for num_samples samples; returns its request_id
-        (TrainingSample.request_id). With params.seed, it draws as prompt `index` of a
-        generate call."""
-        self._check_request(params, num_samples, "num_samples")
-        require(is_int(index) and 0 <= index < 2 ** 63,
-                f"index must be an int in [0, 2**63), got {index!r}")
-        prompt = check_prompt(prompt, self.model.config.vocab_size, self.max_model_len)
-        check_fits(prompt, params, num_samples, self.cache, self.max_model_len, "prompt")
-        return self._add(prompt, params, num_samples, index)
-
-    def generate(self, prompts, sampling_params: SamplingParams, num_samples_per_prompt: int = 1,
-                 first_index: int = 0) -> list:
-        """Samples for every prompt, in request order: prompt 0 samples 0..G-1, prompt 1
-        ... Each prompt is prefilled once and its blocks shared by its G samples. Every
-        input is checked before anything is queued. With a seed, prompt i draws as
-        prompt first_index + i of one big call would (a rank's slice of it)."""
-        params = sampling_params
-        self._check_request(params, num_samples_per_prompt, "num_samples_per_prompt")
-        require(is_int(first_index) and 0 <= first_index < 2 ** 63,
-                f"first_index must be an int in [0, 2**63), got {first_index!r}")
-        checked = check_prompts(prompts, self.model.config.vocab_size, self.max_model_len)
-        for i, p in enumerate(checked):
-            check_fits(p, params, num_samples_per_prompt, self.cache, self.max_model_len,
-                       f"prompts[{i}]")
-        ids = {self._add(p, params, num_samples_per_prompt, index=first_index + i)
-               for i, p in enumerate(checked)}
-        mine, others = [], []
-        try:
-            while any(s.request_id in ids for s in self.waiting + self.running):
-                for s in self.step():
-                    (mine if s.request_id in ids else others).append(s)
-        except Exception:   # a refused weight update, ...: this call's requests go, nothing else
-            for request_id in ids:
-                self.abort(request_id)
-            raise
-        finally:
-            self._undelivered += others   # another caller's samples: step() hands them out next
-        # request_ids grow in request order
-        return sorted(mine, key=lambda s: (s.request_id, s.sample_index))
-
-    def has_pending(self) -> bool:
-        return bool(self.waiting or self.running)
-
-    def _check_request(self, params, num_samples, name):
-        self._check_open()
-        require(isinstance(params, SamplingParams),
-                f"params must be SamplingParams, got {params!r}", TypeError)
-        require(is_int(num_samples) and num_samples >= 1,
-                f"{name} must be an int >= 1, got {num_samples!r}")
-        require(num_samples <= self.config.max_batch_size,
-                f"{name}={num_samples} exceeds max_batch_size={self.config.max_batch_size}")
-
-    def _add(self, prompt, params, num_samples, index=0):
-        # a seeded request's draws depend on (its seed, its index in the generate call,
-        # sample, position) only
-        request_id = next(self._request_ids)
-        seed = mix_seed(params.seed,
-                        index) if params.seed is not None else self._rng.getrandbits(63)
-        self.waiting.append(Sequence(next(self._uids), request_id, 0, prompt, params, num_samples,
-                                     seed))
-        return request_id
-
-    # ---- one step: schedule, preempt, admit, allocate, forward, postprocess
-
-    @torch.inference_mode()   # not just no_grad: no autograd dispatch or version counters
-    def step(self) -> list:
-        """One schedule and one forward. Returns the samples that finished in this step."""
-        self._check_open()
-        if self._staged is not None:              # a non-blocking update: applied whole, here
-            staged, self._staged = self._staged, None
-            try:
-                tensors = staged.result()
-            except Exception:
-                self._updates_pending -= 1        # refused (or failed): nothing changed
-                raise
-            self._apply_weights(tensors)
-        out, self._undelivered = self._undelivered, []
-        if not self.has_pending():
-            return out
-        for seq in self.waiting[:max(self.config.max_batch_size - len(self.running), 0)]:
-            self.cache.match_prefix(seq)
-        sched = schedule(self.waiting, self.running, self.cache.num_free_blocks(),
-                         self.scheduler_config)
-        self._stats["steps"] += 1
-        by_uid = {s.uid: s for s in self.running}
-        self._preempt([by_uid[uid] for uid in sched.preempted])
-        by_uid.update((s.uid, s) for s in self._admit(set(sched.admitted)))
-        # decodes first
-        batch = sorted(((by_uid[uid], n) for uid, n in sched.scheduled), key=lambda x: x[1] > 1)
-        if not batch:
-            return out
-        for seq, n in batch:        # after the hits were taken: a fresh block may evict a named one
-            self.cache.grow(seq, n)
-        if self.static is not None and self.static.takes(batch):   # one graph, sampler inside
-            seqs = [seq for seq, _ in batch]
-            tokens, logprobs = self.static(seqs)
-            self._stats["compiled_steps"] += 1
-            self._computed(batch)
-            return out + self._append(seqs, tokens, logprobs, [None] * len(seqs))
-        logits, ready = paged_forward(self.model, self.kv_pool, batch, self.backend, self.compile)
-        self._computed(batch)
-        return out + self._sample(logits, [batch[b][0] for b in ready])
-
-    def _preempt(self, victims):
-        for seq in victims:
-            self.cache.release(seq, cache=seq.kv_version == self._version)
-        gone = {s.uid for s in victims}
-        self.running = [s for s in self.running if s.uid not in gone]
-        self.waiting[:0] = victims[::-1]  # the newest was preempted first: the oldest goes in front
-        self._stats["preemptions"] += len(victims)
-
-    def _admit(self, uids):
-        # schedule() admits a prefix of the waiting queue, in order
-        seqs = [s for s in self.waiting[:len(uids)] if s.uid in uids]
-        for seq in seqs:
-            self.cache.take_prefix(seq)
-            seq.kv_version = self._version
-            self._stats["prefix_cache_hit_tokens"] += seq.num_cached_tokens
-        self.waiting = self.waiting[len(seqs):]
-        self.running += seqs
-        return seqs
-
-    def _computed(self, batch):
-        for seq, n in batch:              # what this step computed: prefill (catching up) or decode
-            self._stats["prefill_tokens" if seq.catching_up else "decode_tokens"] += n
-            seq.num_computed += n
-            seq.catching_up = seq.num_computed < seq.num_tokens
-            # name the newly full blocks (never those of older weights)
-            if seq.kv_version == self._version:
-                self.cache.name_computed(seq, n)
-
-    def _sample(self, logits, ready):
-        if not ready:
-            return []
-        seqs, rows = [], []          # a group whose prompt just finished forks: one logits row each
-        for j, seq in enumerate(ready):
-            group = self._fork(seq) if seq.num_samples > 1 else [seq]
-            seqs += group
-            rows += [j] * len(group)
-        if len(rows) != len(ready):
-            logits = logits[torch.tensor(rows, device=logits.device)]
-        tokens, logprobs = sample_next(seqs, logits)
-        return self._append(seqs, tokens.tolist(), logprobs.tolist(), top_logprobs(seqs, logits))
-
-    def _append(self, seqs, tokens, logprobs, tops):
-        """Each sequence's sampled token joins it; returns the samples that finished."""
-        finished = []
-        for seq, token, logprob, top in zip(seqs, tokens, logprobs, tops):
-            reason = seq.append(token, logprob, self._version, self.max_model_len, top)
-            if reason is not None:
-                finished.append(self._finish(seq, reason))
-        self._stats["generated_tokens"] += len(seqs)
-        if finished:
-            self.running = [s for s in self.running if s.finish_reason is None]
-        return finished
-
-    def _fork(self, seq):
-        """The group's prompt is computed: seq becomes sample 0 and num_samples - 1
-        siblings share its blocks (BlockAllocator.fork_table: a partial last block is
-        copied for each)."""
-        forks, copies = [seq], []
-        base_seed, seq.seed = seq.seed, mix_seed(seq.seed, 0)
-        for k in range(1, seq.num_samples):
-            f = Sequence(next(self._uids), seq.request_id, k, seq.tokens, seq.params, 1,
-                         mix_seed(base_seed, k))
-            f.num_prompt, f.num_computed, f.kv_version = (seq.num_prompt, seq.num_computed,
-                                                          seq.kv_version)
-            f.catching_up, f.block_hashes = False, list(seq.block_hashes)
-            f.block_table, copy = self.cache.fork_table(seq)
-            copies += [copy] if copy else []
-            forks.append(f)
-        if copies:
-            src, dst = zip(*copies)
-            self.kv_pool.copy_blocks(torch.tensor(src, device=self.device),
-                                     torch.tensor(dst, device=self.device))
-        seq.num_samples = 1
-        i = self.running.index(seq)
-        self.running[i + 1:i + 1] = forks[1:]     # siblings are as old as their leader
-        self._stats["forks"] += len(forks) - 1
-        return forks
-
-    def _finish(self, seq, reason):
-        seq.finish_reason = reason
-        routes = None if self.kv_pool.routes is None else \
-            self.kv_pool.routes_of(seq.block_table, seq.num_tokens - 1)
-        self.cache.release(seq, cache=seq.kv_version == self._version)
-        return TrainingSample(prompt_tokens=tuple(seq.tokens[:seq.num_prompt]),
-                              completion_tokens=tuple(seq.tokens[seq.num_prompt:]),
-                              logprobs=tuple(seq.logprobs), weight_version=min(seq.versions),
-                              finish_reason=reason, token_versions=tuple(seq.versions),
-                              request_id=seq.request_id, sample_index=seq.sample_index,
-                              top_logprobs=tuple(seq.top_logprobs), routes=routes)
-
-    def abort(self, request_id, sample_index=None) -> int:
-        """Drop a request's samples (all, or the forked sample sample_index) wherever they
-        are and free their blocks: they are never returned. Returns how many were
-        dropped (0: finished or unknown)."""
-        self._check_open()
-        def hit(s):
-            return s.request_id == request_id and (sample_index is None
-                                                   or s.sample_index == sample_index
-                                                   and s.num_samples == 1)
-        gone = [s for s in self.waiting + self.running if hit(s)]
-        for seq in gone:
-            self.cache.release(seq, cache=seq.kv_version == self._version)
-        self.waiting = [s for s in self.waiting if not hit(s)]
-        self.running = [s for s in self.running if not hit(s)]
-        self._undelivered = [s for s in self._undelivered if not hit(s)]
-        return len(gone)
-
-    # ---- weights
-
-    def update_weights(self, state_dict, blocking: bool = True):
-        """Load new weights, checked first (a bad state_dict is refused and changes
-        nothing). blocking=True checks and copies now. blocking=False checks the layout
-        now (names, shapes, dtypes: a ValueError / TypeError here) and returns: the
-        value check and the copy into the engine's dtype and device run on a side
-        thread, and the next step() applies the result whole (waiting for it if it is
-        still going), or raises the refusal (non-finite values) with the engine
-        unchanged. The tensors are the engine's to read until that step: do not change
-        them in place before it (or pass a copy). A newer call replaces an unapplied
-        one. Copies are in place: storage addresses and compiled graphs stay valid. The
-        version goes up by one per call and the prefix cache is emptied, so no KV of
-        older weights is ever served to a new request; running sequences keep theirs
-        (each token records the version that sampled it)."""
-        self._check_open()
-        tensors = check_layout(state_dict, self._params)
-        if blocking:
-            check_values(tensors, self._params, self.dtype)
-            self._staged = None
-            self._updates_pending += 1   # one version per call, even one a newer call superseded
-            self._apply_weights(tensors)
-            return
-        if self._side is None:
-            self._side = ThreadPoolExecutor(1, thread_name_prefix="engine-weights")
-        if self._staged is not None:
-            self._staged.cancel()                 # replaced before it was applied
-        self._updates_pending += 1
-        self._staged = self._side.submit(self._stage, tensors)
-
-    def _stage(self, tensors):
-        # on the side thread: the value check, then a copy in the engine's dtype and device
-        check_values(tensors, self._params, self.dtype)
-        return [t.detach().to(self.device, self.dtype, copy=True) for t in tensors]
-
-    def _apply_weights(self, tensors):
-        # one fused copy of every tensor (casting dtypes and crossing devices like copy_),
-        # in _params order
-        with torch.inference_mode():
-            torch._foreach_copy_(list(self._params.values()), tensors)
-        self._version += self._updates_pending
-        self._stats["weight_updates"] += self._updates_pending
-        self._updates_pending = 0
-        self.cache.invalidate()
-
-    def get_weight_version(self) -> int:
-        return self._version
-
-    # ---- housekeeping
-
-    def flush_cache(self):
-        """Forget the prefix cache (blocks in use are untouched)."""
-        self._check_open()
-        self.cache.invalidate()
-
-    def stats(self) -> dict:
-        return dict(self._stats, num_blocks=self.cache.num_blocks,
-                    num_free_blocks=self.cache.num_free_blocks(),
-                    cached_blocks=self.cache.num_cached_blocks(), waiting=len(self.waiting),
-                    running=len(self.running), weight_version=self._version,
-                    attention_backend=self.backend,
-                    compile_seconds=self.static.compile_seconds if self.static else 0.0)
-
-    def shutdown(self):
-        """Drop the model and the KV pool; queued requests are abandoned. Later calls
-        raise RuntimeError."""
-        self._closed = True
-        self.waiting, self.running, self._staged = [], [], None
-        if self._side is not None:
-            self._side.shutdown(wait=False)
-        self.kv_pool = self.model = self.static = None
-
-    def _check_open(self):
-        if self._closed:
-            raise RuntimeError("the engine was shut down")

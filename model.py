@@ -1,8 +1,9 @@
 """
-A Qwen3-style transformer (MoE or dense) that matches Hugging Face transformers to fp32
-rounding.
+A Qwen3-style transformer (MoE or dense) that matches Hugging Face transformers
+to fp32 rounding.
 
-    from model import ModelConfig, Transformer, load_hf_checkpoint, save_hf_checkpoint
+    from model import ModelConfig, Transformer
+    from checkpoint import load_hf_checkpoint, save_hf_checkpoint
     model = load_hf_checkpoint("path/to/hf_dir")    # qwen3_moe, qwen3, qwen2, llama; fp32 on cpu
     # a packed batch: [T], [T], [N+1] int32
     logits, aux_loss = model(tokens, position_ids, cu_seqlens)
@@ -83,8 +84,8 @@ class ModelConfig:
         require(self.family == "qwen3" or not self.num_experts,
                 f"ModelConfig: num_experts={self.num_experts}, but experts are Qwen3-MoE's, not "
                 f"{self.family}'s (num_experts=0 for a dense model)")
-        # qk_norm, qkv_bias: what the family has (Qwen3 the norm, Qwen2 the biases, Llama
-        # neither)
+        # qk_norm, qkv_bias: what the family has (Qwen3 the norm, Qwen2 the
+        # biases, Llama neither)
         flags = {"qwen3": (True, False), "qwen2": (False, True),
                  "llama": (False, False)}[self.family]
         for name, value in zip(("qk_norm", "qkv_bias"), flags):
@@ -121,8 +122,8 @@ class ModelConfig:
 
 
 def as_dtype(dtype):
-    """A torch.dtype from itself or its name ('float32', 'bfloat16', ...): configs stay
-    serialisable."""
+    """A torch.dtype from itself or its name ('float32', 'bfloat16', ...):
+    configs stay serialisable."""
     if isinstance(dtype, str):
         require(isinstance(getattr(torch, dtype, None), torch.dtype),
                 f"unknown dtype {dtype!r}: use e.g. 'float32', 'bfloat16', 'float16'")
@@ -153,9 +154,9 @@ class RMSNorm(nn.Module):
 
 
 def rope_frequencies(cfg: ModelConfig):
-    """(inv_freq [head_dim / 2], the factor cos and sin are scaled by), for default RoPE
-    and the two scalings a checkpoint may carry, computed as transformers'
-    modeling_rope_utils does:
+    """(inv_freq [head_dim / 2], the factor cos and sin are scaled by), for
+    default RoPE and the two scalings a checkpoint may carry, computed as
+    transformers' modeling_rope_utils does:
       llama3: frequencies whose wavelength exceeds original_max_position_embeddings /
               low_freq_factor are divided by factor, those below .../high_freq_factor kept, those
               between blended;
@@ -200,8 +201,8 @@ def _yarn_mscale(factor, mscale, mscale_all_dim):
 
 
 def rope_cos_sin(position_ids, inv_freq, scale, dtype):
-    """cos/sin tables [T, head_dim] for half-split RoPE; angles in fp32, then cast like
-    transformers."""
+    """cos/sin tables [T, head_dim] for half-split RoPE; angles in fp32, then
+    cast like transformers."""
     freqs = position_ids.float()[:, None] * inv_freq.to(position_ids.device)[None, :]
     emb = torch.cat((freqs, freqs), dim=-1)
     return (emb.cos() * scale).to(dtype), (emb.sin() * scale).to(dtype)
@@ -283,15 +284,15 @@ class Experts(nn.Module):
         flat = top_idx.flatten()
         order = flat.argsort(stable=True)
         xs = x.index_select(0, order // k)                # the token of each pair, expert by expert
-        # tokens per expert (a bincount, whose output size torch.compile cannot know in
-        # advance)
+        # tokens per expert (a bincount, whose output size torch.compile cannot
+        # know in advance)
         counts = flat.new_zeros(self.gate_up_proj.shape[0]).index_add_(0, flat,
                                                                        torch.ones_like(flat))
         ys = self._grouped(xs, counts) if _use_grouped_mm(x, self) else self._loop(xs,
                                                                                    counts.tolist())
         # back to (token, slot) order by gathering with the inverse permutation
-        # (deterministic, unlike a scatter-add), then each token's k outputs weighted and
-        # summed
+        # (deterministic, unlike a scatter-add), then each token's k outputs
+        # weighted and summed
         y = ys.index_select(0, order.argsort()).view(T, k, -1)
         return (y * top_w[..., None]).sum(dim=1)
 
@@ -330,9 +331,8 @@ def _(x, w, offs):
 
 
 def grouped_mm(x, w, offs):
-    # torch.compile cannot trace torch._grouped_mm on the CPU in fp32, so a compiled
-    # forward calls it as an opaque op (its output shape registered above); eager calls it
-    # directly
+    # torch.compile cannot trace torch._grouped_mm on the CPU in fp32, so a compiled forward
+    # calls it as an opaque op (its output shape registered above); eager calls it directly
     if torch.compiler.is_compiling():
         return torch.ops.nanorl.grouped_mm(x, w, offs)
     return torch._grouped_mm(x, w, offs=offs)
@@ -347,8 +347,8 @@ GROUPED_MM = hasattr(torch, "_grouped_mm")
 
 def grouped_experts(cfg: ModelConfig, device, dtype):
     """Whether inference runs every MoE layer's experts as grouped matmuls (true of a
-    dense model): what a compiled forward needs, as the loop's per-expert split breaks
-    its graph."""
+    dense model): what a compiled forward needs, as the loop's per-expert split
+    breaks its graph."""
     return cfg.num_experts == 0 or _grouped_fits(device, dtype, cfg.hidden_size,
                                                  cfg.moe_intermediate_size)
 
@@ -438,8 +438,8 @@ class Transformer(nn.Module):
         return sum(p.numel() for p in self.parameters())
 
     def num_active_params(self):
-        """Parameters one token touches: experts count top_k / E of their weights (for
-        FLOP estimates)."""
+        """Parameters one token touches: experts count top_k / E of their weights
+        (for FLOP estimates)."""
         cfg, n = self.config, 0
         for name, p in self.named_parameters():
             n += p.numel() * (cfg.num_experts_per_tok / cfg.num_experts if ".experts." in name
@@ -448,8 +448,8 @@ class Transformer(nn.Module):
 
     def rope(self, device):
         """(inv_freq, cos/sin scale) on device, made once per model and device: a function
-        of the config only (a copy per forward would sync a GPU, and a CUDA graph cannot
-        hold that)."""
+        of the config only (a copy per forward would sync a GPU, and a CUDA graph
+        cannot hold that)."""
         if self._rope is None or self._rope[0].device != device:
             inv_freq, scale = rope_frequencies(self.config)
             self._rope = (inv_freq.to(device), scale)
@@ -530,8 +530,8 @@ def head_logprobs(hidden, weight, labels, temperature=1.0, chunk_bytes=256 * 2 *
 
 class HeadLogprobs(torch.autograd.Function):
     """d logp_t / d logits_t = (onehot(label_t) - softmax(logits_t / T)) / T: each chunk's
-    logits are made again in backward and turned into the gradients of hidden and weight
-    right away."""
+    logits are made again in backward and turned into the gradients of hidden and
+    weight right away."""
 
     @staticmethod
     def forward(ctx, hidden, weight, labels, temperature, rows, dtype):
@@ -565,9 +565,9 @@ class HeadLogprobs(torch.autograd.Function):
 
 
 def load_balancing_loss(router_logits, num_experts, top_k, like):
-    """Switch-Transformer aux loss, as transformers computes it: E * sum_e(fraction routed
-    to e * mean prob of e), the fractions and means taken over every (layer, token) row
-    together."""
+    """Switch-Transformer aux loss, as transformers computes it: E * sum_e(fraction
+    routed to e * mean prob of e), the fractions and means taken over every (layer,
+    token) row together."""
     if not router_logits:
         return torch.zeros((), device=like.device, dtype=torch.float32)
     logits = torch.cat(router_logits, dim=0)                                  # [layers * T, E]
@@ -601,14 +601,3 @@ def train_flops(config: ModelConfig, seqlens, pairs=None):
         6 * per_token * sum(seqlens)
         + 12 * config.num_hidden_layers * config.num_attention_heads * D * pairs
     )
-
-
-def __getattr__(name):
-    # the HF format lives in checkpoint.py, which imports this file; the project imports
-    # it from there. `from model import load_hf_checkpoint` (the design's usage block) is
-    # resolved here, on first use, so that model.py never imports checkpoint.py while
-    # either loads
-    if name in ("load_hf_checkpoint", "save_hf_checkpoint"):
-        import checkpoint
-        return getattr(checkpoint, name)
-    raise AttributeError(f"module 'model' has no attribute {name!r}")

@@ -1,12 +1,11 @@
 """
-Off-policy corrections: what to do when the tokens were sampled by a policy (the
-engine's) other than the one being trained (the trainer's). Here the two share model.py
-and agree to about 1e-7 in fp32, so every mismatch is one we put in on purpose, and each
-correction can be measured against the exact on-policy gradient
-(bench/off_policy_lab.py). The sources a setting turns on (train_grpo.py):
-engine_dtype='bfloat16' (rounding, and for an MoE model other experts), max_staleness
-(older weights), top_p / top_k (a truncated distribution: the engine's logprob is the
-truncated one's).
+Off-policy corrections: what to do when the tokens were sampled by a policy (the engine's)
+other than the one being trained (the trainer's). Here the two share model.py and agree to
+about 1e-7 in fp32, so every mismatch is one we put in on purpose, and each correction can
+be measured against the exact on-policy gradient (bench/off_policy_lab.py). The sources a
+setting turns on (train_grpo.py): engine_dtype='bfloat16' (rounding, and for an MoE model
+other experts), max_staleness (older weights), top_p / top_k (a truncated distribution:
+the engine's logprob is the truncated one's).
 
 Per sampled token t of a sample, with r_t = exp(log p_trainer(t) - log p_engine(t)):
 
@@ -49,8 +48,8 @@ def sample_ids(batch):
 
 
 def importance_ratios(trainer_lp, engine_lp, mask, ids=None):
-    """ratio per row [T]: r = exp(trainer - engine) on the masked rows, 1 elsewhere; with
-    ids (the rows' samples), the sample's geometric mean ratio on each of its rows.
+    """ratio per row [T]: r = exp(trainer - engine) on the masked rows, 1 elsewhere;
+    with ids (the rows' samples), the sample's geometric mean ratio on each of its rows.
     Worked example: one sample, log r = [0.2, -0.4, 0.5] -> mean 0.1, every row exp(0.1)
     = 1.105."""
     log_r = torch.where(mask, trainer_lp - engine_lp, 0.0)
@@ -70,8 +69,8 @@ def truncated(ratio, cap):
 
 
 def masked(ratio, low, high):
-    """Masked IS's factor: the ratio where low <= ratio <= high, else 0 (the token drops
-    out)."""
+    """Masked IS's factor: the ratio where low <= ratio <= high, else 0 (the
+    token drops out)."""
     return torch.where((ratio >= low) & (ratio <= high), ratio, 0.0)
 
 
@@ -108,9 +107,9 @@ def kl_k3(trainer_lp, engine_lp, mask):
 
 
 def expert_disagreement(used, engine_routes, mask):
-    """(pairs whose expert sets differ, pairs compared) over the masked rows and every MoE
-    layer: used [T, M, k] the trainer's experts, engine_routes [T, M, k] the engine's
-    (-1: none)."""
+    """(pairs whose expert sets differ, pairs compared) over the masked rows and every
+    MoE layer: used [T, M, k] the trainer's experts, engine_routes [T, M, k] the
+    engine's (-1: none)."""
     have = mask & (engine_routes[:, 0, 0] >= 0)
     a, b = used[have].sort(-1).values, engine_routes[have].long().sort(-1).values
     differ = (a != b).any(-1)

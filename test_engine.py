@@ -1,6 +1,6 @@
 """
-engine.py against transformers: random tiny checkpoints written by transformers itself,
-CPU, fp32.
+engine.py against transformers: random tiny checkpoints written by transformers
+itself, CPU, fp32.
 
     python -m pytest -q test_engine.py
 """
@@ -107,8 +107,8 @@ def test_greedy_matches_transformers_generate(checkpoint):
         assert err < 1e-3, f"[{name}] logprob error {err}"
     stats = engine.stats()
     assert stats["prefill_tokens"] + stats["prefix_cache_hit_tokens"] == sum(map(len, PROMPTS))
-    assert engine.cache.num_free_blocks() == engine.cache.num_blocks
-    engine.cache.check()
+    assert engine.blocks.num_free_blocks() == engine.blocks.num_blocks
+    engine.blocks.check()
 
 
 @torch.no_grad()
@@ -226,8 +226,8 @@ def test_tiny_pool_preempts_and_still_matches_roomy_pool(moe):
         # sampling noise is a function of (seed, position): same draws
         assert outputs(got) == outputs(ref)
         assert tiny.stats()["preemptions"] > 0 and roomy.stats()["preemptions"] == 0
-        assert tiny.cache.num_free_blocks() == tiny.cache.num_blocks == 5
-        tiny.cache.check()
+        assert tiny.blocks.num_free_blocks() == tiny.blocks.num_blocks == 5
+        tiny.blocks.check()
         for a, b in zip(got, ref):
             assert max(abs(x - y) for x, y in zip(a.logprobs, b.logprobs)) < 1e-4
 
@@ -253,7 +253,7 @@ def test_group_prefills_once_and_second_generate_hits_cache(moe):
     st2 = engine.stats()
     assert st2["prefix_cache_hit_tokens"] == 32                       # both full prompt pages
     assert st2["prefill_tokens"] - st["prefill_tokens"] == 8
-    assert engine.cache.num_free_blocks() == engine.cache.num_blocks
+    assert engine.blocks.num_free_blocks() == engine.blocks.num_blocks
     engine.flush_cache()
     engine.generate([prompt], params, num_samples_per_prompt=4)
     assert engine.stats()["prefix_cache_hit_tokens"] == 32     # nothing more: the cache was flushed
@@ -404,7 +404,7 @@ def test_top_logprobs_match_transformers(moe):
 def test_abort_drops_samples_and_frees_their_blocks(moe):
     _, path = moe
     engine = engine_for(path)
-    free = engine.cache.num_free_blocks()
+    free = engine.blocks.num_free_blocks()
     keep = engine.add_request(PROMPTS[0], SamplingParams(temperature=0, max_tokens=8))
     group = engine.add_request(PROMPTS[3], SamplingParams(temperature=1.0, max_tokens=40),
                                num_samples=3)
@@ -418,7 +418,7 @@ def test_abort_drops_samples_and_frees_their_blocks(moe):
         done += engine.step()
     assert [s.request_id for s in done] == [keep]
     # every block is back (some still named: the prefix cache)
-    assert engine.cache.num_free_blocks() == free
+    assert engine.blocks.num_free_blocks() == free
 
 
 def test_max_model_len_ends_with_length(moe):
@@ -485,7 +485,7 @@ def test_bad_inputs_are_refused_and_change_nothing(moe):
         with pytest.raises((ValueError, TypeError), match=match):
             EngineConfig(model_path=path, **kw)
     assert outputs(engine.generate(PROMPTS[:3], params, 2)) == before
-    assert engine.cache.num_free_blocks() == engine.cache.num_blocks
+    assert engine.blocks.num_free_blocks() == engine.blocks.num_blocks
 
 
 def test_the_design_documents_usage_block_runs_as_written(moe):
@@ -500,7 +500,8 @@ def test_the_design_documents_usage_block_runs_as_written(moe):
     temperatures = torch.tensor([0.0, 1.0, 1.0, 1.0])     # a row each of the packed batch
     block_token_ids, parent_hash = [1, 2, 3], 0
 
-    from model import load_hf_checkpoint, save_hf_checkpoint, ModelConfig, Transformer
+    from checkpoint import load_hf_checkpoint, save_hf_checkpoint
+    from model import ModelConfig, Transformer
     from engine import InferenceEngine, EngineConfig, SamplingParams
     from engine import schedule, sample_with_logprobs, compute_block_hash, SchedulerConfig
     model = load_hf_checkpoint(path, device="cpu", dtype=torch.float32)   # -> Transformer
@@ -557,9 +558,8 @@ def test_attention_choice_is_sdpa_unless_flex_is_asked_for():
 
 
 def test_compiled_paged_flex_attention_on_cpu_matches_transformers(moe):
-    # the compiled kernel GPU users run, here on CPU: chunked prefill, decode, a prefix
-    # hit and a preemption (a pool too small for every sample at once), against
-    # transformers
+    # the compiled kernel GPU users run, here on CPU: chunked prefill, decode, a prefix hit
+    # and a preemption (a pool too small for every sample at once), against transformers
     hf, path = moe
     engine = engine_for(path, attention_backend="flex", compile=True, num_blocks=12,
                         max_num_batched_tokens=24)

@@ -78,8 +78,8 @@ def build_tokenizer() -> PreTrainedTokenizerFast:
                                   pad_token=ENDOFTEXT, unk_token=UNK,
                                   additional_special_tokens=[IM_START], chat_template=CHAT_TEMPLATE,
                                   clean_up_tokenization_spaces=False, model_max_length=4096)
-    # the specials must keep the ids of VOCAB (add_special_tokens must not have appended
-    # new ones)
+    # the specials must keep the ids of VOCAB (add_special_tokens must not have
+    # appended new ones)
     for i, s in enumerate(SPECIAL_TOKENS):
         if tok.convert_tokens_to_ids(s) != i:
             raise RuntimeError(f"special token {s!r} got id {tok.convert_tokens_to_ids(s)}, "
@@ -144,8 +144,8 @@ def load_tokenizer(path) -> PreTrainedTokenizerFast:
 
 
 # -----------------------------------------------------------------------------
-# chat helpers: the only way prompt ids and training examples are made, so the two always
-# agree
+# chat helpers: the only way prompt ids and training examples are made, so the
+# two always agree
 
 
 def _ids(out) -> list[int]:
@@ -240,17 +240,17 @@ def generation_stop_ids(tok) -> list[int]:
 
 
 def completion_text(tok, ids) -> str:
-    """What the reward reads: the completion's text with its special tokens kept. Skipping
-    them would let '3*<|im_start|>5+7' pass as '3*5+7'; task.reward drops the closing
-    <|im_end|> itself."""
+    """What the reward reads: the completion's text with its special tokens kept.
+    Skipping them would let '3*<|im_start|>5+7' pass as '3*5+7'; task.reward drops the
+    closing <|im_end|> itself."""
     return tok.decode(ids, skip_special_tokens=False)
 
 
 def reply_parts(tok, text) -> tuple[str | None, str]:
-    """(reasoning, content) of a reply's text. A template with a </think> token (Qwen3's)
-    has the model think first: "<think>\nplan\n</think>\n\n42" -> ("plan", "42").
-    Without that token, or a </think> in the text, the whole text is content: (None,
-    text)."""
+    """(reasoning, content) of a reply's text. A template with a </think> token
+    (Qwen3's) has the model think first: "<think>\nplan\n</think>\n\n42" -> ("plan",
+    "42"). Without that token, or a </think> in the text, the whole text is content:
+    (None, text)."""
     think_end = tok.convert_tokens_to_ids(THINK_END)
     if think_end is None or think_end == tok.unk_token_id or THINK_END not in text:
         return None, text
@@ -259,8 +259,8 @@ def reply_parts(tok, text) -> tuple[str | None, str]:
 
 
 def chat_example(tok, messages, stop_ids=None, **template_kwargs) -> tuple[list[int], list[int]]:
-    """(ids, loss_mask) of a whole conversation whose last message is the assistant reply
-    to learn.
+    """(ids, loss_mask) of a whole conversation whose last message is the assistant
+    reply to learn.
 
     The mask covers exactly what the model would sample for that turn: the template's
     ids after the generation prompt up to and including the first stop id (stop_ids,

@@ -30,18 +30,18 @@ One iteration (grpo_step, with the same numbers):
      nothing: it is dropped and counted (rollout/zero_var_groups), and the sampler's
      record makes its problem rarer; one rollout call per step, never a refill;
   2. advantages = reward - group mean (divided by the group std only when
-     scale_rewards=True: Dr. GRPO shows the division biases toward easy/hard groups);
-     token_weights = advantage x loss mask (1 on sampled tokens), packed into
-     PackedBatches that carry the mask; the loss normalizer is fixed now (loss_norm,
-     below);
+     scale_rewards=True: Dr. GRPO shows the division biases toward easy/hard
+     groups); token_weights = advantage x loss mask (1 on sampled tokens),
+     packed into PackedBatches that carry the mask; the loss normalizer is fixed
+     now (loss_norm, below);
   3. this rank's share of the batches, with the per-token no-grad corrections folded
      into their weights: an importance-sampling factor (tis_cap, mis_low / mis_high,
      is_level; off_policy.py) and the KL to the starting policy (kl_coef > 0), from a
      logprob pass that runs only for them (or for PPO's old logprobs, or the engine's
      experts: record_routes / routing_replay);
   4. one optimizer step (training.train_step) on policy_loss, the shared unified_loss
-     (PPO's clipped objective with ppo_clip > 0, ppo_epochs steps): a fork changes the
-     objective there;
+     (PPO's clipped objective with ppo_clip > 0, ppo_epochs steps): a fork changes
+     the objective there;
   5. publish: engine.update_weights(model.state_dict()), in place, version += 1, prefix
      cache flushed (a version per iteration, even one without a step);
   then log, evaluate on the validation split (every eval_interval) and checkpoint (with the
@@ -214,9 +214,9 @@ class ProblemSampler:
     unseen one; 8 of 8 gives p = 9/10 and weight 0.09; 0 of 8 gives p = 1/10 and weight
     0.09, so it is drawn 0.09 / 0.25 as often.
 
-    The record (successes and samples per problem) and the number of draws are the whole
-    state: draw d is fixed by (seed, d), so a resumed run draws what the killed one
-    would have."""
+    The record (successes and samples per problem) and the number of draws are the
+    whole state: draw d is fixed by (seed, d), so a resumed run draws what the killed
+    one would have."""
 
     def __init__(self, items, seed):
         self.items, self.seed = items, seed
@@ -414,8 +414,8 @@ def trainer_logprobs(model, batch, autocast, routes_out=None):
 
 
 def needs_trainer_pass(config):
-    """Whether a step scores its batches with the trainer's weights before the update: for
-    an IS correction, the KL term, PPO's old logprobs or the engine's experts to
+    """Whether a step scores its batches with the trainer's weights before the update:
+    for an IS correction, the KL term, PPO's old logprobs or the engine's experts to
     compare."""
     return (config["tis_cap"] > 0 or config["mis_high"] > 0 or config["kl_coef"] > 0
             or config["ppo_clip"] > 0 or config["record_routes"] or config["routing_replay"])
@@ -538,9 +538,9 @@ def optimizer_steps(policy, run, batches, normalizer, config, it):
 
 def step_flops(metrics, clock, batches, run, reference, config):
     """The FLOPs of the step's training (the optimizer steps and any logprob pass); adds
-    its timings, throughput and MFU (of the optimizer step alone), and with rollout ranks
-    the share of the step the trainer waited on them, to metrics. clock: grpo_step's time
-    marks."""
+    its timings, throughput and MFU (of the optimizer step alone), and with rollout
+    ranks the share of the step the trainer waited on them, to metrics. clock:
+    grpo_step's time marks."""
     flops = 0.0
     if batches:
         forward_backward = sum(train_flops(run.model.config, [b.num_tokens],
@@ -591,8 +591,8 @@ def check_settings(config):
 
 
 def check_off_policy_settings(config):
-    """The corrections' settings (off_policy.py): one IS correction at a time, and what
-    needs what."""
+    """The corrections' settings (off_policy.py): one IS correction at a time, and
+    what needs what."""
     tis, mis_low, mis_high = config["tis_cap"], config["mis_low"], config["mis_high"]
     require(not (tis > 0 and mis_high > 0), f"tis_cap={tis} and mis_high={mis_high}: "
             f"truncated and masked IS are two corrections of one ratio; set one")
@@ -617,8 +617,8 @@ def reference_model(config, start):
 
 def evaluate_and_log(engine, env, run, problems, config, done, meter, best):
     """Evaluate, log, and with keep_best save the model to {out_dir}/best when its
-    accuracy beats best["accuracy"]. On the test split each problem's outcome goes to
-    {out_dir}/outcomes.jsonl."""
+    accuracy beats best["accuracy"]. On the test split each problem's outcome
+    goes to {out_dir}/outcomes.jsonl."""
     t0 = time.perf_counter()
     metrics, outcomes = evaluate.evaluate(engine, env, problems, config["pass_k"],
                                           config["temperature"], config["seed"])

@@ -68,9 +68,9 @@ class PackedBatch:
 
 
 def token_logprobs(logits, labels):
-    """log p(label) per row, in fp32 with log_softmax + gather (never log(softmax)): [T,
-    V], [T] -> [T]. The same quantity the engine reports as a sample's logprob at
-    temperature 1."""
+    """log p(label) per row, in fp32 with log_softmax + gather (never log(softmax)):
+    [T, V], [T] -> [T]. The same quantity the engine reports as a sample's logprob
+    at temperature 1."""
     require(logits.dim() == 2 and labels.shape == logits.shape[:1],
             f"logits {tuple(logits.shape)} and labels {tuple(labels.shape)}: expected [T, V] and "
             f"[T] (T rows, one per label)")
@@ -110,8 +110,8 @@ def batch_logprobs(model, batch, routes_out=None):
 
 
 # -----------------------------------------------------------------------------
-# packing, and the data cursor: endless epochs over a fixed list, its position the whole
-# data state
+# packing, and the data cursor: endless epochs over a fixed list, its position the
+# whole data state
 
 
 def pack_sequences(sequences, weights, log_probs=None, rewards=None, loss_masks=None):
@@ -170,15 +170,14 @@ def pack_groups(prompts, completions, weights, log_probs=None, loss_masks=None):
     attends to them, so a group costs P - 1 + sum(len(completion) + 1) rows instead of
     sum(P + len(completion)), for the same logprobs.
 
-    prompts[i]: token ids; completions[i]: its completions' ids; weights[i],
-    log_probs[i] and loss_masks[i]: one list per completion, aligned with its tokens.
-    Document i is branch 0, the prompt but its last token, then for every completion b =
-    1, 2, ... branch b: the prompt's last token again and the completion, at the
-    positions it has after the prompt. A row attends to the rows before it in its
-    document on branch 0 or on its own branch (model.py). The router's balancing loss
-    sees each prompt once. On CPU a document's mask is dense (its L^2 scores), so with
-    long completions plain packing may be faster. Prompt [5, 6, 7], completions [8, 9],
-    [4]:
+    prompts[i]: token ids; completions[i]: its completions' ids; weights[i], log_probs[i]
+    and loss_masks[i]: one list per completion, aligned with its tokens. Document i is
+    branch 0, the prompt but its last token, then for every completion b = 1, 2, ...
+    branch b: the prompt's last token again and the completion, at the positions it has
+    after the prompt. A row attends to the rows before it in its document on branch 0 or
+    on its own branch (model.py). The router's balancing loss sees each prompt once. On
+    CPU a document's mask is dense (its L^2 scores), so with long completions plain
+    packing may be faster. Prompt [5, 6, 7], completions [8, 9], [4]:
         tokens    5  6 | 7  8  9 | 7  4
         branch    0  0 | 1  1  1 | 2  2
         position  0  1 | 2  3  4 | 2  3
@@ -291,8 +290,8 @@ class EpochCursor:
 
 
 class PackedLoader(EpochCursor):
-    """Endless shuffled batches of at most batch_tokens tokens from a fixed list of (ids,
-    weights) examples."""
+    """Endless shuffled batches of at most batch_tokens tokens from a fixed list of
+    (ids, weights) examples."""
 
     def __init__(self, sequences, weights, batch_tokens, seed):
         require(len(sequences) > 0 and len(sequences) == len(weights),
@@ -312,8 +311,8 @@ class PackedLoader(EpochCursor):
 
 
 # -----------------------------------------------------------------------------
-# optimizer, schedule, one step, and its cost (FLOPs against this machine's matmul rate:
-# MFU)
+# optimizer, schedule, one step, and its cost (FLOPs against this machine's
+# matmul rate: MFU)
 
 
 def configure_optimizer(model, learning_rate, weight_decay, betas, device_type):
@@ -371,8 +370,8 @@ def train_step(model, optimizer, batches, lr, grad_clip=1.0, aux_loss_coef=0.0, 
     normalizer = max(weight_sum, 1.0) if normalizer is None else normalizer
     for group in optimizer.param_groups:
         group["lr"] = lr
-    # a rank with no micro-batch joins with one of zero weight (every field a loss_fn may
-    # read)
+    # a rank with no micro-batch joins with one of zero weight (every field a
+    # loss_fn may read)
     passes = batches or [pack_sequences([[0, 0]], [[0.0, 0.0]], log_probs=[[0.0, 0.0]],
                                         loss_masks=[[0, 0]]).to(device)]
     loss_sum, aux_sum, diff, kl, scored = 0.0, 0.0, 0.0, 0.0, 0
@@ -474,8 +473,8 @@ class Logger:
         os.replace(self.path + ".tmp", self.path)
         self.file = open(self.path, "a")
         if config.get("wandb_log"):
-            # only when asked: it is slow to import; offline unless WANDB_MODE says
-            # otherwise
+            # only when asked: it is slow to import; offline unless
+            # WANDB_MODE says otherwise
             import wandb
             self.wandb = wandb.init(project=config["wandb_project"],
                                     name=config.get("wandb_run_name") or None, config=config,

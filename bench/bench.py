@@ -15,8 +15,8 @@ update_weights / a bare copy_). What it measures:
      different lengths, at most max_new_tokens each. transformers gets the same P*G rows
      left-padded into one batch (its fastest batched path), KV cache on.
   2. prefix caching: prompt tokens the engine really computed (engine.stats()) against
-     what a cache-less engine would compute (every sample prefills its whole prompt, as
-     transformers does).
+     what a cache-less engine would compute (every sample prefills its whole prompt,
+     as transformers does).
   3. training step: tokens/s of our packed forward + backward + AdamW step
      (training.train_step) vs a transformers Qwen3MoeForCausalLM step on the same
      sequences padded into a batch (labels -100 on padding, the same router aux-loss
@@ -144,8 +144,8 @@ if SETUP != ("cpu", "float32", 1, "moe", True) and args.peers != "off":
     print(f"no peer rows: {why}")
     args.peers = "off"
 
-# the embedded default's model (config/qwen_small.py), or Qwen3-0.6B's widths with fewer
-# layers
+# the embedded default's model (config/qwen_small.py), or Qwen3-0.6B's widths
+# with fewer layers
 MODEL = dict(hidden_size=128, intermediate_size=384, moe_intermediate_size=128,
              num_hidden_layers=args.layers or 4, num_attention_heads=4, num_key_value_heads=2,
              head_dim=32, num_experts=8, num_experts_per_tok=2, norm_topk_prob=True,
@@ -281,8 +281,8 @@ def bench_rollout(ours, hf, prompts, stop):
 
 
 def profile_top(fn):
-    """the top ops of one call by self time: where a rollout's time goes (measured, not
-    guessed)"""
+    """the top ops of one call by self time: where a rollout's time goes
+    (measured, not guessed)"""
     from torch.profiler import ProfilerActivity, profile
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA]
                                            if torch.device(args.device).type == "cuda" else [])
@@ -535,8 +535,8 @@ def bench_swap(ours):
 
 
 def peer_rows(prompts, stop):
-    """rows against vLLM (rollouts, two model sizes) and TRL (a GRPO step), or how to
-    install them"""
+    """rows against vLLM (rollouts, two model sizes) and TRL (a GRPO step), or how
+    to install them"""
     vllm = bench_peers.peer_python(args.peers_dir, "vllm")
     trl = bench_peers.peer_python(args.peers_dir, "trl")
     versions = [f"{name} {bench_peers.peer_version(python, dist)}" for name, python, dist in
@@ -623,8 +623,8 @@ if __name__ == "__main__":
           f"{decode[3]}: {decode[0] * 1e3:.1f} ms (matmul bound {decode[1] * 1e3:.1f}, memory "
           f"bound {decode[4] * 1e3:.1f})", flush=True)
     hf = hf.float()
-    # train on GRPO-shaped sequences: each prompt with completions of the rollout's length
-    # spread
+    # train on GRPO-shaped sequences: each prompt with completions of the
+    # rollout's length spread
     lens = torch.randint(5, args.max_new_tokens + 1, (len(prompts) * args.samples,),
                          generator=g).tolist()
     comps = [torch.randint(3, args.vocab, (n,), generator=g).tolist() for n in lens]

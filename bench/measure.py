@@ -1,8 +1,8 @@
 """
-How things are measured: interleaved medians of two callables, the peak memory a call
-adds, the machine's name (bench/bench.py), and its copy bandwidth (the memory-bound
-reference of the decode step). The trainers' matmul rate, Meter and Logger live in
-training.py.
+How things are measured: interleaved medians of two callables, the peak memory a
+call adds, the machine's name (bench/bench.py), and its copy bandwidth (the
+memory-bound reference of the decode step). The trainers' matmul rate, Meter and
+Logger live in training.py.
 
     t_a, t_b, (result_a, result_b) = timed_pair(fa, fb, repeats=5, device="cpu")
     peak_bytes = peak_of(fn, device="cpu")
@@ -38,9 +38,9 @@ def sync(device):
 
 
 def timed_pair(fa, fb, repeats, device="cpu"):
-    """(median a, median b, last results) with a and b interleaved a, b, a, b, ...: on a
-    shared machine both see the same background load, so their ratio is steadier than
-    either time"""
+    """(median a, median b, last results) with a and b interleaved a, b, a, b, ...: on
+    a shared machine both see the same background load, so their ratio is steadier
+    than either time"""
     fa(), fb()
     ta, tb, out = [], [], None
     for _ in range(repeats):

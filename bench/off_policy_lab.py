@@ -1,27 +1,25 @@
 """
-The off-policy lab: what each correction (off_policy.py) buys against a known mismatch,
-measured against the exact on-policy gradient. Our engine and trainer share model.py and
-agree to about 1e-7 in fp32, and a seeded sample is a pure function of (seed, position),
-so:
+The off-policy lab: what each correction (off_policy.py) buys against a known
+mismatch, measured against the exact on-policy gradient. Our engine and trainer share
+model.py and agree to about 1e-7 in fp32, and a seeded sample is a pure function of
+(seed, position), so:
 
   1. the exact gradient: rollouts of the trainer's own weights by the fp32 engine (no
      truncation, no staleness), GRPO's loss, no correction;
-  2. a mismatch source at a strength: the same problems and the same seeds (common
-     random numbers: where the two policies agree the very same tokens are drawn),
-     sampled by
+  2. a mismatch source at a strength: the same problems and the same seeds (common random
+     numbers: where the two policies agree the very same tokens are drawn), sampled by
        bf16      the engine in bfloat16 (rounding, and for this MoE model other experts)
        stale k   the engine k optimizer steps behind the trainer (k GRPO steps taken here)
        top_p p   the fp32 engine sampling the nucleus p (the engine's logprob is the nucleus's)
   3. the gradient from those samples under each correction: none, TIS (cap 2), masked IS
      ([0.5, 2]), both at the sequence level (the geometric mean ratio), routing replay;
-  4. per (source, correction), over n_batches batches: the cosine of each batch's
-     gradient with the same batch's exact one (paired), the cosine and norm ratio of the
-     mean gradients, and the variance over batches (relative to the exact mean's squared
-     norm).
+  4. per (source, correction), over n_batches batches: the cosine of each batch's gradient
+     with the same batch's exact one (paired), the cosine and norm ratio of the mean
+     gradients, and the variance over batches (relative to the exact mean's squared norm).
 
-PPO's clip is not in the table: on a step's first epoch its ratio is 1 and its gradient
-is the plain one (test_off_policy.py); what it does shows only over several epochs, in
-training.
+PPO's clip is not in the table: on a step's first epoch its ratio is 1 and its
+gradient is the plain one (test_off_policy.py); what it does shows only over several
+epochs, in training.
 
     python -m bench.off_policy_lab gradients [INIT_FROM] [OUT_DIR]
         # default out/qwen_small/sft/best (bash speedrun.sh) and out/off_policy_lab:

@@ -1,5 +1,5 @@
-"""The fair comparison (bench/compare.sh) read back from disk: tables with paired 95%
-intervals, plots.
+"""The fair comparison (bench/compare.sh) read back from disk: tables with paired
+95% intervals, plots.
 
 bench/compare.sh trains, per seed, arms from one SFT checkpoint and scores each once on
 the test split:
@@ -191,9 +191,9 @@ def summarize(results, out_dir=None):
 
 
 def reach_bands(out_dir, seeds, arms):
-    """{"bands": [[lo, hi], ...], "problems": [count per band], arm: [mean greedy accuracy
-    over seeds per band]}, from the outcomes' reach field; None when an arm's outcomes
-    lack it."""
+    """{"bands": [[lo, hi], ...], "problems": [count per band], arm: [mean greedy
+    accuracy over seeds per band]}, from the outcomes' reach field; None when an arm's
+    outcomes lack it."""
     per_arm = {arm: read_outcomes(out_dir, seeds, arm) for arm in arms}
     if any(o is None or not o[0] or "reach" not in o[0][0] for o in per_arm.values()):
         return None
@@ -208,8 +208,8 @@ def reach_bands(out_dir, seeds, arms):
 
 
 def bootstrap_pair(out_dir, seeds, a, b):
-    """The cluster bootstrap interval of a - b over digit multisets; None without both
-    outcomes."""
+    """The cluster bootstrap interval of a - b over digit multisets; None
+    without both outcomes."""
     oa, ob = read_outcomes(out_dir, seeds, a), read_outcomes(out_dir, seeds, b)
     if oa is None or ob is None:
         return None
@@ -296,8 +296,8 @@ def reach_table(by_reach, arms):
 
 
 # -----------------------------------------------------------------------------
-# the plot: validation accuracy against wall-clock time, and against the FLOPs the budgets
-# match
+# the plot: validation accuracy against wall-clock time, and against the FLOPs
+# the budgets match
 
 
 def val_curve(path):
@@ -347,10 +347,10 @@ def mean_curve(curves, points=200):
 
 
 def draw(ax, out_dir, seeds, curve, xlabel):
-    """One panel: curve(metrics path) -> (x, accuracies) for each trained arm and seed, a
-    thin line per seed, the mean over seeds in bold, and the SFT checkpoint's own
-    validation accuracy (the GRPO run's first evaluation, at iteration 0) as a dashed
-    line."""
+    """One panel: curve(metrics path) -> (x, accuracies) for each trained arm and
+    seed, a thin line per seed, the mean over seeds in bold, and the SFT
+    checkpoint's own validation accuracy (the GRPO run's first evaluation, at
+    iteration 0) as a dashed line."""
     for arm, color in zip(CURVE_ARMS, ("C3", "C0", "C2")):
         curves = [curve(os.path.join(out_dir, f"seed{s}", arm, "metrics.jsonl")) for s in seeds]
         for t, a in curves:
@@ -374,8 +374,8 @@ def draw(ax, out_dir, seeds, curve, xlabel):
 
 
 def pyplot():
-    """matplotlib.pyplot on a file backend, or None (said once) when matplotlib is not
-    installed."""
+    """matplotlib.pyplot on a file backend, or None (said once) when matplotlib
+    is not installed."""
     try:
         import matplotlib
         matplotlib.use("Agg")
@@ -407,12 +407,12 @@ def plot(out_dir, seeds, path):
 
 
 def plot_run(run_dir, path, rule_dirs=()):
-    """One GRPO run against its steps, two panels: what speedrun.sh shows. Top: validation
-    accuracy (of a multi-turn run: right within 1, 2, ... turns) and the rollouts' mean
-    reward, with the SFT start (the first evaluation) and the best of the no-learning
-    rules (rule_dirs: tasks/evaluate.py's outputs on validation) as horizontal lines.
-    Bottom: mean completion length of the rollouts. Returns the path written (None
-    without matplotlib)."""
+    """One GRPO run against its steps, two panels: what speedrun.sh shows. Top:
+    validation accuracy (of a multi-turn run: right within 1, 2, ... turns) and the
+    rollouts' mean reward, with the SFT start (the first evaluation) and the best of
+    the no-learning rules (rule_dirs: tasks/evaluate.py's outputs on validation) as
+    horizontal lines. Bottom: mean completion length of the rollouts. Returns the path
+    written (None without matplotlib)."""
     plt = pyplot()
     if plt is None:
         return None
@@ -479,8 +479,8 @@ def find_seeds(out_dir):
 
 def main(argv):
     """bench/report.py OUT_DIR [SEED ...]: load, summarize, print the tables, write
-    results.json, plot. bench/report.py --run RUN_DIR PNG [RULE_DIR ...]: plot one GRPO
-    run (plot_run)."""
+    results.json, plot. bench/report.py --run RUN_DIR PNG [RULE_DIR ...]: plot one
+    GRPO run (plot_run)."""
     if not argv or argv[0] in ("-h", "--help"):
         print(__doc__)
         return 0 if argv else 2

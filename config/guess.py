@@ -10,8 +10,8 @@ seed = 1337
 device = "cpu"
 wandb_log = False
 
-# SFT: the format and staying in the range (its first-guess accuracy is 1/n whatever it
-# learns)
+# SFT: the format and staying in the range (its first-guess accuracy is 1/n
+# whatever it learns)
 sft = dict(
     out_dir="out/guess/sft",
     init_from="out/qwen_small/pretrain",

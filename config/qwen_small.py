@@ -15,7 +15,8 @@ model = dict(
     num_experts=8, num_experts_per_tok=2, norm_topk_prob=True,
     rope_theta=10000.0, tie_word_embeddings=True, max_position_embeddings=1024,
 )
-# countdown at the edge (tasks/countdown.py); "tasks.countdown_full": every problem of the space
+# countdown at the edge (tasks/countdown.py); "tasks.countdown_full": every problem
+# of the space
 task = "tasks.countdown"
 seed = 1337
 device = "cpu"

@@ -3,27 +3,27 @@ The decode step at static shapes: a step in which every running sequence decodes
 token, run as one function whose input shapes repeat, so that the host only fills
 buffers and launches it.
 
-    decode = StaticDecode(model, kv_pool, max_batch_size, max_blocks, scratch_block)
+    decode = StaticDecode(model, kv_cache, max_batch_size, max_blocks, scratch_block)
     if decode.takes(batch):                 # the engine's (sequence, new tokens) pairs
         tokens, logprobs = decode(seqs)     # lists, one per sequence
 
-The function (decode_graph) is the whole step: the embedding, every layer (each layer's
-paged attention one opaque op: write the new K/V into their slots, gather the blocks,
-SDPA), the head and the sampler (sampling.sample_in_graph: the engine's seeded draw,
-without data-dependent branches). Its inputs live in buffers made once and filled in
-place:
+The function (decode_graph) is the whole step: the embedding, every layer (each
+layer's paged attention one opaque op: write the new K/V into their slots, gather the
+blocks, SDPA), the head and the sampler (sampling.sample_in_graph: the engine's seeded
+draw, without data-dependent branches). Its inputs live in buffers made once and
+filled in place:
 
     tokens [B], positions [B], slots [B], temperatures [B], seeds [B], block_tables [B, W]
 
-B is the batch padded to a bucket and W the block-table width padded likewise; a padded
-row feeds token 0 at position 0 through the scratch block, a KV block the allocator
-never hands out, so it writes and reads nothing of anyone's. On the CPU the function is
-compiled once per process with dynamic sizes: one graph serves every bucket and width
-(torch.compile specialises sizes 0 and 1, so the smallest bucket is 2). On a GPU each
-(bucket, width) is captured as a CUDA graph on first use, as vLLM and nano-vllm do:
-buckets 1, 2, 4, 8 and then multiples of 8 (vLLM's), widths powers of 2. Steps with
-prefill chunks, forks, top_k / top_p / top_logprobs or recorded routes stay eager
-(attention.paged_forward).
+B is the batch padded to a bucket and W the block-table width padded likewise; a
+padded row feeds token 0 at position 0 through the scratch block, a KV block the
+allocator never hands out, so it writes and reads nothing of anyone's. On the CPU the
+function is compiled once per process with dynamic sizes: one graph serves every
+bucket and width (torch.compile specialises sizes 0 and 1, so the smallest bucket is
+2). On a GPU each (bucket, width) is captured as a CUDA graph on first use, as vLLM
+and nano-vllm do: buckets 1, 2, 4, 8 and then multiples of 8 (vLLM's), widths powers
+of 2. Steps with prefill chunks, forks, top_k / top_p / top_logprobs or recorded
+routes stay eager (attention.paged_forward).
 """
 
 import bisect
@@ -121,8 +121,8 @@ class StaticDecode:
         n, bs = len(seqs), self.kv.block_size
         widest = max(len(s.block_table) for s in seqs)
         B, W = padded(n, self.batch_sizes), padded(widest, self.widths)
-        # tokens, positions, slots, seeds; padded rows: token 0 at position 0 of the
-        # scratch block
+        # tokens, positions, slots, seeds; padded rows: token 0 at position 0 of
+        # the scratch block
         ints = np.zeros((4, B), dtype=np.int64)
         ints[:, :n] = np.array([(s.tokens[s.num_computed], s.num_computed,
                                  s.block_table[s.num_computed // bs] * bs + s.num_computed % bs,
@@ -149,8 +149,7 @@ class StaticDecode:
         t0 = time.perf_counter()
         if not self.cuda:
             # no duck sizing: a first step whose batch equals its width would tie the two
-            # sizes to one symbol, and the first step where they differ would compile
-            # again
+            # sizes to one symbol, and the first step where they differ would compile again
             with torch.fx.experimental._config.patch(use_duck_shape=False):
                 out = compile_once(decode_graph, dynamic=True)(*inputs)
             if not self.compile_seconds:        # the first call compiles (once per process)

@@ -1,8 +1,8 @@
 """
 The radix prefix cache (EngineConfig(cache_type='radix')): token-granular prefix
 sharing, in the manner of SGLang's RadixAttention, behind the same interface as
-scheduler.BlockAllocator so that the engine and schedule() do not care which one they
-run on.
+scheduler.BlockAllocator so that the engine and schedule() do not care which one
+they run on.
 
     # the KV pool is attention.PagedKVCache with block_size = 1
     cache = RadixCache(num_slots=1024)
@@ -106,8 +106,8 @@ class RadixCache:
     # ---- the tree
 
     def _lookup(self, tokens):
-        """The slots of the longest cached prefix of tokens, and the nodes walked (for the
-        LRU clock)."""
+        """The slots of the longest cached prefix of tokens, and the nodes walked (for
+        the LRU clock)."""
         node, n, slots, path = self.root, 0, [], []
         while n < len(tokens):
             child = node.children.get(tokens[n])
@@ -158,8 +158,8 @@ class RadixCache:
             node, i = child, i + k
 
     def evict(self, need):
-        """Free slots until `need` are free, evicting the unheld tails of least recently
-        used leaves."""
+        """Free slots until `need` are free, evicting the unheld tails of least
+        recently used leaves."""
         leaves = [(n.last_used, id(n), n) for n in self._nodes() if not n.children
                   and self._unheld_tail(n)]
         heapq.heapify(leaves)
@@ -216,8 +216,8 @@ class RadixCache:
         seq.num_cached_free_blocks = sum(self.refcount[s] == 1 for s in slots)
 
     def take_prefix(self, seq):
-        """Admit a sequence: hold the slots of its matched prefix (match_prefix ran this
-        step)."""
+        """Admit a sequence: hold the slots of its matched prefix (match_prefix
+        ran this step)."""
         slots, path = self._lookup(seq.tokens[:seq.num_cached_tokens])
         now = next(self._clock)
         for node in path:
@@ -241,9 +241,9 @@ class RadixCache:
             seq.block_table.append(slot)
 
     def name_computed(self, seq, num_new_tokens):
-        """After a step: a prompt whose tokens were computed goes into the tree at once
-        (decoded tokens wait for release). The caller checks the KV is of the current
-        weights."""
+        """After a step: a prompt whose tokens were computed goes into the tree at
+        once (decoded tokens wait for release). The caller checks the KV is of
+        the current weights."""
         if seq.num_computed - num_new_tokens < seq.num_prompt:
             self._insert(seq)
 

@@ -1,6 +1,6 @@
 """
-Sampling, as pure functions: one token per row of logits, its logprob, and reproducible
-seeded draws.
+Sampling, as pure functions: one token per row of logits, its logprob, and
+reproducible seeded draws.
 
     tokens, logprobs = sample_with_logprobs(logits, temperatures, top_k=None, top_p=None,
                                             seeds=None, positions=None)
@@ -62,8 +62,8 @@ def mix_seed(seed, k):
 
 
 def sample_with_logprobs(logits, temperatures, top_k=None, top_p=None, seeds=None, positions=None):
-    """Sample one token per row of logits [N, V]; return (tokens [N] int64, logprobs [N]
-    float32).
+    """Sample one token per row of logits [N, V]; return (tokens [N] int64,
+    logprobs [N] float32).
 
     temperatures [N]: 0 means greedy (argmax). top_k [N] ints (0 = off), top_p [N]
     floats (1.0 = off) shape what is *sampled*: tokens outside the top k / the top-p
@@ -111,11 +111,11 @@ BLOCK = 1024   # vocabulary entries per block of the two-level CDF
 
 def _shifted_exp(logits, t):
     """(e, block sums, shift): e = exp((logits - shift) / t) [N, V] and the sums of its
-    blocks of BLOCK entries [N, B] (the last block may be shorter; summed in fp32, as a
-    float64 reduction costs ten times more here). shift is 0 in every row where that is
-    safe (no entry overflows, the row's mass does not vanish), so the common case reads
-    the logits once for exp and once for the sums; other rows are redone shifted by
-    their max."""
+    blocks of BLOCK entries [N, B] (the last block may be shorter; summed in fp32, as
+    a float64 reduction costs ten times more here). shift is 0 in every row where that
+    is safe (no entry overflows, the row's mass does not vanish), so the common case
+    reads the logits once for exp and once for the sums; other rows are redone shifted
+    by their max."""
     N, V = logits.shape
     e = scratch("exp", N * V, logits.device).view(N, V)
     tempered = bool((t != 1).any())
@@ -256,10 +256,10 @@ def sample_next(seqs, logits):
 
 
 def top_logprobs(seqs, logits):
-    """Per sequence: None, or its params.top_logprobs most likely ((token, logprob), ...)
-    under log_softmax(logits / T), T = 1 when greedy: the whole distribution, not
-    renormalised by top_k / top_p (the sampled token's logprob is, see
-    sample_with_logprobs)."""
+    """Per sequence: None, or its params.top_logprobs most likely ((token, logprob),
+    ...) under log_softmax(logits / T), T = 1 when greedy: the whole
+    distribution, not renormalised by top_k / top_p (the sampled token's logprob
+    is, see sample_with_logprobs)."""
     want = [i for i, s in enumerate(seqs) if s.params.top_logprobs > 0]
     out = [None] * len(seqs)
     if not want:

@@ -35,8 +35,8 @@ import xxhash
 
 
 class Sequence:
-    """One sample being generated (or, before its prompt is prefilled, a whole group of
-    num_samples)."""
+    """One sample being generated (or, before its prompt is prefilled, a whole
+    group of num_samples)."""
 
     def __init__(self, uid, request_id, sample_index, prompt, params, num_samples, seed):
         self.uid = uid                            # unique per sample: what schedule() names it by
@@ -296,19 +296,19 @@ def blocks_needed(seq, num_new_tokens, block_size, num_computed=None):
 
 def schedule(waiting, running, num_free_blocks, scheduler_config) -> SchedulerOutput:
     """Pick this step's batch. Reads the sequences (num_tokens, num_computed, block_table,
-    num_samples, and for waiting ones num_cached_tokens / num_cached_free_blocks), never
-    writes them.
+    num_samples, and for waiting ones num_cached_tokens / num_cached_free_blocks),
+    never writes them.
 
-    1. Running sequences, oldest first, each as many new tokens as it has (a prefill is
-       chunked to
+    1. Running sequences, oldest first, each as many new tokens as it has (a prefill
+       is chunked to
     the token
        budget). The engine admits in order and a prefill finishes before anything admitted after it
        starts, so the prefilling sequences are the newest: in practice this is decodes first, then
        prefill chunks. When the free blocks don't cover one, the newest running sequence is
        preempted (its blocks counted free once no other running sequence holds them) until they do;
        if that newest one is the sequence itself, it is preempted and the step stops there.
-    2. Only if nothing was preempted: waiting sequences in order (no skipping ahead),
-       each starting
+    2. Only if nothing was preempted: waiting sequences in order (no skipping
+       ahead), each starting
     after its
        prefix-cache hit, while the batch has room (a group counts as its num_samples sequences), the
        token budget lasts and the blocks suffice.

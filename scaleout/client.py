@@ -24,8 +24,8 @@ from tokenizer import TurnBridge, generation_stop_ids
 
 
 def as_dict(response):
-    """An openai client object (pydantic) or a plain dict, as a dict (extra fields such as
-    token_ids kept)."""
+    """An openai client object (pydantic) or a plain dict, as a dict (extra fields such
+    as token_ids kept)."""
     return response.model_dump() if hasattr(response, "model_dump") else response
 
 
@@ -60,8 +60,8 @@ def sample_from_response(response, index=0, sent=None) -> TrainingSample:
 
 
 def first_difference(a, b):
-    """The first position where the id lists a and b differ (one ending early counts), or
-    None."""
+    """The first position where the id lists a and b differ (one ending early
+    counts), or None."""
     for i, (x, y) in enumerate(zip(a, b)):
         if x != y:
             return i

@@ -14,12 +14,11 @@ Data parallelism on torch.distributed: one process per device, launched by torch
     samples = distributed.gather(my_samples)     # every rank's lists, joined in rank order
     roles = distributed.split_roles(k)           # the last k ranks only sample (train_grpo)
 
-Every rank runs the same script on the same data stream and takes the same decisions;
-what differs is the share of the work each one computes. DDP (not FSDP2): the models
-trained here fit on one device many times over, so sharding parameters would only add
-communication; DDP's bucketed gradient all-reduce overlaps the backward. A rank that
-dies makes the others' next collective fail (or time out after timeout_s), so the job
-ends.
+Every rank runs the same script on the same data stream and takes the same decisions; what
+differs is the share of the work each one computes. DDP (not FSDP2): the models trained
+here fit on one device many times over, so sharding parameters would only add
+communication; DDP's bucketed gradient all-reduce overlaps the backward. A rank that dies
+makes the others' next collective fail (or time out after timeout_s), so the job ends.
 """
 
 import datetime
@@ -32,11 +31,11 @@ import torch.distributed as dist
 import xxhash
 from torch.nn.parallel import DistributedDataParallel
 
-# the DDP-wrapped model of this process (no_sync reaches it through closures such as
-# tempered())
+# the DDP-wrapped model of this process (no_sync reaches it through closures
+# such as tempered())
 _ddp = None
-# this rank's data-parallel group when split_roles gave the world two roles (None: the
-# whole world)
+# this rank's data-parallel group when split_roles gave the world two roles (None:
+# the whole world)
 _group = None
 
 
@@ -58,14 +57,14 @@ def setup(device, timeout_s=300):
 
 
 def rank():
-    """This rank's index among the ranks that share its work (its role's group after
-    split_roles)."""
+    """This rank's index among the ranks that share its work (its role's
+    group after split_roles)."""
     return dist.get_rank(_group) if dist.is_initialized() else 0
 
 
 def world():
-    """How many ranks share this rank's work (the trainers, or the rollout workers, after
-    split_roles)."""
+    """How many ranks share this rank's work (the trainers, or the rollout
+    workers, after split_roles)."""
     return dist.get_world_size(_group) if dist.is_initialized() else 1
 
 
@@ -131,8 +130,8 @@ def all_sum(values):
 
 
 def gather(items):
-    """Every rank's list of (picklable) items, joined in rank order: the same list on
-    every rank."""
+    """Every rank's list of (picklable) items, joined in rank order: the same list
+    on every rank."""
     if world() == 1:
         return list(items)
     out = [None] * world()
@@ -154,8 +153,8 @@ def wrap(model, device):
 
 
 def no_sync(last):
-    """DDP's no_sync for every micro-batch of a step but the last: one gradient all-reduce
-    per step."""
+    """DDP's no_sync for every micro-batch of a step but the last: one gradient
+    all-reduce per step."""
     return _ddp.no_sync() if _ddp is not None and not last else nullcontext()
 
 

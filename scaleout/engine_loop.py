@@ -81,8 +81,8 @@ class Request:
 
 
 class EngineLoop:
-    """The owner thread of an InferenceEngine. Every public method may be called from any
-    thread."""
+    """The owner thread of an InferenceEngine. Every public method may be called
+    from any thread."""
 
     def __init__(self, engine, tokenizer):
         self.engine, self.tokenizer = engine, tokenizer

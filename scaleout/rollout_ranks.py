@@ -23,14 +23,13 @@ With s = 1 the worker samples rollout j + 1 while the trainer trains on rollout 
     worker    | r0 (w0) | r1 (w0)           | recv w1 | r2 (w1)           | recv w2 | r3 (w2) ...
 
 The trainer corrects a stale sample's weight with TIS (train_grpo.apply_corrections: the
-ratio of the trainer's to the engine's probability, capped at tis_cap). Nothing is
-dropped for being stale: admission is the wait for the weights above. Every rollout
-carries its iteration and its problems' outcomes (the sampler's draw): the trainer
-refuses a rollout of another iteration and follows the draw with its own copy of the
-sampler, whose state it checkpoints, so a resumed run draws what the killed one would
-have and never trains on a sample twice. A resumed run restarts the schedule from its
-checkpoint's weights (with s >= 1 its first s rollouts are fresher than the killed run's
-were).
+ratio of the trainer's to the engine's probability, capped at tis_cap). Nothing is dropped
+for being stale: admission is the wait for the weights above. Every rollout carries its
+iteration and its problems' outcomes (the sampler's draw): the trainer refuses a rollout
+of another iteration and follows the draw with its own copy of the sampler, whose state it
+checkpoints, so a resumed run draws what the killed one would have and never trains on a
+sample twice. A resumed run restarts the schedule from its checkpoint's weights (with s >=
+1 its first s rollouts are fresher than the killed run's were).
 """
 
 import time
@@ -108,8 +107,8 @@ def decode_rollout(data, names):
 
 def send_rollout(tensors, dst):
     """Start sending (data, names) to global rank dst: a header of their lengths, then
-    each. Returns the works, and the tensors on the wire (to keep alive until the works
-    are done)."""
+    each. Returns the works, and the tensors on the wire (to keep alive until the
+    works are done)."""
     data, names = (t.to(distributed.comm_device()) for t in tensors)
     header = torch.tensor([data.numel(), names.numel()], dtype=torch.int64, device=data.device)
     return [dist.isend(header, dst), dist.isend(data, dst), dist.isend(names, dst)], (data, names,
@@ -210,8 +209,8 @@ class RolloutRanks:
         return groups, flops, metrics
 
     def publish(self, model, it):
-        """After iteration it: the new weights to the workers, if a later rollout is due
-        them."""
+        """After iteration it: the new weights to the workers, if a later rollout
+        is due them."""
         self.version += 1
         if self.sync is None or it + 1 + self.config["max_staleness"] >= self.config["max_iters"]:
             return {}

@@ -7,13 +7,12 @@ Rollouts from running scaleout/serve.py processes: train_grpo --rollout_urls.
 The trainer samples through HTTP exactly as it samples in-process: RemoteEngine has the
 engine's generate(prompts, params, num_samples, first_index), so tasks/environment.py's
 episodes (multi-turn ones too) run unchanged. A rollout's prompts are split across the
-servers in contiguous shares, sent as token ids to /v1/completions with the rollout's
-seed and each share's first_index, so each prompt draws what it would draw in one
-in-process engine.generate call: with the same weights, a run through servers samples
-what the colocated run samples. After each optimizer step the trainer pushes its weights
-to every server over a process group of their own (weight_sync.ServerWeights); the first
-push, at start, makes the servers serve the trainer's starting weights whatever they
-loaded.
+servers in contiguous shares, sent as token ids to /v1/completions with the rollout's seed
+and each share's first_index, so each prompt draws what it would draw in one in-process
+engine.generate call: with the same weights, a run through servers samples what the
+colocated run samples. After each optimizer step the trainer pushes its weights to every
+server over a process group of their own (weight_sync.ServerWeights); the first push, at
+start, makes the servers serve the trainer's starting weights whatever they loaded.
 
 Bounded staleness as scaleout/rollout_ranks.py defines it (Servers): with
 max_staleness=0 rollout j is sampled with the weights after iteration j - 1, the

@@ -14,15 +14,15 @@ POST /tokenize and /detokenize, and new weights (off unless
 --enable_weight_updates=True): POST
 /update_weights_from_disk {"model_path": DIR}, or over a process group of the trainer's, SGLang's
 POST /init_weights_update_group then /update_weights_from_distributed per version
-(weight_sync.ServerWeights is the trainer's side). Extras on both generation endpoints:
-return_token_ids=true adds prompt_token_ids and each choice's token_ids (the exact ids
-sampled, a stop token included); each choice carries weight_version (the oldest weights
-that sampled a token of it); logprobs are log_softmax(logits / T) at the sampled token,
-the engine's own numbers. scaleout/client.py turns a response into a TrainingSample and
-continues a conversation by token ids (chat uses the checkpoint's template). With a
-seed, /v1/completions' prompt i draws as prompt first_index + i (default 0) of one
-engine.generate call, so a rollout split across servers samples what one engine would
-(scaleout/rollout_servers.py).
+(weight_sync.ServerWeights is the trainer's side). Extras on both generation
+endpoints: return_token_ids=true adds prompt_token_ids and each choice's token_ids
+(the exact ids sampled, a stop token included); each choice carries weight_version
+(the oldest weights that sampled a token of it); logprobs are log_softmax(logits / T)
+at the sampled token, the engine's own numbers. scaleout/client.py turns a response
+into a TrainingSample and continues a conversation by token ids (chat uses the
+checkpoint's template). With a seed, /v1/completions' prompt i draws as prompt
+first_index + i (default 0) of one engine.generate call, so a rollout split across
+servers samples what one engine would (scaleout/rollout_servers.py).
 
 A request's path: its handler checks the JSON (a bad field: 400, the OpenAI error body
 naming it, nothing queued), makes the prompt ids and hands them to the EngineLoop
@@ -171,7 +171,7 @@ def read_sampling(server, body, logprobs_k, prompts):
                                 top_p=float(top_p), top_k=max(top_k, 0), seed=seed,
                                 stop_token_ids=frozenset(stop_ids) | eos, top_logprobs=logprobs_k)
         for prompt in prompts:
-            check_fits(prompt, params, n, server.engine.cache, server.max_model_len, "prompt")
+            check_fits(prompt, params, n, server.engine.blocks, server.max_model_len, "prompt")
     except ValueError as e:
         field = re.search(r"SamplingParams\.(\w+)", str(e))
         raise BadRequest(str(e), field.group(1) if field else "prompt") from None
@@ -312,8 +312,8 @@ def token_text(tokenizer, token_id):
 
 
 def completion_logprobs(tokenizer, ids, logprobs, tops, offset):
-    """OpenAI completions logprobs: tokens, token_logprobs, top_logprobs, text_offset
-    (from offset)."""
+    """OpenAI completions logprobs: tokens, token_logprobs, top_logprobs,
+    text_offset (from offset)."""
     tokens = [token_text(tokenizer, t) for t in ids]
     offsets = [offset + sum(len(t) for t in tokens[:i]) for i in range(len(tokens))]
     top = [{token_text(tokenizer, t): lp for t, lp in alts} for alts in tops] if tops else None
@@ -506,8 +506,8 @@ def sse(server, http, prompts, params, n, stop, choices, body, head, chunk_choic
                 for d in deltas:
                     choices[d.index].add(d)
                     # one choice per event: the openai SDK's accumulator
-                    # (ChatCompletionStream) takes two choices of one index in a chunk for
-                    # two
+                    # (ChatCompletionStream) takes two choices of one index in a
+                    # chunk for two
                     for choice in chunk_choices(choices[d.index], d):
                         yield f"data: {json.dumps(dict(head, choices=[choice]))}\n\n"
             if with_usage:
@@ -731,11 +731,11 @@ def main():
     server = Server(engine, tokenizer, served_model_name or model_path, api_key,
                     enable_weight_updates, stop_ids_of(model_path, tokenizer),
                     max_logprobs)
-    print(f"serving {server.name!r} on http://{host}:{port}/v1 ({engine.cache.num_blocks} KV "
+    print(f"serving {server.name!r} on http://{host}:{port}/v1 ({engine.blocks.num_blocks} KV "
           f"blocks)", flush=True)
-    # keep idle connections longer than clients pool them (httpx: 5 s), so that a client
-    # never reuses one the server is closing at that moment ("disconnected without a
-    # response")
+    # keep idle connections longer than clients pool them (httpx: 5 s), so that a
+    # client never reuses one the server is closing at that moment ("disconnected
+    # without a response")
     uvicorn.run(build_app(server), host=host, port=port, log_level=log_level,
                 timeout_graceful_shutdown=5, timeout_keep_alive=30)
 

@@ -59,8 +59,8 @@ def check_settings(config):
 
 
 def roles(config):
-    """With rollout ranks, which ranks sample and which train (distributed.split_roles);
-    None without."""
+    """With rollout ranks, which ranks sample and which train
+    (distributed.split_roles); None without."""
     return distributed.split_roles(config["rollout_ranks"]) if config["rollout_ranks"] else None
 
 

@@ -1,14 +1,14 @@
 """
 The countdown task as a verifiers 0.4.0 environment, its episodes collected through
-scaleout/serve.py the way prime-rl trains with verifiers: the `null` harness (verifiers'
-tool-less chat program) plays the task, verifiers' interception server hands each of its
-chat requests to the training client (`vf.TrainClientConfig` -> `TrainClient`), which
-renders the conversation to token ids with a renderer and calls scaleout/serve.py's
-vLLM-style token-in / token-out `POST /inference/v1/generate`. The renderer is
-ChatMLRenderer below: the checkpoint's ChatML template, and a next turn is bridged by
-token ids (the previous prompt + the ids sampled + the template's ids for the new user
-turn), as client.next_turn_prompt does, so an episode is one token sequence the model
-actually produced.
+scaleout/serve.py the way prime-rl trains with verifiers: the `null` harness
+(verifiers' tool-less chat program) plays the task, verifiers' interception server
+hands each of its chat requests to the training client (`vf.TrainClientConfig` ->
+`TrainClient`), which renders the conversation to token ids with a renderer and calls
+scaleout/serve.py's vLLM-style token-in / token-out `POST /inference/v1/generate`. The
+renderer is ChatMLRenderer below: the checkpoint's ChatML template, and a next turn is
+bridged by token ids (the previous prompt + the ids sampled + the template's ids for
+the new user turn), as client.next_turn_prompt does, so an episode is one token
+sequence the model actually produced.
 
     bash scaleout/install_verifiers.sh                     # a venv with verifiers==0.4.0 (+ uv)
     python -m scaleout.serve --model_path=out/qwen_small/grpo/ckpt --port=8123 &
@@ -46,16 +46,15 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
-# verifiers finds a taskset (and the renderer config names a renderer) by module name:
-# make this file importable as `verifiers_countdown` and, run as a script, be that very
-# module
+# verifiers finds a taskset (and the renderer config names a renderer) by module name: make
+# this file importable as `verifiers_countdown` and, run as a script, be that very module
 MODULE = "verifiers_countdown"
 if __name__ == "__main__":
     sys.modules.setdefault(MODULE, sys.modules["__main__"])
 if HERE not in sys.path:
     sys.path.insert(0, HERE)
-# the null harness's chat program is a uv script: find the uv installed next to this
-# interpreter
+# the null harness's chat program is a uv script: find the uv installed next
+# to this interpreter
 os.environ["PATH"] = os.path.dirname(sys.executable) + os.pathsep + os.environ.get("PATH", "")
 
 import httpx  # noqa: E402
@@ -166,9 +165,9 @@ class ChatMLRenderer:
 
     def bridge_to_next_turn(self, previous_prompt_ids, previous_completion_ids, new_messages, *,
                             tools=None, **_) -> RenderedTokens | None:
-        """previous prompt + completion (closed by <|im_end|>, added if it was cut off at
-        max_tokens) + "\\n" + the new messages + the generation prompt:
-        client.next_turn_prompt."""
+        """previous prompt + completion (closed by <|im_end|>, added if it
+        was cut off at max_tokens) + "\\n" + the new messages + the
+        generation prompt: client.next_turn_prompt."""
         if not previous_prompt_ids or not new_messages or tools:
             return None
         if reject_assistant_in_extension(new_messages):

@@ -38,8 +38,8 @@ def manifest(state):
 
 
 class WeightSync:
-    """One sender (src) and every other rank of group as receivers, for a fixed manifest
-    of tensors."""
+    """One sender (src) and every other rank of group as receivers, for a fixed
+    manifest of tensors."""
 
     def __init__(self, state, src=0, bucket_mb=64, group=None, device=None):
         if not (isinstance(bucket_mb, (int, float)) and bucket_mb > 0):
@@ -150,8 +150,8 @@ class ByteStream:
 
 
 # -----------------------------------------------------------------------------
-# a trainer and running scaleout/serve.py processes: a process group of their own, set up
-# over HTTP
+# a trainer and running scaleout/serve.py processes: a process group of their own, set
+# up over HTTP
 
 
 class PeerGroup:
@@ -226,8 +226,8 @@ class ServerWeights:
         self.sync = WeightSync(state, src=0, bucket_mb=bucket_mb, group=self.group)
 
     def post(self, url, path, body):
-        """POST body to url + path; a refusal raises ValueError naming the url and the
-        reason."""
+        """POST body to url + path; a refusal raises ValueError naming the url
+        and the reason."""
         try:
             r = httpx.post(url + path, json=body, headers=self.headers, timeout=self.timeout_s)
         except httpx.HTTPError as e:

@@ -29,9 +29,9 @@ tasks/countdown_full.py is the whole space (make_problems(split, full=True)). Th
 splits are the full space's, filtered, and both tasks share one corpus and one set of
 demonstrations (over the full space's training split): the edge opens no new leak.
 
-Expressions are parsed by a small recursive-descent parser (no eval): single digits, + -
-*, parentheses, spaces. No unary minus, no multi-digit numbers (that would be
-concatenating digits).
+Expressions are parsed by a small recursive-descent parser (no eval): single
+digits, + - *, parentheses, spaces. No unary minus, no multi-digit numbers (that
+would be concatenating digits).
 """
 
 import functools
@@ -336,8 +336,8 @@ def _moves(pool: list[int]) -> list[tuple[str, int]]:
 
 
 def _undo(op: str, x: int, d: int) -> int | None:
-    """y of the step x op d = y, or None when it is not a step (y must be a whole number
-    >= 1)."""
+    """y of the step x op d = y, or None when it is not a step (y must be a whole
+    number >= 1)."""
     y = x + d if op == "+" else x - d if op == "-" else x // d if x % d == 0 else None
     return y if y is not None and y >= 1 else None
 
@@ -364,10 +364,10 @@ _STEP = re.compile(r"([1-9][0-9]{0,3})([-+/])([1-9])=")   # the head of a step w
 
 def chain_fault(problem: Problem, line: str) -> str | None:
     """None for a right chain: steps from the target, each written exactly as _step writes
-    it (so its arithmetic and the digits left are true), then the two digits left making
-    the last need ('12=4+8' or '12=8+4'), and nothing after. Else the first thing wrong,
-    in words that never echo the line's own (they may hold any token). digits 1 4 7 8,
-    target 83:
+    it (so its arithmetic and the digits left are true), then the two digits left
+    making the last need ('12=4+8' or '12=8+4'), and nothing after. Else the first
+    thing wrong, in words that never echo the line's own (they may hold any token).
+    digits 1 4 7 8, target 83:
 
         '83+1=84[478] 84/8=?'           ->  '84/8 is not a whole number of 1 or more'
         '83+1=84[478] 84/7=12[47]'      ->  'the step from 84 should be 84/7=12[48]'

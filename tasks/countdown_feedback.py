@@ -18,10 +18,9 @@ first right one.
 A chain gets its first fault named (countdown.chain_fault, what the reward checks); an
 expression gets its value.
 
-The problems are the full countdown space's (countdown_full.py: its results were
-measured there), the prompt and per-answer reward the embedded countdown's
-(countdown.py), so a model fine-tuned on it starts here; what it has to learn is to use
-the feedback.
+The problems are the full countdown space's (countdown_full.py: its results were measured
+there), the prompt and per-answer reward the embedded countdown's (countdown.py), so a
+model fine-tuned on it starts here; what it has to learn is to use the feedback.
 """
 
 import random
@@ -29,8 +28,8 @@ import random
 from tasks import countdown
 from tasks import countdown_full
 
-# the full countdown space's problems; the embedded countdown's prompt, per-answer reward,
-# extras
+# the full countdown space's problems; the embedded countdown's prompt,
+# per-answer reward, extras
 make_problems = countdown_full.make_problems
 prompt_messages, reward = countdown.prompt_messages, countdown.reward
 pretrain_corpus, solutions = countdown.pretrain_corpus, countdown.solutions

@@ -1,6 +1,6 @@
 """
-Tasks and environments: what a trainer needs from a task, and the episodes it runs with
-the engine.
+Tasks and environments: what a trainer needs from a task, and the episodes it runs
+with the engine.
 
 A task is a Python file with the functions below; every stage and tasks/evaluate.py take
 it as a setting:
@@ -53,10 +53,10 @@ rendering of only the new messages, appended (tokenizer.TurnBridge). Only sample
 carry loss weight (mask 1); the environment's and the template's carry 0. A reply's text
 is split into reasoning and content where the template thinks (tokenizer.reply_parts):
 the reward and env_response see the content. It ends:
-  - when a reply did not stop by itself (cut at max_new_tokens): it scores 0, as a
-    single reply;
-  - when the environment answers None, or max_turns replies were given: the task scores it
-    (episode_reward);
+  - when a reply did not stop by itself (cut at max_new_tokens): it scores 0, as
+    a single reply;
+  - when the environment answers None, or max_turns replies were given: the task
+    scores it (episode_reward);
   - when the next turn would not fit in max_episode_tokens (every id after the first
     prompt, with room for a whole max_new_tokens reply): the environment's message is
     dropped and the task scores the episode so far.
@@ -83,8 +83,8 @@ REQUIRED = ("make_problems", "prompt_messages", "reward")
 
 
 def load_task(spec):
-    """The task module named by spec: a module name ('tasks.countdown', 'tasks.guess') or a path to
-    a .py file. Refused with a ValueError naming what is missing."""
+    """The task module named by spec: a module name ('tasks.countdown', 'tasks.guess')
+    or a path to a .py file. Refused with a ValueError naming what is missing."""
     if not isinstance(spec, str) or not spec:
         raise ValueError(f"task={spec!r}: expected a module name or a path to a .py file")
     if spec.endswith(".py") and not os.path.isfile(spec):
@@ -130,8 +130,8 @@ def solved(reward):
 
 def call(task, name, problem, turn, *args):
     """task.name(problem, *args), checked against the contract: a raise, or a value the
-    contract does not allow, becomes a RuntimeError naming the function, the problem and
-    the turn."""
+    contract does not allow, becomes a RuntimeError naming the function, the problem
+    and the turn."""
     try:
         out = getattr(task, name)(problem, *args)
         if name in ("reward", "episode_reward"):
@@ -291,15 +291,15 @@ class Environment:
             e.reward = call(self.task, "reward", e.problem, turn, text)
 
     def reply_content(self, s):
-        """A finished reply as the reward and the conversation see it: its text without
-        the closing stop token (other special tokens kept, so '3*<|im_start|>5+7' is not
-        '3*5+7')."""
+        """A finished reply as the reward and the conversation see it: its text
+        without the closing stop token (other special tokens kept, so
+        '3*<|im_start|>5+7' is not '3*5+7')."""
         return completion_text(self.tokenizer, s.completion_tokens[:-1])
 
     def turn_ids(self, new_messages, last_id):
-        """The template's ids between a reply whose last id is last_id and the next reply:
-        the rest of the assistant turn's close, the new messages, the assistant header
-        (tokenizer.TurnBridge)."""
+        """The template's ids between a reply whose last id is last_id and the next
+        reply: the rest of the assistant turn's close, the new messages, the
+        assistant header (tokenizer.TurnBridge)."""
         if self._bridge is None:
             self._bridge = TurnBridge(self.tokenizer, self.stop, **self.template_kwargs)
         return self._bridge.next_ids(new_messages, last_id)

@@ -36,9 +36,9 @@ from model import train_flops
 
 def task_engine(model, env, problems, block_size=16, dtype="float32", device="cpu", seed=0,
                 weight_version=0, record_routes=False, compile=False):
-    """An in-process engine over a copy of model, sized for the longest episode over these
-    problems (env.max_len), for 256 sequences at a time (record_routes, compile:
-    EngineConfig's)."""
+    """An in-process engine over a copy of model, sized for the longest episode
+    over these problems (env.max_len), for 256 sequences at a time
+    (record_routes, compile: EngineConfig's)."""
     max_len = env.max_len(problems)
     blocks_per_seq = -(-max_len // block_size) + 1
     return InferenceEngine(EngineConfig(
@@ -94,9 +94,9 @@ def greedy_accuracy(engine, env, problems):
 
 
 def evaluate(engine, env, problems, pass_k, temperature, seed):
-    """(metrics, outcomes): greedy accuracy (overall, by kind, by turn) and, with pass_k >
-    0, pass@1 and pass@k over pass_k episodes at temperature; the per-problem greedy
-    outcomes."""
+    """(metrics, outcomes): greedy accuracy (overall, by kind, by turn) and, with
+    pass_k > 0, pass@1 and pass@k over pass_k episodes at temperature; the
+    per-problem greedy outcomes."""
     outcomes, episodes = greedy_outcomes(engine, env, problems)
     metrics = accuracy_metrics(env.task, problems, [o["reward"] for o in outcomes])
     if env.max_turns > 1:

@@ -30,14 +30,14 @@ class Row:
 
 
 def score(answer: str, reply: str) -> float:
-    """1.0 if the reply is the answer (surrounding spaces aside), else 0.0: make it your
-    task's."""
+    """1.0 if the reply is the answer (surrounding spaces aside), else 0.0: make
+    it your task's."""
     return float(reply.strip() == answer.strip())
 
 
 def load_rows(path):
-    """split -> [Row], in file order; a ValueError names the file, line and field of a bad
-    row."""
+    """split -> [Row], in file order; a ValueError names the file, line and field of
+    a bad row."""
     rows = {s: [] for s in SPLITS}
     with open(path) as f:
         for n, line in enumerate(f, 1):

@@ -1,8 +1,7 @@
 """
-The example rows of tasks/jsonl.py: one step of arithmetic, a number and a digit,
-answered with the step written out ("417-8" -> "417-8=409"), the way the countdown
-chains that the speedrun's model was pretrained on write their steps; a division is
-always whole.
+The example rows of tasks/jsonl.py: one step of arithmetic, a number and a digit, answered
+with the step written out ("417-8" -> "417-8=409"), the way the countdown chains that the
+speedrun's model was pretrained on write their steps; a division is always whole.
 
     python tasks/make_arith.py tasks/arith.jsonl
 """

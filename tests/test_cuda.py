@@ -96,8 +96,8 @@ def test_bfloat16_engine_samples_what_it_scores(checkpoint):
 @torch.no_grad()
 def test_cuda_routes_and_truncated_logprobs(checkpoint):
     # off_policy.py on the GPU: the engine's recorded experts are the fp32 trainer's own,
-    # and a top-p sample's logprob is the nucleus's (at most the full one's, its ratio the
-    # mass kept)
+    # and a top-p sample's logprob is the nucleus's (at most the full one's, its ratio
+    # the mass kept)
     name, _, path = checkpoint
     engine = cuda_engine(path, record_routes=True)
     model = load_hf_checkpoint(path, device="cuda")
@@ -117,12 +117,12 @@ def test_cuda_routes_and_truncated_logprobs(checkpoint):
 
 @torch.no_grad()
 def test_cuda_graph_decode_steps_equal_the_eager_ones(checkpoint):
-    # compile=True on a GPU: every step in which all sequences decode replays a CUDA graph
-    # of the whole step (inference/decode.py), padded to a bucket; the same seeded tokens
-    # and logprobs within 1e-5 as the eager engine (greedy: equal to transformers,
+    # compile=True on a GPU: every step in which all sequences decode replays a CUDA
+    # graph of the whole step (inference/decode.py), padded to a bucket; the same seeded
+    # tokens and logprobs within 1e-5 as the eager engine (greedy: equal to transformers,
     # test_cuda_greedy_matches_transformers), through chunked prefill, prefix hits,
-    # preemptions and weight updates. MoE models are refused (the experts' loop syncs with
-    # the host)
+    # preemptions and weight updates. MoE models are refused (the experts' loop syncs
+    # with the host)
     name, hf, path = checkpoint
     kw = dict(num_blocks=12, max_num_batched_tokens=24, max_batch_size=6)
     if name == "moe":

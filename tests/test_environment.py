@@ -1,8 +1,7 @@
 """
 The task / environment interface (tasks/environment.py): tasks chosen by a setting,
 multi-turn episodes built by ids with per-turn masks, their logprobs against the
-trainer's, prefix reuse across turns, a user's JSONL task, and an environment that
-fails.
+trainer's, prefix reuse across turns, a user's JSONL task, and an environment that fails.
 
     python -m pytest -q tests/test_environment.py
 """
@@ -126,8 +125,8 @@ def test_a_multi_turn_episode_is_the_template_rendering_of_its_conversation(tok)
                                                   "= 15, target 22" + again, "3*5+7"]
     whole = chat_ids(tok, e.messages, False)   # the template's rendering of the whole conversation
     assert e.prompt + e.ids == whole[:-1]    # ... up to the template's newline after the last reply
-    # each later turn's prompt is everything so far, by ids: the engine continues from its
-    # cache
+    # each later turn's prompt is everything so far, by ids: the engine continues
+    # from its cache
     assert engine.prompts[1] == (e.prompt + e.ids)[:len(engine.prompts[1])]
     assert engine.prompts[2] == (e.prompt + e.ids)[:len(engine.prompts[2])]
     # the mask is 1 exactly on the sampled ids: each reply and its closing <|im_end|>
@@ -184,8 +183,8 @@ def test_multi_turn_logprobs_match_the_trainer_and_later_turns_reuse_the_cache(t
     engine.generate = spy
     episodes = env.episodes(engine, problems, 4, temperature=1.0, seed=5)
     assert max(e.turns for e in episodes) >= 2       # some episodes got the environment's answer
-    # turn 2 on: each prompt's earlier ids were computed in the last turn, so its full
-    # blocks hit
+    # turn 2 on: each prompt's earlier ids were computed in the last turn, so its
+    # full blocks hit
     for prompts, _, hits in calls[1:]:
         assert hits >= sum((len(p) - 1) // 16 * 16 - 16 for p in prompts) > 0
     # the mask is 1 exactly on what the engine sampled, turn after turn
@@ -195,8 +194,8 @@ def test_multi_turn_logprobs_match_the_trainer_and_later_turns_reuse_the_cache(t
                 if whole[:len(s.prompt_tokens) + len(s.completion_tokens)] ==
                 list(s.prompt_tokens + s.completion_tokens)]
         assert sum(e.mask) == sum(len(s.completion_tokens) for s in mine)
-    # the trainer's logprobs of the packed episodes equal the engine's on every sampled
-    # token
+    # the trainer's logprobs of the packed episodes equal the engine's on
+    # every sampled token
     groups = [(None, episodes[i].prompt, [e.sample() for e in episodes[i:i + 4]], [1.0, 0, 0, 0])
               for i in range(0, len(episodes), 4)]
     c = {"group_size": 4, "scale_rewards": False, "turn_baseline": False, "share_prompt": True,
@@ -246,8 +245,8 @@ def test_grpo_trains_on_multi_turn_episodes_and_an_environment_that_raises_loses
     assert max(r["rollout/turns_mean"] for r in rows) > 1
     evals = [r for r in metrics(out) if "eval/success_by_turn_3" in r]
     assert evals and all(r["eval/success_by_turn_1"] <= r["eval/success_by_turn_3"] for r in evals)
-    # resumed with an environment that raises in its second turn: the step fails naming
-    # it...
+    # resumed with an environment that raises in its second turn: the step
+    # fails naming it...
     broken = write_task(str(tmp_path), AGAIN_TASK.replace(
         '    return [{"role": "user", "content": "again"}]',
         '    if len(messages) > 2:\n        raise KeyError("the sandbox is gone")\n'
@@ -259,8 +258,8 @@ def test_grpo_trains_on_multi_turn_episodes_and_an_environment_that_raises_loses
     with pytest.raises(RuntimeError, match=named):
         train_grpo.main(multi_turn(tmp_path, out, "--init_from=resume", "--max_iters=4",
                                    f"--task={broken}"))
-    # ... and the run is as it was: the same checkpoint, which resumes with the working
-    # environment
+    # ... and the run is as it was: the same checkpoint, which resumes with
+    # the working environment
     assert {f: hashlib.sha256(open(os.path.join(ckpt, f), "rb").read()).hexdigest()
             for f in os.listdir(ckpt)} == digest
     train_grpo.main(multi_turn(tmp_path, out, "--init_from=resume", "--max_iters=4"))

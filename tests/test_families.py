@@ -127,8 +127,8 @@ def test_serve_py_serves_each_family_as_the_engine_samples(family):
 
 
 def test_our_tokenizer_beside_a_family_config_keeps_its_spaces(family, tmp_path):
-    # AutoTokenizer would pick the model_type's class (Qwen2Tokenizer, ...), which drops
-    # spaces
+    # AutoTokenizer would pick the model_type's class (Qwen2Tokenizer, ...),
+    # which drops spaces
     import shutil
     from tokenizer import load_tokenizer
     _, _, path = family

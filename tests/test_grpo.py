@@ -62,8 +62,8 @@ def test_zero_variance_groups():
 
 def test_turn_baseline_scores_each_reply_against_the_episodes_that_reached_it():
     # the docstring's example: rewards 1, 0, 1, 0 from episodes of 1, 3, 2 and 3 replies
-    # (a reply is a run of sampled ids, mask 1; the environment's ids between replies have
-    # mask 0)
+    # (a reply is a run of sampled ids, mask 1; the environment's ids between replies
+    # have mask 0)
     def mask(replies):
         return [1, 1] + [0, 0, 1, 1] * (replies - 1)
     masks = [mask(n) for n in (1, 3, 2, 3)]
@@ -107,8 +107,8 @@ def test_batch_weights_are_advantage_on_completion_only():
     assert torch.allclose(b.log_probs,
                           torch.tensor([0, 0, -0.1, -0.2, 0, 0, 0, -0.3, -0.4, -0.5, 0]))
     assert b.position_ids.tolist() == [0, 1, 2, 3, 4, 0, 1, 2, 3, 4, 5] and b.seqlens() == [5, 6]
-    # share_prompt: the prompt's rows once (but its last token, which starts each sample's
-    # branch)
+    # share_prompt: the prompt's rows once (but its last token, which starts
+    # each sample's branch)
     (b,) = build_batches(groups, {**c, "share_prompt": True})
     assert b.tokens.tolist() == [1, 5, 6, 7, 2, 6, 8, 9, 2]
     assert b.branch.tolist() == [0, 0, 1, 1, 1, 2, 2, 2, 2]
@@ -217,9 +217,9 @@ def test_no_variance_skips_the_step_and_the_sampler_turns_away(tmp_path, monkeyp
     assert [r["rollout/weight_version"] for r in rows] == [0, 1]
 
 
-# the off-policy corrections at once (off_policy.py): routes recorded and replayed, masked
-# IS of the sequence ratio, PPO's clip over two epochs: resume and torchrun carry their
-# new fields
+# the off-policy corrections at once (off_policy.py): routes recorded and replayed,
+# masked IS of the sequence ratio, PPO's clip over two epochs: resume and torchrun carry
+# their new fields
 CORRECTED = ["--routing_replay=True", "--mis_low=0.5", "--mis_high=2.0", "--is_level=sequence",
              "--ppo_clip=0.2", "--ppo_epochs=2"]
 
@@ -230,8 +230,8 @@ def test_killed_run_resumes_exactly(tmp_path, monkeypatch, corrections):
     whole = tmp_path / "whole"
     train_grpo.main(tiny_config(whole, *common))
 
-    # the same run, killed during iteration 4 (after the checkpoint at 2 and iteration 3's
-    # log line)
+    # the same run, killed during iteration 4 (after the checkpoint at 2 and iteration
+    # 3's log line)
     real_rollout = train_grpo.rollout
 
     class Killed(Exception):
@@ -401,9 +401,9 @@ class FixedLogits:
         self.logprob_of_label = logprob_of_label
 
     def with_labels(self, batch_labels):
-        # row t puts logprob_of_label[t] on its label and spreads the rest of the mass
-        # evenly; with labels= (the trainers' path) it returns the label logprobs, as
-        # Transformer.forward does
+        # row t puts logprob_of_label[t] on its label and spreads the rest of the
+        # mass evenly; with labels= (the trainers' path) it returns the label
+        # logprobs, as Transformer.forward does
         def forward(tokens, position_ids, cu_seqlens, labels=None, branch=None):
             T = tokens.numel()
             p = torch.exp(self.logprob_of_label)

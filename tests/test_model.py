@@ -160,8 +160,8 @@ def test_completions_sharing_their_prompt_score_as_transformers_does_alone(check
                               normalizer=10.0).backward()
         grads.append(torch.cat([p.grad.flatten() for p in ours.parameters() if p.grad is not None]))
     assert (grads[0] - grads[1]).abs().max().item() < 1e-5
-    # FLOPs: the causal query-key pairs of the shared layout are the position_ids + 1 of
-    # its rows
+    # FLOPs: the causal query-key pairs of the shared layout are the position_ids + 1
+    # of its rows
     cfg = ours.config
     assert train_flops(cfg, [shared.num_tokens],
                        pairs=int((shared.position_ids + 1).sum())) < train_flops(
@@ -171,9 +171,9 @@ def test_completions_sharing_their_prompt_score_as_transformers_does_alone(check
 
 @torch.no_grad()
 def test_aux_loss_matches_transformers_on_padded_batch(checkpoint):
-    # transformers' load_balancing_loss_func over a right-padded batch with its attention
-    # mask must equal ours over the same sequences packed (padding rows excluded on both
-    # sides)
+    # transformers' load_balancing_loss_func over a right-padded batch with its
+    # attention mask must equal ours over the same sequences packed (padding rows
+    # excluded on both sides)
     name, hf, path = checkpoint
     ours = load_hf_checkpoint(path)
     if name == "dense":   # no router, no aux loss: transformers' dense Qwen3 has none either
@@ -327,8 +327,8 @@ def test_bad_dtype_and_config_values():
 
 @torch.no_grad()
 def test_grouped_gemm_experts_equal_the_loop(monkeypatch):
-    # inference on CPU takes torch._grouped_mm; training (and GROUPED_MM=False) the
-    # per-expert loop
+    # inference on CPU takes torch._grouped_mm; training (and GROUPED_MM=False)
+    # the per-expert loop
     import model
     torch.manual_seed(0)
     experts = model.Experts(8, 32, 24)

@@ -48,8 +48,8 @@ def test_ratios_token_and_sequence_level_by_hand():
     token = off_policy.importance_ratios(trainer, engine, mask)
     want = [1.0, math.exp(0.2), math.exp(-0.4), math.exp(0.5), 1.0, 1.0]
     assert token.tolist() == pytest.approx(want)
-    # rows 0-3 are sample 0, rows 4-5 sample 1: the geometric mean of its masked rows'
-    # ratios
+    # rows 0-3 are sample 0, rows 4-5 sample 1: the geometric mean of its
+    # masked rows' ratios
     ids = torch.tensor([0, 0, 0, 0, 1, 1])
     seq = off_policy.importance_ratios(trainer, engine, mask, ids)
     assert seq.tolist() == pytest.approx([1.0, math.exp(0.1), math.exp(0.1), math.exp(0.1), 1.0,
@@ -82,9 +82,9 @@ def test_ppo_loss_and_two_epochs_by_hand():
     assert loss.item() == pytest.approx(-(1.2 - 0.8) / 2) and clipped == 2
     loss.backward()
     assert logp.grad.tolist() == [0.0, 0.0]        # the clip holds both back: no gradient
-    # two epochs of SGD on a 2-token policy (its logits), by hand: epoch 1 is plain policy
-    # gradient (q = 1), epoch 2 stops where the ratio left [0.8, 1.2] on the advantage's
-    # side
+    # two epochs of SGD on a 2-token policy (its logits), by hand: epoch 1 is
+    # plain policy gradient (q = 1), epoch 2 stops where the ratio left [0.8, 1.2]
+    # on the advantage's side
     logits = torch.zeros(2, requires_grad=True)
     old_lp = torch.log_softmax(logits, 0).detach()
     opt = torch.optim.SGD([logits], lr=1.0)

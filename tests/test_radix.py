@@ -61,8 +61,8 @@ def test_radix_greedy_matches_transformers_and_paged(checkpoint):
     paged = engine_for(path).generate(PROMPTS, params, num_samples_per_prompt=2)
     assert outputs(got) == outputs(paged) and close(got, paged)
     # the same memory, one-token blocks
-    assert radix.cache.num_free_blocks() == radix.cache.num_blocks == 64 * 16
-    radix.cache.check()
+    assert radix.blocks.num_free_blocks() == radix.blocks.num_blocks == 64 * 16
+    radix.blocks.check()
 
 
 def test_radix_seeded_sampling_equals_paged(checkpoint):
@@ -89,10 +89,10 @@ def test_radix_tiny_pool_preempts_evicts_and_still_matches_paged(moe):
                                                                         1e-4) and close(again, ref,
                                                                                         1e-4)
         st = tiny.stats()
-        assert (st["preemptions"] > 0 and tiny.cache.num_evicted > 0
+        assert (st["preemptions"] > 0 and tiny.blocks.num_evicted > 0
                 and st["prefix_cache_hit_tokens"] > 0)
-        assert tiny.cache.num_free_blocks() == tiny.cache.num_blocks == 80
-        tiny.cache.check()
+        assert tiny.blocks.num_free_blocks() == tiny.blocks.num_blocks == 80
+        tiny.blocks.check()
 
 
 # -----------------------------------------------------------------------------
@@ -162,8 +162,8 @@ def test_radix_update_weights_serves_no_stale_kv(moe, tmp_path_factory):
     engine = engine_for(path, cache_type="radix")
     old = outputs(engine.generate(PROMPTS, params, 2))
     assert old != fresh and engine.stats()["cached_blocks"] > 0
-    # a sequence running across the update keeps its old KV, and none of it enters the new
-    # tree
+    # a sequence running across the update keeps its old KV, and none of it enters
+    # the new tree
     request_id = engine.add_request(PROMPTS[0], SamplingParams(temperature=0, max_tokens=30))
     engine.step()
     engine.update_weights(new_sd)
@@ -176,8 +176,9 @@ def test_radix_update_weights_serves_no_stale_kv(moe, tmp_path_factory):
     assert engine.stats()["prefix_cache_hit_tokens"] == hits        # not one old token was served
     engine.generate(PROMPTS, params, 2)
     assert engine.stats()["prefix_cache_hit_tokens"] > hits         # ... though new ones are
-    assert engine.cache.num_free_blocks() == engine.cache.num_blocks and request_id == len(PROMPTS)
-    engine.cache.check()
+    assert engine.blocks.num_free_blocks() == engine.blocks.num_blocks
+    assert request_id == len(PROMPTS)
+    engine.blocks.check()
 
 
 def test_radix_abort_and_bad_input_leave_the_cache_whole(moe):
@@ -193,13 +194,13 @@ def test_radix_abort_and_bad_input_leave_the_cache_whole(moe):
     for bad in ([VOCAB_PLUS], [], "abc"):
         with pytest.raises((ValueError, TypeError)):
             engine.add_request(bad, SamplingParams())
-    engine.cache.check()
+    engine.blocks.check()
     done = []
     while engine.has_pending():
         done += engine.step()
     assert {s.request_id for s in done} == {keep} and len(done) == 4
-    assert engine.cache.num_free_blocks() == engine.cache.num_blocks
-    engine.cache.check()
+    assert engine.blocks.num_free_blocks() == engine.blocks.num_blocks
+    engine.blocks.check()
 
 
 VOCAB_PLUS = 10 ** 6   # a token id outside any vocabulary here
@@ -233,8 +234,8 @@ def test_radix_tree_invariants(ops):
     cache, kv, running, stale, uids = RadixCache(S), {}, [], set(), itertools.count()
     for op, x in ops:
         rng = random.Random(x)
-        # a prompt over 3 token ids, often a running one's start or copy: prefixes get
-        # shared
+        # a prompt over 3 token ids, often a running one's start or copy:
+        # prefixes get shared
         if op == "add":
             base = running[x % len(running)].tokens if running and x % 3 else []
             cut = len(base) if x % 3 == 1 else rng.randint(0, len(base))

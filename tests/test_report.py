@@ -12,9 +12,8 @@ import pytest
 from bench import report
 from bench.report import load, paired_ci, plot, summarize, t975
 
-# a fake comparison, 3 seeds: test greedy accuracy, pass@1 and pass@8 of each arm, chosen
-# so that the paired differences are exact in binary floating point (multiples of 1/8 and
-# 1/16)
+# a fake comparison, 3 seeds: test greedy accuracy, pass@1 and pass@8 of each arm, chosen so
+# that the paired differences are exact in binary floating point (multiples of 1/8 and 1/16)
 ACC = {"1": {"sft": 0.25, "sft_more": 0.375, "rft": 0.25, "grpo": 0.5},
        "2": {"sft": 0.125, "sft_more": 0.25, "rft": 0.25, "grpo": 0.5},
        "3": {"sft": 0.25, "sft_more": 0.25, "rft": 0.375, "grpo": 0.625}}
@@ -61,8 +60,8 @@ def test_paired_ci_hand_made():
 
 
 def test_paired_ci_is_paired_not_two_sample():
-    # the arms' own spreads are large, their per-seed difference is constant: a zero-width
-    # interval
+    # the arms' own spreads are large, their per-seed difference is constant:
+    # a zero-width interval
     mean, lo, hi = paired_ci([0.5, 0.75, 1.0, 0.25], [0.25, 0.5, 0.75, 0.0])
     assert (mean, lo, hi) == (0.25, 0.25, 0.25)
 
@@ -146,8 +145,8 @@ def write_outcomes(path, digits_targets, rewards, reach=None):
 
 
 def test_by_size_table_and_cluster_bootstrap_on_hand_made_outcomes(tmp_path):
-    # 2 seeds, arms heuristic and grpo; 4 problems over 2 digit multisets, a and b, 2
-    # problems each
+    # 2 seeds, arms heuristic and grpo; 4 problems over 2 digit multisets, a and b,
+    # 2 problems each
     problems = [((1, 2, 3), 6), ((1, 2, 3), 5), ((2, 3, 4, 5), 14), ((2, 3, 4, 5), 30)]
     rewards = {"heuristic": [[1, 0, 0, 0], [1, 0, 0, 0]], "grpo": [[1, 1, 1, 0], [1, 1, 0, 1]]}
     for seed in ("1", "2"):

@@ -1,9 +1,8 @@
 """
-train_grpo --rollout_ranks on 2 gloo ranks under real torchrun (rank 0 trains, rank 1
-only samples): with max_staleness=0 the colocated single process's samples and steps
-exactly (also on 3 ranks split either way), a resumed run that trains no sample twice,
-and with max_staleness=1 sampling overlapped with training, no sample more than one
-version stale.
+train_grpo --rollout_ranks on 2 gloo ranks under real torchrun (rank 0 trains, rank 1 only
+samples): with max_staleness=0 the colocated single process's samples and steps exactly
+(also on 3 ranks split either way), a resumed run that trains no sample twice, and with
+max_staleness=1 sampling overlapped with training, no sample more than one version stale.
 
     python -m pytest -q tests/test_rollout_ranks.py
 """
@@ -106,8 +105,8 @@ def test_a_resumed_rollout_ranks_run_trains_no_sample_twice(synchronous):
     td.launch(tmp, "train_grpo.py", half, args[:-2] + first + split, nproc=2)
     td.launch(tmp, "train_grpo.py", half,
               args + ["--init_from=resume", "--lr_decay_iters=5"] + split, nproc=2)
-    # iterations 4 and 5 draw from the checkpoint's sampler record and step as the
-    # uninterrupted run
+    # iterations 4 and 5 draw from the checkpoint's sampler record and step as
+    # the uninterrupted run
     full, resumed = steps(tmp / "one"), steps(half)
     assert [r["iter"] for r in resumed] == [1, 2, 3, 4, 5]
     for a, b in zip(full, resumed):

@@ -1,7 +1,7 @@
 """
 train_grpo --rollout_urls: rollouts sampled by real scaleout/serve.py processes over
-HTTP, the trainer's weights pushed to them over a gloo group of their own, against the
-colocated run.
+HTTP, the trainer's weights pushed to them over a gloo group of their own, against
+the colocated run.
 
     python -m pytest -q tests/test_rollout_servers.py
 """
@@ -61,8 +61,8 @@ def test_one_and_two_servers_sample_what_the_colocated_run_samples(colocated):
         train_grpo.main(tiny_config(tmp / "served", *args, one))
         assert_same(tmp / "one", tmp / "served")
         rows = [r for r in metrics(tmp / "served") if "train/loss" in r]
-        # rollout j waited for the weights after iteration j - 1: pushed before it, never
-        # inside
+        # rollout j waited for the weights after iteration j - 1: pushed before
+        # it, never inside
         assert [r["perf/weight_sync_s"] > 0 for r in rows] == [False, True, True, True, True]
         assert all(r["rollout/staleness_max"] == 0 for r in rows)
         generated = [stats(s)["generated_tokens"] for s in servers]
@@ -108,8 +108,8 @@ def test_a_killed_server_fails_the_step_naming_it_and_resume_continues(colocated
 
 
 def test_multi_turn_episodes_through_a_server_step_like_the_colocated_run(tmp_path):
-    # test_environment's multi-turn task: every turn of every episode goes through the
-    # server
+    # test_environment's multi-turn task: every turn of every episode goes
+    # through the server
     from conftest import write_task
     from test_environment import AGAIN_TASK
     again = write_task(str(tmp_path), AGAIN_TASK, "again.py")

@@ -1,7 +1,7 @@
 """
-The engine's pure parts, without a model: block hashing, the sampler (logprobs, top-k /
-top-p, seeded draws), schedule() and the block allocator's invariants (a hypothesis
-property test).
+The engine's pure parts, without a model: block hashing, the sampler (logprobs,
+top-k / top-p, seeded draws), schedule() and the block allocator's invariants (a
+hypothesis property test).
 
     python -m pytest -q tests/test_scheduler.py
 """
@@ -42,9 +42,9 @@ def test_sample_with_logprobs():
         1, tokens[:, None]
     )[:, 0]
     assert torch.allclose(lp, ref, atol=1e-6)
-    # top_k=1 and a tiny top_p are greedy: the truncated distribution holds the argmax
-    # alone, so its logprob there is 0; top_k=3 renormalises over the three most likely
-    # tokens
+    # top_k=1 and a tiny top_p are greedy: the truncated distribution holds the
+    # argmax alone, so its logprob there is 0; top_k=3 renormalises over the three
+    # most likely tokens
     for kw in (dict(top_k=torch.full((6,), 1)), dict(top_p=torch.full((6,), 1e-4))):
         tk, lpk = sample_with_logprobs(logits, torch.ones(6), **kw)
         assert torch.equal(tk, logits.argmax(-1))
@@ -90,10 +90,10 @@ def test_two_level_draw_is_the_inverse_cdf_over_the_whole_vocabulary():
 
 
 def test_the_graphs_sampler_draws_what_the_engines_draws():
-    # sampling.sample_in_graph (inference/decode.py's step) against sample_with_logprobs:
-    # several blocks and a partial one, greedy rows among sampled ones, rows shifted by
-    # their max (both rules shift these), eager and compiled: the same tokens, logprobs
-    # within 1e-6
+    # sampling.sample_in_graph (inference/decode.py's step) against
+    # sample_with_logprobs: several blocks and a partial one, greedy rows among sampled
+    # ones, rows shifted by their max (both rules shift these), eager and compiled: the
+    # same tokens, logprobs within 1e-6
     from inference.sampling import sample_in_graph
     g = torch.Generator().manual_seed(2)
     N, V = 48, 2 * 1024 + 300

@@ -54,8 +54,8 @@ def free_port():
 
 
 class Served:
-    """A scaleout/serve.py process on a free port; stop() sends Ctrl-C and returns its
-    exit code."""
+    """A scaleout/serve.py process on a free port; stop() sends Ctrl-C and returns
+    its exit code."""
 
     def __init__(self, path, *args):
         self.port = free_port()
@@ -461,8 +461,8 @@ def test_the_sdks_stream_accumulator_gives_the_non_streamed_chat_completion(setu
 
 
 def test_token_in_token_out_generate_equals_the_engine(setup, engine):
-    # vLLM's POST /inference/v1/generate, as verifiers' training client sends it (advisory
-    # keys too)
+    # vLLM's POST /inference/v1/generate, as verifiers' training client sends it
+    # (advisory keys too)
     stop = generation_stop_ids(setup["tok"])
     mine = engine.generate(PROMPTS[:2], greedy(stop, max_tokens=8))
     for prompt, ours in zip(PROMPTS[:2], mine):
@@ -528,9 +528,8 @@ def test_tokenize_and_detokenize_as_vllm_spells_them(setup):
 
 
 def test_weights_over_a_process_group_reach_a_running_server(setup):
-    # the trainer (this process) pushes b's weights to the server over a gloo group of
-    # their own; the server then samples exactly what an engine on b samples, at the next
-    # version
+    # the trainer (this process) pushes b's weights to the server over a gloo group of their
+    # own; the server then samples exactly what an engine on b samples, at the next version
     from scaleout.weight_sync import ServerWeights
     root, api, stop = setup["root"], setup["api"], generation_stop_ids(setup["tok"])
     card = httpx.get(setup["server"].url + "/v1/models", headers={"Authorization": f"Bearer {KEY}"})

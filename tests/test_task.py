@@ -103,8 +103,8 @@ def test_reward_negative_and_large_targets():
     assert reward(Problem((2, 3, 4), -1), "4-3-2") == 1.0
 
 
-# answers with room to think: the chain format (countdown.py), checked against hand-made
-# completions
+# answers with room to think: the chain format (countdown.py), checked
+# against hand-made completions
 Q = Problem((1, 4, 7, 8), 83)
 
 
@@ -300,8 +300,8 @@ def test_every_solution_is_rewarded_and_complete():
         assert sols, p
         assert len(set(sols)) == len(sols)
         assert all(reward(p, s) == 1.0 for s in sols), p
-    # every brute-force hit is accepted too, and the same expression (up to parentheses)
-    # is listed
+    # every brute-force hit is accepted too, and the same expression (up to
+    # parentheses) is listed
     for p in rng.sample(problems, 100):
         sols = countdown.expression_answers(p)
         listed = {_shape(s) for s in sols}
@@ -332,8 +332,8 @@ def test_every_solution_is_rewarded_and_complete():
 
 def test_heuristic_is_the_greedy_closest_pair_rule():
     p = Problem((2, 4, 6, 9), 30)
-    # 4*6=24 and 4*9=36 are both 6 away: the first pair in order wins; then 9+24=33, then
-    # 33-2=31
+    # 4*6=24 and 4*9=36 are both 6 away: the first pair in order wins; then
+    # 9+24=33, then 33-2=31
     assert countdown.heuristic_answer(p) == "9+4*6-2"
     assert reward(p, countdown.heuristic_answer(p)) == 0.0
     # 21 first (1 away), then 26
@@ -341,8 +341,8 @@ def test_heuristic_is_the_greedy_closest_pair_rule():
     q = Problem((2, 3, 9), 29)
     assert countdown.heuristic_answer(q) == "2+3*9"
     assert reward(q, countdown.heuristic_answer(q)) == 1.0
-    # 7-4=3 hits the target at once, and the last number must still be used: 8-3=5 is
-    # closest then
+    # 7-4=3 hits the target at once, and the last number must still be used: 8-3=5
+    # is closest then
     assert countdown.heuristic_answer(Problem((4, 7, 8), 3)) == "8-(7-4)"
     test = make_problems("test", full=True)
     by_size = {k: [reward(p, countdown.heuristic_answer(p)) for p in test if len(p.digits) == k]
@@ -472,10 +472,10 @@ def test_bad_n(n):
 
 def _honest_attempt(digits, line):
     # (start, landed) of a line that is an honest attempt over these digits: every step
-    # true, the digits left right, and it ends in a right pair equation, in 'y=?' when the
-    # two digits left cannot make y (checked by brute force), or in 'x/d=?' at a step that
-    # is not one (a division that is not whole, a difference below 1); fails an assert
-    # otherwise
+    # true, the digits left right, and it ends in a right pair equation, in 'y=?' when
+    # the two digits left cannot make y (checked by brute force), or in 'x/d=?' at a
+    # step that is not one (a division that is not whole, a difference below 1); fails
+    # an assert otherwise
     *steps, last = line.split(" ")
     pool = sorted(digits)
     start = need = int(re.match(r"[0-9]+", line)[0])

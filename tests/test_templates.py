@@ -1,7 +1,7 @@
 """
-The checkpoints users bring, with their own chat templates: fixtures that behave like
-Qwen3's thinking template and Llama 3's, through SFT, multi-turn episodes, the server
-and GRPO.
+The checkpoints users bring, with their own chat templates: fixtures that behave
+like Qwen3's thinking template and Llama 3's, through SFT, multi-turn episodes, the
+server and GRPO.
 
 Each fixture is a model directory as a real checkpoint ships it: a random tiny model of
 the family (written by transformers), a tokenizer with the family's special tokens and
@@ -119,8 +119,8 @@ LLAMA3_TEMPLATE = (
 )
 
 # per family: its extra tokens (added: plain text pieces; special: control ids), bos /
-# eos, the template, generation_config.json's stop ids, the transformers config class, and
-# the renderer
+# eos, the template, generation_config.json's stop ids, the transformers config class,
+# and the renderer
 FAMILIES = {
     "qwen3": dict(added=["<think>", "</think>", "<tool_call>", "</tool_call>",
                          "<tool_response>", "</tool_response>"],
@@ -236,8 +236,8 @@ def _has_renderers():
 needs_renderers = pytest.mark.skipif(not (_has_renderers() or os.environ.get("CI")),
                                      reason=f"no renderers + transformers at {RENDERERS_PYTHON}")
 
-# runs in the renderers venv: render or bridge with the family's renderer on the fixture's
-# tokenizer
+# runs in the renderers venv: render or bridge with the family's renderer on
+# the fixture's tokenizer
 RENDER = """
 import json, sys
 from transformers import PreTrainedTokenizerFast
@@ -265,9 +265,9 @@ def renderers_do(path, config, renders=(), bridges=()):
 @needs_renderers
 def test_the_fixture_templates_render_as_the_renderers_package_does(family):
     name, path, tok = family
-    # the renderer's defaults: Qwen3 with thinking on (its enable_thinking=False re-emits
-    # empty think blocks in history, a documented deviation from the template), Llama 3's
-    # pinned date
+    # the renderer's defaults: Qwen3 with thinking on (its enable_thinking=False
+    # re-emits empty think blocks in history, a documented deviation from the template),
+    # Llama 3's pinned date
     config = "Qwen3RendererConfig()" if name == "qwen3" else FAMILIES[name]["renderer"]
     jobs = [(m, g) for m in CONVERSATIONS for g in (True, False) if g or
             m[-1]["role"] == "assistant"]
@@ -499,8 +499,8 @@ def test_serve_py_renders_as_transformers_and_stops_on_the_templates_end_of_turn
             bad = httpx.post(server.url + "/v1/chat/completions", json={
                 "messages": CONVERSATIONS[0], "max_tokens": 4, "chat_template_kwargs": kwargs})
             assert bad.status_code == 400 and named in bad.json()["error"]["message"]
-        # a name the template sets itself would be overwritten: refused; one it reads,
-        # honoured
+        # a name the template sets itself would be overwritten: refused; one
+        # it reads, honoured
         own = "content" if name == "qwen3" else "system_message"
         with pytest.raises(ValueError, match=own):
             check_template_kwargs(tok, {own: "x"})

@@ -276,8 +276,8 @@ def test_init_from_transformers_checkpoint_trains(tmp_path):
     assert rows[-1]["train/loss"] < rows[0]["train/loss"]
     assert all(k in rows[0]
                for k in ("perf/tokens_per_sec", "perf/step_time_s", "perf/mfu", "train/aux_loss"))
-    # the run's checkpoint is a transformers directory with a tokenizer: the next stage's
-    # init_from
+    # the run's checkpoint is a transformers directory with a tokenizer: the
+    # next stage's init_from
     from transformers import AutoModelForCausalLM, AutoTokenizer
     ckpt = tmp_path / "run" / "ckpt"
     assert AutoModelForCausalLM.from_pretrained(ckpt).config.vocab_size == 128
@@ -323,8 +323,8 @@ def test_missing_and_corrupt_checkpoints_are_clear_errors(tmp_path):
     (ckpt / "checkpoint.json").unlink()
     with pytest.raises(ValueError, match="no checkpoint in out_dir"):
         checkpoint.init_start(resume, build_tokenizer)
-    # a transformers dir (no checkpoint.json) with a broken weights file: model.py's error
-    # names it
+    # a transformers dir (no checkpoint.json) with a broken weights file: model.py's
+    # error names it
     (tmp_path / "hf").mkdir()
     (tmp_path / "hf" / "config.json").write_text((ckpt / "config.json").read_text())
     (tmp_path / "hf" / "model.safetensors").write_bytes(b"garbage")

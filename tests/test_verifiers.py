@@ -83,9 +83,9 @@ def test_two_turn_episodes_are_one_token_sequence_bridged_by_ids(server):
 
 
 # -----------------------------------------------------------------------------
-# without verifiers: the renderers package's own parser of /inference/v1/generate (what
-# verifiers' training client runs on our responses), in its own small venv (.ci/run makes
-# one)
+# without verifiers: the renderers package's own parser of /inference/v1/generate
+# (what verifiers' training client runs on our responses), in its own small venv
+# (.ci/run makes one)
 
 RENDERERS_PYTHON = os.environ.get("RENDERERS_PYTHON", VF_PYTHON)
 PARSE = """

@@ -1,7 +1,6 @@
 r"""
 TRL's GRPOTrainer on the embedded task (countdown.py), for bench/bench.py's GRPO row: it
-runs in TRL's own virtualenv (bench/peers/install.sh) and prints one line "RESULT
-{json}".
+runs in TRL's own virtualenv (bench/peers/install.sh) and prints one line "RESULT {json}".
 
     .peers/trl/bin/python bench/peers/trl_grpo.py MODEL_DIR --steps 20 --prompts 16 --group 8 \
         --max_new_tokens 48 --temperature 1.0 --learning_rate 1e-5 --seed 0

@@ -28,8 +28,8 @@ import time
 
 
 def cpu_seconds():
-    """CPU time of this process and its children (vLLM's engine-core process, when it has
-    one)"""
+    """CPU time of this process and its children (vLLM's engine-core process, when
+    it has one)"""
     import psutil   # one of vLLM's requirements
     me = psutil.Process()
     return sum(sum(p.cpu_times()[:2]) for p in [me, *me.children(recursive=True)])
