@@ -98,3 +98,46 @@ def write_task(directory, source=PARITY_TASK, name="parity_task.py"):
         f.write(source)
     return path
 
+
+# -----------------------------------------------------------------------------
+# the prefix caches' invariants, checked by the tests after every operation
+
+
+def check_invariants(blocks):
+    """The invariants of an engine's blocks (scheduler.BlockAllocator or
+    radix.RadixCache)."""
+    from inference.radix import RadixCache
+    (radix_invariants if isinstance(blocks, RadixCache) else allocator_invariants)(blocks)
+
+
+def allocator_invariants(self):
+    """A BlockAllocator's: refcounts >= 0, free + used = total, free means refcount 0,
+    names and the table agree."""
+    free = self.free_plain + list(self.free_cached)
+    assert len(free) == len(set(free)), "a block is free twice"
+    assert all(r >= 0 for r in self.refcount)
+    assert all(self.refcount[b] == 0 for b in free)
+    used = sum(r > 0 for r in self.refcount)
+    assert used + len(free) == self.num_blocks, (used, len(free), self.num_blocks)
+    assert all(self.block_hash[b] is not None for b in self.free_cached)
+    assert all(self.block_hash[b] is None for b in self.free_plain)
+    assert all(self.block_hash[b] == h for h, b in self.cached.items())
+    assert sum(h is not None for h in self.block_hash) == len(self.cached)
+
+
+def radix_invariants(self):
+    """A RadixCache's: refcounts >= 0, free means refcount 0 and not in the tree, each
+    slot in at most one edge, the tree's counts agree, every edge non-empty and filed
+    under its first token."""
+    assert all(r >= 0 for r in self.refcount)
+    assert len(self.free) == len(set(self.free)), "a slot is free twice"
+    assert all(self.refcount[s] == 0 and not self.in_tree[s] for s in self.free)
+    assert sum(r > 0 for r in self.refcount) + len(self.free) == self.num_blocks
+    nodes = self._nodes()
+    owned = [s for n in nodes for s in n.slots]
+    assert len(owned) == len(set(owned)), "a slot is in two edges"
+    assert set(owned) == {s for s in range(self.num_blocks) if self.in_tree[s]}
+    assert all(self.refcount[s] >= 1 for s in owned)
+    assert self.num_evictable == sum(self.refcount[s] == 1 for s in owned)
+    for n in nodes:
+        assert n.key and len(n.key) == len(n.slots) and n.parent.children[n.key[0]] is n

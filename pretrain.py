@@ -59,7 +59,6 @@ wandb_log = False
 wandb_project = "nano-rl"
 wandb_run_name = ""
 # -----------------------------------------------------------------------------
-config = configure(globals(), sys.argv[1:], stage="pretrain")
 
 
 def documents(tokenizer, the_task, n, seed):
@@ -70,23 +69,26 @@ def documents(tokenizer, the_task, n, seed):
             for d in the_task.pretrain_corpus(n, seed)]
 
 
-if __name__ == "__main__":
-    device = config["device"] = distributed.setup(device, dist_timeout_s)
-    the_task = load_task(task)
+def main(config):
+    config["device"] = distributed.setup(config["device"], config["dist_timeout_s"])
+    the_task = load_task(config["task"])
     if not offers(the_task, "pretrain_corpus"):
-        raise ValueError(f"task={task!r} offers no pretrain_corpus(n_docs, seed): nothing to "
-                         f"pretrain on")
+        raise ValueError(f"task={config['task']!r} offers no pretrain_corpus(n_docs, seed): "
+                         f"nothing to pretrain on")
     start = init_start(config, build_tokenizer)
-    tokenizer = start.tokenizer
-    train_docs = documents(tokenizer, the_task, n_docs, seed)
-    val_docs = documents(tokenizer, the_task, n_val_docs, seed + 1)
+    seed, batch_tokens = config["seed"], config["batch_tokens"]
+    train_docs = documents(start.tokenizer, the_task, config["n_docs"], seed)
+    val_docs = documents(start.tokenizer, the_task, config["n_val_docs"], seed + 1)
     print0(f"{len(train_docs)} documents, {sum(map(len, train_docs))} tokens")
     loader = training.PackedLoader(train_docs, [[1.0] * len(d) for d in train_docs], batch_tokens,
                                    seed)
     val_batches = training.fixed_batches(val_docs, [[1.0] * len(d) for d in val_docs], batch_tokens)
 
     def eval_fn(model):
-        return {"eval/loss": training.evaluate_loss(model, val_batches, device)}
+        return {"eval/loss": training.evaluate_loss(model, val_batches, config["device"])}
 
-    training.train(config, start, loader, eval_fn=eval_fn)
-    distributed.teardown()
+    return training.train(config, start, loader, eval_fn=eval_fn)
+
+
+if __name__ == "__main__":
+    main(configure(globals(), sys.argv[1:], stage="pretrain"))

@@ -36,6 +36,7 @@ import torch
 from scaleout import distributed
 from tasks import evaluate
 import training
+from checks import require
 from checkpoint import init_start, save_best
 from configurator import configure, print0
 from engine import sampled_mask
@@ -88,7 +89,6 @@ wandb_log = False
 wandb_project = "nano-rl"
 wandb_run_name = ""
 # -----------------------------------------------------------------------------
-config = configure(globals(), sys.argv[1:], stage="sft")
 
 
 def demonstrations(env, problems):
@@ -99,34 +99,36 @@ def demonstrations(env, problems):
             for p in problems]
 
 
-def rejection_samples(model, env, problems):
+def rejection_samples(model, env, problems, config):
     """(examples, flops): the distinct correct answers of model to each problem, as chat
     examples made of the exact prompt and completion ids that were sampled (mask on the
     completion), and the FLOPs sampling them cost."""
-    engine = evaluate.task_engine(model, env, problems, seed=seed)
-    episodes = env.episodes(engine, problems, rft_samples, rft_temperature, seed)
+    n = config["rft_samples"]
+    engine = evaluate.task_engine(model, env, problems, seed=config["seed"])
+    episodes = env.episodes(engine, problems, n, config["rft_temperature"], config["seed"])
     engine.shutdown()
     samples, kept = [e.sample() for e in episodes], {}
     for i, (e, s) in enumerate(zip(episodes, samples)):
         if solved(e.reward):
-            kept.setdefault((i // rft_samples, s.completion_tokens), s)
+            kept.setdefault((i // n, s.completion_tokens), s)
     examples = [(list(s.prompt_tokens) + list(s.completion_tokens),
                  [0] * len(s.prompt_tokens) + list(sampled_mask(s))) for s in kept.values()]
-    flops = evaluate.sampling_flops(model.config, samples, rft_samples)
+    flops = evaluate.sampling_flops(model.config, samples, n)
     print0(f"rejection sampling: {len(examples)} distinct correct answers from {len(samples)} "
            f"samples of {len(problems)} training problems")
     return examples, flops
 
 
-def rft_data(start, env):
+def rft_data(start, env, config):
     """The rejection-sampled data, sampled by the starting model once and kept in
     {out_dir}/rft_data.json, so that a resumed run trains on the very same data."""
-    path = os.path.join(out_dir, "rft_data.json")
+    path = os.path.join(config["out_dir"], "rft_data.json")
     if start.meta is None:
-        problems = training.EpochCursor(env.task.make_problems("train"), seed).take(rft_problems)
-        examples, flops = rejection_samples(start.model, env, problems)
+        problems = training.EpochCursor(env.task.make_problems("train"),
+                                        config["seed"]).take(config["rft_problems"])
+        examples, flops = rejection_samples(start.model, env, problems, config)
         if distributed.is_main():
-            os.makedirs(out_dir, exist_ok=True)
+            os.makedirs(config["out_dir"], exist_ok=True)
             with open(path + ".tmp", "w") as f:
                 json.dump({"examples": examples, "flops": flops}, f)
             os.replace(path + ".tmp", path)
@@ -136,77 +138,83 @@ def rft_data(start, env):
     return [tuple(e) for e in data["examples"]], data["flops"]
 
 
-def make_eval_fn(env, val_problems, val_batches, start):
+def make_eval_fn(env, val_problems, val_batches, start, config):
     best = {"accuracy": -1.0}
 
     @torch.no_grad()
     def eval_fn(model):
-        engine = evaluate.task_engine(model, env, val_problems, seed=seed)
+        engine = evaluate.task_engine(model, env, val_problems, seed=config["seed"])
         accuracy = evaluate.greedy_accuracy(engine, env, val_problems)
         engine.shutdown()
-        if keep_best and accuracy > best["accuracy"]:
+        if config["keep_best"] and accuracy > best["accuracy"]:
             best["accuracy"] = accuracy
             if distributed.is_main():
-                save_best(out_dir, model, start)
+                save_best(config["out_dir"], model, start)
         metrics = {"eval/accuracy": accuracy}
         if val_batches is not None:
-            metrics["eval/loss"] = training.evaluate_loss(model, val_batches, device)
+            metrics["eval/loss"] = training.evaluate_loss(model, val_batches, config["device"])
         return metrics
     return eval_fn
 
 
-def check_settings():
-    # sft.py's own settings, refused before anything in out_dir changes (the loop's are
-    # checked by training)
-    for name, value, low in (("rft_samples", rft_samples, 0), ("rft_problems", rft_problems, 0),
-                             ("eval_max_tokens", eval_max_tokens, 1), ("max_turns", max_turns, 1),
-                             ("max_episode_tokens", max_episode_tokens, 0)):
-        if type(value) is not int or value < low:
-            raise ValueError(f"{name}={value!r}: expected an int >= {low}")
-    if rft_samples > 0 and rft_problems < 1:
-        raise ValueError(f"rft_problems={rft_problems!r}: rejection sampling (rft_samples > 0) "
-                         f"needs problems >= 1")
-    if not rft_temperature > 0:
-        raise ValueError(f"rft_temperature={rft_temperature!r}: expected > 0")
+def check_settings(config):
+    """sft.py's own settings, refused before anything in out_dir changes (the loop's are
+    checked by training; their types by the configurator)."""
+    for name, low in (("rft_samples", 0), ("rft_problems", 0), ("eval_max_tokens", 1),
+                      ("max_turns", 1), ("max_episode_tokens", 0)):
+        require(config[name] >= low, f"{name}={config[name]!r}: expected an int >= {low}")
+    require(config["rft_samples"] == 0 or config["rft_problems"] >= 1, f"rft_problems="
+            f"{config['rft_problems']!r}: rejection sampling (rft_samples > 0) needs problems >= 1")
+    require(config["rft_temperature"] > 0,
+            f"rft_temperature={config['rft_temperature']!r}: expected > 0")
     training.check_loop_settings(config)
 
 
-if __name__ == "__main__":
-    device = config["device"] = distributed.setup(device, dist_timeout_s)
-    check_settings()
-    the_task = load_task(task)
-    if rft_samples == 0 and not offers(the_task, "sft_examples"):
-        raise ValueError(f"task={task!r} offers no sft_examples(seed, fraction): nothing to "
-                         f"fine-tune on (rejection sampling, rft_samples > 0, needs none)")
-    val_problems = the_task.make_problems("val", n_eval_problems or None)
+def training_examples(the_task, env, start, config):
+    """(examples, FLOPs spent making them): the task's demonstrations, or with rft_samples
+    > 0 the starting model's correct answers (rejection sampling)."""
+    if config["rft_samples"] > 0:
+        return rft_data(start, env, config)
+    return [chat_example(env.tokenizer, m, env.stop, **env.template_kwargs)
+            for m in the_task.sft_examples(config["seed"], config["demo_fraction"])], 0.0
+
+
+def main(config):
+    config["device"] = distributed.setup(config["device"], config["dist_timeout_s"])
+    check_settings(config)
+    the_task = load_task(config["task"])
+    if config["rft_samples"] == 0 and not offers(the_task, "sft_examples"):
+        raise ValueError(f"task={config['task']!r} offers no sft_examples(seed, fraction): "
+                         f"nothing to fine-tune on (rejection sampling, rft_samples > 0, needs "
+                         f"none)")
+    val_problems = the_task.make_problems("val", config["n_eval_problems"] or None)
     start = init_start(config, build_tokenizer)
     tokenizer = start.tokenizer
     # the episodes tasks/evaluate.py and train_grpo.py run: stop ids, turns, template
-    # settings
-    env = Environment(the_task, tokenizer, eval_max_tokens, max_turns, max_episode_tokens,
-                      start.stop_ids, check_template_kwargs(tokenizer, chat_template_kwargs))
+    env = Environment(the_task, tokenizer, config["eval_max_tokens"], config["max_turns"],
+                      config["max_episode_tokens"], start.stop_ids,
+                      check_template_kwargs(tokenizer, config["chat_template_kwargs"]))
     # a fresh run: no best model of an earlier run in out_dir
     if start.meta is None and distributed.is_main():
-        shutil.rmtree(os.path.join(out_dir, "best"), ignore_errors=True)
-    examples, spent = [], 0.0
-    if rft_samples > 0:
-        examples, spent = rft_data(start, env)
-    else:
-        examples = [chat_example(tokenizer, m, env.stop, **env.template_kwargs)
-                    for m in the_task.sft_examples(seed, demo_fraction)]
+        shutil.rmtree(os.path.join(config["out_dir"], "best"), ignore_errors=True)
+    examples, spent = training_examples(the_task, env, start, config)
     # validation loss on the task's own answers, when it has them
-    val = None
-    if offers(the_task, "solutions"):
-        val = demonstrations(env, val_problems)
+    val = demonstrations(env, val_problems) if offers(the_task, "solutions") else None
     print0(f"{len(examples)} training conversations ({sum(sum(m) for _, m in examples)} reply "
            f"tokens), {len(val_problems)} validation problems")
+    batch_tokens, seed = config["batch_tokens"], config["seed"]
     loader = training.PackedLoader([i for i, _ in examples],
                                    [[float(x) for x in m] for _, m in examples], batch_tokens, seed)
     val_batches = None if val is None else training.fixed_batches(
         [i for i, _ in val], [[float(x) for x in m] for _, m in val], batch_tokens)
-    eval_fn = make_eval_fn(env, val_problems, val_batches, start)
+    eval_fn = make_eval_fn(env, val_problems, val_batches, start, config)
     final = training.train(config, start, loader, eval_fn, spent)
     if "eval/accuracy" in final:
         print0(f"validation accuracy (greedy, {len(val_problems)} problems): "
                f"{final['eval/accuracy']:.3f}")
     distributed.teardown()
+    return final
+
+
+if __name__ == "__main__":
+    main(configure(globals(), sys.argv[1:], stage="sft"))

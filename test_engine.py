@@ -10,7 +10,7 @@ import torch
 from transformers import Qwen3Config, Qwen3MoeConfig
 
 from attention import DocumentCausalAttention, PagedAttention, PaddedCall, PagedKVCache
-from conftest import write_hf_checkpoint
+from conftest import check_invariants, write_hf_checkpoint
 from engine import EngineConfig, InferenceEngine, SamplingParams
 from checkpoint import load_hf_checkpoint
 from model import ModelConfig
@@ -108,7 +108,7 @@ def test_greedy_matches_transformers_generate(checkpoint):
     stats = engine.stats()
     assert stats["prefill_tokens"] + stats["prefix_cache_hit_tokens"] == sum(map(len, PROMPTS))
     assert engine.blocks.num_free_blocks() == engine.blocks.num_blocks
-    engine.blocks.check()
+    check_invariants(engine.blocks)
 
 
 @torch.no_grad()
@@ -227,7 +227,7 @@ def test_tiny_pool_preempts_and_still_matches_roomy_pool(moe):
         assert outputs(got) == outputs(ref)
         assert tiny.stats()["preemptions"] > 0 and roomy.stats()["preemptions"] == 0
         assert tiny.blocks.num_free_blocks() == tiny.blocks.num_blocks == 5
-        tiny.blocks.check()
+        check_invariants(tiny.blocks)
         for a, b in zip(got, ref):
             assert max(abs(x - y) for x, y in zip(a.logprobs, b.logprobs)) < 1e-4
 

@@ -262,20 +262,3 @@ class RadixCache:
         for slot in reversed(seq.block_table):
             self._drop(slot)
         seq.block_table, seq.num_computed, seq.kv_version, seq.catching_up = [], 0, None, True
-
-    def check(self):
-        """The invariants (tests call this): refcounts >= 0, free means refcount 0 and not
-        in the tree, each slot in at most one edge, the tree's counts agree, every edge
-        non-empty and filed under its first token."""
-        assert all(r >= 0 for r in self.refcount)
-        assert len(self.free) == len(set(self.free)), "a slot is free twice"
-        assert all(self.refcount[s] == 0 and not self.in_tree[s] for s in self.free)
-        assert sum(r > 0 for r in self.refcount) + len(self.free) == self.num_blocks
-        nodes = self._nodes()
-        owned = [s for n in nodes for s in n.slots]
-        assert len(owned) == len(set(owned)), "a slot is in two edges"
-        assert set(owned) == {s for s in range(self.num_blocks) if self.in_tree[s]}
-        assert all(self.refcount[s] >= 1 for s in owned)
-        assert self.num_evictable == sum(self.refcount[s] == 1 for s in owned)
-        for n in nodes:
-            assert n.key and len(n.key) == len(n.slots) and n.parent.children[n.key[0]] is n

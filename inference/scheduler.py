@@ -238,20 +238,6 @@ class BlockAllocator:
             self.free(b)
         seq.block_table, seq.num_computed, seq.kv_version, seq.catching_up = [], 0, None, True
 
-    def check(self):
-        """The invariants (tests call this): refcounts >= 0, free + used = total, free
-        means refcount 0, names and the table agree."""
-        free = self.free_plain + list(self.free_cached)
-        assert len(free) == len(set(free)), "a block is free twice"
-        assert all(r >= 0 for r in self.refcount)
-        assert all(self.refcount[b] == 0 for b in free)
-        used = sum(r > 0 for r in self.refcount)
-        assert used + len(free) == self.num_blocks, (used, len(free), self.num_blocks)
-        assert all(self.block_hash[b] is not None for b in self.free_cached)
-        assert all(self.block_hash[b] is None for b in self.free_plain)
-        assert all(self.block_hash[b] == h for h, b in self.cached.items())
-        assert sum(h is not None for h in self.block_hash) == len(self.cached)
-
 
 # -----------------------------------------------------------------------------
 # scheduling: a pure function of the queues and the free blocks

@@ -12,6 +12,7 @@ from collections import Counter
 
 import pytest
 import torch
+from conftest import check_invariants
 from hypothesis import given, settings, strategies as st
 
 from engine import SamplingParams
@@ -62,7 +63,7 @@ def test_radix_greedy_matches_transformers_and_paged(checkpoint):
     assert outputs(got) == outputs(paged) and close(got, paged)
     # the same memory, one-token blocks
     assert radix.blocks.num_free_blocks() == radix.blocks.num_blocks == 64 * 16
-    radix.blocks.check()
+    check_invariants(radix.blocks)
 
 
 def test_radix_seeded_sampling_equals_paged(checkpoint):
@@ -92,7 +93,7 @@ def test_radix_tiny_pool_preempts_evicts_and_still_matches_paged(moe):
         assert (st["preemptions"] > 0 and tiny.blocks.num_evicted > 0
                 and st["prefix_cache_hit_tokens"] > 0)
         assert tiny.blocks.num_free_blocks() == tiny.blocks.num_blocks == 80
-        tiny.blocks.check()
+        check_invariants(tiny.blocks)
 
 
 # -----------------------------------------------------------------------------
@@ -178,7 +179,7 @@ def test_radix_update_weights_serves_no_stale_kv(moe, tmp_path_factory):
     assert engine.stats()["prefix_cache_hit_tokens"] > hits         # ... though new ones are
     assert engine.blocks.num_free_blocks() == engine.blocks.num_blocks
     assert request_id == len(PROMPTS)
-    engine.blocks.check()
+    check_invariants(engine.blocks)
 
 
 def test_radix_abort_and_bad_input_leave_the_cache_whole(moe):
@@ -194,13 +195,13 @@ def test_radix_abort_and_bad_input_leave_the_cache_whole(moe):
     for bad in ([VOCAB_PLUS], [], "abc"):
         with pytest.raises((ValueError, TypeError)):
             engine.add_request(bad, SamplingParams())
-    engine.blocks.check()
+    check_invariants(engine.blocks)
     done = []
     while engine.has_pending():
         done += engine.step()
     assert {s.request_id for s in done} == {keep} and len(done) == 4
     assert engine.blocks.num_free_blocks() == engine.blocks.num_blocks
-    engine.blocks.check()
+    check_invariants(engine.blocks)
 
 
 VOCAB_PLUS = 10 ** 6   # a token id outside any vocabulary here
@@ -271,7 +272,7 @@ def test_radix_tree_invariants(ops):
         elif op == "invalidate":
             cache.invalidate()
             stale |= {s.uid for s in running}
-        cache.check()
+        check_invariants(cache)
         # refcounts are exactly the holders: so a held slot was never evicted, and none
         # is owned twice
         holders = Counter(slot for seq in running for slot in seq.block_table)

@@ -10,6 +10,7 @@ import math
 
 import pytest
 import torch
+from conftest import check_invariants
 from hypothesis import given, settings, strategies as st
 
 from engine import (
@@ -176,10 +177,10 @@ def test_allocator_invariants(ops):
                 held.append(b)
         elif op == "invalidate":
             alloc.invalidate()
-        alloc.check()
+        check_invariants(alloc)
         assert all(alloc.refcount[b] == held.count(b) for b in range(6))
         assert alloc.num_free_blocks() + len(set(held)) == 6
     for b in list(held):
         alloc.free(b)
-    alloc.check()
+    check_invariants(alloc)
     assert alloc.num_free_blocks() == 6

@@ -17,6 +17,7 @@ import checkpoint
 import training
 from conftest import write_task
 from checkpoint import load_hf_checkpoint
+from configurator import configure
 from model import ModelConfig, Transformer
 from tokenizer import build_tokenizer
 from training import PackedBatch, PackedLoader, pack_sequences, unified_loss
@@ -367,22 +368,20 @@ def test_fresh_run_clears_an_earlier_runs_checkpoints(tmp_path):
 
 
 @pytest.mark.parametrize("script, stage", [("pretrain.py", "pretrain"), ("sft.py", "sft")])
-def test_scripts_refuse_unknown_and_wrong_typed_keys(script, stage, monkeypatch):
-    path = os.path.join(ROOT, script)
-    monkeypatch.setattr(sys, "argv", [path, "--max_itres=5"])
+def test_scripts_refuse_unknown_and_wrong_typed_keys(script, stage):
+    settings = runpy.run_path(os.path.join(ROOT, script), run_name="not_main")
     with pytest.raises(ValueError, match="unknown config key 'max_itres'.*max_iters"):
-        runpy.run_path(path, run_name="not_main")
-    monkeypatch.setattr(sys, "argv", [path, "--max_iters=lots"])
+        configure(settings, ["--max_itres=5"], stage)
     with pytest.raises(TypeError, match="max_iters"):
-        runpy.run_path(path, run_name="not_main")
+        configure(settings, ["--max_iters=lots"], stage)
 
 
-def test_default_config_chains_the_stages(monkeypatch):
+def test_default_config_chains_the_stages():
     cfg_file = os.path.join(ROOT, "config", "qwen_small.py")
     got = {}
-    for script in ("pretrain.py", "sft.py"):
-        monkeypatch.setattr(sys, "argv", [script, cfg_file])
-        got[script] = runpy.run_path(os.path.join(ROOT, script), run_name="not_main")["config"]
+    for script, stage in (("pretrain.py", "pretrain"), ("sft.py", "sft")):
+        settings = runpy.run_path(os.path.join(ROOT, script), run_name="not_main")
+        got[script] = configure(settings, [cfg_file], stage)
     assert got["pretrain.py"]["init_from"] == "scratch"
     assert got["sft.py"]["init_from"] == got["pretrain.py"]["out_dir"]
     assert (got["sft.py"]["model"] == got["pretrain.py"]["model"]
