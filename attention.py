@@ -34,11 +34,10 @@ from inference.sampling import scratch
 
 @functools.cache
 def compile_once(fn, dynamic=None):
-    """torch.compile(fn), once per process. Batch sizes and lengths change every call. For
-    flex, torch.compile's automatic dynamic shapes (first call static, then the dims
-    that changed go dynamic) keep recompiles to a few: dynamic=True hits an inductor C++
-    codegen error for CPU flex (torch 2.13). The decode step (inference/decode.py) takes
-    dynamic=True: one compile for every shape."""
+    """torch.compile(fn), once per process. Batch sizes and lengths change every call:
+    flex takes torch.compile's automatic dynamic shapes (a few recompiles; dynamic=True
+    fails in inductor's CPU flex codegen), the decode step (inference/decode.py)
+    dynamic=True (one compile for every shape)."""
     return torch.compile(fn, dynamic=dynamic)
 
 
@@ -51,11 +50,10 @@ class DocumentCausalAttention:
     causality alone keeps every real query off it. That is N x L^2 work instead of T^2,
     same mask, same numbers. flex=True: FlexAttention with a document-causal mask_mod (a
     sparse BlockMask, no padding), compiled on a GPU (eager flex materialises the T x T
-    scores, and has no CPU backward); torch 2.11's compiled flex fails once changing batch
-    shapes make it recompile dynamically (engine.attention_choice), so it is not the
-    default. With branch (training.pack_groups: completions that share their prompt's
-    rows), a row also sees only branch 0 and its own branch: an explicit mask for SDPA,
-    one more condition in the mask_mod."""
+    scores, and has no CPU backward); not the default (docs/speed.md says why). With
+    branch (training.pack_groups: completions that share their prompt's rows), a row
+    also sees only branch 0 and its own branch: an explicit mask for SDPA, one more
+    condition in the mask_mod."""
 
     def __init__(self, cu_seqlens, num_tokens, device, flex=False, branch=None):
         lengths = (cu_seqlens[1:] - cu_seqlens[:-1]).long().to(device)

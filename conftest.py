@@ -64,9 +64,8 @@ def run_ranks(argv, nproc, env, **kwargs):
     """Run `python argv` (under torchrun --standalone when nproc > 1; the script ends with
     FINISHED) with capture_output=True, text=True; a run that failed only by gloo's exit
     race comes back with returncode 0."""
-    cmd = [sys.executable] + (["-m", "torch.distributed.run", "--standalone",
-                               f"--nproc_per_node={nproc}"] if nproc > 1 else []) + [str(a)
-                                                                                     for a in argv]
+    torchrun = ["-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"]
+    cmd = [sys.executable] + (torchrun if nproc > 1 else []) + [str(a) for a in argv]
     with tempfile.TemporaryDirectory() as finish_dir:
         done = subprocess.run(cmd, env=dict(env, FINISH_DIR=finish_dir), capture_output=True,
                               text=True, **kwargs)

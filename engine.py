@@ -649,14 +649,10 @@ def make_blocks(config, num_blocks):
 
 def attention_choice(device_type, backend, compile, head_dim):
     """(backend, compile) the engine runs. 'auto' is SDPA over the gathered blocks on
-    every device: on CPU bench/bench.py measures it faster than eager flex, and on CUDA
-    torch 2.11's compiled flex kernel fails once an engine's changing batch shapes make
-    it recompile dynamically (NoValidChoicesError, seen on an H100; torch 2.13 not tried
-    there). 'flex' stays selectable; compile=None compiles it on CUDA only (on CPU the
-    first compile costs tens of seconds, paid once per process). Compiled flex on CUDA
-    needs heads of at least 16 dims (torch's kernel). With SDPA, compile=True runs the
-    steps where every sequence decodes as one graph (decode.StaticDecode); None and
-    False leave them eager."""
+    every device (docs/speed.md says why). 'flex' stays selectable; compile=None
+    compiles it on CUDA only, where it needs heads of at least 16 dims. With SDPA,
+    compile=True runs the steps where every sequence decodes as one graph
+    (decode.StaticDecode); None and False leave them eager."""
     backend = "sdpa" if backend == "auto" else backend
     if compile is None:
         compile = backend == "flex" and device_type == "cuda"

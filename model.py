@@ -286,10 +286,12 @@ class Experts(nn.Module):
         xs = x.index_select(0, order // k)                # the token of each pair, expert by expert
         # tokens per expert (a bincount, whose output size torch.compile cannot
         # know in advance)
-        counts = flat.new_zeros(self.gate_up_proj.shape[0]).index_add_(0, flat,
-                                                                       torch.ones_like(flat))
-        ys = self._grouped(xs, counts) if _use_grouped_mm(x, self) else self._loop(xs,
-                                                                                   counts.tolist())
+        counts = flat.new_zeros(self.gate_up_proj.shape[0])
+        counts.index_add_(0, flat, torch.ones_like(flat))
+        if _use_grouped_mm(x, self):
+            ys = self._grouped(xs, counts)
+        else:
+            ys = self._loop(xs, counts.tolist())
         # back to (token, slot) order by gathering with the inverse permutation
         # (deterministic, unlike a scatter-add), then each token's k outputs
         # weighted and summed
@@ -421,9 +423,9 @@ class Transformer(nn.Module):
         self.layers = nn.ModuleList(Block(config, i) for i in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         # a tied head reads the embedding matrix; an untied one has its own
-        self.lm_head = None if config.tie_word_embeddings else nn.Linear(config.hidden_size,
-                                                                         config.vocab_size,
-                                                                         bias=False)
+        self.lm_head = None
+        if not config.tie_word_embeddings:
+            self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         self._rope = None                  # (inv_freq, cos/sin scale), on first use
         self.apply(self._init_weights)
 
@@ -540,9 +542,8 @@ class HeadLogprobs(torch.autograd.Function):
             w = weight.to(dtype)
             for s in range(0, hidden.shape[0], rows):
                 logits = F.linear(hidden[s:s + rows].to(dtype), w).float() / temperature
-                out[s:s + rows] = torch.log_softmax(logits, -1).gather(1,
-                                                                       labels[s:s + rows, None])[:,
-                                                                                                 0]
+                logp = torch.log_softmax(logits, -1)
+                out[s:s + rows] = logp.gather(1, labels[s:s + rows, None])[:, 0]
         ctx.save_for_backward(hidden, weight, labels)
         ctx.temperature, ctx.rows, ctx.dtype = temperature, rows, dtype
         return out

@@ -56,9 +56,9 @@ def importance_ratios(trainer_lp, engine_lp, mask, ids=None):
     if ids is None:
         return torch.where(mask, log_r.exp(), 1.0)
     n = int(ids.max()) + 1
-    sums = torch.zeros(n, dtype=log_r.dtype, device=log_r.device).index_add_(0, ids, log_r)
-    counts = torch.zeros(n, dtype=log_r.dtype, device=log_r.device).index_add_(0, ids,
-                                                                               mask.to(log_r.dtype))
+    zeros = torch.zeros(n, dtype=log_r.dtype, device=log_r.device)
+    sums = zeros.index_add(0, ids, log_r)
+    counts = zeros.index_add(0, ids, mask.to(log_r.dtype))
     mean = sums / counts.clamp(min=1)
     return torch.where(mask, mean[ids].exp(), 1.0)
 

@@ -166,9 +166,8 @@ def _check_messages(tok, messages) -> None:
                          f"{messages!r}")
     specials = set(tok.all_special_tokens)
     for m in messages:
-        if not isinstance(m, Mapping) or not isinstance(m.get("role"),
-                                                        str) or not isinstance(m.get("content"),
-                                                                               str):
+        if not (isinstance(m, Mapping) and isinstance(m.get("role"), str)
+                and isinstance(m.get("content"), str)):
             raise TypeError(f"each message must be a dict with str 'role' and 'content', got {m!r}")
         if m["role"] not in ("system", "user", "assistant"):
             raise ValueError(f"unknown chat role {m['role']!r} (expected system, user or "

@@ -57,8 +57,8 @@ def sampling_uniforms(seeds, positions):
 def mix_seed(seed, k):
     """The k-th sub-seed of a seed (the k-th prompt of a call, the k-th sample of a
     group): distinct, reproducible."""
-    return xxhash.xxh64_intdigest(int(seed).to_bytes(8, "little") + int(k).to_bytes(8,
-                                                                                    "little")) >> 1
+    key = int(seed).to_bytes(8, "little") + int(k).to_bytes(8, "little")
+    return xxhash.xxh64_intdigest(key) >> 1
 
 
 def sample_with_logprobs(logits, temperatures, top_k=None, top_p=None, seeds=None, positions=None):

@@ -286,18 +286,16 @@ def schedule(waiting, running, num_free_blocks, scheduler_config) -> SchedulerOu
     never writes them.
 
     1. Running sequences, oldest first, each as many new tokens as it has (a prefill
-       is chunked to
-    the token
-       budget). The engine admits in order and a prefill finishes before anything admitted after it
-       starts, so the prefilling sequences are the newest: in practice this is decodes first, then
-       prefill chunks. When the free blocks don't cover one, the newest running sequence is
-       preempted (its blocks counted free once no other running sequence holds them) until they do;
-       if that newest one is the sequence itself, it is preempted and the step stops there.
-    2. Only if nothing was preempted: waiting sequences in order (no skipping
-       ahead), each starting
-    after its
-       prefix-cache hit, while the batch has room (a group counts as its num_samples sequences), the
-       token budget lasts and the blocks suffice.
+       is chunked to the token budget). The engine admits in order and a prefill
+       finishes before anything admitted after it starts, so the prefilling sequences
+       are the newest: in practice this is decodes first, then prefill chunks. When the
+       free blocks don't cover one, the newest running sequence is preempted (its
+       blocks counted free once no other running sequence holds them) until they do; if
+       that newest one is the sequence itself, it is preempted and the step stops there.
+    2. Only if nothing was preempted: waiting sequences in order (no skipping ahead),
+       each starting after its prefix-cache hit, while the batch has room (a group
+       counts as its num_samples sequences), the token budget lasts and the blocks
+       suffice.
     Every request finishes: the oldest running sequence is never preempted while another
     exists, and the engine refuses a request that could not fit the pool alone."""
     budget, free = scheduler_config.max_num_batched_tokens, num_free_blocks

@@ -111,8 +111,8 @@ def send_rollout(tensors, dst):
     works are done)."""
     data, names = (t.to(distributed.comm_device()) for t in tensors)
     header = torch.tensor([data.numel(), names.numel()], dtype=torch.int64, device=data.device)
-    return [dist.isend(header, dst), dist.isend(data, dst), dist.isend(names, dst)], (data, names,
-                                                                                      header)
+    works = [dist.isend(header, dst), dist.isend(data, dst), dist.isend(names, dst)]
+    return works, (data, names, header)
 
 
 def recv_rollout(src):

@@ -155,8 +155,8 @@ def read_sampling(server, body, logprobs_k, prompts):
     top_p = _field(body, "top_p", (int, float), 1.0, lambda v: 0 < v <= 1, "must be in (0, 1]")
     top_k = _field(body, "top_k", (int,), 0, lambda v: v >= -1, "must be -1 or 0 (off), or >= 1")
     seed = _field(body, "seed", (int,), None, lambda v: 0 <= v < 2 ** 64, "must be in [0, 2**64)")
-    stop = [body["stop"]] if isinstance(body.get("stop"), str) else _field(body, "stop", (list,),
-                                                                           [])
+    stop = body.get("stop")
+    stop = [stop] if isinstance(stop, str) else _field(body, "stop", (list,), [])
     if not all(isinstance(s, str) and s for s in stop):
         raise BadRequest(f"stop must be a non-empty string or a list of them, got {stop!r}", "stop")
     stop_ids = _field(body, "stop_token_ids", (list,), [],
@@ -348,8 +348,8 @@ async def completions(server, http, body):
     prompts = completion_prompts(server, body)
     want_logprobs, k = read_logprobs(server, body, chat=False)
     params, n, stop = read_sampling(server, body, k, prompts)
-    ids_back, stream = _field(body, "return_token_ids", (bool,), False), _field(body, "stream",
-                                                                                (bool,), False)
+    ids_back = _field(body, "return_token_ids", (bool,), False)
+    stream = _field(body, "stream", (bool,), False)
     # seeded: prompt i draws as prompt first_index + i of one engine.generate call (a
     # trainer's share of a rollout split across servers draws what one engine would)
     first = _field(body, "first_index", (int,), 0, lambda v: 0 <= v < 2 ** 63,
@@ -385,8 +385,8 @@ async def chat_completions(server, http, body):
     prompt = chat_prompt(server, body)
     want_logprobs, k = read_logprobs(server, body, chat=True)
     params, n, stop = read_sampling(server, body, k, [prompt])
-    ids_back, stream = _field(body, "return_token_ids", (bool,), False), _field(body, "stream",
-                                                                                (bool,), False)
+    ids_back = _field(body, "return_token_ids", (bool,), False)
+    stream = _field(body, "stream", (bool,), False)
     head = {"id": f"chatcmpl-{uuid.uuid4().hex}", "object": "chat.completion",
             "created": int(time.time()), "model": server.name}
     choices = new_choices([prompt], n)
