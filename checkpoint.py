@@ -2,7 +2,7 @@
 Everything on disk: the Hugging Face format of a model, and the training checkpoints
 built on it.
 
-    from checkpoint import load_hf_checkpoint, save_hf_checkpoint     # also importable from model
+    from checkpoint import load_hf_checkpoint, save_hf_checkpoint
     model = load_hf_checkpoint("path/to/hf_dir")       # qwen3_moe, qwen3, qwen2, llama; fp32 on cpu
     save_hf_checkpoint(model, "out/hf")                         # AutoModelForCausalLM loads it back
 

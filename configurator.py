@@ -1,7 +1,6 @@
 """
-nanoGPT-style configuration: module-level defaults in each script, overridden by
-config files and
---key=value.
+nanoGPT-style configuration: module-level defaults in each script, overridden by config
+files and --key=value.
 
     # sft.py
     lr = 3e-4
@@ -9,8 +8,9 @@ config files and
     out_dir = "out/sft"
     init_from = None
     # -----------------------------------------------------------------------------
-    # mutates globals(), returns the config dict
-    config = configure(globals(), sys.argv[1:], stage="sft")
+    ...
+    if __name__ == "__main__":
+        main(configure(globals(), sys.argv[1:], stage="sft"))   # the checked config dict
 
     $ python sft.py config/qwen_small.py --lr=1e-5 --out_dir=out/run2
 
@@ -21,9 +21,9 @@ config files and
 
 The script's settings are the names in `globals()` at the time of the call that do not
 start with '_' and whose value is exactly one of int, float, bool, str, None, list,
-tuple, dict. Modules, functions, classes and dataclass instances are not settings; call
-`configure` right after the settings block. An imported plain constant (`from math
-import pi`) would count, so import those under a '_' name.
+tuple, dict. Modules, functions, classes and dataclass instances are not settings. An
+imported plain constant (`from math import pi`) would count, so import those under a '_'
+name.
 
 Apply order: each config file's shared top-level names, then its section for the running
 stage, then the --key=value arguments. Config files run in a fresh namespace (with

@@ -14,6 +14,8 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
+from inference.radix import RadixCache
+
 
 def randomise(hf_model, seed=0):
     """Perturb every parameter: all-zero routers and all-one norms hide bugs (a wrong norm
@@ -90,8 +92,8 @@ def reward(problem, completion_text):
 
 
 def write_task(directory, source=PARITY_TASK, name="parity_task.py"):
-    """A task file (tasks/environment.py's interface) in directory; returns its path, for
-    --task=."""
+    """A task file (tasks/environment.py's interface) in directory; returns its path
+    (for --task=)."""
     path = os.path.join(directory, name)
     with open(path, "w") as f:
         f.write(source)
@@ -105,38 +107,37 @@ def write_task(directory, source=PARITY_TASK, name="parity_task.py"):
 def check_invariants(blocks):
     """The invariants of an engine's blocks (scheduler.BlockAllocator or
     radix.RadixCache)."""
-    from inference.radix import RadixCache
     (radix_invariants if isinstance(blocks, RadixCache) else allocator_invariants)(blocks)
 
 
-def allocator_invariants(self):
+def allocator_invariants(alloc):
     """A BlockAllocator's: refcounts >= 0, free + used = total, free means refcount 0,
     names and the table agree."""
-    free = self.free_plain + list(self.free_cached)
+    free = alloc.free_plain + list(alloc.free_cached)
     assert len(free) == len(set(free)), "a block is free twice"
-    assert all(r >= 0 for r in self.refcount)
-    assert all(self.refcount[b] == 0 for b in free)
-    used = sum(r > 0 for r in self.refcount)
-    assert used + len(free) == self.num_blocks, (used, len(free), self.num_blocks)
-    assert all(self.block_hash[b] is not None for b in self.free_cached)
-    assert all(self.block_hash[b] is None for b in self.free_plain)
-    assert all(self.block_hash[b] == h for h, b in self.cached.items())
-    assert sum(h is not None for h in self.block_hash) == len(self.cached)
+    assert all(r >= 0 for r in alloc.refcount)
+    assert all(alloc.refcount[b] == 0 for b in free)
+    used = sum(r > 0 for r in alloc.refcount)
+    assert used + len(free) == alloc.num_blocks, (used, len(free), alloc.num_blocks)
+    assert all(alloc.block_hash[b] is not None for b in alloc.free_cached)
+    assert all(alloc.block_hash[b] is None for b in alloc.free_plain)
+    assert all(alloc.block_hash[b] == h for h, b in alloc.cached.items())
+    assert sum(h is not None for h in alloc.block_hash) == len(alloc.cached)
 
 
-def radix_invariants(self):
+def radix_invariants(cache):
     """A RadixCache's: refcounts >= 0, free means refcount 0 and not in the tree, each
     slot in at most one edge, the tree's counts agree, every edge non-empty and filed
     under its first token."""
-    assert all(r >= 0 for r in self.refcount)
-    assert len(self.free) == len(set(self.free)), "a slot is free twice"
-    assert all(self.refcount[s] == 0 and not self.in_tree[s] for s in self.free)
-    assert sum(r > 0 for r in self.refcount) + len(self.free) == self.num_blocks
-    nodes = self._nodes()
+    assert all(r >= 0 for r in cache.refcount)
+    assert len(cache.free) == len(set(cache.free)), "a slot is free twice"
+    assert all(cache.refcount[s] == 0 and not cache.in_tree[s] for s in cache.free)
+    assert sum(r > 0 for r in cache.refcount) + len(cache.free) == cache.num_blocks
+    nodes = cache._nodes()
     owned = [s for n in nodes for s in n.slots]
     assert len(owned) == len(set(owned)), "a slot is in two edges"
-    assert set(owned) == {s for s in range(self.num_blocks) if self.in_tree[s]}
-    assert all(self.refcount[s] >= 1 for s in owned)
-    assert self.num_evictable == sum(self.refcount[s] == 1 for s in owned)
+    assert set(owned) == {s for s in range(cache.num_blocks) if cache.in_tree[s]}
+    assert all(cache.refcount[s] >= 1 for s in owned)
+    assert cache.num_evictable == sum(cache.refcount[s] == 1 for s in owned)
     for n in nodes:
         assert n.key and len(n.key) == len(n.slots) and n.parent.children[n.key[0]] is n

@@ -103,8 +103,8 @@ MIN_TEMPERATURE = 1e-5
 @dataclass(frozen=True)
 class SamplingParams:
     """How to sample. top_k / top_p restrict what is drawn; the logprob recorded is that
-    of the distribution drawn from: log_softmax(logits / T) over the whole vocabulary (T
-    = 1 when greedy), renormalised over what top_k / top_p keep, see
+    of the distribution drawn from: log_softmax(logits / T) over the whole vocabulary
+    (T = 1 when greedy), renormalised over what top_k / top_p keep, see
     sample_with_logprobs."""
     temperature: float = 1.0            # 0 = greedy
     max_tokens: int = 256               # completion tokens at most
@@ -152,8 +152,9 @@ class TrainingSample:
     sample_index: int = 0               # 0..num_samples-1 within its request
     top_logprobs: tuple = ()
     loss_mask: tuple = ()
-    # EngineConfig(record_routes=True), an MoE model: the experts each position 0 .. P + C
-    # - 2 was routed to in each MoE layer, int16 [P + C - 1, M, top_k] (routing replay)
+    # EngineConfig(record_routes=True), an MoE model: the experts each position
+    # 0 .. P + C - 2 was routed to in each MoE layer, int16 [P + C - 1, M, top_k] (routing
+    # replay)
     routes: torch.Tensor | None = None
 
 

@@ -5,8 +5,7 @@ to fp32 rounding.
     from model import ModelConfig, Transformer
     from checkpoint import load_hf_checkpoint, save_hf_checkpoint
     model = load_hf_checkpoint("path/to/hf_dir")    # qwen3_moe, qwen3, qwen2, llama; fp32 on cpu
-    # a packed batch: [T], [T], [N+1] int32
-    logits, aux_loss = model(tokens, position_ids, cu_seqlens)
+    logits, aux_loss = model(tokens, position_ids, cu_seqlens)   # packed: [T], [T], [N+1] int32
     save_hf_checkpoint(model, "out/hf")                         # AutoModelForCausalLM loads it back
 
 Everything is computed over a *packed* batch: the sequences are laid end to end in one

@@ -50,8 +50,8 @@ def sample_ids(batch):
 def importance_ratios(trainer_lp, engine_lp, mask, ids=None):
     """ratio per row [T]: r = exp(trainer - engine) on the masked rows, 1 elsewhere;
     with ids (the rows' samples), the sample's geometric mean ratio on each of its rows.
-    Worked example: one sample, log r = [0.2, -0.4, 0.5] -> mean 0.1, every row exp(0.1)
-    = 1.105."""
+    Worked example: one sample, log r = [0.2, -0.4, 0.5] -> mean 0.1, every row
+    exp(0.1) = 1.105."""
     log_r = torch.where(mask, trainer_lp - engine_lp, 0.0)
     if ids is None:
         return torch.where(mask, log_r.exp(), 1.0)

@@ -20,7 +20,7 @@ import training
 from checkpoint import init_start
 from configurator import configure, print0
 from tasks.environment import load_task, offers
-from tokenizer import ENDOFTEXT, build_tokenizer
+from tokenizer import ENDOFTEXT as _ENDOFTEXT, build_tokenizer
 
 # -----------------------------------------------------------------------------
 # settings (a config file, then --key=value, override these)
@@ -64,7 +64,7 @@ wandb_run_name = ""
 def documents(tokenizer, the_task, n, seed):
     """token ids of n corpus documents, each closed with <|endoftext|> so the model learns
     where one ends"""
-    eot = tokenizer.convert_tokens_to_ids(ENDOFTEXT)
+    eot = tokenizer.convert_tokens_to_ids(_ENDOFTEXT)
     return [tokenizer.encode(d, add_special_tokens=False) + [eot]
             for d in the_task.pretrain_corpus(n, seed)]
 
@@ -87,7 +87,9 @@ def main(config):
     def eval_fn(model):
         return {"eval/loss": training.evaluate_loss(model, val_batches, config["device"])}
 
-    return training.train(config, start, loader, eval_fn=eval_fn)
+    final = training.train(config, start, loader, eval_fn=eval_fn)
+    distributed.teardown()
+    return final
 
 
 if __name__ == "__main__":

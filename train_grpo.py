@@ -96,7 +96,7 @@ chat_template_kwargs = dict() # to the chat template: Qwen3's dict(enable_thinki
 share_prompt = True           # train on a group's prompt once (training.pack_groups)
 scale_rewards = False         # divide advantages by the group's std (GRPO), not only centre them
 turn_baseline = False         # multi-turn: reply k against the episodes that reached reply k
-loss_norm = "constant"        # 'constant' | 'tokens' | 'weights' (see the top of this file)
+loss_norm = "constant"        # 'constant' | 'tokens' | 'weights' (docs/pipeline.md)
 kl_coef = 0.0                 # > 0: weights -= kl_coef * (log p - log p_start)
 # off-policy corrections (off_policy.py), ratio = exp(trainer - engine logprob) per token
 tis_cap = 0.0                 # > 0: weights *= min(ratio, tis_cap) (truncated IS)
@@ -145,8 +145,8 @@ globals().update(sources.SETTINGS)
 
 
 def group_advantages(rewards, group_size, scale_rewards=False, eps=1e-6):
-    """reward - mean of its group, for rewards laid out group by group ([num_groups * G]
-    -> same shape). With scale_rewards the centred rewards are divided by the group's
+    """reward - mean of its group, for rewards laid out group by group
+    ([num_groups * G] -> same shape). With scale_rewards the centred rewards are divided by the group's
     std (+eps), as in the GRPO paper."""
     r = torch.as_tensor(rewards, dtype=torch.float32)
     require(r.dim() == 1 and r.numel() > 0 and r.numel() % group_size == 0,
@@ -204,9 +204,9 @@ def zero_variance_groups(rewards, group_size):
 
 
 class ProblemSampler:
-    """The training problems, drawn in proportion to how much each can teach now: p(1 -
-    p), where p is the problem's success rate so far under a uniform prior, (successes +
-    1) / (samples + 2). An unseen problem weighs the most (1/4); one always or never
+    """The training problems, drawn in proportion to how much each can teach now:
+    p(1 - p), where p is the problem's success rate so far under a uniform prior,
+    (successes + 1) / (samples + 2). An unseen problem weighs the most (1/4); one always or never
     solved sinks toward 0 as its samples grow, so the rollouts go to problems whose
     groups have reward variance. A step's problems are distinct.
 
@@ -368,7 +368,7 @@ def document_routes(prompt, samples):
 def loss_normalizer(batches, config):
     """The denominator of the step's loss, fixed before any correction is folded into the
     weights (so TIS is the paper's estimator, its ratio outside the normalizer): see
-    loss_norm at the top of this file."""
+    loss_norm in docs/pipeline.md."""
     if config["loss_norm"] == "constant":
         return float(config["prompts_per_step"] * config["group_size"] * config["max_new_tokens"]
                      * config["max_turns"])
@@ -378,8 +378,8 @@ def loss_normalizer(batches, config):
 
 
 def policy_loss(logp, batch, normalizer, config, stats=None):
-    """GRPO's objective on a batch: the shared unified_loss, -(token_weights * log
-    p).sum() / normalizer, with token_weights = advantage x loss mask (times an IS
+    """GRPO's objective on a batch: the shared unified_loss,
+    -(token_weights * log p).sum() / normalizer, with token_weights = advantage x loss mask (times an IS
     factor and minus the KL term, when on). With ppo_clip > 0, PPO's clipped objective
     on the same weights instead (off_policy.ppo_loss; stats counts the rows it clipped).
     A fork changes the objective here, reading its settings from config (docs/forks.md)."""
@@ -513,7 +513,7 @@ def grpo_step(source, run, reference, config, it):
     # 5. publish the new weights (Colocated: in place, so the next rollout is on-policy)
     metrics.update(source.publish(run.model, it))
     clock["end"] = time.perf_counter()
-    return metrics, flops + step_flops(metrics, clock, batches, run, reference, config)
+    return metrics, flops + step_bookkeeping(metrics, clock, batches, run, reference, config)
 
 
 def optimizer_steps(policy, run, batches, normalizer, config, it):
@@ -536,7 +536,7 @@ def optimizer_steps(policy, run, batches, normalizer, config, it):
     return metrics
 
 
-def step_flops(metrics, clock, batches, run, reference, config):
+def step_bookkeeping(metrics, clock, batches, run, reference, config):
     """The FLOPs of the step's training (the optimizer steps and any logprob pass); adds
     its timings, throughput and MFU (of the optimizer step alone), and with rollout
     ranks the share of the step the trainer waited on them, to metrics. clock:
@@ -669,7 +669,7 @@ def best_so_far(config, start):
 def main(config):
     config["device"] = distributed.setup(config["device"], config["dist_timeout_s"])
     check_settings(config)
-    roles = sources.roles(config)   # with rollout ranks: which ranks sample, which train
+    roles = sources.split_roles(config)   # with rollout ranks: which ranks sample, which train
     the_task = load_task(config["task"])
     start = init_start(config, build_tokenizer)
     env = Environment(the_task, start.tokenizer, config["max_new_tokens"], config["max_turns"],

@@ -79,8 +79,8 @@ def token_logprobs(logits, labels):
 
 def unified_loss(logits, batch, normalizer=None):
     """-(token_weights * log p(labels)).sum() / normalizer, the one loss of all three
-    trainers. `logits` is [T, V], or the [T] log p(labels) themselves: what model(...,
-    labels=batch.labels) returns, computed a chunk of rows at a time so that no [T, V]
+    trainers. `logits` is [T, V], or the [T] log p(labels) themselves: what
+    model(..., labels=batch.labels) returns, computed a chunk of rows at a time so that no [T, V]
     tensor is ever whole (the trainers' path; the same numbers). The default normalizer
     is token_weights.abs().sum().clamp(min=1), which means:
       pretrain  weights 1         -> the mean next-token NLL (== F.cross_entropy's mean)
@@ -358,10 +358,10 @@ def train_step(model, optimizer, batches, lr, grad_clip=1.0, aux_loss_coef=0.0, 
     gradients summed (DDP averages: each loss is taken world() times), so N ranks step
     as one process would on all of them. A rank with no micro-batch joins with a
     zero-weight one. Batches that carry the sampler's log_probs (GRPO) also give
-    train/logprob_mismatch: the mean
-    |sampler - trainer logprob| over the rows with a weight, from this forward, on the weights
-    before the step, and offpolicy/kl_k3, the k3 estimate of KL(sampler || trainer) over
-    them (the tokens the loss weighs: those masked IS dropped are not in it)."""
+    train/logprob_mismatch, the mean |sampler - trainer logprob| over the rows with a
+    weight, from this forward, on the weights before the step, and offpolicy/kl_k3, the
+    k3 estimate of KL(sampler || trainer) over them (the tokens the loss weighs: those
+    masked IS dropped are not in it)."""
     if isinstance(batches, PackedBatch):
         batches = [batches]
     device = next(p.device for g in optimizer.param_groups for p in g["params"])

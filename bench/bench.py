@@ -23,9 +23,8 @@ update_weights / a bare copy_). What it measures:
      coefficient), both fp32 master weights. And GRPO's own packing, each group's prompt
      trained on once (training.pack_groups), against a sequence per sample (what the
      transformers step does too): step time on the same samples.
-  4. hot-swap: engine.update_weights(policy.state_dict())
-     (names/shapes/dtypes/finiteness checked, in-place copy, version bump, prefix cache
-     flush) vs a bare copy_ of the same tensors; and the floor of any update that checks
+  4. hot-swap: engine.update_weights(policy.state_dict()) (names, shapes, dtypes and
+     finiteness checked, in-place copy, version bump, prefix cache flush) vs a bare copy_ of the same tensors; and the floor of any update that checks
      before it copies: one read of every byte, then the copy, on one flat buffer.
   5. utilisation: our training step's FLOP/s (training.train_flops) over the matmul
      FLOP/s measured in this run.
@@ -66,13 +65,12 @@ import time
 import torch
 import transformers
 
-from bench import bench_peers
 import training
-from engine import EngineConfig, InferenceEngine, SamplingParams, sample_with_logprobs
+from bench import bench_peers
 from bench.measure import (available_bytes, cpu_name, measure_copy_bandwidth, mib, peak_of, sync,
                            timed_pair)
-from training import measure_matmul_flops
 from checkpoint import load_hf_checkpoint
+from engine import EngineConfig, InferenceEngine, SamplingParams, sample_with_logprobs
 
 # -----------------------------------------------------------------------------
 # settings (command-line flags)
@@ -612,7 +610,7 @@ if __name__ == "__main__":
     if args.peers == "only":
         print_table(peer_rows(prompts, stop), "| measure | ours | peer | ratio |")
         raise SystemExit(0)
-    peak = measure_matmul_flops(args.device, hf_dtype)
+    peak = training.measure_matmul_flops(args.device, hf_dtype)
 
     (ours_tps, hf_tps, n_ours, n_hf, *roll_peaks), prefill, profiles = bench_rollout(
         ours, hf.to(hf_dtype), prompts, stop

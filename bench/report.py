@@ -3,9 +3,9 @@
 
 bench/compare.sh trains, per seed, arms from one SFT checkpoint and scores each once on
 the test split:
-  heuristic the closest-pair rule, no learning (task.heuristic_answer)
+  heuristic the closest-pair rule, no learning (countdown.heuristic_answer)
   chain_rule the chain that takes the step leaving the smallest need, no learning
-            (task.chain_rule_answer)
+            (countdown.chain_rule_answer)
   sft       the SFT checkpoint itself (the start)
   sft_more  more SFT on the demonstrations, matched to GRPO's FLOPs, early-stopped on validation
   rft       rejection-sampling fine-tuning, same FLOPs, early-stopped on validation
@@ -25,8 +25,8 @@ multisets) and plots validation accuracy against wall-clock time and against FLO
     python -m bench.report --run RUN PNG out/qwen_small/val_heuristic ...   # + a rule
 
 A difference is paired by seed (both arms start from the same pretrain and SFT
-checkpoint): with d_s = a_s - b_s over n seeds, the interval is mean(d) ± t_{0.975, n-1}
-* std(d, ddof=1) / sqrt(n) (Student's t). It covers the seed-to-seed variation of
+checkpoint): with d_s = a_s - b_s over n seeds, the interval is
+mean(d) ± t_{0.975, n-1} * std(d, ddof=1) / sqrt(n) (Student's t). It covers the seed-to-seed variation of
 everything after the shared checkpoint, test-split noise included in each d_s. The
 cluster bootstrap covers the other source, which problems the test split happens to
 hold: each problem's difference is averaged over seeds, digit multisets (a split's unit)
@@ -46,7 +46,7 @@ COMPARISONS = (("grpo", "heuristic"), ("grpo", "chain_rule"), ("grpo", "sft"),
                ("grpo", "sft_more"), ("grpo", "rft"), ("grpo", "sft_all"),
                ("sft_more", "sft"), ("rft", "sft"))
 SIZES = ("3digits", "4digits")
-# reach bands (task.reach: the chance one blind attempt solves a problem), [lo, hi)
+# reach bands (countdown.reach: the chance one blind attempt solves a problem), [lo, hi)
 REACH_BANDS = ((0.0, 0.02), (0.02, 0.05), (0.05, 0.1), (0.1, 0.2), (0.2, 1.01))
 BOOTSTRAP = 2000
 # the arms that train from the SFT checkpoint: the plot's curves

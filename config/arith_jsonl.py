@@ -3,7 +3,7 @@
 # from the speedrun's pretrained model (bash speedrun.sh first; or pretrain on countdown's
 # corpus: python pretrain.py config/qwen_small.py):
 #   python sft.py config/arith_jsonl.py && python train_grpo.py config/arith_jsonl.py
-task = "tasks/jsonl.py"
+task = "tasks.jsonl"
 seed = 1337
 device = "cpu"
 wandb_log = False

@@ -5,8 +5,8 @@
 #   GSM8K_DIR=/data/gsm8k python sft.py config/gsm8k.py --init_from=/models/Qwen3-0.6B
 #   GSM8K_DIR=/data/gsm8k python train_grpo.py config/gsm8k.py
 # Memory, Qwen3-0.6B (0.6B parameters): the trainer keeps fp32 master weights, gradients
-# and AdamW's two moments (16 bytes a parameter, about 10 GB), the engine a bf16 copy (1.2
-# GB) and its KV cache (sized for the longest episode, 256 sequences at a time);
+# and AdamW's two moments (16 bytes a parameter, about 10 GB), the engine a bf16 copy
+# (1.2 GB) and its KV cache (sized for the longest episode, 256 sequences at a time);
 # activations follow batch_tokens. Halve batch_tokens when it does not fit; a 1.7B model
 # needs about 3x that. Tried here end to end on random checkpoints of each family and tiny
 # generated data (test_templates.py), never on real weights.
@@ -23,8 +23,8 @@ sft = dict(
     learning_rate=1e-5, min_lr=1e-6, warmup_iters=10,
     batch_tokens=8192, eval_max_tokens=512, n_eval_problems=200, keep_best=True,
     log_interval=10, eval_interval=50, ckpt_interval=50,
-    # Qwen3: uncomment, or its thinking replies run past max_new_tokens and score 0 (Llama
-    # 3's template has no such variable and refuses the setting)
+    # Qwen3: uncomment, or its thinking replies run past max_new_tokens and score 0
+    # (Llama 3's template has no such variable and refuses the setting)
     # chat_template_kwargs=dict(enable_thinking=False),
 )
 

@@ -1,7 +1,7 @@
 # The embedded default experiment: a small Qwen3-MoE-shaped model learns mini-countdown
 # (tasks/countdown.py) on a CPU, on the problems at the edge of its competence: four
-# digits that one blind attempt of the corpus's search solves at least 1 time in 20. One
-# file for every stage, each stage's output feeding the next:
+# digits that one blind attempt of the corpus's search solves at least 1 time in 20.
+# One file for every stage, each stage's output feeding the next:
 #   python pretrain.py config/qwen_small.py      # -> out/qwen_small/pretrain
 #   python sft.py config/qwen_small.py           # init_from the pretrain run -> out/qwen_small/sft
 #   python train_grpo.py config/qwen_small.py    # init_from the sft run

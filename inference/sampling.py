@@ -5,8 +5,8 @@ reproducible seeded draws.
     tokens, logprobs = sample_with_logprobs(logits, temperatures, top_k=None, top_p=None,
                                             seeds=None, positions=None)
 
-The logprob is that of the distribution the token was drawn from: log_softmax(logits /
-T) at the sampled token over the whole vocabulary (T = 1 when greedy), as log_softmax
+The logprob is that of the distribution the token was drawn from:
+log_softmax(logits / T) at the sampled token over the whole vocabulary (T = 1 when greedy), as log_softmax
 computes it ((x - max) / T - log sum exp((x - max) / T)), never log(softmax): the
 quantity the trainer's loss differentiates on the same weights. With top_k / top_p a
 token is drawn from the truncated distribution (the mass outside them zeroed, the rest

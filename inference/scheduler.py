@@ -5,10 +5,9 @@ prefix caching), one sample's lifecycle (Sequence), and which sequences run in a
 
     alloc = BlockAllocator(num_blocks=64, block_size=16)
     out = schedule(waiting, running, alloc.num_free_blocks(), SchedulerConfig(256, 2048, 16))
-    # ((uid, num_new_tokens), ...): this step's batch
-    out.scheduled
-    # uids taken from the waiting queue; out.preempted: uids to free and recompute later
-    out.admitted
+    out.scheduled    # ((uid, num_new_tokens), ...): this step's batch
+    out.admitted     # uids taken from the waiting queue
+    out.preempted    # uids to free and recompute later
 
 How it works:
   - the KV of every sequence lives in fixed-size blocks of attention.PagedKVCache; the
@@ -257,15 +256,15 @@ class SchedulerOutput:
     preempted: tuple   # uids to free and send back to the front of the waiting queue, in this order
 
 
-def check_fits(prompt, params, num_samples, cache, max_model_len, where):
+def check_fits(prompt, params, num_samples, blocks, max_model_len, where):
     """Refuse now a request that could never fit the block pool, even alone, rather than
     let it starve later."""
-    bs, P = cache.block_size, len(prompt)
+    bs, P = blocks.block_size, len(prompt)
     longest = min(P + params.max_tokens - 1, max_model_len)
     need = max(-(-longest // bs), -(-P // bs) + (num_samples - 1 if P % bs else 0))
-    if need > cache.num_blocks:
+    if need > blocks.num_blocks:
         raise ValueError(f"{where} needs {need} KV blocks but the pool has "
-                         f"num_blocks={cache.num_blocks}")
+                         f"num_blocks={blocks.num_blocks}")
 
 
 def blocks_needed(seq, num_new_tokens, block_size, num_computed=None):

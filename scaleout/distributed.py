@@ -9,8 +9,7 @@ Data parallelism on torch.distributed: one process per device, launched by torch
     forward = distributed.wrap(model, device)    # DDP over the ranks (the model itself on one)
     mine = distributed.shard(micro_batches)      # this rank's share: items rank, rank + N, ...
     lo, hi = distributed.span(len(prompts))      # or a contiguous slice (rollouts keep their order)
-    # sums over ranks
-    total, count = distributed.all_sum([total, count])
+    total, count = distributed.all_sum([total, count])   # sums over ranks
     samples = distributed.gather(my_samples)     # every rank's lists, joined in rank order
     roles = distributed.split_roles(k)           # the last k ranks only sample (train_grpo)
 

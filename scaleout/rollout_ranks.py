@@ -15,8 +15,8 @@ Who talks to whom (distributed.split_roles makes the groups):
 
 The schedule, with s = max_staleness: rollout j (what iteration j trains on) is sampled
 with the weights after iteration j - s (the run's starting weights while j - s is before
-the start). So a sample is at most s versions behind the weights that train on it, and s
-= 0 is the colocated run exactly: the same weights, the same seeds, the same samples.
+the start). So a sample is at most s versions behind the weights that train on it, and
+s = 0 is the colocated run exactly: the same weights, the same seeds, the same samples.
 With s = 1 the worker samples rollout j + 1 while the trainer trains on rollout j:
 
     trainer   | wait r0 | train 0 | send w1 | wait r1 | train 1 | send w2 | train 2 ...

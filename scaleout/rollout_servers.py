@@ -18,8 +18,8 @@ Bounded staleness as scaleout/rollout_ranks.py defines it (Servers): with
 max_staleness=0 rollout j is sampled with the weights after iteration j - 1, the
 colocated run's samples; with 1 the servers sample the next rollout while the trainer
 trains (tis_cap corrects it). A server that is down or answers an error fails the step
-naming its URL; the run's last checkpoint is untouched, and
---init_from=resume continues once the server is back.
+naming its URL; the run's last checkpoint is untouched, and --init_from=resume
+continues once the server is back.
 """
 
 import dataclasses

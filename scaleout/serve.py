@@ -8,12 +8,11 @@ needs: token ids, logprobs.
 
 Endpoints, with vLLM's and SGLang's names and shapes, so the openai client and agent
 frameworks work unchanged: GET /health, GET /v1/models (max_model_len, stop_token_ids),
-POST /v1/completions and
-/v1/chat/completions (stream=true too), vLLM's token-in / token-out POST /inference/v1/generate,
-POST /tokenize and /detokenize, and new weights (off unless
---enable_weight_updates=True): POST
-/update_weights_from_disk {"model_path": DIR}, or over a process group of the trainer's, SGLang's
-POST /init_weights_update_group then /update_weights_from_distributed per version
+POST /v1/completions and /v1/chat/completions (stream=true too), vLLM's token-in /
+token-out POST /inference/v1/generate, POST /tokenize and /detokenize, and new weights
+(off unless started with --enable_weight_updates=True): POST /update_weights_from_disk
+{"model_path": DIR}, or over a process group of the trainer's, SGLang's POST
+/init_weights_update_group then /update_weights_from_distributed per version
 (weight_sync.ServerWeights is the trainer's side). Extras on both generation
 endpoints: return_token_ids=true adds prompt_token_ids and each choice's token_ids
 (the exact ids sampled, a stop token included); each choice carries weight_version

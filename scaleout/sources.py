@@ -3,7 +3,8 @@ Where GRPO's groups come from when not from train_grpo's own engine: rollout ran
 last K ranks of a torchrun job sample, scaleout/rollout_ranks.py) or running servers
 (rollout_urls, scaleout/rollout_servers.py). The seam with train_grpo.py is this file:
 its settings join train_grpo's (SETTINGS), check_settings refuses bad ones before any
-work, and make_source returns an object with train_grpo.Colocated's interface:
+work, and make_source returns the trainer's source, or None for train_grpo.Colocated (the
+trainer's own engine), which has the same interface:
 
     groups(it) -> (groups, flops, metrics)   iteration it's kept groups, each (problem,
                                              prompt_ids, samples, rewards), what sampling
@@ -58,7 +59,7 @@ def check_settings(config):
             f"weight_bucket_mb={config['weight_bucket_mb']!r}: expected a number > 0")
 
 
-def roles(config):
+def split_roles(config):
     """With rollout ranks, which ranks sample and which train
     (distributed.split_roles); None without."""
     return distributed.split_roles(config["rollout_ranks"]) if config["rollout_ranks"] else None

@@ -18,7 +18,7 @@ sequence the model actually produced.
 Without a trained checkpoint, a random tiny one does (every answer wrong, so 2-turn
 episodes are 2 turns):
 
-    python -c "import test_serve; test_serve.model_dir('/tmp/vf_model', 1)"
+    python -c "from tests import test_serve; test_serve.model_dir('/tmp/vf_model', 1)"
     python -m scaleout.serve --model_path=/tmp/vf_model --port=8123 --max_model_len=256 &
 
 Per episode it prints the reward and whether what verifiers recorded (`Trace.branches`:
@@ -29,7 +29,7 @@ one JSON line per episode instead (test_verifiers.py reads those). Exit status 1
 episode differs or failed.
 
 The repo's countdown.py / countdown_feedback.py are imported from the repository root
-(this file's parent directory is put on sys.path), so PYTHONPATH need not be set. The
+(put on sys.path here), so PYTHONPATH need not be set. The
 null harness runs its chat program through `uv` (PyPI packages: openai, mcp, httpx, ...;
 fetched once into verifiers' cache), so uv must be on PATH: this file prepends its
 interpreter's bin directory, where install_verifiers.sh puts uv.

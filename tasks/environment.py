@@ -6,7 +6,7 @@ A task is a Python file with the functions below; every stage and tasks/evaluate
 it as a setting:
 
     python train_grpo.py config/qwen_small.py --task=tasks/jsonl.py   # a module or a .py path
-    python train_grpo.py config/countdown_feedback.py   # task_feedback, max_turns=3, ...
+    python train_grpo.py config/countdown_feedback.py   # countdown with feedback, max_turns=3, ...
 
     task = load_task("tasks/jsonl.py")
     env = Environment(task, tokenizer, max_new_tokens=16, max_turns=1)

@@ -489,11 +489,11 @@ def test_kl_coef_pulls_the_policy_back_toward_the_reference():
     off = torch.autocast("cpu", enabled=False)
 
     def gap():
-        # the weights -(log p - log p_ref) make the step a gradient step on 1/2 sum (log p
-        # - log p_ref)^2 over these tokens (and, over tokens sampled from the policy, on
-        # the KL to the reference)
-        lp, ref = train_grpo.trainer_logprobs(policy, b,
-                                              off), train_grpo.trainer_logprobs(reference, b, off)
+        # the weights -(log p - log p_ref) make the step a gradient step on
+        # 1/2 sum (log p - log p_ref)^2 over these tokens (and, over tokens sampled from the
+        # policy, on the KL to the reference)
+        lp = train_grpo.trainer_logprobs(policy, b, off)
+        ref = train_grpo.trainer_logprobs(reference, b, off)
         return float(((lp - ref)[masks[0]] ** 2).sum() / 2)
 
     before = gap()

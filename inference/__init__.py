@@ -1,0 +1,2 @@
+"""The inference engine's parts (engine.py holds the engine): the scheduler and block allocator,
+the sampler, the radix prefix cache, the static decode step."""
