@@ -146,8 +146,8 @@ globals().update(sources.SETTINGS)
 
 def group_advantages(rewards, group_size, scale_rewards=False, eps=1e-6):
     """reward - mean of its group, for rewards laid out group by group
-    ([num_groups * G] -> same shape). With scale_rewards the centred rewards are divided by the group's
-    std (+eps), as in the GRPO paper."""
+    ([num_groups * G] -> same shape). With scale_rewards the centred rewards are
+    divided by the group's std (+eps), as in the GRPO paper."""
     r = torch.as_tensor(rewards, dtype=torch.float32)
     require(r.dim() == 1 and r.numel() > 0 and r.numel() % group_size == 0,
             f"rewards must be a flat list of whole groups of {group_size}, got shape "
@@ -206,9 +206,9 @@ def zero_variance_groups(rewards, group_size):
 class ProblemSampler:
     """The training problems, drawn in proportion to how much each can teach now:
     p(1 - p), where p is the problem's success rate so far under a uniform prior,
-    (successes + 1) / (samples + 2). An unseen problem weighs the most (1/4); one always or never
-    solved sinks toward 0 as its samples grow, so the rollouts go to problems whose
-    groups have reward variance. A step's problems are distinct.
+    (successes + 1) / (samples + 2). An unseen problem weighs the most (1/4); one always
+    or never solved sinks toward 0 as its samples grow, so the rollouts go to problems
+    whose groups have reward variance. A step's problems are distinct.
 
     Worked example: a problem solved 4 of 8 times has p = 5/10 and weight 0.25, as an
     unseen one; 8 of 8 gives p = 9/10 and weight 0.09; 0 of 8 gives p = 1/10 and weight
@@ -379,10 +379,11 @@ def loss_normalizer(batches, config):
 
 def policy_loss(logp, batch, normalizer, config, stats=None):
     """GRPO's objective on a batch: the shared unified_loss,
-    -(token_weights * log p).sum() / normalizer, with token_weights = advantage x loss mask (times an IS
-    factor and minus the KL term, when on). With ppo_clip > 0, PPO's clipped objective
-    on the same weights instead (off_policy.ppo_loss; stats counts the rows it clipped).
-    A fork changes the objective here, reading its settings from config (docs/forks.md)."""
+    -(token_weights * log p).sum() / normalizer, with token_weights = advantage x
+    loss mask (times an IS factor and minus the KL term, when on). With ppo_clip > 0,
+    PPO's clipped objective on the same weights instead (off_policy.ppo_loss; stats
+    counts the rows it clipped). A fork changes the objective here, reading its
+    settings from config (docs/forks.md)."""
     if config["ppo_clip"] > 0:
         old = logp.detach() if batch.old_log_probs is None else batch.old_log_probs
         loss, clipped = off_policy.ppo_loss(logp, old, batch.token_weights, batch.loss_mask,

@@ -24,8 +24,9 @@ update_weights / a bare copy_). What it measures:
      trained on once (training.pack_groups), against a sequence per sample (what the
      transformers step does too): step time on the same samples.
   4. hot-swap: engine.update_weights(policy.state_dict()) (names, shapes, dtypes and
-     finiteness checked, in-place copy, version bump, prefix cache flush) vs a bare copy_ of the same tensors; and the floor of any update that checks
-     before it copies: one read of every byte, then the copy, on one flat buffer.
+     finiteness checked, in-place copy, version bump, prefix cache flush) vs a bare
+     copy_ of the same tensors; and the floor of any update that checks before it
+     copies: one read of every byte, then the copy, on one flat buffer.
   5. utilisation: our training step's FLOP/s (training.train_flops) over the matmul
      FLOP/s measured in this run.
   6. decode: one engine step of every sample decoding, against the time its matmuls

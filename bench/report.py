@@ -26,13 +26,12 @@ multisets) and plots validation accuracy against wall-clock time and against FLO
 
 A difference is paired by seed (both arms start from the same pretrain and SFT
 checkpoint): with d_s = a_s - b_s over n seeds, the interval is
-mean(d) ± t_{0.975, n-1} * std(d, ddof=1) / sqrt(n) (Student's t). It covers the seed-to-seed variation of
-everything after the shared checkpoint, test-split noise included in each d_s. The
-cluster bootstrap covers the other source, which problems the test split happens to
-hold: each problem's difference is averaged over seeds, digit multisets (a split's unit)
-are resampled with replacement, and the interval is the 2.5th and 97.5th percentile of
-the mean difference over 2,000 resamples.
-"""
+mean(d) ± t_{0.975, n-1} * std(d, ddof=1) / sqrt(n) (Student's t). It covers the
+seed-to-seed variation of everything after the shared checkpoint, test-split noise
+included in each d_s. The cluster bootstrap covers the other source, which problems
+the test split happens to hold: each problem's difference is averaged over seeds,
+digit multisets (a split's unit) are resampled with replacement, and the interval is
+the 2.5th and 97.5th percentile of the mean difference over 2,000 resamples."""
 import json
 import math
 import os

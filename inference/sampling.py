@@ -6,16 +6,17 @@ reproducible seeded draws.
                                             seeds=None, positions=None)
 
 The logprob is that of the distribution the token was drawn from:
-log_softmax(logits / T) at the sampled token over the whole vocabulary (T = 1 when greedy), as log_softmax
-computes it ((x - max) / T - log sum exp((x - max) / T)), never log(softmax): the
-quantity the trainer's loss differentiates on the same weights. With top_k / top_p a
-token is drawn from the truncated distribution (the mass outside them zeroed, the rest
-renormalised), so its logprob is that one's: the full one minus the log of the mass
-kept. A trainer that scores the full distribution then sees the ratio full / truncated =
-the mass kept, and an importance-sampling correction weighs by exactly that
-(off_policy.py). A seeded draw is a pure function of (seed, position), so a sample does
-not depend on what else is batched with it, and a preempted sequence resumes with the
-very tokens it would have drawn.
+log_softmax(logits / T) at the sampled token over the whole vocabulary
+(T = 1 when greedy), as log_softmax computes it
+((x - max) / T - log sum exp((x - max) / T)), never log(softmax): the quantity the
+trainer's loss differentiates on the same weights. With top_k / top_p a token is drawn
+from the truncated distribution (the mass outside them zeroed, the rest renormalised),
+so its logprob is that one's: the full one minus the log of the mass kept. A trainer
+that scores the full distribution then sees the ratio full / truncated = the mass kept,
+and an importance-sampling correction weighs by exactly that (off_policy.py). A seeded
+draw is a pure function of (seed, position), so a sample does not depend on what else is
+batched with it, and a preempted sequence resumes with the very tokens it would have
+drawn.
 
 At a real vocabulary (151,936) the sampler could cost more than the head's matmul, so it
 makes as few full passes over the [N, V] logits as it can: exp(x / T) into a reused
