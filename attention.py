@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention.flex_attention import BlockMask, create_block_mask, flex_attention
 
-from checks import require
+from configurator import require
 from inference.sampling import scratch
 
 

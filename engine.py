@@ -29,17 +29,17 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from checks import is_int, is_number, require, require_field
 from attention import PagedKVCache, paged_forward
-from inference.decode import StaticDecode
 from checkpoint import load_hf_checkpoint
-from model import Transformer, as_dtype, grouped_experts
+from configurator import is_int, is_number, require, require_field
+from inference.decode import StaticDecode
 from inference.radix import RadixCache
 # schedule, sample_with_logprobs, compute_block_hash and SchedulerConfig: the low-level pure
 # functions, importable from here too
 from inference.sampling import mix_seed, sample_next, sample_with_logprobs, top_logprobs
 from inference.scheduler import (BlockAllocator, SchedulerConfig, Sequence, check_fits,
                                  compute_block_hash, schedule)
+from model import Transformer, as_dtype, grouped_experts
 
 # -----------------------------------------------------------------------------
 # configs and results

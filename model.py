@@ -32,8 +32,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from checks import require
 from attention import DocumentCausalAttention
+from configurator import require
 
 # -----------------------------------------------------------------------------
 # config

@@ -33,13 +33,12 @@ import sys
 
 import torch
 
+import training
+from checkpoint import init_start, save_best
+from configurator import configure, print0, require
+from engine import sampled_mask
 from scaleout import distributed
 from tasks import evaluate
-import training
-from checks import require
-from checkpoint import init_start, save_best
-from configurator import configure, print0
-from engine import sampled_mask
 from tasks.environment import Environment, load_task, offers, solved
 from tokenizer import build_tokenizer, chat_example, check_template_kwargs
 

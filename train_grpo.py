@@ -63,9 +63,8 @@ import torch
 
 import off_policy
 import training
-from checks import require
 from checkpoint import init_start, load_model, model_dir_of, save_best, save_checkpoint
-from configurator import configure, print0
+from configurator import configure, print0, require
 from engine import EngineConfig, SamplingParams, sampled_mask
 from model import train_flops
 from scaleout import distributed, sources

@@ -22,12 +22,11 @@ from dataclasses import dataclass, fields, replace
 import numpy as np
 import torch
 
-from checks import is_finite_number, require
-from scaleout import distributed
 import off_policy
 from checkpoint import Start, clear_checkpoints, save_checkpoint, set_rng_state
-from configurator import print0
+from configurator import is_finite_number, print0, require
 from model import Transformer, train_flops
+from scaleout import distributed
 
 
 # -----------------------------------------------------------------------------

@@ -30,7 +30,7 @@ import threading
 import torch
 import xxhash
 
-from checks import require
+from configurator import require
 
 
 # -----------------------------------------------------------------------------

@@ -47,12 +47,11 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from checkpoint import load_hf_checkpoint, stop_ids_of
-from checks import is_int
-from configurator import configure
+from configurator import configure, is_int
 from engine import EngineConfig, InferenceEngine, SamplingParams, check_fits, check_prompt
 from scaleout.engine_loop import EngineLoop
-from tokenizer import check_template_kwargs, chat_ids, load_tokenizer
 from scaleout.weight_sync import PeerGroup, WeightSync
+from tokenizer import check_template_kwargs, chat_ids, load_tokenizer
 
 # -----------------------------------------------------------------------------
 # settings (--key=value overrides these)

@@ -19,7 +19,7 @@ trainer's own engine), which has the same interface:
     python train_grpo.py config/qwen_small.py --rollout_urls=http://127.0.0.1:8000
 """
 
-from checks import require
+from configurator import require
 from scaleout import distributed, rollout_ranks
 from scaleout.rollout_servers import Servers
 
