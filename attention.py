@@ -361,32 +361,6 @@ def _attend(kc, vc, q, g, mask, flex):
 
 
 # -----------------------------------------------------------------------------
-# the forward of one engine step (a step of decodes alone may run as one graph:
-# inference/decode.py)
-
-
-def paged_forward(model, kv, batch, backend, compiled):
-    """One model call over every scheduled token of an engine step (batch: (sequence, new
-    tokens), decodes first), eager (compiled: FlexAttention through torch.compile).
-    Returns the logits at the last token of each sequence that catches up in this step,
-    and those sequences' indices in batch."""
-    qlens = np.fromiter((n for _, n in batch), dtype=np.int64, count=len(batch))
-    starts = np.fromiter((s.num_computed for s, _ in batch), dtype=np.int64, count=len(batch))
-    tokens = np.array([t for s, n in batch for t in s.tokens[s.num_computed:s.num_computed + n]],
-                      dtype=np.int64)
-    ready = [b for b, (s, n) in enumerate(batch) if s.num_computed + n == s.num_tokens]
-    last_rows = (np.cumsum(qlens) - 1)[ready]
-    positions, slots, calls, (tokens, last_rows) = paged_step(
-        kv, starts, qlens, [s.block_table for s, _ in batch], extras=(tokens, last_rows))
-    attention = PagedAttention(kv, slots, calls, backend=backend, compiled=compiled)
-    used = None if kv.routes is None else []   # each MoE layer's experts, kept beside the K/V
-    logits, _ = model(tokens, positions, attention=attention, logits_indices=last_rows,
-                      aux_loss=False, routes_out=used)
-    if used is not None:
-        kv.routes.view(-1, *kv.routes.shape[2:])[slots] = torch.stack(used, 1).to(torch.int16)
-    return logits, ready
-
-
 # a step of decodes as one graph (inference/decode.py): each layer's paged attention is
 # one opaque op. Dynamo cannot follow an attention object made afresh each step, and an
 # in-place write into the pool traced as such would copy the whole pool back per step.

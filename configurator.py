@@ -14,6 +14,7 @@ API call, an HTTP request, a checkpoint): `require` and the type tests.
         main(configure(globals(), sys.argv[1:], stage="sft"))   # the checked config dict
 
     $ python sft.py config/qwen_small.py --lr=1e-5 --out_dir=out/run2
+    $ python sft.py --help         # the script's docstring, then every setting and its default
 
     # config/qwen_small.py: one experiment, passed to every stage
     batch_size = 32                            # shared: every script must declare it
@@ -121,6 +122,29 @@ def load_config_file(path):
     }
 
 # -----------------------------------------------------------------------------
+# the command line
+
+def split_args(args):
+    """The command line's config files, and its --key=value overrides as [key, text]"""
+    files, overrides = [], []
+    for arg in args:
+        if not arg.startswith("-"):
+            files.append(arg)
+        elif arg.startswith("--") and "=" in arg:
+            overrides.append(arg[2:].split("=", 1))  # the first '=' only: values may contain '='
+        else:
+            raise ValueError(f"bad argument {arg!r}: expected a config file path or --key=value")
+    return files, overrides
+
+
+def print_help(g, settings):
+    """-h / --help: the script's docstring, then every setting with its default"""
+    print((g.get("__doc__") or "").strip())
+    print("\nsettings (override with a config file or --key=value):")
+    for key, value in settings.items():
+        print(f"  --{key}={value!r}")
+
+# -----------------------------------------------------------------------------
 # the entry point
 
 def configure(g, args, stage):
@@ -137,14 +161,10 @@ def configure(g, args, stage):
     if clash:
         raise ValueError(f"configure: settings {clash} are named like stage sections; rename them")
 
-    files, overrides = [], []
-    for arg in args:
-        if not arg.startswith("-"):
-            files.append(arg)
-        elif arg.startswith("--") and "=" in arg:
-            overrides.append(arg[2:].split("=", 1))  # the first '=' only: values may contain '='
-        else:
-            raise ValueError(f"bad argument {arg!r}: expected a config file path or --key=value")
+    if "-h" in args or "--help" in args:
+        print_help(g, settings)
+        raise SystemExit(0)
+    files, overrides = split_args(args)
 
     updates, applied = {}, []  # validated values, and (key, value, source) for the log, in order
     def put(key, value, source):

@@ -23,7 +23,7 @@ bucket and width (torch.compile specialises sizes 0 and 1, so the smallest bucke
 2). On a GPU each (bucket, width) is captured as a CUDA graph on first use, as vLLM
 and nano-vllm do: buckets 1, 2, 4, 8 and then multiples of 8 (vLLM's), widths powers
 of 2. Steps with prefill chunks, forks, top_k / top_p / top_logprobs or recorded
-routes stay eager (attention.paged_forward).
+routes stay eager (InferenceEngine._forward).
 """
 
 import bisect

@@ -130,15 +130,15 @@ def _ids_list(x):   # a non-empty list of token ids
     return isinstance(x, list) and len(x) > 0 and all(is_int(t) for t in x)
 
 
-UNSUPPORTED = dict(best_of=1, echo=False, suffix=None, logit_bias=None, presence_penalty=0,
-                   frequency_penalty=0, tools=None, response_format=None, use_beam_search=False,
-                   repetition_penalty=1, min_p=0, min_tokens=0)
+_UNSUPPORTED = dict(best_of=1, echo=False, suffix=None, logit_bias=None, presence_penalty=0,
+                    frequency_penalty=0, tools=None, response_format=None, use_beam_search=False,
+                    repetition_penalty=1, min_p=0, min_tokens=0)
 
 
 def read_sampling(server, body, logprobs_k, prompts):
     """(SamplingParams, n, stop strings) of a request, every field checked against its
     rule."""
-    for name, off in UNSUPPORTED.items():
+    for name, off in _UNSUPPORTED.items():
         if body.get(name) not in (None, off):
             raise BadRequest(f"{name}={body[name]!r} is not supported by this server", name)
     n = _field(body, "n", (int,), 1, lambda v: 1 <= v <= server.engine.config.max_batch_size,

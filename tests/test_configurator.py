@@ -279,3 +279,22 @@ def test_real_script_end_to_end(tmp_path, cfg_file):
                          capture_output=True, text=True, env=env, check=True).stdout
     result = json.loads(out.split("RESULT ", 1)[1])
     assert result == {"lr": 1e-5, "batch_size": 4, "init_from": "out/sft"}
+
+
+def test_help_prints_the_docstring_and_every_setting(capsys):
+    g = {**fake_globals(), "__doc__": "Fine-tune on demonstrations.\n\n    python sft.py\n"}
+    with pytest.raises(SystemExit) as exit_:
+        configure(g, ["--lr=5", "--help"], stage="sft")   # help wins, nothing is applied
+    out = capsys.readouterr().out
+    assert exit_.value.code == 0 and g["lr"] == 3e-4
+    assert out.startswith("Fine-tune on demonstrations.") and "--lr=0.0003" in out
+    assert "--batch_size=16" in out and "__doc__" not in out
+
+
+@pytest.mark.parametrize("script", ["pretrain", "sft", "train_grpo", "scaleout.serve"])
+def test_a_scripts_settings_are_its_lowercase_names(script):
+    # a module constant (UPPER_CASE) that counted as a setting could be overridden
+    # from the command line; constants take a '_' name
+    import importlib
+    names = settings_of(vars(importlib.import_module(script)))
+    assert names and all(name == name.lower() for name in names), sorted(names)
