@@ -1,7 +1,7 @@
 """
 nanoGPT-style configuration: module-level defaults in each script, overridden by config
-files and --key=value. At the bottom, the input checks every edge shares (a config, an
-API call, an HTTP request, a checkpoint): `require` and the type tests.
+files and --key=value. At the bottom, `require` and the type tests that every input
+edge shares.
 
     # sft.py
     lr = 3e-4
@@ -44,10 +44,9 @@ import copy
 import difflib
 import json
 import math
+import numbers
 import os
 import types
-
-import numpy as np
 
 STAGES = ("pretrain", "sft", "grpo", "serve")
 SETTING_TYPES = (int, float, bool, str, type(None), list, tuple, dict)
@@ -125,7 +124,7 @@ def load_config_file(path):
 # the command line
 
 def split_args(args):
-    """The command line's config files, and its --key=value overrides as [key, text]"""
+    """the command line's config files, and its --key=value overrides as [key, text]"""
     files, overrides = [], []
     for arg in args:
         if not arg.startswith("-"):
@@ -136,13 +135,12 @@ def split_args(args):
             raise ValueError(f"bad argument {arg!r}: expected a config file path or --key=value")
     return files, overrides
 
-
 def print_help(g, settings):
     """-h / --help: the script's docstring, then every setting with its default"""
-    print((g.get("__doc__") or "").strip())
-    print("\nsettings (override with a config file or --key=value):")
+    print0((g.get("__doc__") or "").strip())
+    print0("\nsettings and their defaults (a config file or --key=value overrides them):")
     for key, value in settings.items():
-        print(f"  --{key}={value!r}")
+        print0(f"  --{key}={value!r}")
 
 # -----------------------------------------------------------------------------
 # the entry point
@@ -204,37 +202,34 @@ def configure(g, args, stage):
     return copy.deepcopy(config)
 
 
-# ---- input checks where outside input arrives (a config, an API call, an HTTP request,
-# a checkpoint): one helper that raises naming the bad value, and the type tests the
-# boundaries share. Internal calls trust their callers (an assert states an invariant):
+# -----------------------------------------------------------------------------
+# input checks where outside input arrives (a config, an API call, an HTTP request, a
+# checkpoint): one helper that raises naming the bad value, and the type tests the edges
+# share. Internal calls trust their callers (an assert states an invariant):
 #
 #     require(top_p > 0, f"top_p must be in (0, 1], got {top_p!r}")
 #     require(is_int(n), f"n must be an int, got {n!r}", TypeError)
 
 def require(ok, message, error=ValueError):
-    """Raise error(message) unless ok: one line per input rule."""
+    """raise error(message) unless ok: one line per input rule"""
     if not ok:
         raise error(message)
 
-
 def require_field(obj, name, ok, expected, error=ValueError):
     """require() for a config's field: the message names the class, the field, what it
-    must be and what it is."""
+    must be and what it is"""
     if not ok:
         raise error(f"{type(obj).__name__}.{name} must be {expected}, "
                     f"got {getattr(obj, name)!r}")
 
-
 def is_int(x):
-    """An int (a numpy integer too), never a bool."""
-    return isinstance(x, (int, np.integer)) and not isinstance(x, bool)
-
+    """an int (a numpy integer too: numbers.Integral), never a bool"""
+    return isinstance(x, numbers.Integral) and not isinstance(x, bool)
 
 def is_number(x):
-    """An int or a float, never a bool (NaN and inf included: compare to refuse them)."""
+    """an int or a float, never a bool (NaN and inf included: compare to refuse them)"""
     return isinstance(x, (int, float)) and not isinstance(x, bool)
 
-
 def is_finite_number(x):
-    """An int or a float that is finite, never a bool."""
+    """an int or a float that is finite, never a bool"""
     return is_number(x) and math.isfinite(x)

@@ -339,32 +339,6 @@ class InferenceEngine:
         self._computed(batch)
         return out + self._sample(logits, [batch[b][0] for b in ready])
 
-    def _forward(self, batch):
-        """One model call over every scheduled token of the step (batch: (sequence, new
-        tokens), decodes first), eager (compile: FlexAttention through torch.compile).
-        Returns the logits at the last token of each sequence that catches up in this
-        step, and those sequences' indices in batch."""
-        kv = self.kv_cache
-        qlens = np.fromiter((n for _, n in batch), dtype=np.int64, count=len(batch))
-        starts = np.fromiter((s.num_computed for s, _ in batch), dtype=np.int64,
-                             count=len(batch))
-        tokens = np.array([t for s, n in batch
-                           for t in s.tokens[s.num_computed:s.num_computed + n]],
-                          dtype=np.int64)
-        ready = [b for b, (s, n) in enumerate(batch) if s.num_computed + n == s.num_tokens]
-        last_rows = (np.cumsum(qlens) - 1)[ready]
-        positions, slots, calls, (tokens, last_rows) = paged_step(
-            kv, starts, qlens, [s.block_table for s, _ in batch], extras=(tokens, last_rows))
-        attention = PagedAttention(kv, slots, calls, backend=self.backend,
-                                   compiled=self.compile)
-        used = None if kv.routes is None else []   # each MoE layer's experts, beside the K/V
-        logits, _ = self.model(tokens, positions, attention=attention,
-                               logits_indices=last_rows, aux_loss=False, routes_out=used)
-        if used is not None:
-            kv.routes.view(-1, *kv.routes.shape[2:])[slots] = \
-                torch.stack(used, 1).to(torch.int16)
-        return logits, ready
-
     def _preempt(self, victims):
         for seq in victims:
             self.blocks.release(seq, cache=seq.kv_version == self._version)
@@ -383,6 +357,32 @@ class InferenceEngine:
         self.waiting = self.waiting[len(seqs):]
         self.running += seqs
         return seqs
+
+    def _forward(self, batch):
+        """One model call over every scheduled token of the step (batch: (sequence, new
+        tokens), decodes first), eager (with self.compile, FlexAttention through
+        torch.compile). Returns the logits at the last token of each sequence that
+        catches up in this step, and those sequences' indices in batch."""
+        kv = self.kv_cache
+        qlens = np.fromiter((n for _, n in batch), dtype=np.int64, count=len(batch))
+        starts = np.fromiter((s.num_computed for s, _ in batch), dtype=np.int64,
+                             count=len(batch))
+        tokens = np.array([t for s, n in batch
+                           for t in s.tokens[s.num_computed:s.num_computed + n]],
+                          dtype=np.int64)
+        ready = [b for b, (s, n) in enumerate(batch) if s.num_computed + n == s.num_tokens]
+        last_rows = (np.cumsum(qlens) - 1)[ready]
+        positions, slots, calls, (tokens, last_rows) = paged_step(
+            kv, starts, qlens, [s.block_table for s, _ in batch], extras=(tokens, last_rows))
+        attention = PagedAttention(kv, slots, calls, backend=self.backend,
+                                   compiled=self.compile)
+        used = None if kv.routes is None else []   # each MoE layer's experts, beside the K/V
+        logits, _ = self.model(tokens, positions, attention=attention,
+                               logits_indices=last_rows, aux_loss=False, routes_out=used)
+        if used is not None:
+            routes = torch.stack(used, 1).to(torch.int16)
+            kv.routes.view(-1, *kv.routes.shape[2:])[slots] = routes
+        return logits, ready
 
     def _computed(self, batch):
         for seq, n in batch:              # what this step computed: prefill (catching up) or decode

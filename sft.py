@@ -1,4 +1,4 @@
-"""
+r"""
 Supervised fine-tuning on chat conversations: the loss is on the assistant reply only
 (weights = loss mask).
 

@@ -1,4 +1,4 @@
-"""
+r"""
 GRPO, the main job: the policy samples groups of answers (or multi-turn episodes) with
 the in-process engine, the task's reward scores them, and the shared loss pushes up
 those that beat their group's mean.

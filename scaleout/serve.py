@@ -1,4 +1,4 @@
-"""
+r"""
 An OpenAI-compatible HTTP server over InferenceEngine that hands back what a trainer
 needs: token ids, logprobs.
 

@@ -48,6 +48,21 @@ def test_non_json_value_refused():
     with pytest.raises(TypeError, match="extra"):
         configure(g, [], stage="sft")
 
+def test_a_scripts_settings_are_its_lowercase_names():
+    # a module constant (UPPER_CASE) that counted as a setting could be overridden from
+    # the command line; constants take a '_' name. The scripts: every module that
+    # hands its globals() to configure
+    import importlib, pathlib
+    root = pathlib.Path(__file__).resolve().parents[1]
+    files = [*root.glob("*.py"), *root.glob("*/*.py")]     # the root and its packages
+    scripts = [".".join(p.relative_to(root).with_suffix("").parts) for p in files
+               if "configure(globals()" in p.read_text()
+               and p.parent.name != "tests" and p.name != "configurator.py"]
+    assert len(scripts) >= 4, scripts     # pretrain, sft, train_grpo, scaleout.serve
+    for script in scripts:
+        names = settings_of(vars(importlib.import_module(script)))
+        assert names and all(name == name.lower() for name in names), (script, sorted(names))
+
 # -----------------------------------------------------------------------------
 # --key=value
 
@@ -154,6 +169,16 @@ def test_bad_call_arguments():
     g["sft"] = 1  # a setting named like a stage section could never be set from a file
     with pytest.raises(ValueError, match="sft"):
         configure(g, [], stage="sft")
+
+@pytest.mark.parametrize("flag", ["-h", "--help"])
+def test_help_prints_the_docstring_and_every_setting(capsys, flag):
+    g = {**fake_globals(), "__doc__": "Fine-tune on demonstrations.\n\n    python sft.py\n"}
+    with pytest.raises(SystemExit) as exit_:
+        configure(g, ["--lr=5", flag], stage="sft")   # help wins, nothing is applied
+    out = capsys.readouterr().out
+    assert exit_.value.code == 0 and g["lr"] == 3e-4
+    assert out.startswith("Fine-tune on demonstrations.")
+    assert all(f"--{key}={g[key]!r}" in out for key in SETTINGS)
 
 # -----------------------------------------------------------------------------
 # config files and stage sections
@@ -279,22 +304,3 @@ def test_real_script_end_to_end(tmp_path, cfg_file):
                          capture_output=True, text=True, env=env, check=True).stdout
     result = json.loads(out.split("RESULT ", 1)[1])
     assert result == {"lr": 1e-5, "batch_size": 4, "init_from": "out/sft"}
-
-
-def test_help_prints_the_docstring_and_every_setting(capsys):
-    g = {**fake_globals(), "__doc__": "Fine-tune on demonstrations.\n\n    python sft.py\n"}
-    with pytest.raises(SystemExit) as exit_:
-        configure(g, ["--lr=5", "--help"], stage="sft")   # help wins, nothing is applied
-    out = capsys.readouterr().out
-    assert exit_.value.code == 0 and g["lr"] == 3e-4
-    assert out.startswith("Fine-tune on demonstrations.") and "--lr=0.0003" in out
-    assert "--batch_size=16" in out and "__doc__" not in out
-
-
-@pytest.mark.parametrize("script", ["pretrain", "sft", "train_grpo", "scaleout.serve"])
-def test_a_scripts_settings_are_its_lowercase_names(script):
-    # a module constant (UPPER_CASE) that counted as a setting could be overridden
-    # from the command line; constants take a '_' name
-    import importlib
-    names = settings_of(vars(importlib.import_module(script)))
-    assert names and all(name == name.lower() for name in names), sorted(names)
