@@ -204,8 +204,9 @@ def configure(g, args, stage):
 
 # -----------------------------------------------------------------------------
 # input checks where outside input arrives (a config, an API call, an HTTP request, a
-# checkpoint): one helper that raises naming the bad value, and the type tests the edges
-# share. Internal calls trust their callers (an assert states an invariant):
+# checkpoint): `require` (and `require_field`, for a config's field) raise naming the bad
+# value; the type tests are those the edges share. Internal calls trust their callers
+# (an assert states an invariant):
 #
 #     require(top_p > 0, f"top_p must be in (0, 1], got {top_p!r}")
 #     require(is_int(n), f"n must be an int, got {n!r}", TypeError)

@@ -16,7 +16,7 @@ those that beat their group's mean.
     python train_grpo.py config/qwen_small.py --max_iters=0 --out_dir=out/eval_sft \
         --eval_split=test --n_eval_problems=0
 
-One iteration (grpo_step, with the same numbers):
+One iteration (grpo_step):
   1. sample and score (rollout): draw prompts_per_step training problems with the
      sampler (ProblemSampler: in proportion to p(1 - p), p a problem's success rate so
      far, so rollouts go where groups can have reward variance); their chat-template ids

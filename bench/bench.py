@@ -1,4 +1,4 @@
-"""
+r"""
 Our engine and trainer against transformers: the same random Qwen3-MoE weights, the same
 machine, one run.
 

@@ -85,9 +85,9 @@ def test_two_turn_episodes_are_one_token_sequence_bridged_by_ids(server):
 # -----------------------------------------------------------------------------
 # without verifiers: the renderers package's own parser of /inference/v1/generate
 # (what verifiers' training client runs on our responses), in its own small venv
-# (.ci/run makes one)
+# (.ci/run makes one; tests/test_templates.py reads the same)
 
-RENDERERS_PYTHON = os.environ.get("RENDERERS_PYTHON", VF_PYTHON)
+RENDERERS_PYTHON = os.environ.get("RENDERERS_PYTHON", "/tmp/nanorl_renderers_venv/bin/python")
 PARSE = """
 import json, sys
 from renderers.client import _parse_completion_logprobs, parse_generate_response
