@@ -14,7 +14,7 @@ edge shares.
         main(configure(globals(), sys.argv[1:], stage="sft"))   # the checked config dict
 
     $ python sft.py config/qwen_small.py --lr=1e-5 --out_dir=out/run2
-    $ python sft.py --help         # the script's docstring, then every setting and its default
+    $ python sft.py config/qwen_small.py --help    # the docstring, then every setting's value
 
     # config/qwen_small.py: one experiment, passed to every stage
     batch_size = 32                            # shared: every script must declare it
@@ -135,11 +135,12 @@ def split_args(args):
             raise ValueError(f"bad argument {arg!r}: expected a config file path or --key=value")
     return files, overrides
 
-def print_help(g, settings):
-    """-h / --help: the script's docstring, then every setting with its default"""
+def print_help(g, config):
+    """-h / --help: the script's docstring, then every setting with the value it would
+    run with (its default, unless a config file or --key=value given sets it)"""
     print0((g.get("__doc__") or "").strip())
-    print0("\nsettings and their defaults (a config file or --key=value overrides them):")
-    for key, value in settings.items():
+    print0("\nsettings (the defaults, with the config files and --key=value given applied):")
+    for key, value in config.items():
         print0(f"  --{key}={value!r}")
 
 # -----------------------------------------------------------------------------
@@ -159,10 +160,8 @@ def configure(g, args, stage):
     if clash:
         raise ValueError(f"configure: settings {clash} are named like stage sections; rename them")
 
-    if "-h" in args or "--help" in args:
-        print_help(g, settings)
-        raise SystemExit(0)
-    files, overrides = split_args(args)
+    wants_help = "-h" in args or "--help" in args
+    files, overrides = split_args([arg for arg in args if arg not in ("-h", "--help")])
 
     updates, applied = {}, []  # validated values, and (key, value, source) for the log, in order
     def put(key, value, source):
@@ -194,6 +193,9 @@ def configure(g, args, stage):
         except (TypeError, ValueError) as e:
             raise TypeError(f"config key {key!r}: value {value!r} is not JSON-serialisable "
                             f"({e})") from None
+    if wants_help:   # what this command line would run with; nothing is applied
+        print_help(g, config)
+        raise SystemExit(0)
 
     # everything checked: only now touch the script's globals
     g.update(updates)

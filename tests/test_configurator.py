@@ -174,11 +174,12 @@ def test_bad_call_arguments():
 def test_help_prints_the_docstring_and_every_setting(capsys, flag):
     g = {**fake_globals(), "__doc__": "Fine-tune on demonstrations.\n\n    python sft.py\n"}
     with pytest.raises(SystemExit) as exit_:
-        configure(g, ["--lr=5", flag], stage="sft")   # help wins, nothing is applied
+        configure(g, ["--lr=5", flag, "--seed=7"], stage="sft")   # shown, not applied
     out = capsys.readouterr().out
-    assert exit_.value.code == 0 and g["lr"] == 3e-4
+    assert exit_.value.code == 0 and g["lr"] == 3e-4 and g["seed"] == 1337
     assert out.startswith("Fine-tune on demonstrations.")
-    assert all(f"--{key}={g[key]!r}" in out for key in SETTINGS)
+    assert "--lr=5.0" in out and "--seed=7" in out
+    assert all(f"--{key}={g[key]!r}" in out for key in SETTINGS - {"lr", "seed"})
 
 # -----------------------------------------------------------------------------
 # config files and stage sections
