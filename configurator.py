@@ -227,7 +227,8 @@ def require_field(obj, name, ok, expected, error=ValueError):
 
 def is_int(x):
     """an int (a numpy integer too: numbers.Integral), never a bool"""
-    return isinstance(x, numbers.Integral) and not isinstance(x, bool)
+    # plain ints first: prompts check every token, and the ABC's check is 4x slower
+    return type(x) is int or isinstance(x, numbers.Integral) and not isinstance(x, bool)
 
 def is_number(x):
     """an int or a float, never a bool (NaN and inf included: compare to refuse them)"""
