@@ -31,6 +31,6 @@ def make_example(path, n=4000, seed=0):
 
 
 if __name__ == "__main__":
-    if len(sys.argv) != 2:
+    if len(sys.argv) != 2 or sys.argv[1].startswith("-"):   # -h is not a file to write
         sys.exit("usage: python tasks/make_arith.py OUT.jsonl")
     make_example(sys.argv[1])

@@ -38,7 +38,7 @@ def main(out, n_train=400, n_test=50, seed=0):
 
 if __name__ == "__main__":
     args = [a for a in sys.argv[1:] if not a.startswith("--")]
-    opts = dict(a[2:].split("=", 1) for a in sys.argv[1:] if a.startswith("--"))
+    opts = dict(a.lstrip("-").partition("=")[::2] for a in sys.argv[1:] if a.startswith("-"))
     if len(args) != 1 or set(opts) - {"train", "test"}:
         sys.exit("usage: python tasks/make_gsm8k_like.py OUT_DIR [--train=400 --test=50]")
     main(args[0], int(opts.get("train", 400)), int(opts.get("test", 50)))
