@@ -576,6 +576,7 @@ def init_start(config, new_tokenizer):
             raise ValueError(f"init_from='resume': no checkpoint in out_dir={config['out_dir']!r} "
                              f"(expected {CKPT}/{META})")
         meta, tokenizer = read_checkpoint_meta(path), load_tokenizer(path)
+        report_changed_settings(config, meta["config"])
         return Start(load_model(path), tokenizer, generation_config_of(path, tokenizer), meta,
                      load_trainer_state(path), source=path)
     path = model_dir_of(init_from)
@@ -593,6 +594,16 @@ def init_start(config, new_tokenizer):
     print0(f"init_from={init_from!r} has no tokenizer: using the embedded one ({len(tokenizer)} "
            f"ids)")
     return Start(model, tokenizer, default_generation(tokenizer), source=path)
+
+
+def report_changed_settings(config, saved):
+    """A resumed run takes its settings from this command line, not the checkpoint's:
+    say which differ (a changed grad_accum or lr is a different run from here on)."""
+    changed = {k: (saved[k], v) for k, v in config.items()
+               if k in saved and k != "init_from" and saved[k] != v}
+    for key, (was, now) in changed.items():
+        print0(f"resume: {key} = {now!r} (the checkpoint's run had {was!r})")
+    return changed
 
 
 def _model_config(model_kw, tokenizer):

@@ -4,7 +4,8 @@ says what the answer came to, and the model may try again, up to max_turns answe
 (train_grpo's setting). The episode scores 1 if any answer is right; it ends at the
 first right one.
 
-    python train_grpo.py config/countdown_feedback.py
+    # from the speedrun's pretrained model (out/qwen_small/pretrain): SFT, then GRPO
+    python sft.py config/countdown_feedback.py && python train_grpo.py config/countdown_feedback.py
 
     user:      digits 3 5 7 target 22
     assistant: 22+3=25[57] 25=5*7

@@ -5,8 +5,8 @@ through the inference engine, with the episodes of tasks/environment.py:
     env = Environment(load_task("tasks.countdown"), tokenizer, max_new_tokens=48)
     engine = task_engine(model, env, problems)
     metrics, outcomes = evaluate(engine, env, problems, pass_k=8, temperature=1.0, seed=0)
-    # {"eval/accuracy": mean greedy reward, "eval/accuracy_3digits" and "_4digits": the same by the
-    #  task's kind of problem, "eval/pass@1": mean of k sampled episodes, "eval/pass@8": any of k
+    # {"eval/accuracy": mean greedy reward, "eval/accuracy_<kind>": the same by the task's
+    #  kind of problem (countdown: _4digits; countdown_full: _3digits and _4digits), "eval/pass@1": mean of k sampled episodes, "eval/pass@8": any of k
     #  right (pass_k=0: none); multi-turn: "eval/success_by_turn_1".., right within that many turns}
     # outcomes: one dict per problem (the task's describe(problem), greedy reward and replies)
 
@@ -151,6 +151,9 @@ def sampling_flops(model_config, samples, num_samples_per_prompt):
 
 
 if __name__ == "__main__":
+    if {"-h", "--help"} & set(sys.argv[1:]):
+        print(__doc__.strip())
+        sys.exit(0)
     args = [a for a in sys.argv[1:] if not a.startswith("--task=")]
     specs = [a[len("--task="):] for a in sys.argv[1:] if a.startswith("--task=")]
     if (len(args) != 3 or not args[0].isidentifier() or args[1] not in ("val", "test")
@@ -159,6 +162,8 @@ if __name__ == "__main__":
                  "  RULE: the task's RULE_answer (heuristic, chain_rule)")
     the_task = load_task(specs[0] if specs else "tasks.countdown")
     rule, split, out_dir = args
+    if not offers(the_task, f"{rule}_answer"):
+        sys.exit(f"the task {the_task.__name__} offers no {rule}_answer(problem)")
     metrics, outcomes = rule_metrics(the_task, the_task.make_problems(split), rule)
     write_outcomes(out_dir, outcomes)
     with open(os.path.join(out_dir, "metrics.jsonl"), "w") as f:

@@ -4,6 +4,7 @@ secret number from 1 to n, the model guesses, and the environment says whether t
 was too high or too low and what range is left, up to max_turns guesses (train_grpo's
 setting). The episode scores 1 if a guess is the secret; it ends at the first right one.
 
+    # from the speedrun's pretrained model (out/qwen_small/pretrain)
     python sft.py config/guess.py && python train_grpo.py config/guess.py
 
     user:      guess 1 to 40

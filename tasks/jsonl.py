@@ -4,6 +4,7 @@ Your own task over a JSONL file: one row per problem, {"split": "train" | "val" 
 DATA at your rows, change score().
 
     python tasks/make_arith.py tasks/arith.jsonl         # the example rows: "417-8" -> "417-8=409"
+    # from the speedrun's pretrained model (out/qwen_small/pretrain)
     python sft.py config/arith_jsonl.py && python train_grpo.py config/arith_jsonl.py
 
 It implements tasks/environment.py's interface (make_problems, prompt_messages, reward)

@@ -419,6 +419,15 @@ def _metrics(out_dir):
     return train, evals
 
 
+def test_resume_names_the_settings_that_differ_from_the_checkpoints(capsys):
+    saved = {"lr": 1e-3, "grad_accum": 2, "init_from": "out/pretrain", "max_iters": 10}
+    now = {"lr": 1e-3, "grad_accum": 1, "init_from": "resume", "max_iters": 20, "added": 1}
+    changed = checkpoint.report_changed_settings(now, saved)
+    assert changed == {"grad_accum": (2, 1), "max_iters": (10, 20)}   # init_from always differs
+    out = capsys.readouterr().out
+    assert "resume: grad_accum = 1 (the checkpoint's run had 2)" in out and "added" not in out
+
+
 def test_sigkill_then_resume_matches_uninterrupted_run(tmp_path):
     cfg = tmp_path / "tiny.py"
     cfg.write_text(TINY_CONFIG)
