@@ -33,12 +33,14 @@ from inference.sampling import scratch
 
 
 @functools.cache
-def compile_once(fn, dynamic=None):
+def compile_once(fn, dynamic=None, cpp_wrapper=False):
     """torch.compile(fn), once per process. Batch sizes and lengths change every call:
     flex takes torch.compile's automatic dynamic shapes (a few recompiles; dynamic=True
     fails in inductor's CPU flex codegen), the decode step (inference/decode.py)
-    dynamic=True (one compile for every shape)."""
-    return torch.compile(fn, dynamic=dynamic)
+    dynamic=True (one compile for every shape). cpp_wrapper: the code that calls the
+    graph's kernels in C++, not Python (inductor's cpp_wrapper)."""
+    return torch.compile(fn, dynamic=dynamic,
+                         options={"cpp_wrapper": True} if cpp_wrapper else None)
 
 
 class DocumentCausalAttention:
