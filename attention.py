@@ -23,9 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention.flex_attention import BlockMask, create_block_mask, flex_attention
 
-from configurator import require
 from inference.sampling import scratch
-
 
 
 # -----------------------------------------------------------------------------
@@ -61,8 +59,7 @@ class DocumentCausalAttention:
         lengths = (cu_seqlens[1:] - cu_seqlens[:-1]).long().to(device)
         self.flex = bool(flex)
         self.doc = torch.repeat_interleave(torch.arange(len(lengths), device=device), lengths)
-        require(self.doc.numel() == num_tokens,
-                f"cu_seqlens covers {self.doc.numel()} tokens but the batch has {num_tokens}")
+        assert self.doc.numel() == num_tokens, "cu_seqlens must cover the batch"
         self.num_tokens, self.device = num_tokens, device
         self.num_docs, self.max_len = len(lengths), int(lengths.max()) if len(lengths) else 0
         self.pos = torch.arange(num_tokens,
@@ -282,8 +279,6 @@ class PagedAttention:
     runs it through torch.compile."""
 
     def __init__(self, cache: PagedKVCache, slot_mapping, calls, backend="sdpa", compiled=False):
-        require(backend in ("sdpa", "flex"),
-                f"unknown paged attention backend {backend!r}: expected 'sdpa' or 'flex'")
         self.cache, self.slot_mapping, self.backend = cache, slot_mapping, backend
         self.calls = list(calls)
         flex = compile_once(flex_attention) if compiled else flex_attention

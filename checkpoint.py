@@ -72,8 +72,7 @@ def config_from_hf(d) -> ModelConfig:
                          f"{sorted(FAMILIES)}")
     flags = dict(FAMILIES[model_type])
     if d.get("use_sliding_window") or (model_type == "llama" and d.get("sliding_window")):
-        raise ValueError(f"{model_type}: sliding-window attention is not supported (full "
-                         f"attention only)")
+        raise ValueError(f"{model_type}: sliding-window attention is not supported")
     if d.get("mlp_bias") or d.get("hidden_act", "silu") != "silu":
         raise ValueError(f"{model_type}: only a bias-free SiLU MLP is supported (mlp_bias="
                          f"{d.get('mlp_bias')}, hidden_act={d.get('hidden_act')!r})")
@@ -488,8 +487,7 @@ def read_checkpoint_meta(path):
         if not os.path.isfile(fpath):
             raise ValueError(f"corrupt checkpoint {path!r}: {name} is missing")
         if os.path.getsize(fpath) != info["size"] or file_digest(fpath) != info["xxh64"]:
-            raise ValueError(f"corrupt checkpoint {path!r}: {name} does not match its recorded "
-                             f"size/xxh64 (truncated or modified)")
+            raise ValueError(f"corrupt checkpoint {path!r}: {name} fails its size/xxh64")
     return meta
 
 
@@ -497,15 +495,13 @@ def model_dir_of(path):
     """init_from=path accepts a previous stage's out_dir (its ckpt, or ckpt.old) or a
     transformers model dir."""
     if not isinstance(path, str) or not os.path.isdir(path):
-        raise ValueError(f"init_from={path!r}: expected 'scratch', 'resume' or an existing "
-                         f"directory")
+        raise ValueError(f"init_from={path!r}: no such existing directory")
     found = find_checkpoint(path)
     if found:
         return found
     if os.path.isfile(os.path.join(path, "config.json")):
         return path
-    raise ValueError(f"init_from={path!r}: neither a run directory (no {CKPT}/{META}) nor a "
-                     f"transformers model directory (no config.json)")
+    raise ValueError(f"init_from={path!r}: neither a run directory nor a model directory")
 
 
 def load_model(path):
@@ -571,10 +567,10 @@ def init_start(config, new_tokenizer):
         torch.manual_seed(config["seed"])   # the initial weights are a function of the seed alone
         return Start(Transformer(model_config), tokenizer, default_generation(tokenizer))
     if init_from == "resume":
-        path = find_checkpoint(config["out_dir"])
+        out_dir = config["out_dir"]
+        path = find_checkpoint(out_dir)
         if path is None:
-            raise ValueError(f"init_from='resume': no checkpoint in out_dir={config['out_dir']!r} "
-                             f"(expected {CKPT}/{META})")
+            raise ValueError(f"init_from='resume': no checkpoint in out_dir={out_dir!r}")
         meta, tokenizer = read_checkpoint_meta(path), load_tokenizer(path)
         report_changed_settings(config, meta["config"])
         return Start(load_model(path), tokenizer, generation_config_of(path, tokenizer), meta,

@@ -74,26 +74,25 @@ class EngineConfig:
     def __post_init__(self):
         need = functools.partial(require_field, self)
         need("cache_type", self.cache_type in ("paged", "radix"), "'paged' or 'radix'")
-        for name in ("block_size", "max_batch_size", "max_num_batched_tokens"):
-            need(name, is_int(getattr(self, name)) and getattr(self, name) >= 1, "an int >= 1")
-        for name in ("num_blocks", "max_model_len"):
-            value = getattr(self, name)
-            need(name, value is None or is_int(value) and value >= 1, "an int >= 1 or None")
-        need("weight_version", is_int(self.weight_version) and self.weight_version >= 0,
-             "an int >= 0")
-        need("memory_fraction", is_number(self.memory_fraction)
-             and 0 < self.memory_fraction <= 1, "in (0, 1]")
         need("attention_backend", self.attention_backend in ("auto", "sdpa", "flex"),
              "'auto', 'sdpa' or 'flex'")
         need("compile", self.compile is None or isinstance(self.compile, bool),
              "True, False or None", TypeError)
+        for name, low in (("block_size", 1), ("max_batch_size", 1),
+                          ("max_num_batched_tokens", 1), ("weight_version", 0)):
+            value = getattr(self, name)
+            need(name, is_int(value) and value >= low, f"an int >= {low}")
+        for name in ("num_blocks", "max_model_len"):
+            value = getattr(self, name)
+            need(name, value is None or is_int(value) and value >= 1, "an int >= 1 or None")
+        frac = self.memory_fraction
+        need("memory_fraction", is_number(frac) and 0 < frac <= 1, "in (0, 1]")
         as_dtype(self.dtype)
         torch.device(self.device)   # raises on a malformed device string
+        # the CPU's decode graph (inference/decode.py) is compiled for float32
         cpu = torch.device(self.device).type == "cpu"
-        require(not (self.compile and self.attention_backend != "flex" and cpu
-                     and self.dtype != "float32"), f"EngineConfig.compile=True (train_grpo's "
-                f"engine_compile, serve.py's compile) runs the decode steps as one graph on the "
-                f"CPU in float32 only, got dtype {self.dtype!r}: leave it off, or use float32")
+        graph = self.compile and self.attention_backend != "flex" and cpu
+        need("dtype", not graph or self.dtype == "float32", "float32 with compile=True")
 
 
 # below this (and above 0) a temperature is greedy in all but name, and risks inf / NaN
@@ -176,8 +175,7 @@ class InferenceEngine:
     def __init__(self, config: EngineConfig, model: Transformer | None = None):
         require(isinstance(config, EngineConfig),
                 f"config must be an EngineConfig, got {config!r}", TypeError)
-        require(model is not None or config.model_path is not None,
-                "EngineConfig.model_path is None and no model was given")
+        require(model is not None or config.model_path, "neither a model nor a model_path")
         self.config = config
         self.device, self.dtype = torch.device(config.device), as_dtype(config.dtype)
         if model is None:
@@ -202,16 +200,14 @@ class InferenceEngine:
         self.backend, self.compile = attention_choice(self.device.type, config.attention_backend,
                                                       config.compile, model.config.head_dim)
         static = self.compile and self.backend == "sdpa"
-        cfg = model.config
-        require(not static or self.device.type != "cpu"
-                or grouped_experts(cfg, self.device, self.dtype),
-                f"EngineConfig.compile=True runs an MoE model's decode steps as one graph on the "
-                f"CPU when its hidden size and expert width are multiples of 4 (the grouped "
-                f"matmul), got {cfg.hidden_size} and {cfg.moe_intermediate_size}: leave it off")
-        require(not static or self.device.type == "cpu" or cfg.num_experts == 0,
-                f"EngineConfig.compile=True runs the decode steps as CUDA graphs for dense models "
-                f"only (the experts' loop syncs with the host), got {cfg.num_experts} experts: "
-                f"leave it off")
+        # one graph per decode step: on the CPU through the grouped expert matmul, on a
+        # GPU for dense models only (the experts' loop syncs with the host)
+        cfg, cpu = model.config, self.device.type == "cpu"
+        widths = f"{cfg.hidden_size} and {cfg.moe_intermediate_size}"
+        require(not (static and cpu) or grouped_experts(cfg, self.device, self.dtype),
+                f"compile=True on the CPU: MoE widths not multiples of 4, got {widths}")
+        require(not static or cpu or not cfg.num_experts,
+                f"compile=True on a GPU: dense models only ({cfg.num_experts} experts)")
         self.static = StaticDecode(
             self.model, self.kv_cache, config.max_batch_size,
             -(-self.max_model_len // self.blocks.block_size), self.blocks.num_blocks) if static \
@@ -240,8 +236,7 @@ class InferenceEngine:
         (TrainingSample.request_id). With params.seed, it draws as prompt `index` of
         a generate call."""
         self._check_request(params, num_samples, "num_samples")
-        require(is_int(index) and 0 <= index < 2 ** 63,
-                f"index must be an int in [0, 2**63), got {index!r}")
+        require(is_int(index) and 0 <= index < 2**63, f"index={index!r}: out of range")
         prompt = check_prompt(prompt, self.model.config.vocab_size, self.max_model_len)
         check_fits(prompt, params, num_samples, self.blocks, self.max_model_len, "prompt")
         return self._add(prompt, params, num_samples, index)
@@ -255,7 +250,7 @@ class InferenceEngine:
         params = sampling_params
         self._check_request(params, num_samples_per_prompt, "num_samples_per_prompt")
         require(is_int(first_index) and 0 <= first_index < 2 ** 63,
-                f"first_index must be an int in [0, 2**63), got {first_index!r}")
+                f"first_index={first_index!r}: not in [0, 2**63)")
         checked = check_prompts(prompts, self.model.config.vocab_size, self.max_model_len)
         for i, p in enumerate(checked):
             check_fits(p, params, num_samples_per_prompt, self.blocks, self.max_model_len,
@@ -283,10 +278,9 @@ class InferenceEngine:
         self._check_open()
         require(isinstance(params, SamplingParams),
                 f"params must be SamplingParams, got {params!r}", TypeError)
-        require(is_int(num_samples) and num_samples >= 1,
-                f"{name} must be an int >= 1, got {num_samples!r}")
-        require(num_samples <= self.config.max_batch_size,
-                f"{name}={num_samples} exceeds max_batch_size={self.config.max_batch_size}")
+        n, limit = num_samples, self.config.max_batch_size
+        require(is_int(n) and n >= 1, f"{name}={n!r}: expected an int >= 1")
+        require(n <= limit, f"{name}={n} exceeds max_batch_size={limit}")
 
     def _add(self, prompt, params, num_samples, index=0):
         # a seeded request's draws depend on (its seed, its index in the generate call,
@@ -558,10 +552,11 @@ def check_prompt(prompt, vocab_size, max_model_len, where="prompt"):
     """A prompt as a list of ints, or a TypeError / ValueError naming what is wrong with
     it."""
     if isinstance(prompt, torch.Tensor):
-        require(prompt.dim() == 1 and not prompt.dtype.is_floating_point
-                and prompt.dtype != torch.bool,
-                f"{where} must be a 1-D integer tensor or a list of ints, got {prompt.dtype} of "
-                f"shape {tuple(prompt.shape)}", TypeError)
+        ints = not (prompt.is_floating_point() or prompt.dtype == torch.bool)
+        shape = tuple(prompt.shape)
+        require(prompt.dim() == 1 and ints,
+                f"{where}: a {prompt.dtype} tensor of shape {shape}, not 1-D ints",
+                TypeError)
     prompt = prompt.tolist() if isinstance(prompt, (torch.Tensor, np.ndarray)) else prompt
     require(hasattr(prompt, "__len__") and not isinstance(prompt, (str, bytes)),
             f"{where} must be a list of token ids, got {type(prompt).__name__}", TypeError)
@@ -572,9 +567,9 @@ def check_prompt(prompt, vocab_size, max_model_len, where="prompt"):
             raise TypeError(f"{where}[{i}] = {tok!r} is not an int token id")
         if not 0 <= tok < vocab_size:
             raise ValueError(f"{where}[{i}] = {tok} is outside the vocabulary [0, {vocab_size})")
+    # at most max_model_len - 1 tokens: room for one new token
     require(len(prompt) < max_model_len,
-            f"{where} has {len(prompt)} tokens: longer than max_model_len={max_model_len} allows "
-            f"(at most {max_model_len - 1}, to leave room for one new token)")
+            f"{where}: {len(prompt)} tokens, too many for max_model_len={max_model_len}")
     return [int(t) for t in prompt]
 
 
@@ -584,8 +579,7 @@ def check_prompts(prompts, vocab_size, max_model_len):
     require(hasattr(prompts, "__len__") and not isinstance(prompts, (str, bytes, torch.Tensor)),
             f"prompts must be a list of token-id lists, got {type(prompts).__name__}", TypeError)
     require(not (len(prompts) and is_int(prompts[0])),
-            "prompts must be a list of token-id lists, got a flat list of ints (wrap it: "
-            "[prompt])", TypeError)
+            "prompts must be a list of token-id lists, not one list of ints", TypeError)
     return [check_prompt(p, vocab_size, max_model_len, f"prompts[{i}]")
             for i, p in enumerate(prompts)]
 
@@ -594,17 +588,12 @@ def check_layout(state_dict, params):
     """The tensors of state_dict in params' order, after checking names, shapes and dtypes
     (cheap: no value is read); otherwise a ValueError / TypeError naming the tensor."""
     require(hasattr(state_dict, "keys") and hasattr(state_dict, "__getitem__"),
-            f"state_dict must be a mapping of name -> tensor, got {type(state_dict).__name__}",
-            TypeError)
+            f"state_dict must be a mapping, got {type(state_dict).__name__}", TypeError)
     if state_dict.keys() != params.keys():
         missing, unknown = (sorted(set(params) - set(state_dict.keys())),
                             sorted(set(state_dict.keys()) - set(params)))
-        require(not missing,
-                f"state_dict is missing {missing[:5]}{' ...' if len(missing) > 5 else ''}")
-        require(
-            not unknown,
-            f"state_dict has unknown tensor(s) {unknown[:5]}{' ...' if len(unknown) > 5 else ''}",
-        )
+        require(not missing, f"state_dict is missing {_few(missing)}")
+        require(not unknown, f"state_dict has unknown tensor(s) {_few(unknown)}")
     tensors = [state_dict[name] for name in params]
     # plain ifs: a message is formatted only when raised
     for (name, ours), t in zip(params.items(), tensors):
@@ -616,6 +605,10 @@ def check_layout(state_dict, params):
         if not t.dtype.is_floating_point:
             raise ValueError(f"state_dict[{name!r}] has dtype {t.dtype}, expected a floating dtype")
     return tensors
+
+
+def _few(names):   # the first five
+    return f"{names[:5]}{' ...' if len(names) > 5 else ''}"
 
 
 def check_values(tensors, params, dtype):
@@ -638,8 +631,7 @@ def check_values(tensors, params, dtype):
             if not torch.isfinite(t.detach()).all():
                 raise ValueError(f"state_dict[{name!r}] has non-finite values (NaN or inf)")
             if n and t.detach().abs().max() > limit:
-                raise ValueError(f"state_dict[{name!r}] has values beyond {dtype}'s range (|x| <= "
-                                 f"{limit:g}): they would be inf in the engine")
+                raise ValueError(f"state_dict[{name!r}]: values beyond {dtype}'s range")
     return tensors
 
 
@@ -684,8 +676,7 @@ def attention_choice(device_type, backend, compile, head_dim):
     if compile is None:
         compile = backend == "flex" and device_type == "cuda"
     require(head_dim >= 16 or device_type != "cuda" or not (backend == "flex" and compile),
-            f"compiled FlexAttention on CUDA needs head_dim >= 16, the model has {head_dim}: use "
-            f"attention_backend='sdpa'")
+            f"compiled flex on CUDA needs head_dim >= 16, the model has {head_dim}")
     return backend, compile
 
 

@@ -25,6 +25,7 @@ q, k and v and no q/k norm; Llama 3 has no q/k norm and its 'llama3' RoPE scalin
 may carry YaRN scaling (rope_frequencies).
 """
 
+import functools
 import math
 from dataclasses import dataclass
 
@@ -33,10 +34,14 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from attention import DocumentCausalAttention
-from configurator import require
+from configurator import require, require_field
 
 # -----------------------------------------------------------------------------
 # config
+
+
+# (qk_norm, qkv_bias) of each family: Qwen3 has the norm, Qwen2 the biases, Llama neither
+FAMILY_FLAGS = {"qwen3": (True, False), "qwen2": (False, True), "llama": (False, False)}
 
 
 @dataclass(frozen=True)
@@ -78,37 +83,28 @@ class ModelConfig:
         if isinstance(self.rope_scaling, dict):
             object.__setattr__(self, "rope_scaling", tuple(sorted(self.rope_scaling.items())))
         object.__setattr__(self, "rope_scaling", tuple(tuple(kv) for kv in self.rope_scaling))
-        require(self.family in ("qwen3", "qwen2", "llama"),
-                f"ModelConfig.family must be 'qwen3', 'qwen2' or 'llama', got {self.family!r}")
-        require(self.family == "qwen3" or not self.num_experts,
-                f"ModelConfig: num_experts={self.num_experts}, but experts are Qwen3-MoE's, not "
-                f"{self.family}'s (num_experts=0 for a dense model)")
-        # qk_norm, qkv_bias: what the family has (Qwen3 the norm, Qwen2 the
-        # biases, Llama neither)
-        flags = {"qwen3": (True, False), "qwen2": (False, True),
-                 "llama": (False, False)}[self.family]
-        for name, value in zip(("qk_norm", "qkv_bias"), flags):
+        need = functools.partial(require_field, self)
+        need("family", self.family in FAMILY_FLAGS, f"one of {list(FAMILY_FLAGS)}")
+        need("num_experts", not self.num_experts or self.family == "qwen3",
+             f"0 for family {self.family!r} (experts are Qwen3-MoE's)")
+        for name, value in zip(("qk_norm", "qkv_bias"), FAMILY_FLAGS[self.family]):
             if getattr(self, name) is None:
                 object.__setattr__(self, name, value)
-            require(getattr(self, name) == value, f"ModelConfig: family={self.family!r} has "
-                    f"{name}={value}, got {getattr(self, name)!r}")
+            need(name, getattr(self, name) == value, f"{value} for {self.family}")
         rope_type = dict(self.rope_scaling).get("rope_type")
-        require(rope_type in ("llama3", "yarn") or not self.rope_scaling,
-                f"ModelConfig.rope_scaling: rope_type must be 'llama3' or 'yarn', got "
-                f"{rope_type!r}")
+        need("rope_scaling", rope_type in ("llama3", "yarn") or not self.rope_scaling,
+             "of rope_type 'llama3' or 'yarn'")
         for name in ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
                      "num_key_value_heads", "head_dim", "decoder_sparse_step"):
             value = getattr(self, name)
-            require(type(value) is int and value >= 1,
-                    f"ModelConfig.{name} must be a positive int, got {value!r}")
-        require(self.num_attention_heads % self.num_key_value_heads == 0,
-                f"num_attention_heads={self.num_attention_heads} is not a multiple of "
-                f"num_key_value_heads={self.num_key_value_heads}")
-        require(not self.num_experts or 1 <= self.num_experts_per_tok <= self.num_experts,
-                f"num_experts_per_tok={self.num_experts_per_tok} must be in [1, "
-                f"num_experts={self.num_experts}]")
-        require(self.head_dim % 2 == 0,
-                f"head_dim={self.head_dim} must be even for half-split RoPE")
+            need(name, type(value) is int and value >= 1, "a positive int")
+        kv_heads, k = self.num_key_value_heads, self.num_experts
+        need("num_attention_heads", self.num_attention_heads % kv_heads == 0,
+             f"a multiple of num_key_value_heads={kv_heads}")
+        per_token = self.num_experts_per_tok
+        require(not k or 1 <= per_token <= k,
+                f"num_experts_per_tok={per_token}: not in [1, num_experts={k}]")
+        need("head_dim", self.head_dim % 2 == 0, "even (half-split RoPE)")
 
     def is_moe_layer(self, i):
         # the same rule as transformers' Qwen3MoeDecoderLayer
@@ -124,8 +120,8 @@ def as_dtype(dtype):
     """A torch.dtype from itself or its name ('float32', 'bfloat16', ...):
     configs stay serialisable."""
     if isinstance(dtype, str):
-        require(isinstance(getattr(torch, dtype, None), torch.dtype),
-                f"unknown dtype {dtype!r}: use e.g. 'float32', 'bfloat16', 'float16'")
+        is_dtype = isinstance(getattr(torch, dtype, None), torch.dtype)
+        require(is_dtype, f"unknown dtype {dtype!r}: use e.g. 'float32', 'bfloat16'")
         return getattr(torch, dtype)
     if not isinstance(dtype, torch.dtype):
         raise TypeError(f"dtype must be a torch.dtype or its name, got {dtype!r}")
@@ -473,12 +469,9 @@ class Transformer(nn.Module):
         ever whole: the trainers' path. routes [T, M, k]: routing replay, the experts
         each row uses in each of the M MoE layers (-1: its own choice); routes_out: a
         list that receives the experts each MoE layer used, [T, k] each."""
-        require(tokens.dim() == 1 and position_ids.shape == tokens.shape,
-                f"tokens and position_ids must be 1-D and equal in shape, got "
-                f"{tuple(tokens.shape)} and {tuple(position_ids.shape)}")
-        require(attention is None or branch is None,
-                "pass branch or attention, not both: an attention already holds its mask "
-                "(DocumentCausalAttention(..., branch=...))")
+        assert tokens.dim() == 1 and position_ids.shape == tokens.shape, "1-D and equal"
+        # an attention already holds its mask (DocumentCausalAttention(..., branch=...))
+        require(attention is None or branch is None, "pass branch or attention, not both")
         T = tokens.shape[0]
         if attention is None:
             if cu_seqlens is None:
@@ -520,9 +513,6 @@ def head_logprobs(hidden, weight, labels, temperature=1.0, chunk_bytes=256 * 2 *
     at once, forward or backward (backward recomputes each chunk's logits, as fused
     linear-cross-entropy kernels do). Under autocast the matmuls run in the autocast
     dtype, as F.linear would."""
-    require(hidden.dim() == 2 and labels.shape == hidden.shape[:1],
-            f"hidden {tuple(hidden.shape)} and labels {tuple(labels.shape)}: expected [T, D] and "
-            f"[T]")
     kind = hidden.device.type
     dtype = torch.get_autocast_dtype(kind) if torch.is_autocast_enabled(kind) else hidden.dtype
     rows = max(1, chunk_bytes // (4 * weight.shape[0]))

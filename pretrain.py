@@ -73,8 +73,7 @@ def main(config):
     config["device"] = distributed.setup(config["device"], config["dist_timeout_s"])
     the_task = load_task(config["task"])
     if not offers(the_task, "pretrain_corpus"):
-        raise ValueError(f"task={config['task']!r} offers no pretrain_corpus(n_docs, seed): "
-                         f"nothing to pretrain on")
+        raise ValueError(f"task={config['task']!r} has no pretrain_corpus(n_docs, seed)")
     start = init_start(config, build_tokenizer)
     seed, batch_tokens = config["seed"], config["batch_tokens"]
     train_docs = documents(start.tokenizer, the_task, config["n_docs"], seed)

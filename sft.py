@@ -162,10 +162,11 @@ def check_settings(config):
     for name, low in (("rft_samples", 0), ("rft_problems", 0), ("eval_max_tokens", 1),
                       ("max_turns", 1), ("max_episode_tokens", 0)):
         require(config[name] >= low, f"{name}={config[name]!r}: expected an int >= {low}")
-    require(config["rft_samples"] == 0 or config["rft_problems"] >= 1, f"rft_problems="
-            f"{config['rft_problems']!r}: rejection sampling (rft_samples > 0) needs problems >= 1")
-    require(config["rft_temperature"] > 0,
-            f"rft_temperature={config['rft_temperature']!r}: expected > 0")
+    samples, problems = config["rft_samples"], config["rft_problems"]
+    temperature = config["rft_temperature"]
+    # rejection sampling (rft_samples > 0) needs problems to sample
+    require(not samples or problems > 0, f"rft_samples={samples} needs rft_problems > 0")
+    require(temperature > 0, f"rft_temperature={temperature!r}: expected > 0")
     training.check_loop_settings(config)
 
 
@@ -183,9 +184,8 @@ def main(config):
     check_settings(config)
     the_task = load_task(config["task"])
     if config["rft_samples"] == 0 and not offers(the_task, "sft_examples"):
-        raise ValueError(f"task={config['task']!r} offers no sft_examples(seed, fraction): "
-                         f"nothing to fine-tune on (rejection sampling, rft_samples > 0, needs "
-                         f"none)")
+        # (rejection sampling, rft_samples > 0, needs none)
+        raise ValueError(f"task={config['task']!r} has no sft_examples(seed, fraction)")
     val_problems = the_task.make_problems("val", config["n_eval_problems"] or None)
     start = init_start(config, build_tokenizer)
     tokenizer = start.tokenizer

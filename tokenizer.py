@@ -66,7 +66,6 @@ def build_tokenizer() -> PreTrainedTokenizerFast:
     """The tokenizer, built from the literal vocabulary above (deterministic ids, no
     files, no network)."""
     vocab = {tok: i for i, tok in enumerate(VOCAB)}
-    assert len(vocab) == len(VOCAB), "duplicate vocabulary entry"
     core = Tokenizer(models.WordLevel(vocab=vocab, unk_token=UNK))
     # each piece is either one of WORDS or a single character; WordLevel then maps pieces
     # to ids one to one. [\s\S] is any character, newline included. The words come first
@@ -162,19 +161,17 @@ def _ids(out) -> list[int]:
 
 def _check_messages(tok, messages) -> None:
     if not isinstance(messages, (list, tuple)) or len(messages) == 0:
-        raise ValueError(f"messages must be a non-empty list of {{'role', 'content'}} dicts, got "
-                         f"{messages!r}")
+        raise ValueError(f"messages: not a non-empty list of dicts: {messages!r:.80}")
     specials = set(tok.all_special_tokens)
     for m in messages:
         if not (isinstance(m, Mapping) and isinstance(m.get("role"), str)
                 and isinstance(m.get("content"), str)):
             raise TypeError(f"each message must be a dict with str 'role' and 'content', got {m!r}")
         if m["role"] not in ("system", "user", "assistant"):
-            raise ValueError(f"unknown chat role {m['role']!r} (expected system, user or "
-                             f"assistant)")
+            raise ValueError(f"unknown chat role {m['role']!r} (system, user, assistant)")
         for s in specials:
             if s in m["content"]:
-                raise ValueError(f"message content contains the special token {s!r}: "
+                raise ValueError(f"message content has the special token {s!r}: "
                                  f"{m['content']!r}")
 
 
@@ -216,8 +213,7 @@ def check_template_kwargs(tok, kwargs, name="chat_template_kwargs") -> dict:
     for key in kwargs:
         if key in RESERVED_TEMPLATE_NAMES or key not in used:
             honoured = sorted(used - RESERVED_TEMPLATE_NAMES)
-            raise ValueError(f"{name}: {key!r} is not a variable this chat template reads; it "
-                             f"reads {honoured or 'none'}")
+            raise ValueError(f"{name}: the template reads no {key!r}, only {honoured}")
     return dict(kwargs)
 
 
@@ -282,15 +278,13 @@ def chat_example(tok, messages, stop_ids=None, **template_kwargs) -> tuple[list[
                          "prompt: the model would be taught a turn it never samples")
     end = next((i + 1 for i in range(len(prompt), len(full)) if full[i] in stop), None)
     if end is None:
-        raise ValueError(f"the chat template closes the assistant turn with none of the stop ids "
-                         f"{sorted(stop)}")
+        raise ValueError(f"the chat template ends a reply with none of {sorted(stop)}")
     # the learned text must end with the reply (catches characters the tokenizer cannot
     # spell -> <|unk|>; the template may trim the reply, or write a think block before it)
     learned = tok.decode(full[len(prompt):end - 1], skip_special_tokens=False)
     reply = messages[-1]["content"]
     if not learned.strip().endswith(reply.strip()):
-        raise ValueError(f"reply does not round-trip through the tokenizer: {reply!r} -> "
-                         f"{learned!r}")
+        raise ValueError(f"reply does not round-trip: {reply!r} -> {learned!r}")
     mask = [0] * len(prompt) + [1] * (end - len(prompt)) + [0] * (len(full) - end)
     return full, mask
 

@@ -149,8 +149,7 @@ def group_advantages(rewards, group_size, scale_rewards=False, eps=1e-6):
     divided by the group's std (+eps), as in the GRPO paper."""
     r = torch.as_tensor(rewards, dtype=torch.float32)
     require(r.dim() == 1 and r.numel() > 0 and r.numel() % group_size == 0,
-            f"rewards must be a flat list of whole groups of {group_size}, got shape "
-            f"{tuple(r.shape)}")
+            f"rewards {tuple(r.shape)}: not whole groups of {group_size}")
     g = r.view(-1, group_size)
     adv = g - g.mean(dim=1, keepdim=True)
     if scale_rewards:
@@ -263,16 +262,15 @@ class ProblemSampler:
     def load_state_dict(self, state):
         n, keys = len(self.items), {"draws", "taken", "successes", "samples"}
         counts = ("successes", "samples")
-        require(isinstance(state, dict) and set(state) == keys
-                and all(type(state[k]) is int and state[k] >= 0 for k in ("draws", "taken"))
-                and all(isinstance(state[k], list) and len(state[k]) == n for k in counts)
-                and all(type(v) is int for k in counts for v in state[k]),
-                f"ProblemSampler: bad data state for {n} problems: expected {sorted(keys)} with a "
-                f"count per problem, got {sorted(state) if isinstance(state, dict) else state!r}")
+        ok = (isinstance(state, dict) and set(state) == keys
+              and all(type(state[k]) is int and state[k] >= 0 for k in ("draws", "taken"))
+              and all(isinstance(state[k], list) and len(state[k]) == n for k in counts)
+              and all(type(v) is int for k in counts for v in state[k]))
+        require(ok, f"ProblemSampler: bad data state for {n} problems: {state!r:.200}")
         successes = np.array(state["successes"], dtype=np.int64)
         samples = np.array(state["samples"], dtype=np.int64)
         require(bool((successes >= 0).all() and (successes <= samples).all()),
-                "ProblemSampler: bad data state: successes must be in [0, samples]")
+                "ProblemSampler: bad data state: successes not in [0, samples]")
         self.draws, self.taken = state["draws"], state["taken"]
         self.successes, self.samples = successes, samples
 
@@ -580,10 +578,10 @@ def check_settings(config):
     # a bad temperature / top_p / top_k, engine dtype or block size is refused by its owner
     SamplingParams(temperature=config["temperature"], top_p=config["top_p"],
                    top_k=config["top_k"])
-    require(config["temperature"] != 0, "temperature=0: GRPO needs sampled groups (greedy "
-            "samples of a prompt are all the same)")
-    require(config["kl_coef"] == 0 or config["init_from"] != "scratch", "kl_coef > 0 with "
-            "init_from='scratch': a KL to a random starting policy teaches nothing")
+    # greedy samples of a prompt are all the same; a KL to a random policy teaches nothing
+    require(config["temperature"] != 0, "temperature=0: GRPO needs sampled groups")
+    require(config["kl_coef"] == 0 or config["init_from"] != "scratch",
+            "kl_coef > 0 with init_from='scratch'")
     EngineConfig(device=config["device"], dtype=config["engine_dtype"],
                  block_size=config["engine_block_size"], compile=config["engine_compile"])
     sources.check_settings(config)
@@ -593,17 +591,14 @@ def check_settings(config):
 def check_off_policy_settings(config):
     """The corrections' settings (off_policy.py): one IS correction at a time, and
     what needs what."""
-    tis, mis_low, mis_high = config["tis_cap"], config["mis_low"], config["mis_high"]
-    require(not (tis > 0 and mis_high > 0), f"tis_cap={tis} and mis_high={mis_high}: "
-            f"truncated and masked IS are two corrections of one ratio; set one")
-    require(mis_high == 0 or mis_low < 1 < mis_high, f"mis_low={mis_low}, mis_high={mis_high}: "
-            f"masked IS keeps the ratios in [mis_low, mis_high], which must hold 1")
-    require(config["is_level"] == "token" or tis > 0 or mis_high > 0, f"is_level="
-            f"{config['is_level']!r} is the level of an IS correction: set tis_cap or mis_high")
-    require(config["ppo_clip"] < 1, f"ppo_clip={config['ppo_clip']}: expected in [0, 1)")
-    require(config["ppo_epochs"] == 1 or config["ppo_clip"] > 0, f"ppo_epochs="
-            f"{config['ppo_epochs']}: later epochs train off-policy on the same rollout; set "
-            f"ppo_clip > 0 (e.g. 0.2)")
+    tis, lo, hi = config["tis_cap"], config["mis_low"], config["mis_high"]
+    clip, epochs, level = config["ppo_clip"], config["ppo_epochs"], config["is_level"]
+    require(not (tis > 0 and hi > 0), "truncated and masked IS: one of tis_cap, mis_high")
+    require(hi == 0 or lo < 1 < hi, f"mis_low={lo}, mis_high={hi}: [lo, hi] must hold 1")
+    require(level == "token" or tis or hi, f"is_level={level!r}: no IS correction is set")
+    require(clip < 1, f"ppo_clip={clip}: expected in [0, 1)")
+    # a later epoch trains off-policy on the same rollout
+    require(epochs == 1 or clip > 0, f"ppo_epochs={epochs} needs ppo_clip > 0 (e.g. 0.2)")
 
 
 def reference_model(config, start):
@@ -677,9 +672,9 @@ def main(config):
                       check_template_kwargs(start.tokenizer, config["chat_template_kwargs"]))
     eval_problems = the_task.make_problems(config["eval_split"], config["n_eval_problems"] or None)
     sampler = ProblemSampler(the_task.make_problems("train"), config["seed"])   # out_dir untouched
-    require(config["prompts_per_step"] <= len(sampler.items),
-            f"prompts_per_step={config['prompts_per_step']}: a step's problems are distinct, and "
-            f"there are {len(sampler.items)} training problems")
+    # a step's problems are distinct
+    n, problems = config["prompts_per_step"], len(sampler.items)
+    require(n <= problems, f"prompts_per_step={n}: more than the {problems} problems")
     engine_for = functools.partial(make_engine, env=env, start=start,
                                    problems=sampler.items + eval_problems, config=config)
     if roles is not None and roles.is_worker:   # a rollout rank only samples

@@ -70,9 +70,8 @@ def token_logprobs(logits, labels):
     """log p(label) per row, in fp32 with log_softmax + gather (never log(softmax)):
     [T, V], [T] -> [T]. The same quantity the engine reports as a sample's logprob
     at temperature 1."""
-    require(logits.dim() == 2 and labels.shape == logits.shape[:1],
-            f"logits {tuple(logits.shape)} and labels {tuple(labels.shape)}: expected [T, V] and "
-            f"[T] (T rows, one per label)")
+    ok = logits.dim() == 2 and labels.shape == logits.shape[:1]
+    require(ok, f"logits' and labels' rows differ: {logits.shape}, {labels.shape}")
     return torch.log_softmax(logits.float(), dim=-1).gather(-1, labels[:, None]).squeeze(-1)
 
 
@@ -133,13 +132,12 @@ def pack_sequences(sequences, weights, log_probs=None, rewards=None, loss_masks=
         require(len(seq) > 0, f"pack_sequences: sequence {i} is empty")
         for name, rows in (("weights", weights), ("log_probs", log_probs),
                            ("loss_masks", loss_masks)):
-            if rows is not None:
-                require(len(rows[i]) == len(seq),
-                        f"pack_sequences: sequence {i} has {len(seq)} tokens but {len(rows[i])} "
-                        f"{name}")
+            if rows is not None and len(rows[i]) != len(seq):
+                raise ValueError(f"pack_sequences: sequence {i} has {len(seq)} tokens "
+                                 f"but {len(rows[i])} {name}")
     ids = torch.tensor([t for s in sequences for t in s])   # dtype inferred: floats / bools show up
-    require(not (ids.dtype == torch.bool or ids.dtype.is_floating_point or ids.dtype.is_complex),
-            f"pack_sequences: token ids must be ints, got {ids.dtype} values", TypeError)
+    ints = not (ids.dtype == torch.bool or ids.is_floating_point() or ids.is_complex())
+    require(ints, f"pack_sequences: token ids must be ints, not {ids.dtype}", TypeError)
     ids = ids.long()
     require(ids.min() >= 0, f"pack_sequences: negative token id {int(ids.min())}")
     w = _finite([x for row in weights for x in row], "weights")
@@ -181,21 +179,18 @@ def pack_groups(prompts, completions, weights, log_probs=None, loss_masks=None):
         branch    0  0 | 1  1  1 | 2  2
         position  0  1 | 2  3  4 | 2  3
         labels    6* 7*| 8  9  7*| 4  0*     (* weight 0: a prompt token, or a placeholder)"""
-    require(len(prompts) == len(completions) == len(weights),
-            f"pack_groups: {len(prompts)} prompts, {len(completions)} completion lists, "
-            f"{len(weights)} weight lists")
-    require(log_probs is None or len(log_probs) == len(prompts),
-            f"pack_groups: {len(prompts)} prompts but {len(log_probs or [])} log_probs lists")
-    require(loss_masks is None or len(loss_masks) == len(prompts),
-            f"pack_groups: {len(prompts)} prompts but {len(loss_masks or [])} loss_masks lists")
+    for name, rows in (("completion", completions), ("weight", weights),
+                       ("log_probs", log_probs), ("loss_masks", loss_masks)):
+        if rows is not None and len(rows) != len(prompts):
+            raise ValueError(f"{len(prompts)} prompts but {len(rows)} {name} lists")
     docs, doc_weights, doc_logprobs, doc_masks, positions, branch = [], [], [], [], [], []
     for i, (prompt, comps) in enumerate(zip(prompts, completions)):
         lps = [[0.0] * len(c) for c in comps] if log_probs is None else log_probs[i]
         masks = [[1] * len(c) for c in comps] if loss_masks is None else loss_masks[i]
         require(len(prompt) > 0, f"pack_groups: prompt {i} is empty")
-        require(len(weights[i]) == len(lps) == len(masks) == len(comps),
-                f"pack_groups: group {i} has {len(comps)} completions but {len(weights[i])} "
-                f"weight, {len(lps)} logprob and {len(masks)} loss_mask lists")
+        if not len(weights[i]) == len(lps) == len(masks) == len(comps):
+            raise ValueError(f"pack_groups: group {i} has {len(comps)} completions but "
+                             f"{len(weights[i])} weight lists")
         n = len(prompt) - 1
         docs.append(list(prompt[:-1]))
         doc_weights.append([0.0] * n)
@@ -204,9 +199,9 @@ def pack_groups(prompts, completions, weights, log_probs=None, loss_masks=None):
         positions += range(n)
         branch += [0] * n
         for b, (comp, w, lp, m) in enumerate(zip(comps, weights[i], lps, masks), start=1):
-            require(len(w) == len(comp) == len(lp) == len(m),
-                    f"pack_groups: group {i} completion {b - 1} has {len(comp)} tokens but "
-                    f"{len(w)} weights, {len(lp)} log_probs and {len(m)} loss_mask values")
+            if not len(w) == len(comp) == len(lp) == len(m):
+                raise ValueError(f"group {i} completion {b - 1} has {len(comp)} tokens "
+                                 f"but {len(w)} weights (or log_probs, loss_masks)")
             docs[-1] += [prompt[-1], *comp]
             doc_weights[-1] += [0.0, *w]
             doc_logprobs[-1] += [0.0, *lp]
@@ -229,8 +224,7 @@ def split_under_budget(lengths, max_tokens):
     max_tokens tokens each: [3, 4, 2, 5, 1] under 7 -> [[0, 1], [2, 3], [4]]."""
     runs, run, total = [], [], 0
     for i, n in enumerate(lengths):
-        require(n <= max_tokens,
-                f"sequence {i} has {n} tokens, more than the budget of {max_tokens}")
+        require(n <= max_tokens, f"sequence {i} has {n} tokens: over budget {max_tokens}")
         if total + n > max_tokens:
             runs.append(run)
             run, total = [], 0
@@ -281,10 +275,10 @@ class EpochCursor:
         return {"epoch": self.epoch, "cursor": self.cursor}
 
     def load_state_dict(self, state):
-        require(isinstance(state, dict) and set(state) == {"epoch", "cursor"}
-                and all(type(v) is int and v >= 0 for v in state.values())
-                and state["cursor"] <= len(self.items),
-                f"{type(self).__name__}: bad data state {state!r} for {len(self.items)} items")
+        ok = isinstance(state, dict) and set(state) == {"epoch", "cursor"} and all(
+            type(v) is int and v >= 0 for v in state.values())
+        n = len(self.items)
+        require(ok and state["cursor"] <= n, f"bad data state {state!r} for {n} items")
         self.epoch, self.cursor = state["epoch"], state["cursor"]
 
 
@@ -294,8 +288,7 @@ class PackedLoader(EpochCursor):
 
     def __init__(self, sequences, weights, batch_tokens, seed):
         require(len(sequences) > 0 and len(sequences) == len(weights),
-                f"PackedLoader: need a non-empty list of sequences with one weight list each, got "
-                f"{len(sequences)} and {len(weights)} weight lists")
+                f"PackedLoader: {len(sequences)} sequences, {len(weights)} weight lists")
         # refuses a sequence over the budget
         split_under_budget([len(s) for s in sequences], batch_tokens)
         super().__init__(list(zip(sequences, weights)), seed)
@@ -522,9 +515,9 @@ def precision(config):
     """(device_type, autocast context) for config's device and dtype; bf16 is autocast
     over fp32 weights."""
     device_type = torch.device(config["device"]).type
+    # float16 would need a grad scaler, which these loops do not have
     require(config["dtype"] in ("float32", "bfloat16"),
-            f"dtype={config['dtype']!r}: use 'float32' or 'bfloat16' (float16 needs a grad "
-            f"scaler, which this loop does not have)")
+            f"dtype={config['dtype']!r}: expected 'float32' or 'bfloat16'")
     if device_type == "cuda":
         torch.backends.cuda.matmul.allow_tf32 = True
         torch.backends.cudnn.allow_tf32 = True
@@ -589,9 +582,10 @@ def check_loop_settings(config):
                       ("eval_interval", 1), ("ckpt_interval", 1)):
         require(name not in config or type(config[name]) is int and config[name] >= low,
                 f"{name}={config.get(name)!r}: expected an int >= {low}")
+    # each rank takes its share of every step
     require(config.get("grad_accum", 0) % distributed.world() == 0,
             f"grad_accum={config.get('grad_accum')!r}: expected a multiple of the "
-            f"{distributed.world()} ranks (each takes its share of every step)")
+            f"{distributed.world()} ranks")
     lr, min_lr = config["learning_rate"], config["min_lr"]
     require(is_finite_number(lr) and lr > 0, f"learning_rate={lr!r}: expected a finite number > 0")
     require(is_finite_number(min_lr) and 0 <= min_lr <= lr,

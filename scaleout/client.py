@@ -40,8 +40,7 @@ def sample_from_response(response, index=0, sent=None) -> TrainingSample:
     prompt = r.get("prompt_token_ids") if chat else choice.get("prompt_token_ids")
     ids, logprobs = choice.get("token_ids"), choice.get("logprobs")
     if prompt is None or ids is None:
-        raise ValueError("the response has no prompt_token_ids / token_ids: send "
-                         "return_token_ids=true")
+        raise ValueError("the response has no token ids: send return_token_ids=true")
     if sent is not None:
         check_same(list(prompt), list(sent), None,
                    "the server's prompt_token_ids against the ids sent")
@@ -52,8 +51,7 @@ def sample_from_response(response, index=0, sent=None) -> TrainingSample:
     if len(logprobs) != len(ids):
         raise ValueError(f"choice {index} has {len(ids)} token ids but {len(logprobs)} logprobs")
     if choice["finish_reason"] not in ("stop", "length"):
-        raise ValueError(f"choice {index} finished with {choice['finish_reason']!r}, expected "
-                         f"'stop' or 'length'")
+        raise ValueError(f"choice {index} finished with {choice['finish_reason']!r}")
     return TrainingSample(prompt_tokens=tuple(prompt), completion_tokens=tuple(ids),
                           logprobs=tuple(logprobs), weight_version=choice.get("weight_version", 0),
                           finish_reason=choice["finish_reason"], sample_index=index)

@@ -168,8 +168,7 @@ def check_in_sync(model):
         h.update(p.detach().cpu().contiguous().view(-1).view(torch.uint8).numpy().tobytes())
     digests = gather([h.hexdigest()])
     if len(set(digests)) != 1:
-        raise RuntimeError(f"the ranks' parameters differ (digests by rank: {digests}): data "
-                           f"parallelism broke")
+        raise RuntimeError(f"the ranks' parameters differ (digests by rank: {digests})")
 
 
 def broadcast(tensor):

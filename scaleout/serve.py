@@ -35,7 +35,6 @@ import contextlib
 import hmac
 import json
 import math
-import os
 import re
 import sys
 import time
@@ -195,16 +194,14 @@ def chat_prompt(server, body, add_generation_prompt=True):
     included (unless add_generation_prompt=False)."""
     messages = body.get("messages")
     if not (isinstance(messages, list) and messages):
-        raise BadRequest(f"messages must be a non-empty list, got {str(messages)[:80]!r}",
-                         "messages")
+        raise BadRequest(f"messages: not a non-empty list: {messages!r:.80}", "messages")
     plain = []
     for i, m in enumerate(messages):
         content = m.get("content") if isinstance(m, dict) else None
         if isinstance(content, list):   # content parts: text only
             if not all(isinstance(p, dict) and p.get("type") == "text"
                        and isinstance(p.get("text"), str) for p in content):
-                raise BadRequest(f"messages[{i}].content: only text parts are supported",
-                                 "messages")
+                raise BadRequest(f"messages[{i}].content: only text parts", "messages")
             content = "".join(p["text"] for p in content)
         if not (isinstance(m, dict) and isinstance(m.get("role"), str)
                 and isinstance(content, str)):
@@ -435,8 +432,7 @@ async def generate_tokens(server, http, body):
     missing max_tokens means up to max_model_len."""
     prompt = body.get("token_ids")
     if not _ids_list(prompt):
-        raise BadRequest(f"token_ids must be a non-empty list of token ids, got "
-                         f"{str(prompt)[:80]!r}", "token_ids")
+        raise BadRequest(f"token_ids: not a non-empty list: {prompt!r:.80}", "token_ids")
     prompt = _checked(server, prompt, "token_ids")
     sampling = dict(_field(body, "sampling_params", (dict,), {}))
     try:
@@ -605,8 +601,7 @@ async def update_weights_from_distributed(server, http, body):
                              f"{list(ours[name])}", "shapes")
         if not (isinstance(dtype, str) and isinstance(getattr(torch, dtype, None), torch.dtype)
                 and getattr(torch, dtype).is_floating_point):
-            raise BadRequest(f"tensor {name!r}: dtype {dtype!r} is not a floating torch dtype",
-                             "dtypes")
+            raise BadRequest(f"tensor {name!r}: {dtype!r} is not floating", "dtypes")
     if _field(body, "check_only", (bool,), False):
         return {"success": True, "message": f"the {len(meta[0])} tensors fit"}
     state = {n: torch.empty(sh, dtype=getattr(torch, d), device="meta") for n, sh, d in zip(*meta)}
@@ -653,8 +648,7 @@ async def body_of(server, http):
     if not isinstance(body, dict):
         raise BadRequest(f"the request body must be a JSON object, got {type(body).__name__}")
     if body.get("model") not in (None, server.name):
-        raise BadRequest(f"the model {body['model']!r} does not exist: this server serves "
-                         f"{server.name!r}", "model")
+        raise BadRequest(f"the model {body['model']!r} does not exist here", "model")
     return body
 
 
@@ -714,8 +708,7 @@ def build_app(server) -> FastAPI:
 def main():
     configure(globals(), sys.argv[1:], stage="serve")
     if not model_path:
-        raise ValueError("model_path is required: --model_path=DIR (a model directory with its "
-                         "tokenizer)")
+        raise ValueError("model_path is required: --model_path=DIR (a model directory)")
     if not 0 <= port < 65536:
         raise ValueError(f"port must be in [0, 65536), got {port}")
     tokenizer = load_tokenizer(model_path)

@@ -39,24 +39,24 @@ def check_settings(config):
     ranks, stale, urls = config["rollout_ranks"], config["max_staleness"], config["rollout_urls"]
     require(ranks >= 0, f"rollout_ranks={ranks!r}: expected an int >= 0")
     require(stale >= 0, f"max_staleness={stale!r}: expected an int >= 0")
-    require(stale == 0 or ranks > 0 or urls, f"max_staleness={stale}: only rollout ranks or "
-            f"servers sample ahead of the trainer; set rollout_ranks or rollout_urls too")
-    require(stale == 0 or config["tis_cap"] > 0 or config["mis_high"] > 0, f"max_staleness="
-            f"{stale} trains on samples of older weights: set tis_cap > 0 (e.g. 2) or mis_high "
-            f"so that IS corrects them")
-    require(not urls or (ranks, distributed.world()) == (0, 1), f"rollout_urls={urls!r}: "
-            f"serve.py rollouts run with one trainer process (no rollout_ranks, no torchrun)")
-    require(not (ranks or urls) or not (config["record_routes"] or config["routing_replay"]),
-            "record_routes / routing_replay: routes travel only from this process's engine for "
-            "now (no rollout_ranks, no rollout_urls)")
+    # only rollout ranks or servers sample ahead of the trainer, and IS corrects what
+    # older weights sampled (tis_cap or mis_high)
+    require(stale == 0 or ranks or urls, f"max_staleness={stale}: set rollout_ranks too")
+    require(stale == 0 or config["tis_cap"] > 0 or config["mis_high"] > 0,
+            f"max_staleness={stale} trains on samples of older weights: set tis_cap")
+    # serve.py rollouts run with one trainer process; routes travel only from this
+    # process's engine for now
+    one = (ranks, distributed.world()) == (0, 1)
+    require(not urls or one, f"rollout_urls={urls!r}: not with rollout_ranks or torchrun")
+    routes, remote = config["record_routes"] or config["routing_replay"], ranks or urls
+    require(not (routes and remote), "routing replay: no rollout_ranks or rollout_urls")
     backend = config["weight_backend"]
     require(backend in ("gloo", "nccl"), f"weight_backend={backend!r}: expected gloo or nccl")
-    require(backend == "gloo" or config["device"].startswith("cuda"),
-            "weight_backend='nccl' broadcasts from a GPU: set device='cuda' (or use 'gloo')")
-    require(config["weight_master_address"], "weight_master_address='': expected a host name "
-            "or address the servers can reach")
-    require(config["weight_bucket_mb"] > 0,
-            f"weight_bucket_mb={config['weight_bucket_mb']!r}: expected a number > 0")
+    cuda = config["device"].startswith("cuda")   # nccl broadcasts from a GPU
+    require(backend == "gloo" or cuda, "weight_backend='nccl' needs device='cuda'")
+    require(config["weight_master_address"], "weight_master_address='': expected a host")
+    mb = config["weight_bucket_mb"]
+    require(mb > 0, f"weight_bucket_mb={mb!r}: expected a number > 0")
 
 
 def split_roles(config):

@@ -69,8 +69,7 @@ class Problem:
 
     def __post_init__(self):
         if not isinstance(self.digits, tuple) or not self.digits:
-            raise TypeError(f"Problem.digits must be a non-empty tuple of ints, got "
-                            f"{self.digits!r}")
+            raise TypeError(f"Problem.digits: not a non-empty int tuple: {self.digits!r}")
         if any(type(d) is not int or d not in DIGITS for d in self.digits):
             raise ValueError(f"Problem.digits must be ints in 1..9, got {self.digits!r}")
         if type(self.target) is not int:
@@ -209,8 +208,6 @@ def kind(problem: Problem) -> str:
 def expression_answers(problem: Problem) -> list[str]:
     """Every right one-line expression with minimal parentheses, preferred first (empty if
     the problem is unsolvable)."""
-    if not isinstance(problem, Problem):
-        raise TypeError(f"expected a Problem, got {problem!r}")
     return list(_values(tuple(sorted(problem.digits))).get(problem.target, ()))
 
 
@@ -219,8 +216,6 @@ def heuristic_answer(problem: Problem) -> str:
     lands closest to the target, repeat until one number is left; that expression is the
     answer. Ties go to the first pair and operator in order. chain_rule_answer, below,
     is the second."""
-    if not isinstance(problem, Problem):
-        raise TypeError(f"expected a Problem, got {problem!r}")
     terms = [(str(d), d, _ATOM) for d in problem.digits]   # (text, value, precedence)
 
     def miss(choice):   # how far combining terms i and j with op lands from the target
@@ -485,8 +480,6 @@ def chain_rule_answer(problem: Problem) -> str:
     answer). A line that ends on a pair is right. digits 1 4 7 8 target 83:
     '83-8=75[147] 75-7=68[14] 68=?' (of the needs 83+d, 83-d and 83/1 the least is 75;
     then 75-7 leaves 68, which 1 and 4 do not make)."""
-    if not isinstance(problem, Problem):
-        raise TypeError(f"expected a Problem, got {problem!r}")
     need, pool, words = problem.target, sorted(problem.digits), []
     while len(pool) > 2:   # a step is always possible: '+d' is one
         steps = [(_undo(op, need, d), op, d) for op, d in _moves(pool)]
@@ -553,8 +546,6 @@ def demonstration(problem: Problem) -> str | None:
 def solutions(problem: Problem) -> list[str]:
     """The right answers, the demonstrated one first: its demonstration, the other chains,
     then the one-line expressions (empty if the problem is unsolvable)."""
-    if not isinstance(problem, Problem):
-        raise TypeError(f"expected a Problem, got {problem!r}")
     first = demonstration(problem)
     chains = [line for line in chain_answers(problem) if line != first]
     return ([first] if first else []) + chains + expression_answers(problem)
@@ -566,8 +557,6 @@ def solutions(problem: Problem) -> list[str]:
 
 def prompt_messages(problem: Problem) -> list[dict]:
     """The chat prompt: one short user turn (about 20 tokens with the template)."""
-    if not isinstance(problem, Problem):
-        raise TypeError(f"expected a Problem, got {problem!r}")
     digits = " ".join(map(str, problem.digits))
     return [{"role": "user", "content": f"digits {digits} target {problem.target}"}]
 
