@@ -495,13 +495,15 @@ def model_dir_of(path):
     """init_from=path accepts a previous stage's out_dir (its ckpt, or ckpt.old) or a
     transformers model dir."""
     if not isinstance(path, str) or not os.path.isdir(path):
-        raise ValueError(f"init_from={path!r}: no such existing directory")
+        raise ValueError(f"init_from={path!r}: expected 'scratch', 'resume' or an existing "
+                         f"directory")
     found = find_checkpoint(path)
     if found:
         return found
     if os.path.isfile(os.path.join(path, "config.json")):
         return path
-    raise ValueError(f"init_from={path!r}: neither a run directory nor a model directory")
+    raise ValueError(f"init_from={path!r}: neither a run directory (no {CKPT}/{META}) nor a "
+                     f"model directory (no config.json)")
 
 
 def load_model(path):

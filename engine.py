@@ -92,7 +92,8 @@ class EngineConfig:
         # the CPU's decode graph (inference/decode.py) is compiled for float32
         cpu = torch.device(self.device).type == "cpu"
         graph = self.compile and self.attention_backend != "flex" and cpu
-        need("dtype", not graph or self.dtype == "float32", "float32 with compile=True")
+        need("dtype", not graph or self.dtype == "float32",
+             "float32 for compile=True on the CPU")
 
 
 # below this (and above 0) a temperature is greedy in all but name, and risks inf / NaN
@@ -175,7 +176,8 @@ class InferenceEngine:
     def __init__(self, config: EngineConfig, model: Transformer | None = None):
         require(isinstance(config, EngineConfig),
                 f"config must be an EngineConfig, got {config!r}", TypeError)
-        require(model is not None or config.model_path, "neither a model nor a model_path")
+        require(model is not None or config.model_path is not None,
+                "no model given and EngineConfig.model_path is None")
         self.config = config
         self.device, self.dtype = torch.device(config.device), as_dtype(config.dtype)
         if model is None:
@@ -205,7 +207,8 @@ class InferenceEngine:
         cfg, cpu = model.config, self.device.type == "cpu"
         widths = f"{cfg.hidden_size} and {cfg.moe_intermediate_size}"
         require(not (static and cpu) or grouped_experts(cfg, self.device, self.dtype),
-                f"compile=True on the CPU: MoE widths not multiples of 4, got {widths}")
+                f"compile=True on the CPU: hidden_size and moe_intermediate_size not "
+                f"multiples of 4, got {widths}")
         require(not static or cpu or not cfg.num_experts,
                 f"compile=True on a GPU: dense models only ({cfg.num_experts} experts)")
         self.static = StaticDecode(
@@ -236,7 +239,8 @@ class InferenceEngine:
         (TrainingSample.request_id). With params.seed, it draws as prompt `index` of
         a generate call."""
         self._check_request(params, num_samples, "num_samples")
-        require(is_int(index) and 0 <= index < 2**63, f"index={index!r}: out of range")
+        require(is_int(index) and 0 <= index < 2**63,
+                f"index={index!r}: expected an int in [0, 2**63)")
         prompt = check_prompt(prompt, self.model.config.vocab_size, self.max_model_len)
         check_fits(prompt, params, num_samples, self.blocks, self.max_model_len, "prompt")
         return self._add(prompt, params, num_samples, index)
@@ -250,7 +254,7 @@ class InferenceEngine:
         params = sampling_params
         self._check_request(params, num_samples_per_prompt, "num_samples_per_prompt")
         require(is_int(first_index) and 0 <= first_index < 2 ** 63,
-                f"first_index={first_index!r}: not in [0, 2**63)")
+                f"first_index={first_index!r}: expected an int in [0, 2**63)")
         checked = check_prompts(prompts, self.model.config.vocab_size, self.max_model_len)
         for i, p in enumerate(checked):
             check_fits(p, params, num_samples_per_prompt, self.blocks, self.max_model_len,
@@ -592,8 +596,8 @@ def check_layout(state_dict, params):
     if state_dict.keys() != params.keys():
         missing, unknown = (sorted(set(params) - set(state_dict.keys())),
                             sorted(set(state_dict.keys()) - set(params)))
-        require(not missing, f"state_dict is missing {_few(missing)}")
-        require(not unknown, f"state_dict has unknown tensor(s) {_few(unknown)}")
+        require(not missing, f"state_dict is missing {_first_five(missing)}")
+        require(not unknown, f"state_dict has unknown tensor(s) {_first_five(unknown)}")
     tensors = [state_dict[name] for name in params]
     # plain ifs: a message is formatted only when raised
     for (name, ours), t in zip(params.items(), tensors):
@@ -607,7 +611,7 @@ def check_layout(state_dict, params):
     return tensors
 
 
-def _few(names):   # the first five
+def _first_five(names):
     return f"{names[:5]}{' ...' if len(names) > 5 else ''}"
 
 

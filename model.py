@@ -84,7 +84,7 @@ class ModelConfig:
             object.__setattr__(self, "rope_scaling", tuple(sorted(self.rope_scaling.items())))
         object.__setattr__(self, "rope_scaling", tuple(tuple(kv) for kv in self.rope_scaling))
         need = functools.partial(require_field, self)
-        need("family", self.family in FAMILY_FLAGS, f"one of {list(FAMILY_FLAGS)}")
+        need("family", self.family in list(FAMILY_FLAGS), f"one of {list(FAMILY_FLAGS)}")
         need("num_experts", not self.num_experts or self.family == "qwen3",
              f"0 for family {self.family!r} (experts are Qwen3-MoE's)")
         for name, value in zip(("qk_norm", "qkv_bias"), FAMILY_FLAGS[self.family]):
@@ -98,12 +98,12 @@ class ModelConfig:
                      "num_key_value_heads", "head_dim", "decoder_sparse_step"):
             value = getattr(self, name)
             need(name, type(value) is int and value >= 1, "a positive int")
-        kv_heads, k = self.num_key_value_heads, self.num_experts
+        kv_heads, experts, top_k = (self.num_key_value_heads, self.num_experts,
+                                    self.num_experts_per_tok)
         need("num_attention_heads", self.num_attention_heads % kv_heads == 0,
              f"a multiple of num_key_value_heads={kv_heads}")
-        per_token = self.num_experts_per_tok
-        require(not k or 1 <= per_token <= k,
-                f"num_experts_per_tok={per_token}: not in [1, num_experts={k}]")
+        require(not experts or 1 <= top_k <= experts,
+                f"num_experts_per_tok={top_k}: not in [1, num_experts={experts}]")
         need("head_dim", self.head_dim % 2 == 0, "even (half-split RoPE)")
 
     def is_moe_layer(self, i):
@@ -469,7 +469,7 @@ class Transformer(nn.Module):
         ever whole: the trainers' path. routes [T, M, k]: routing replay, the experts
         each row uses in each of the M MoE layers (-1: its own choice); routes_out: a
         list that receives the experts each MoE layer used, [T, k] each."""
-        assert tokens.dim() == 1 and position_ids.shape == tokens.shape, "1-D and equal"
+        assert tokens.dim() == 1 and position_ids.shape == tokens.shape, "1-D, one each"
         # an attention already holds its mask (DocumentCausalAttention(..., branch=...))
         require(attention is None or branch is None, "pass branch or attention, not both")
         T = tokens.shape[0]
@@ -513,6 +513,7 @@ def head_logprobs(hidden, weight, labels, temperature=1.0, chunk_bytes=256 * 2 *
     at once, forward or backward (backward recomputes each chunk's logits, as fused
     linear-cross-entropy kernels do). Under autocast the matmuls run in the autocast
     dtype, as F.linear would."""
+    assert hidden.dim() == 2 and labels.shape == hidden.shape[:1], "one label per row"
     kind = hidden.device.type
     dtype = torch.get_autocast_dtype(kind) if torch.is_autocast_enabled(kind) else hidden.dtype
     rows = max(1, chunk_bytes // (4 * weight.shape[0]))

@@ -161,7 +161,8 @@ def _ids(out) -> list[int]:
 
 def _check_messages(tok, messages) -> None:
     if not isinstance(messages, (list, tuple)) or len(messages) == 0:
-        raise ValueError(f"messages: not a non-empty list of dicts: {messages!r:.80}")
+        raise ValueError(f"messages must be a non-empty list of dicts, got "
+                         f"{messages!r:.80}")
     specials = set(tok.all_special_tokens)
     for m in messages:
         if not (isinstance(m, Mapping) and isinstance(m.get("role"), str)
@@ -213,7 +214,8 @@ def check_template_kwargs(tok, kwargs, name="chat_template_kwargs") -> dict:
     for key in kwargs:
         if key in RESERVED_TEMPLATE_NAMES or key not in used:
             honoured = sorted(used - RESERVED_TEMPLATE_NAMES)
-            raise ValueError(f"{name}: the template reads no {key!r}, only {honoured}")
+            raise ValueError(f"{name}: {key!r} is not a variable this chat template reads; it "
+                             f"reads {honoured or 'none'}")
     return dict(kwargs)
 
 

@@ -578,10 +578,11 @@ def check_settings(config):
     # a bad temperature / top_p / top_k, engine dtype or block size is refused by its owner
     SamplingParams(temperature=config["temperature"], top_p=config["top_p"],
                    top_k=config["top_k"])
-    # greedy samples of a prompt are all the same; a KL to a random policy teaches nothing
+    # greedy samples of a prompt are all the same
     require(config["temperature"] != 0, "temperature=0: GRPO needs sampled groups")
-    require(config["kl_coef"] == 0 or config["init_from"] != "scratch",
-            "kl_coef > 0 with init_from='scratch'")
+    kl = config["kl_coef"]
+    require(kl == 0 or config["init_from"] != "scratch",
+            f"kl_coef={kl}: a KL to init_from='scratch' (random) teaches nothing")
     EngineConfig(device=config["device"], dtype=config["engine_dtype"],
                  block_size=config["engine_block_size"], compile=config["engine_compile"])
     sources.check_settings(config)
@@ -593,9 +594,10 @@ def check_off_policy_settings(config):
     what needs what."""
     tis, lo, hi = config["tis_cap"], config["mis_low"], config["mis_high"]
     clip, epochs, level = config["ppo_clip"], config["ppo_epochs"], config["is_level"]
-    require(not (tis > 0 and hi > 0), "truncated and masked IS: one of tis_cap, mis_high")
-    require(hi == 0 or lo < 1 < hi, f"mis_low={lo}, mis_high={hi}: [lo, hi] must hold 1")
-    require(level == "token" or tis or hi, f"is_level={level!r}: no IS correction is set")
+    require(not (tis > 0 and hi > 0),
+            f"tis_cap={tis}, mis_high={hi}: truncated and masked IS, set one")
+    require(hi == 0 or lo < 1 < hi, f"mis_low={lo}, mis_high={hi}: the range must hold 1")
+    require(level == "token" or tis or hi, f"is_level={level!r}: set tis_cap or mis_high")
     require(clip < 1, f"ppo_clip={clip}: expected in [0, 1)")
     # a later epoch trains off-policy on the same rollout
     require(epochs == 1 or clip > 0, f"ppo_epochs={epochs} needs ppo_clip > 0 (e.g. 0.2)")
@@ -673,8 +675,8 @@ def main(config):
     eval_problems = the_task.make_problems(config["eval_split"], config["n_eval_problems"] or None)
     sampler = ProblemSampler(the_task.make_problems("train"), config["seed"])   # out_dir untouched
     # a step's problems are distinct
-    n, problems = config["prompts_per_step"], len(sampler.items)
-    require(n <= problems, f"prompts_per_step={n}: more than the {problems} problems")
+    n, available = config["prompts_per_step"], len(sampler.items)
+    require(n <= available, f"prompts_per_step={n}: more than the {available} problems")
     engine_for = functools.partial(make_engine, env=env, start=start,
                                    problems=sampler.items + eval_problems, config=config)
     if roles is not None and roles.is_worker:   # a rollout rank only samples

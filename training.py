@@ -71,7 +71,8 @@ def token_logprobs(logits, labels):
     [T, V], [T] -> [T]. The same quantity the engine reports as a sample's logprob
     at temperature 1."""
     ok = logits.dim() == 2 and labels.shape == logits.shape[:1]
-    require(ok, f"logits' and labels' rows differ: {logits.shape}, {labels.shape}")
+    require(ok, f"logits {tuple(logits.shape)}, labels {tuple(labels.shape)}: expected "
+                f"[T, V] and [T] rows")
     return torch.log_softmax(logits.float(), dim=-1).gather(-1, labels[:, None]).squeeze(-1)
 
 
@@ -182,7 +183,8 @@ def pack_groups(prompts, completions, weights, log_probs=None, loss_masks=None):
     for name, rows in (("completion", completions), ("weight", weights),
                        ("log_probs", log_probs), ("loss_masks", loss_masks)):
         if rows is not None and len(rows) != len(prompts):
-            raise ValueError(f"{len(prompts)} prompts but {len(rows)} {name} lists")
+            raise ValueError(f"pack_groups: {len(prompts)} prompts but {len(rows)} "
+                             f"{name} lists")
     docs, doc_weights, doc_logprobs, doc_masks, positions, branch = [], [], [], [], [], []
     for i, (prompt, comps) in enumerate(zip(prompts, completions)):
         lps = [[0.0] * len(c) for c in comps] if log_probs is None else log_probs[i]
@@ -190,7 +192,8 @@ def pack_groups(prompts, completions, weights, log_probs=None, loss_masks=None):
         require(len(prompt) > 0, f"pack_groups: prompt {i} is empty")
         if not len(weights[i]) == len(lps) == len(masks) == len(comps):
             raise ValueError(f"pack_groups: group {i} has {len(comps)} completions but "
-                             f"{len(weights[i])} weight lists")
+                             f"{len(weights[i])} weight, {len(lps)} logprob and "
+                             f"{len(masks)} loss_mask lists")
         n = len(prompt) - 1
         docs.append(list(prompt[:-1]))
         doc_weights.append([0.0] * n)
@@ -200,8 +203,9 @@ def pack_groups(prompts, completions, weights, log_probs=None, loss_masks=None):
         branch += [0] * n
         for b, (comp, w, lp, m) in enumerate(zip(comps, weights[i], lps, masks), start=1):
             if not len(w) == len(comp) == len(lp) == len(m):
-                raise ValueError(f"group {i} completion {b - 1} has {len(comp)} tokens "
-                                 f"but {len(w)} weights (or log_probs, loss_masks)")
+                raise ValueError(f"pack_groups: group {i} completion {b - 1} has "
+                                 f"{len(comp)} tokens but {len(w)} weights, {len(lp)} "
+                                 f"log_probs and {len(m)} loss_mask values")
             docs[-1] += [prompt[-1], *comp]
             doc_weights[-1] += [0.0, *w]
             doc_logprobs[-1] += [0.0, *lp]
@@ -275,10 +279,11 @@ class EpochCursor:
         return {"epoch": self.epoch, "cursor": self.cursor}
 
     def load_state_dict(self, state):
-        ok = isinstance(state, dict) and set(state) == {"epoch", "cursor"} and all(
-            type(v) is int and v >= 0 for v in state.values())
         n = len(self.items)
-        require(ok and state["cursor"] <= n, f"bad data state {state!r} for {n} items")
+        ok = (isinstance(state, dict) and set(state) == {"epoch", "cursor"}
+              and all(type(v) is int and v >= 0 for v in state.values())
+              and state["cursor"] <= n)
+        require(ok, f"{type(self).__name__}: bad data state {state!r} for {n} items")
         self.epoch, self.cursor = state["epoch"], state["cursor"]
 
 
@@ -288,7 +293,8 @@ class PackedLoader(EpochCursor):
 
     def __init__(self, sequences, weights, batch_tokens, seed):
         require(len(sequences) > 0 and len(sequences) == len(weights),
-                f"PackedLoader: {len(sequences)} sequences, {len(weights)} weight lists")
+                f"PackedLoader: needs sequences, one weight list each; got "
+                f"{len(sequences)} and {len(weights)}")
         # refuses a sequence over the budget
         split_under_budget([len(s) for s in sequences], batch_tokens)
         super().__init__(list(zip(sequences, weights)), seed)

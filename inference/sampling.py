@@ -73,7 +73,8 @@ def sample_with_logprobs(logits, temperatures, top_k=None, top_p=None, seeds=Non
     policy. seeds / positions [N] int64 (optional): the draw is a pure function of them
     (sampling_uniforms); without them, torch's global generator draws it. Sampling
     inverts the CDF with one uniform per row."""
-    assert (seeds is None) == (positions is None), "the draw is a function of both"
+    if (seeds is None) != (positions is None):   # the draw is a function of both
+        raise ValueError("sample_with_logprobs: seeds and positions go together")
     logits = logits.float()
     N, V = logits.shape
     t = torch.as_tensor(temperatures, dtype=torch.float32, device=logits.device).reshape(N)

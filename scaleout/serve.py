@@ -194,7 +194,8 @@ def chat_prompt(server, body, add_generation_prompt=True):
     included (unless add_generation_prompt=False)."""
     messages = body.get("messages")
     if not (isinstance(messages, list) and messages):
-        raise BadRequest(f"messages: not a non-empty list: {messages!r:.80}", "messages")
+        raise BadRequest(f"messages must be a non-empty list, got {messages!r:.80}",
+                         "messages")
     plain = []
     for i, m in enumerate(messages):
         content = m.get("content") if isinstance(m, dict) else None
@@ -432,7 +433,8 @@ async def generate_tokens(server, http, body):
     missing max_tokens means up to max_model_len."""
     prompt = body.get("token_ids")
     if not _ids_list(prompt):
-        raise BadRequest(f"token_ids: not a non-empty list: {prompt!r:.80}", "token_ids")
+        raise BadRequest(f"token_ids must be a non-empty list, got {prompt!r:.80}",
+                         "token_ids")
     prompt = _checked(server, prompt, "token_ids")
     sampling = dict(_field(body, "sampling_params", (dict,), {}))
     try:
@@ -601,7 +603,8 @@ async def update_weights_from_distributed(server, http, body):
                              f"{list(ours[name])}", "shapes")
         if not (isinstance(dtype, str) and isinstance(getattr(torch, dtype, None), torch.dtype)
                 and getattr(torch, dtype).is_floating_point):
-            raise BadRequest(f"tensor {name!r}: {dtype!r} is not floating", "dtypes")
+            raise BadRequest(f"tensor {name!r}: dtype {dtype!r} is not a float torch dtype",
+                             "dtypes")
     if _field(body, "check_only", (bool,), False):
         return {"success": True, "message": f"the {len(meta[0])} tensors fit"}
     state = {n: torch.empty(sh, dtype=getattr(torch, d), device="meta") for n, sh, d in zip(*meta)}
@@ -648,7 +651,8 @@ async def body_of(server, http):
     if not isinstance(body, dict):
         raise BadRequest(f"the request body must be a JSON object, got {type(body).__name__}")
     if body.get("model") not in (None, server.name):
-        raise BadRequest(f"the model {body['model']!r} does not exist here", "model")
+        raise BadRequest(f"the model {body['model']!r} does not exist: this server serves "
+                         f"{server.name!r}", "model")
     return body
 
 

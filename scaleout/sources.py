@@ -41,15 +41,19 @@ def check_settings(config):
     require(stale >= 0, f"max_staleness={stale!r}: expected an int >= 0")
     # only rollout ranks or servers sample ahead of the trainer, and IS corrects what
     # older weights sampled (tis_cap or mis_high)
-    require(stale == 0 or ranks or urls, f"max_staleness={stale}: set rollout_ranks too")
+    require(stale == 0 or ranks or urls,
+            f"max_staleness={stale}: set rollout_ranks or rollout_urls")
     require(stale == 0 or config["tis_cap"] > 0 or config["mis_high"] > 0,
-            f"max_staleness={stale} trains on samples of older weights: set tis_cap")
+            f"max_staleness={stale} trains on samples of older weights: set tis_cap "
+            f"or mis_high")
     # serve.py rollouts run with one trainer process; routes travel only from this
     # process's engine for now
-    one = (ranks, distributed.world()) == (0, 1)
-    require(not urls or one, f"rollout_urls={urls!r}: not with rollout_ranks or torchrun")
-    routes, remote = config["record_routes"] or config["routing_replay"], ranks or urls
-    require(not (routes and remote), "routing replay: no rollout_ranks or rollout_urls")
+    single_process = (ranks, distributed.world()) == (0, 1)
+    require(not urls or single_process,
+            f"rollout_urls={urls!r}: not with rollout_ranks or torchrun")
+    routes = config["record_routes"] or config["routing_replay"]
+    require(not (routes and (ranks or urls)),
+            "record_routes / routing_replay: not with rollout_ranks or rollout_urls")
     backend = config["weight_backend"]
     require(backend in ("gloo", "nccl"), f"weight_backend={backend!r}: expected gloo or nccl")
     cuda = config["device"].startswith("cuda")   # nccl broadcasts from a GPU
