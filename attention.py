@@ -59,7 +59,8 @@ class DocumentCausalAttention:
         lengths = (cu_seqlens[1:] - cu_seqlens[:-1]).long().to(device)
         self.flex = bool(flex)
         self.doc = torch.repeat_interleave(torch.arange(len(lengths), device=device), lengths)
-        assert self.doc.numel() == num_tokens, "cu_seqlens must cover the batch"
+        assert self.doc.numel() == num_tokens, \
+            f"cu_seqlens covers {self.doc.numel()} tokens, the batch has {num_tokens}"
         self.num_tokens, self.device = num_tokens, device
         self.num_docs, self.max_len = len(lengths), int(lengths.max()) if len(lengths) else 0
         self.pos = torch.arange(num_tokens,

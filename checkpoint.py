@@ -572,7 +572,8 @@ def init_start(config, new_tokenizer):
         out_dir = config["out_dir"]
         path = find_checkpoint(out_dir)
         if path is None:
-            raise ValueError(f"init_from='resume': no checkpoint in out_dir={out_dir!r}")
+            raise ValueError(f"init_from='resume': no checkpoint in out_dir={out_dir!r} "
+                             f"(expected {CKPT}/{META})")
         meta, tokenizer = read_checkpoint_meta(path), load_tokenizer(path)
         report_changed_settings(config, meta["config"])
         return Start(load_model(path), tokenizer, generation_config_of(path, tokenizer), meta,

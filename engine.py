@@ -93,7 +93,7 @@ class EngineConfig:
         cpu = torch.device(self.device).type == "cpu"
         graph = self.compile and self.attention_backend != "flex" and cpu
         need("dtype", not graph or self.dtype == "float32",
-             "float32 for compile=True on the CPU")
+             "float32 for compile=True on the CPU (or leave compile off)")
 
 
 # below this (and above 0) a temperature is greedy in all but name, and risks inf / NaN
@@ -207,10 +207,11 @@ class InferenceEngine:
         cfg, cpu = model.config, self.device.type == "cpu"
         widths = f"{cfg.hidden_size} and {cfg.moe_intermediate_size}"
         require(not (static and cpu) or grouped_experts(cfg, self.device, self.dtype),
-                f"compile=True on the CPU: hidden_size and moe_intermediate_size not "
-                f"multiples of 4, got {widths}")
+                f"compile=True on the CPU needs the grouped expert matmul (hidden_size "
+                f"and moe_intermediate_size multiples of 4), got {widths}: leave it off")
         require(not static or cpu or not cfg.num_experts,
-                f"compile=True on a GPU: dense models only ({cfg.num_experts} experts)")
+                f"compile=True on a GPU: dense models only, got {cfg.num_experts} "
+                f"experts: leave it off")
         self.static = StaticDecode(
             self.model, self.kv_cache, config.max_batch_size,
             -(-self.max_model_len // self.blocks.block_size), self.blocks.num_blocks) if static \
@@ -239,7 +240,7 @@ class InferenceEngine:
         (TrainingSample.request_id). With params.seed, it draws as prompt `index` of
         a generate call."""
         self._check_request(params, num_samples, "num_samples")
-        require(is_int(index) and 0 <= index < 2**63,
+        require(is_int(index) and 0 <= index < 2 ** 63,
                 f"index={index!r}: expected an int in [0, 2**63)")
         prompt = check_prompt(prompt, self.model.config.vocab_size, self.max_model_len)
         check_fits(prompt, params, num_samples, self.blocks, self.max_model_len, "prompt")
@@ -573,7 +574,8 @@ def check_prompt(prompt, vocab_size, max_model_len, where="prompt"):
             raise ValueError(f"{where}[{i}] = {tok} is outside the vocabulary [0, {vocab_size})")
     # at most max_model_len - 1 tokens: room for one new token
     require(len(prompt) < max_model_len,
-            f"{where}: {len(prompt)} tokens, too many for max_model_len={max_model_len}")
+            f"{where} has {len(prompt)} tokens: at most {max_model_len - 1} fit "
+            f"max_model_len={max_model_len}")
     return [int(t) for t in prompt]
 
 
@@ -583,7 +585,8 @@ def check_prompts(prompts, vocab_size, max_model_len):
     require(hasattr(prompts, "__len__") and not isinstance(prompts, (str, bytes, torch.Tensor)),
             f"prompts must be a list of token-id lists, got {type(prompts).__name__}", TypeError)
     require(not (len(prompts) and is_int(prompts[0])),
-            "prompts must be a list of token-id lists, not one list of ints", TypeError)
+            "prompts must be a list of token-id lists, got one list of ints (wrap it: "
+            "[prompt])", TypeError)
     return [check_prompt(p, vocab_size, max_model_len, f"prompts[{i}]")
             for i, p in enumerate(prompts)]
 
@@ -635,7 +638,8 @@ def check_values(tensors, params, dtype):
             if not torch.isfinite(t.detach()).all():
                 raise ValueError(f"state_dict[{name!r}] has non-finite values (NaN or inf)")
             if n and t.detach().abs().max() > limit:
-                raise ValueError(f"state_dict[{name!r}]: values beyond {dtype}'s range")
+                raise ValueError(f"state_dict[{name!r}] has values beyond {dtype}'s "
+                                 f"range (|x| <= {limit:g})")
     return tensors
 
 
@@ -680,7 +684,8 @@ def attention_choice(device_type, backend, compile, head_dim):
     if compile is None:
         compile = backend == "flex" and device_type == "cuda"
     require(head_dim >= 16 or device_type != "cuda" or not (backend == "flex" and compile),
-            f"compiled flex on CUDA needs head_dim >= 16, the model has {head_dim}")
+            f"compiled flex on CUDA needs head_dim >= 16, the model has {head_dim}: use "
+            f"attention_backend='sdpa'")
     return backend, compile
 
 

@@ -84,6 +84,7 @@ class ModelConfig:
             object.__setattr__(self, "rope_scaling", tuple(sorted(self.rope_scaling.items())))
         object.__setattr__(self, "rope_scaling", tuple(tuple(kv) for kv in self.rope_scaling))
         need = functools.partial(require_field, self)
+        # a list: an unhashable family is a ValueError too
         need("family", self.family in list(FAMILY_FLAGS), f"one of {list(FAMILY_FLAGS)}")
         need("num_experts", not self.num_experts or self.family == "qwen3",
              f"0 for family {self.family!r} (experts are Qwen3-MoE's)")
@@ -469,7 +470,8 @@ class Transformer(nn.Module):
         ever whole: the trainers' path. routes [T, M, k]: routing replay, the experts
         each row uses in each of the M MoE layers (-1: its own choice); routes_out: a
         list that receives the experts each MoE layer used, [T, k] each."""
-        assert tokens.dim() == 1 and position_ids.shape == tokens.shape, "1-D, one each"
+        assert tokens.dim() == 1 and position_ids.shape == tokens.shape, \
+            f"tokens {tuple(tokens.shape)}, position_ids {tuple(position_ids.shape)}"
         # an attention already holds its mask (DocumentCausalAttention(..., branch=...))
         require(attention is None or branch is None, "pass branch or attention, not both")
         T = tokens.shape[0]
@@ -513,7 +515,8 @@ def head_logprobs(hidden, weight, labels, temperature=1.0, chunk_bytes=256 * 2 *
     at once, forward or backward (backward recomputes each chunk's logits, as fused
     linear-cross-entropy kernels do). Under autocast the matmuls run in the autocast
     dtype, as F.linear would."""
-    assert hidden.dim() == 2 and labels.shape == hidden.shape[:1], "one label per row"
+    assert hidden.dim() == 2 and labels.shape == hidden.shape[:1], \
+        f"hidden {tuple(hidden.shape)}, labels {tuple(labels.shape)}: one label per row"
     kind = hidden.device.type
     dtype = torch.get_autocast_dtype(kind) if torch.is_autocast_enabled(kind) else hidden.dtype
     rows = max(1, chunk_bytes // (4 * weight.shape[0]))

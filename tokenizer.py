@@ -280,7 +280,8 @@ def chat_example(tok, messages, stop_ids=None, **template_kwargs) -> tuple[list[
                          "prompt: the model would be taught a turn it never samples")
     end = next((i + 1 for i in range(len(prompt), len(full)) if full[i] in stop), None)
     if end is None:
-        raise ValueError(f"the chat template ends a reply with none of {sorted(stop)}")
+        raise ValueError(f"the chat template ends a reply with none of the stop ids "
+                         f"{sorted(stop)}")
     # the learned text must end with the reply (catches characters the tokenizer cannot
     # spell -> <|unk|>; the template may trim the reply, or write a think block before it)
     learned = tok.decode(full[len(prompt):end - 1], skip_special_tokens=False)

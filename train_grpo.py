@@ -149,7 +149,8 @@ def group_advantages(rewards, group_size, scale_rewards=False, eps=1e-6):
     divided by the group's std (+eps), as in the GRPO paper."""
     r = torch.as_tensor(rewards, dtype=torch.float32)
     require(r.dim() == 1 and r.numel() > 0 and r.numel() % group_size == 0,
-            f"rewards {tuple(r.shape)}: not whole groups of {group_size}")
+            f"rewards {tuple(r.shape)}: expected a flat list of whole groups of "
+            f"{group_size}")
     g = r.view(-1, group_size)
     adv = g - g.mean(dim=1, keepdim=True)
     if scale_rewards:
@@ -266,7 +267,8 @@ class ProblemSampler:
               and all(type(state[k]) is int and state[k] >= 0 for k in ("draws", "taken"))
               and all(isinstance(state[k], list) and len(state[k]) == n for k in counts)
               and all(type(v) is int for k in counts for v in state[k]))
-        require(ok, f"ProblemSampler: bad data state for {n} problems: {state!r:.200}")
+        require(ok, f"ProblemSampler: bad data state for {n} problems: expected "
+                    f"{sorted(keys)} with a count per problem, got {state!r:.200}")
         successes = np.array(state["successes"], dtype=np.int64)
         samples = np.array(state["samples"], dtype=np.int64)
         require(bool((successes >= 0).all() and (successes <= samples).all()),
@@ -597,7 +599,8 @@ def check_off_policy_settings(config):
     require(not (tis > 0 and hi > 0),
             f"tis_cap={tis}, mis_high={hi}: truncated and masked IS, set one")
     require(hi == 0 or lo < 1 < hi, f"mis_low={lo}, mis_high={hi}: the range must hold 1")
-    require(level == "token" or tis or hi, f"is_level={level!r}: set tis_cap or mis_high")
+    require(level == "token" or tis > 0 or hi > 0,
+            f"is_level={level!r}: set tis_cap or mis_high")
     require(clip < 1, f"ppo_clip={clip}: expected in [0, 1)")
     # a later epoch trains off-policy on the same rollout
     require(epochs == 1 or clip > 0, f"ppo_epochs={epochs} needs ppo_clip > 0 (e.g. 0.2)")

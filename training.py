@@ -72,7 +72,7 @@ def token_logprobs(logits, labels):
     at temperature 1."""
     ok = logits.dim() == 2 and labels.shape == logits.shape[:1]
     require(ok, f"logits {tuple(logits.shape)}, labels {tuple(labels.shape)}: expected "
-                f"[T, V] and [T] rows")
+                f"[T, V] and [T] (T rows, one per label)")
     return torch.log_softmax(logits.float(), dim=-1).gather(-1, labels[:, None]).squeeze(-1)
 
 
@@ -228,7 +228,8 @@ def split_under_budget(lengths, max_tokens):
     max_tokens tokens each: [3, 4, 2, 5, 1] under 7 -> [[0, 1], [2, 3], [4]]."""
     runs, run, total = [], [], 0
     for i, n in enumerate(lengths):
-        require(n <= max_tokens, f"sequence {i} has {n} tokens: over budget {max_tokens}")
+        require(n <= max_tokens,
+                f"sequence {i} has {n} tokens, more than the budget of {max_tokens}")
         if total + n > max_tokens:
             runs.append(run)
             run, total = [], 0
@@ -293,8 +294,8 @@ class PackedLoader(EpochCursor):
 
     def __init__(self, sequences, weights, batch_tokens, seed):
         require(len(sequences) > 0 and len(sequences) == len(weights),
-                f"PackedLoader: needs sequences, one weight list each; got "
-                f"{len(sequences)} and {len(weights)}")
+                f"PackedLoader: {len(sequences)} sequences and {len(weights)} weight "
+                f"lists: expected a non-empty list, one weight list each")
         # refuses a sequence over the budget
         split_under_budget([len(s) for s in sequences], batch_tokens)
         super().__init__(list(zip(sequences, weights)), seed)

@@ -51,7 +51,8 @@ def sample_from_response(response, index=0, sent=None) -> TrainingSample:
     if len(logprobs) != len(ids):
         raise ValueError(f"choice {index} has {len(ids)} token ids but {len(logprobs)} logprobs")
     if choice["finish_reason"] not in ("stop", "length"):
-        raise ValueError(f"choice {index} finished with {choice['finish_reason']!r}")
+        raise ValueError(f"choice {index} finished with {choice['finish_reason']!r}, expected "
+                         f"'stop' or 'length'")
     return TrainingSample(prompt_tokens=tuple(prompt), completion_tokens=tuple(ids),
                           logprobs=tuple(logprobs), weight_version=choice.get("weight_version", 0),
                           finish_reason=choice["finish_reason"], sample_index=index)

@@ -433,8 +433,8 @@ async def generate_tokens(server, http, body):
     missing max_tokens means up to max_model_len."""
     prompt = body.get("token_ids")
     if not _ids_list(prompt):
-        raise BadRequest(f"token_ids must be a non-empty list, got {prompt!r:.80}",
-                         "token_ids")
+        raise BadRequest(f"token_ids must be a non-empty list of token ids, got "
+                         f"{prompt!r:.80}", "token_ids")
     prompt = _checked(server, prompt, "token_ids")
     sampling = dict(_field(body, "sampling_params", (dict,), {}))
     try:

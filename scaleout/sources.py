@@ -57,7 +57,9 @@ def check_settings(config):
     backend = config["weight_backend"]
     require(backend in ("gloo", "nccl"), f"weight_backend={backend!r}: expected gloo or nccl")
     cuda = config["device"].startswith("cuda")   # nccl broadcasts from a GPU
-    require(backend == "gloo" or cuda, "weight_backend='nccl' needs device='cuda'")
+    require(backend == "gloo" or cuda,
+            f"weight_backend='nccl' needs a cuda device, got {config['device']!r} "
+            f"(gloo runs on any)")
     require(config["weight_master_address"], "weight_master_address='': expected a host")
     mb = config["weight_bucket_mb"]
     require(mb > 0, f"weight_bucket_mb={mb!r}: expected a number > 0")
