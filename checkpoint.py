@@ -487,7 +487,8 @@ def read_checkpoint_meta(path):
         if not os.path.isfile(fpath):
             raise ValueError(f"corrupt checkpoint {path!r}: {name} is missing")
         if os.path.getsize(fpath) != info["size"] or file_digest(fpath) != info["xxh64"]:
-            raise ValueError(f"corrupt checkpoint {path!r}: {name} fails its size/xxh64")
+            raise ValueError(f"corrupt checkpoint {path!r}: {name} does not match its recorded "
+                             f"size/xxh64 (truncated or modified)")
     return meta
 
 

@@ -202,7 +202,8 @@ def chat_prompt(server, body, add_generation_prompt=True):
         if isinstance(content, list):   # content parts: text only
             if not all(isinstance(p, dict) and p.get("type") == "text"
                        and isinstance(p.get("text"), str) for p in content):
-                raise BadRequest(f"messages[{i}].content: only text parts", "messages")
+                raise BadRequest(f"messages[{i}].content: only text parts are supported",
+                                 "messages")
             content = "".join(p["text"] for p in content)
         if not (isinstance(m, dict) and isinstance(m.get("role"), str)
                 and isinstance(content, str)):

@@ -69,7 +69,8 @@ class Problem:
 
     def __post_init__(self):
         if not isinstance(self.digits, tuple) or not self.digits:
-            raise TypeError(f"Problem.digits: not a non-empty int tuple: {self.digits!r}")
+            raise TypeError(f"Problem.digits must be a non-empty tuple of ints, got "
+                            f"{self.digits!r}")
         if any(type(d) is not int or d not in DIGITS for d in self.digits):
             raise ValueError(f"Problem.digits must be ints in 1..9, got {self.digits!r}")
         if type(self.target) is not int:
