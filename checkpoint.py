@@ -252,7 +252,8 @@ def read_safetensors(path):
         try:
             with safe_open(fpath, framework="pt") as f:
                 tensors.update({k: f.get_tensor(k) for k in f.keys()})
-        except Exception as e:  # safetensors raises its own error types for truncated/corrupt files
+        except Exception as e:
+            # safetensors raises its own error types for truncated/corrupt files
             raise ValueError(f"corrupt safetensors file {fpath!r}: {e}") from e
     return tensors
 
@@ -519,7 +520,8 @@ def load_model(path):
 def load_trainer_state(path):
     """The optimizer and RNG states of a training checkpoint."""
     try:
-        state = torch.load(os.path.join(path, TRAINER_STATE), map_location="cpu", weights_only=True)
+        state = torch.load(os.path.join(path, TRAINER_STATE), map_location="cpu",
+                           weights_only=True)
     except Exception as e:  # pickle/zip errors of all kinds mean one thing here
         raise ValueError(f"corrupt checkpoint {path!r}: cannot read {TRAINER_STATE} "
                          f"({type(e).__name__}: {e})") from None
@@ -567,7 +569,8 @@ def init_start(config, new_tokenizer):
     if init_from == "scratch":
         tokenizer = new_tokenizer()
         model_config = _model_config(config["model"], tokenizer)
-        torch.manual_seed(config["seed"])   # the initial weights are a function of the seed alone
+        # the initial weights are a function of the seed alone
+        torch.manual_seed(config["seed"])
         return Start(Transformer(model_config), tokenizer, default_generation(tokenizer))
     if init_from == "resume":
         out_dir = config["out_dir"]
@@ -581,7 +584,8 @@ def init_start(config, new_tokenizer):
                      load_trainer_state(path), source=path)
     path = model_dir_of(init_from)
     if os.path.isfile(os.path.join(path, META)):
-        read_checkpoint_meta(path)  # a previous stage's checkpoint is verified before it is trusted
+        # a previous stage's checkpoint is verified before it is trusted
+        read_checkpoint_meta(path)
     model = load_model(path)
     if os.path.isfile(os.path.join(path, "tokenizer.json")):
         tokenizer = load_tokenizer(path)

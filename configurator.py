@@ -130,7 +130,8 @@ def split_args(args):
         if not arg.startswith("-"):
             files.append(arg)
         elif arg.startswith("--") and "=" in arg:
-            overrides.append(arg[2:].split("=", 1))  # the first '=' only: values may contain '='
+            # the first '=' only: values may contain '='
+            overrides.append(arg[2:].split("=", 1))
         else:
             raise ValueError(f"bad argument {arg!r}: expected a config file path or --key=value")
     return files, overrides
@@ -163,7 +164,8 @@ def configure(g, args, stage):
     wants_help = "-h" in args or "--help" in args
     files, overrides = split_args([arg for arg in args if arg not in ("-h", "--help")])
 
-    updates, applied = {}, []  # validated values, and (key, value, source) for the log, in order
+    # validated values, and (key, value, source) for the log, in order
+    updates, applied = {}, []
     def put(key, value, source):
         if key not in settings:
             close = difflib.get_close_matches(str(key), list(settings), n=1)
@@ -187,7 +189,8 @@ def configure(g, args, stage):
         put(key, parse_cli_value(key, text, settings.get(key)), f"--{key}")
 
     config = {**settings, **updates}
-    for key, value in config.items():  # the config is logged and checkpointed, so it must be JSON
+    for key, value in config.items():
+        # the config is logged and checkpointed, so it must be JSON
         try:
             json.dumps(value)
         except (TypeError, ValueError) as e:

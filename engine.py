@@ -29,7 +29,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from attention import PagedAttention, PagedKVCache, paged_step
+from inference.attention import PagedAttention, PagedKVCache, paged_step
 from checkpoint import load_hf_checkpoint
 from configurator import is_int, is_number, require, require_field
 from inference.decode import StaticDecode
@@ -111,8 +111,8 @@ class SamplingParams:
     stop_token_ids: frozenset = frozenset()
     top_k: int = 0                      # 0 = off
     top_p: float = 1.0                  # 1.0 = off
-    seed: int | None = None             # with a seed, the same tokens whatever else is batched
-    top_logprobs: int = 0               # also record this many most likely tokens (OpenAI's)
+    seed: int | None = None             # the same tokens, whatever else is batched
+    top_logprobs: int = 0               # record this many most likely tokens (OpenAI's)
 
     def __post_init__(self):
         t, stop, seed = self.temperature, self.stop_token_ids, self.seed
@@ -123,7 +123,8 @@ class SamplingParams:
              f"0 (greedy) or at least {MIN_TEMPERATURE}")
         need("max_tokens", is_int(self.max_tokens) and self.max_tokens >= 1, "an int >= 1")
         need("top_k", is_int(self.top_k) and self.top_k >= 0, "an int >= 0 (0 = off)")
-        need("top_p", is_number(self.top_p) and 0 < self.top_p <= 1, "in (0, 1]")  # NaN fails
+        # NaN fails
+        need("top_p", is_number(self.top_p) and 0 < self.top_p <= 1, "in (0, 1]")
         need("stop_token_ids", hasattr(stop, "__iter__") and not isinstance(stop, (str, bytes)),
              "a set of ints", TypeError)
         need("stop_token_ids", all(is_int(s) and s >= 0 for s in stop), "ints >= 0")
@@ -142,7 +143,7 @@ class TrainingSample:
     (((token, logprob), ...) most likely first, when asked) and loss_mask (1 sampled, 0
     a multi-turn episode's environment id; () = all sampled)."""
     prompt_tokens: tuple
-    completion_tokens: tuple            # ends with the stop token when finish_reason == 'stop'
+    completion_tokens: tuple            # ends with the stop token when it stopped
     logprobs: tuple
     ref_logprobs: tuple | None = None   # the engine never fills it; a trainer may
     weight_version: int = 0             # the oldest weights that produced one of its tokens
@@ -181,7 +182,8 @@ class InferenceEngine:
         self.config = config
         self.device, self.dtype = torch.device(config.device), as_dtype(config.dtype)
         if model is None:
-            model = load_hf_checkpoint(config.model_path, device=self.device, dtype=self.dtype)
+            model = load_hf_checkpoint(config.model_path, device=self.device,
+                                       dtype=self.dtype)
         else:
             model = own_copy(model, self.device, self.dtype)
         self.model = model.eval().requires_grad_(False)
@@ -226,7 +228,7 @@ class InferenceEngine:
         self._request_ids, self._uids = itertools.count(), itertools.count(1)
         # Sequences; running in age order
         self.waiting, self.running = [], []
-        self._undelivered = []              # finished samples generate() took from others' requests
+        self._undelivered = []  # finished samples generate() took from others' requests
         self._stats = dict(prefix_cache_hit_tokens=0, prefill_tokens=0, decode_tokens=0,
                            preemptions=0, steps=0, forks=0, generated_tokens=0, weight_updates=0,
                            compiled_steps=0)
@@ -267,12 +269,14 @@ class InferenceEngine:
             while any(s.request_id in ids for s in self.waiting + self.running):
                 for s in self.step():
                     (mine if s.request_id in ids else others).append(s)
-        except Exception:   # a refused weight update, ...: this call's requests go, nothing else
+        except Exception:
+            # a refused weight update, ...: this call's requests go, nothing else
             for request_id in ids:
                 self.abort(request_id)
             raise
         finally:
-            self._undelivered += others   # another caller's samples: step() hands them out next
+            # another caller's samples: step() hands them out next
+            self._undelivered += others
         # request_ids grow in request order
         return sorted(mine, key=lambda s: (s.request_id, s.sample_index))
 
@@ -303,7 +307,7 @@ class InferenceEngine:
     def step(self) -> list:
         """One schedule and one forward. Returns the samples that finished in this step."""
         self._check_open()
-        if self._staged is not None:              # a non-blocking update: applied whole, here
+        if self._staged is not None:  # a non-blocking update: applied whole, here
             staged, self._staged = self._staged, None
             try:
                 tensors = staged.result()
@@ -323,12 +327,15 @@ class InferenceEngine:
         self._preempt([by_uid[uid] for uid in sched.preempted])
         by_uid.update((s.uid, s) for s in self._admit(set(sched.admitted)))
         # decodes first
-        batch = sorted(((by_uid[uid], n) for uid, n in sched.scheduled), key=lambda x: x[1] > 1)
+        batch = sorted(((by_uid[uid], n) for uid, n in sched.scheduled),
+                       key=lambda x: x[1] > 1)
         if not batch:
             return out
-        for seq, n in batch:        # after the hits were taken: a fresh block may evict a named one
+        for seq, n in batch:
+            # after the hits were taken: a fresh block may evict a named one
             self.blocks.grow(seq, n)
-        if self.static is not None and self.static.takes(batch):   # one graph, sampler inside
+        if self.static is not None and self.static.takes(batch):
+            # one graph, sampler inside
             seqs = [seq for seq, _ in batch]
             tokens, logprobs = self.static(seqs)
             self._stats["compiled_steps"] += 1
@@ -343,7 +350,8 @@ class InferenceEngine:
             self.blocks.release(seq, cache=seq.kv_version == self._version)
         gone = {s.uid for s in victims}
         self.running = [s for s in self.running if s.uid not in gone]
-        self.waiting[:0] = victims[::-1]  # the newest was preempted first: the oldest goes in front
+        # the newest was preempted first: the oldest goes in front
+        self.waiting[:0] = victims[::-1]
         self._stats["preemptions"] += len(victims)
 
     def _admit(self, uids):
@@ -375,7 +383,8 @@ class InferenceEngine:
             kv, starts, qlens, [s.block_table for s, _ in batch], extras=(tokens, last_rows))
         attention = PagedAttention(kv, slots, calls, backend=self.backend,
                                    compiled=self.compile)
-        used = None if kv.routes is None else []   # each MoE layer's experts, beside the K/V
+        # each MoE layer's experts, beside the K/V
+        used = None if kv.routes is None else []
         logits, _ = self.model(tokens, positions, attention=attention,
                                logits_indices=last_rows, aux_loss=False, routes_out=used)
         if used is not None:
@@ -384,7 +393,7 @@ class InferenceEngine:
         return logits, ready
 
     def _computed(self, batch):
-        for seq, n in batch:              # what this step computed: prefill (catching up) or decode
+        for seq, n in batch:  # what this step computed: prefill (catching up) or decode
             self._stats["prefill_tokens" if seq.catching_up else "decode_tokens"] += n
             seq.num_computed += n
             seq.catching_up = seq.num_computed < seq.num_tokens
@@ -395,7 +404,8 @@ class InferenceEngine:
     def _sample(self, logits, ready):
         if not ready:
             return []
-        seqs, rows = [], []          # a group whose prompt just finished forks: one logits row each
+        # a group whose prompt just finished forks: one logits row each
+        seqs, rows = [], []
         for j, seq in enumerate(ready):
             group = self._fork(seq) if seq.num_samples > 1 else [seq]
             seqs += group
@@ -403,7 +413,8 @@ class InferenceEngine:
         if len(rows) != len(ready):
             logits = logits[torch.tensor(rows, device=logits.device)]
         tokens, logprobs = sample_next(seqs, logits)
-        return self._append(seqs, tokens.tolist(), logprobs.tolist(), top_logprobs(seqs, logits))
+        return self._append(seqs, tokens.tolist(), logprobs.tolist(),
+                            top_logprobs(seqs, logits))
 
     def _append(self, seqs, tokens, logprobs, tops):
         """Each sequence's sampled token joins it; returns the samples that finished."""
@@ -491,7 +502,8 @@ class InferenceEngine:
         if blocking:
             check_values(tensors, self._params, self.dtype)
             self._staged = None
-            self._updates_pending += 1   # one version per call, even one a newer call superseded
+            # one version per call, even one a newer call superseded
+            self._updates_pending += 1
             self._apply_weights(tensors)
             return
         if self._side is None:

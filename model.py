@@ -11,9 +11,9 @@ to fp32 rounding.
 Everything is computed over a *packed* batch: the sequences are laid end to end in one
 row of T tokens and `cu_seqlens` marks where each one starts, so there is no padding and
 no attention across documents. How attention reads keys and values is a small object
-handed to the forward (`attention=`), both kinds in attention.py: training uses
-DocumentCausalAttention (the default); the inference engine hands in a PagedAttention
-that reads the paged KV cache. The HF format on disk lives in checkpoint.py.
+handed to the forward (`attention=`): training uses DocumentCausalAttention (here,
+the default); the inference engine hands in a PagedAttention that reads the paged KV
+cache (inference/attention.py). The HF format on disk lives in checkpoint.py.
 
 Semantics follow transformers' modeling_qwen3_moe.py line by line where it matters for
 the numbers: RMSNorm in fp32, per-head q/k RMSNorm before RoPE, half-split RoPE, GQA,
@@ -32,8 +32,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
-from attention import DocumentCausalAttention
 from configurator import require, require_field
 
 # -----------------------------------------------------------------------------
@@ -72,17 +72,21 @@ class ModelConfig:
     max_position_embeddings: int = 4096
     router_aux_loss_coef: float = 0.001
     bos_token_id: int | None = None
-    eos_token_id: int | tuple | None = None   # one id, or several (Llama 3 Instruct's three)
+    # one id, or several (Llama 3 Instruct's three)
+    eos_token_id: int | tuple | None = None
     pad_token_id: int | None = None
 
     def __post_init__(self):
         # json gives lists; a frozen config wants hashable tuples
-        object.__setattr__(self, "mlp_only_layers", tuple(int(i) for i in self.mlp_only_layers))
+        object.__setattr__(self, "mlp_only_layers",
+                           tuple(int(i) for i in self.mlp_only_layers))
         if isinstance(self.eos_token_id, list):
             object.__setattr__(self, "eos_token_id", tuple(self.eos_token_id))
         if isinstance(self.rope_scaling, dict):
-            object.__setattr__(self, "rope_scaling", tuple(sorted(self.rope_scaling.items())))
-        object.__setattr__(self, "rope_scaling", tuple(tuple(kv) for kv in self.rope_scaling))
+            object.__setattr__(self, "rope_scaling",
+                               tuple(sorted(self.rope_scaling.items())))
+        object.__setattr__(self, "rope_scaling",
+                           tuple(tuple(kv) for kv in self.rope_scaling))
         need = functools.partial(require_field, self)
         # a list: an unhashable family is a ValueError too
         need("family", self.family in list(FAMILY_FLAGS), f"one of {list(FAMILY_FLAGS)}")
@@ -177,7 +181,8 @@ def rope_frequencies(cfg: ModelConfig):
         scale = s.get("attention_factor") or \
             _yarn_mscale(factor, s.get("mscale"), s.get("mscale_all_dim"))
 
-        def dim_of(rotations):   # the dimension turning this many times over the original context
+        def dim_of(rotations):
+            # the dimension turning this many times over the original context
             return D * math.log(old / (rotations * 2 * math.pi)) / (2 * math.log(base))
         lo, hi = dim_of(s.get("beta_fast") or 32), dim_of(s.get("beta_slow") or 1)
         if s.get("truncate", True):
@@ -211,6 +216,97 @@ def apply_rope(x, cos, sin):
     return x * cos + torch.cat((-x2, x1), dim=-1) * sin
 
 
+# -----------------------------------------------------------------------------
+# attention over a packed batch (training): how every layer reads its keys and values,
+# unless the forward is handed another way (the engine's inference/attention.py)
+
+
+@functools.cache
+def compile_once(fn, dynamic=None, cpp_wrapper=False):
+    """torch.compile(fn), once per process. Batch sizes and lengths change every call:
+    flex takes torch.compile's automatic dynamic shapes (a few recompiles; dynamic=True
+    fails in inductor's CPU flex codegen), the decode step (inference/decode.py)
+    dynamic=True (one compile for every shape). cpp_wrapper: the code that calls the
+    graph's kernels in C++, not Python (inductor's cpp_wrapper)."""
+    return torch.compile(fn, dynamic=dynamic,
+                         options={"cpp_wrapper": True} if cpp_wrapper else None)
+
+
+class DocumentCausalAttention:
+    """Causal attention within each packed document, built once per forward and shared
+    by every layer.
+
+    The default, on every device: the documents are laid into a padded [N, H, L, D] batch
+    and SDPA runs causally on it: padding sits after each document's last token, so
+    causality alone keeps every real query off it. That is N x L^2 work instead of T^2,
+    same mask, same numbers. flex=True: FlexAttention with a document-causal mask_mod (a
+    sparse BlockMask, no padding), compiled on a GPU (eager flex materialises the T x T
+    scores, and has no CPU backward); not the default (docs/speed.md says why). With
+    branch (training.pack_groups: completions that share their prompt's rows), a row
+    also sees only branch 0 and its own branch: an explicit mask for SDPA, one more
+    condition in the mask_mod."""
+
+    def __init__(self, cu_seqlens, num_tokens, device, flex=False, branch=None):
+        lengths = (cu_seqlens[1:] - cu_seqlens[:-1]).long().to(device)
+        self.flex = bool(flex)
+        self.doc = torch.repeat_interleave(torch.arange(len(lengths), device=device), lengths)
+        assert self.doc.numel() == num_tokens, \
+            f"cu_seqlens covers {self.doc.numel()} tokens, the batch has {num_tokens}"
+        self.num_tokens, self.device = num_tokens, device
+        self.num_docs, self.max_len = len(lengths), int(lengths.max()) if len(lengths) else 0
+        self.pos = torch.arange(num_tokens,
+                                device=device) - cu_seqlens[:-1].long().to(device)[self.doc]
+        self._block_mask = self._mask = None
+        self.branch = branch = None if branch is None else branch.to(device).long()
+        doc = self.doc
+
+        def mask_mod(b, h, q_idx, kv_idx):   # flex wants a plain function of four indices
+            same = (doc[q_idx] == doc[kv_idx]) & (kv_idx <= q_idx)
+            if branch is None:
+                return same
+            return same & ((branch[kv_idx] == 0) | (branch[kv_idx] == branch[q_idx]))
+        self.mask_mod = mask_mod
+
+    def _branch_mask(self):
+        """[N, 1, L, L] bool for the padded layout: causal, and a row sees branch 0 and
+        its own branch. Padding is branch 0 after each document's last row: no real row
+        sees it, and a padding row always sees a row."""
+        br = self.branch.new_zeros(self.num_docs, self.max_len)
+        br[self.doc, self.pos] = self.branch
+        i = torch.arange(self.max_len, device=br.device)
+        causal = i[None, :] <= i[:, None]
+        return (causal & ((br[:, None, :] == 0) | (br[:, None, :] == br[:, :, None])))[:, None]
+
+    def __call__(self, layer_idx, q, k, v):
+        # q [T, Hq, D], k/v [T, Hkv, D] -> [T, Hq, D]
+        if not self.flex:
+            def pad(t):   # [T, H, D] -> [N, H, L, D], each document from position 0
+                out = t.new_zeros(self.num_docs, self.max_len, *t.shape[1:])
+                out[self.doc, self.pos] = t
+                return out.transpose(1, 2)
+            if self.branch is None:
+                y = F.scaled_dot_product_attention(pad(q), pad(k), pad(v), is_causal=True,
+                                                   enable_gqa=True)
+            else:
+                if self._mask is None:   # one mask for every layer
+                    self._mask = self._branch_mask()
+                y = F.scaled_dot_product_attention(pad(q), pad(k), pad(v), attn_mask=self._mask,
+                                                   enable_gqa=True)
+            return y.transpose(1, 2)[self.doc, self.pos]
+        q, k, v = (t.transpose(0, 1).unsqueeze(0) for t in (q, k, v))   # [1, H, T, D]
+        # eager FlexAttention materialises the T x T scores: on a GPU it runs compiled
+        # (a fused kernel that skips the blocks the mask leaves out), and its mask is
+        # built compiled too
+        on_gpu = torch.device(self.device).type != "cpu"
+        if self._block_mask is None:
+            make_mask = compile_once(create_block_mask) if on_gpu else create_block_mask
+            self._block_mask = make_mask(self.mask_mod, None, None, self.num_tokens,
+                                         self.num_tokens, device=self.device)
+        flex = compile_once(flex_attention) if on_gpu else flex_attention
+        y = flex(q, k, v, block_mask=self._block_mask, enable_gqa=True)
+        return y.squeeze(0).transpose(0, 1)
+
+
 class Attention(nn.Module):
     def __init__(self, cfg: ModelConfig, layer_idx: int):
         super().__init__()
@@ -224,7 +320,8 @@ class Attention(nn.Module):
         self.o_proj = nn.Linear(self.n_head * self.head_dim, cfg.hidden_size,
                                 bias=cfg.attention_bias)
         if cfg.qk_norm:
-            self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)   # per head, before RoPE
+            # per head, before RoPE
+            self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
             self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
 
     def forward(self, x, cos, sin, attention):
@@ -238,7 +335,8 @@ class Attention(nn.Module):
         qkv = F.linear(x, torch.cat([p.weight for p in projs]), bias).view(T, Hq + 2 * Hkv, D)
         # split, not slices: its backward is one cat, no zeros
         qk, v = qkv.split([Hq + Hkv, Hkv], dim=1)
-        if hasattr(self, "q_norm"):   # Qwen3: q and k normalised per head (they share cfg's eps)
+        if hasattr(self, "q_norm"):
+            # Qwen3: q and k normalised per head (they share cfg's eps)
             norm_w = torch.cat((self.q_norm.weight.expand(Hq, D),
                                 self.k_norm.weight.expand(Hkv, D)))
             qk = rms_norm(qk, norm_w, self.q_norm.eps)
@@ -279,7 +377,7 @@ class Experts(nn.Module):
         T, k = top_idx.shape
         flat = top_idx.flatten()
         order = flat.argsort(stable=True)
-        xs = x.index_select(0, order // k)                # the token of each pair, expert by expert
+        xs = x.index_select(0, order // k)  # the token of each pair, expert by expert
         # tokens per expert (a bincount, whose output size torch.compile cannot
         # know in advance)
         counts = flat.new_zeros(self.gate_up_proj.shape[0])
@@ -369,8 +467,9 @@ class MoE(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.top_k, self.norm_topk_prob = cfg.num_experts_per_tok, cfg.norm_topk_prob
-        self.gate = nn.Linear(cfg.hidden_size, cfg.num_experts, bias=False)    # the router
-        self.experts = Experts(cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size)
+        self.gate = nn.Linear(cfg.hidden_size, cfg.num_experts, bias=False)  # the router
+        self.experts = Experts(cfg.num_experts, cfg.hidden_size,
+                               cfg.moe_intermediate_size)
 
     def forward(self, x, routes=None):
         """(output, router_logits, the experts each row used [T, k]). routes [T, k]:
@@ -478,7 +577,8 @@ class Transformer(nn.Module):
         if attention is None:
             if cu_seqlens is None:
                 cu_seqlens = torch.tensor([0, T], dtype=torch.int32)
-            attention = DocumentCausalAttention(cu_seqlens, T, tokens.device, branch=branch)
+            attention = DocumentCausalAttention(cu_seqlens, T, tokens.device,
+                                                branch=branch)
         x = self.embed_tokens(tokens)
         cos, sin = rope_cos_sin(position_ids, *self.rope(x.device), x.dtype)
         router_logits = []
@@ -552,7 +652,8 @@ class HeadLogprobs(torch.autograd.Function):
             for s in range(0, hidden.shape[0], rows):
                 h, g = hidden[s:s + rows].to(dtype), grad[s:s + rows].float() / T
                 d = torch.softmax(F.linear(h, w).float() / T, -1).mul_(-g[:, None])
-                d.scatter_add_(1, labels[s:s + rows, None], g[:, None])      # + onehot(label) * g
+                # + onehot(label) * g
+                d.scatter_add_(1, labels[s:s + rows, None], g[:, None])
                 grad_hidden[s:s + rows] = (d.to(dtype) @ w).to(hidden.dtype)
                 grad_weight += (d.t().to(dtype) @ h).float()
         return grad_hidden, grad_weight.to(weight.dtype), None, None, None, None
@@ -564,7 +665,7 @@ def load_balancing_loss(router_logits, num_experts, top_k, like):
     token) row together."""
     if not router_logits:
         return torch.zeros((), device=like.device, dtype=torch.float32)
-    logits = torch.cat(router_logits, dim=0)                                  # [layers * T, E]
+    logits = torch.cat(router_logits, dim=0)  # [layers * T, E]
     probs = F.softmax(logits, dim=-1)
     _, selected = torch.topk(probs, top_k, dim=-1)
     # per expert, sums to top_k

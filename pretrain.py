@@ -81,7 +81,8 @@ def main(config):
     print0(f"{len(train_docs)} documents, {sum(map(len, train_docs))} tokens")
     loader = training.PackedLoader(train_docs, [[1.0] * len(d) for d in train_docs], batch_tokens,
                                    seed)
-    val_batches = training.fixed_batches(val_docs, [[1.0] * len(d) for d in val_docs], batch_tokens)
+    val_batches = training.fixed_batches(val_docs,
+                                         [[1.0] * len(d) for d in val_docs], batch_tokens)
 
     def eval_fn(model):
         return {"eval/loss": training.evaluate_loss(model, val_batches, config["device"])}

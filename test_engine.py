@@ -9,11 +9,11 @@ import pytest
 import torch
 from transformers import Qwen3Config, Qwen3MoeConfig
 
-from attention import DocumentCausalAttention, PagedAttention, PaddedCall, PagedKVCache
+from inference.attention import PagedAttention, PaddedCall, PagedKVCache
 from conftest import check_invariants, write_hf_checkpoint
 from engine import EngineConfig, InferenceEngine, SamplingParams
 from checkpoint import load_hf_checkpoint
-from model import ModelConfig
+from model import DocumentCausalAttention, ModelConfig
 
 VOCAB = 96
 BLOCK = 16
@@ -626,11 +626,11 @@ def test_static_decode_compiles_once_for_every_batch_size(moe):
     # one graph for every batch size and context length (dynamic sizes, no duck sizing):
     # from the warm-up's step of 2 rows and 2 blocks, batches of 2 to 30 rows and contexts
     # to 53 tokens add no graph (dynamo's count, from a reset)
-    import attention
+    from model import compile_once
     from torch._dynamo.utils import counters
     _, path = moe
     torch._dynamo.reset()
-    attention.compile_once.cache_clear()
+    compile_once.cache_clear()
     graphs = counters["stats"]["unique_graphs"]
     engine = engine_for(path, compile=True, max_batch_size=32)
     assert engine.static.warm_up() > 0                  # two rows, two blocks: the compile

@@ -100,7 +100,8 @@ def save_tokenizer(tok, path) -> None:
     tmp = tempfile.mkdtemp(prefix=".tokenizer-", dir=parent)
     try:
         tok.save_pretrained(tmp)
-        if os.path.isdir(path):  # keep other files of a checkpoint dir: move ours in one by one
+        if os.path.isdir(path):
+            # keep other files of a checkpoint dir: move ours in one by one
             for name in os.listdir(tmp):
                 os.replace(os.path.join(tmp, name), os.path.join(path, name))
         else:

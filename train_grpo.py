@@ -36,7 +36,7 @@ One iteration (grpo_step):
      now (loss_norm, below);
   3. this rank's share of the batches, with the per-token no-grad corrections folded
      into their weights: an importance-sampling factor (tis_cap, mis_low / mis_high,
-     is_level; off_policy.py) and the KL to the starting policy (kl_coef > 0), from a
+     is_level; training.py) and the KL to the starting policy (kl_coef > 0), from a
      logprob pass that runs only for them (or for PPO's old logprobs, or the engine's
      experts: record_routes / routing_replay);
   4. one optimizer step (training.train_step) on policy_loss, the shared unified_loss
@@ -61,7 +61,6 @@ import time
 import numpy as np
 import torch
 
-import off_policy
 import training
 from checkpoint import init_start, load_model, model_dir_of, save_best, save_checkpoint
 from configurator import configure, print0, require
@@ -87,7 +86,7 @@ prompts_per_step = 16         # problems drawn per step, a group each (flat grou
 group_size = 8                # samples per prompt (G)
 temperature = 1.0             # of the rollouts; the trainer scores softmax(logits / T) too
 top_p = 1.0                   # < 1: nucleus sampling, off-policy (the trainer scores it all)
-top_k = 0                     # > 0: top-k sampling, likewise (off_policy.py corrects both)
+top_k = 0                     # > 0: top-k sampling, likewise (training.py corrects both)
 max_new_tokens = 16           # reply budget; a reply that reaches it without stopping scores 0
 max_turns = 1                 # replies per episode (> 1: the task's env_response between)
 max_episode_tokens = 0        # multi-turn: every id after the first prompt, at most
@@ -97,7 +96,7 @@ scale_rewards = False         # divide advantages by the group's std (GRPO), not
 turn_baseline = False         # multi-turn: reply k against the episodes that reached reply k
 loss_norm = "constant"        # 'constant' | 'tokens' | 'weights' (docs/pipeline.md)
 kl_coef = 0.0                 # > 0: weights -= kl_coef * (log p - log p_start)
-# off-policy corrections (off_policy.py), ratio = exp(trainer - engine logprob) per token
+# off-policy corrections (training.py), ratio = exp(trainer - engine logprob) per token
 tis_cap = 0.0                 # > 0: weights *= min(ratio, tis_cap) (truncated IS)
 mis_low = 0.0                 # with mis_high > 0: weights *= ratio inside [mis_low, mis_high],
 mis_high = 0.0                # 0 outside (masked IS)
@@ -290,7 +289,8 @@ def rollout(engine, env, sampler, config, it):
     G = config["group_size"]
     indices = sampler.draw(config["prompts_per_step"])
     problems = [sampler.items[i] for i in indices]
-    t0 = time.perf_counter()   # under torchrun each rank samples its slice; all get every episode
+    # under torchrun each rank samples its slice; all get every episode
+    t0 = time.perf_counter()
     # the seed is a function of (run seed, iteration): a resumed run draws the same samples
     episodes = env.episodes(engine, problems, G, config["temperature"],
                             seed=config["seed"] * 1_000_003 + it, top_p=config["top_p"],
@@ -326,7 +326,8 @@ def build_batches(groups, config):
     document is a group whose samples share its prompt's rows (share_prompt,
     training.pack_groups; a group longer than batch_tokens is split into several such
     documents) or one sample. Whole documents are split under batch_tokens."""
-    docs, owners = [], []   # (prompt, completions, weights, logprobs, masks), samples: per document
+    # (prompt, completions, weights, logprobs, masks), samples: per document
+    docs, owners = [], []
     for _, prompt, samples, group_rewards in groups:
         masks = [list(sampled_mask(s)) for s in samples]
         weights = token_advantages(masks, group_rewards, config)
@@ -380,13 +381,13 @@ def policy_loss(logp, batch, normalizer, config, stats=None):
     """GRPO's objective on a batch: the shared unified_loss,
     -(token_weights * log p).sum() / normalizer, with token_weights = advantage x
     loss mask (times an IS factor and minus the KL term, when on). With ppo_clip > 0,
-    PPO's clipped objective on the same weights instead (off_policy.ppo_loss; stats
+    PPO's clipped objective on the same weights instead (training.ppo_loss; stats
     counts the rows it clipped). A fork changes the objective here, reading its
     settings from config (docs/forks.md)."""
     if config["ppo_clip"] > 0:
         old = logp.detach() if batch.old_log_probs is None else batch.old_log_probs
-        loss, clipped = off_policy.ppo_loss(logp, old, batch.token_weights, batch.loss_mask,
-                                            config["ppo_clip"], normalizer)
+        loss, clipped = training.ppo_loss(logp, old, batch.token_weights, batch.loss_mask,
+                                          config["ppo_clip"], normalizer)
         if stats is not None:
             stats["clipped"] += clipped
         return loss
@@ -423,7 +424,7 @@ def needs_trainer_pass(config):
 
 def apply_corrections(batches, model, reference, autocast, config):
     """The per-token no-grad factors folded into the weights (the loss contract), from a
-    logprob pass of the trainer's current weights (off_policy.py has the formulas): an
+    logprob pass of the trainer's current weights (training.py has the formulas): an
     IS factor (tis_cap: truncated, mis_high: masked; is_level='sequence': of the
     sample's geometric mean ratio) multiplies the advantage; with kl_coef > 0, kl_coef *
     (trainer - reference logprob) is subtracted; with ppo_clip > 0 the pass's logprobs
@@ -433,15 +434,16 @@ def apply_corrections(batches, model, reference, autocast, config):
     Returns (batches, metrics)."""
     if not needs_trainer_pass(config):
         return batches, {}
-    out, counts = [], [0, 0, 0, 0]   # tokens corrected, sampled; expert pairs differing, compared
+    # tokens corrected, sampled; expert pairs differing, compared
+    out, counts = [], [0, 0, 0, 0]
     for b in batches:   # this rank's share of the step's micro-batches
         engine_routes = b.routes
         b = b if config["routing_replay"] else dataclasses.replace(b, routes=None)
         used = None if engine_routes is None else []
         lp, mask, w = trainer_logprobs(model, b, autocast, used), b.loss_mask, b.token_weights
-        ids = off_policy.sample_ids(b) if config["is_level"] == "sequence" else None
-        factor, changed = off_policy.is_factor(
-            off_policy.importance_ratios(lp, b.log_probs, mask, ids), config)
+        ids = training.sample_ids(b) if config["is_level"] == "sequence" else None
+        factor, changed = training.is_factor(
+            training.importance_ratios(lp, b.log_probs, mask, ids), config)
         w = w * factor
         if config["kl_coef"] > 0:
             w = w - config["kl_coef"] * torch.where(mask,
@@ -449,8 +451,8 @@ def apply_corrections(batches, model, reference, autocast, config):
                                                     0.0)
         counts[:2] = counts[0] + int((changed & mask).sum()), counts[1] + int(mask.sum())
         if used is not None:
-            differ, pairs = off_policy.expert_disagreement(torch.stack(used, 1), engine_routes,
-                                                           mask)
+            differ, pairs = training.expert_disagreement(torch.stack(used, 1), engine_routes,
+                                                         mask)
             counts[2:] = counts[2] + differ, counts[3] + pairs
         out.append(dataclasses.replace(b, token_weights=w, old_log_probs=lp))
     corrected, sampled, differ, pairs = distributed.all_sum(counts)
@@ -513,7 +515,8 @@ def grpo_step(source, run, reference, config, it):
     # 5. publish the new weights (Colocated: in place, so the next rollout is on-policy)
     metrics.update(source.publish(run.model, it))
     clock["end"] = time.perf_counter()
-    return metrics, flops + step_bookkeeping(metrics, clock, batches, run, reference, config)
+    return metrics, flops + step_bookkeeping(metrics, clock, batches, run,
+                                             reference, config)
 
 
 def optimizer_steps(policy, run, batches, normalizer, config, it):
@@ -592,7 +595,7 @@ def check_settings(config):
 
 
 def check_off_policy_settings(config):
-    """The corrections' settings (off_policy.py): one IS correction at a time, and
+    """The corrections' settings (training.py): one IS correction at a time, and
     what needs what."""
     tis, lo, hi = config["tis_cap"], config["mis_low"], config["mis_high"]
     clip, epochs, level = config["ppo_clip"], config["ppo_epochs"], config["is_level"]
@@ -669,14 +672,17 @@ def best_so_far(config, start):
 def main(config):
     config["device"] = distributed.setup(config["device"], config["dist_timeout_s"])
     check_settings(config)
-    roles = sources.split_roles(config)   # with rollout ranks: which ranks sample, which train
+    # with rollout ranks: which ranks sample, which train
+    roles = sources.split_roles(config)
     the_task = load_task(config["task"])
     start = init_start(config, build_tokenizer)
     env = Environment(the_task, start.tokenizer, config["max_new_tokens"], config["max_turns"],
                       config["max_episode_tokens"], start.stop_ids,
                       check_template_kwargs(start.tokenizer, config["chat_template_kwargs"]))
-    eval_problems = the_task.make_problems(config["eval_split"], config["n_eval_problems"] or None)
-    sampler = ProblemSampler(the_task.make_problems("train"), config["seed"])   # out_dir untouched
+    eval_problems = the_task.make_problems(config["eval_split"],
+                                           config["n_eval_problems"] or None)
+    # out_dir untouched
+    sampler = ProblemSampler(the_task.make_problems("train"), config["seed"])
     # a step's problems are distinct
     n, available = config["prompts_per_step"], len(sampler.items)
     require(n <= available, f"prompts_per_step={n}: more than the {available} problems")

@@ -81,8 +81,10 @@ parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"
 parser.add_argument("--threads", type=int, default=1,
                     help="torch threads (1 = what the engine tests use; 0 = torch's default)")
 parser.add_argument("--prompts", type=int, default=16)
-parser.add_argument("--samples", type=int, default=8, help="samples per prompt (the GRPO group)")
-parser.add_argument("--prefix_len", type=int, default=32, help="shared system-prompt tokens")
+parser.add_argument("--samples", type=int, default=8,
+                    help="samples per prompt (the GRPO group)")
+parser.add_argument("--prefix_len", type=int, default=32,
+                    help="shared system-prompt tokens")
 parser.add_argument("--question_len", type=int, default=12,
                     help="distinct tokens per prompt (+- 4)")
 parser.add_argument("--max_new_tokens", type=int, default=100)
@@ -127,13 +129,15 @@ parser.add_argument("--grpo_init", default="out/qwen_small/sft/best",
                     help="the GRPO row's start: an SFT model of the embedded task (speedrun.sh)")
 parser.add_argument("--grpo_steps", type=int, default=20, help="steps of each GRPO run (>= 2: the "
                     "first is not timed)")
-parser.add_argument("--grpo_repeats", type=int, default=2, help="GRPO runs of each trainer")
+parser.add_argument("--grpo_repeats", type=int, default=2,
+                    help="GRPO runs of each trainer")
 args = parser.parse_args()
 if args.grpo_steps < 2 or args.grpo_repeats < 1:
     parser.error(f"--grpo_steps {args.grpo_steps} must be >= 2 (the first is not timed) and "
                  f"--grpo_repeats {args.grpo_repeats} >= 1")
 # the peer rows compare on the CPU, in fp32, at one thread, on cores 0 and 1 (a side each)
-SETUP = (args.device, args.dtype, args.threads, args.layout, {0, 1} <= os.sched_getaffinity(0))
+SETUP = (args.device, args.dtype, args.threads, args.layout,
+         {0, 1} <= os.sched_getaffinity(0))
 if SETUP != ("cpu", "float32", 1, "moe", True) and args.peers != "off":
     why = (f"the peer rows run with --device cpu --dtype float32 --threads 1 --layout moe on cores "
            f"0 and 1; got --device {args.device} --dtype {args.dtype} --threads {args.threads} "
@@ -551,7 +555,8 @@ def peer_rows(prompts, stop):
         return rows + [(f"GRPO vs TRL: no SFT model at {args.grpo_init} (bash speedrun.sh, or "
                         f"--grpo_init)", "", "", None)]
     g = bench_peers.GRPO
-    s = bench_peers.grpo_vs_trl(trl, args.grpo_init, args.grpo_steps, args.grpo_repeats, **g)
+    s = bench_peers.grpo_vs_trl(trl, args.grpo_init, args.grpo_steps,
+                                args.grpo_repeats, **g)
     return rows + [
         (f"GRPO step s vs TRL GRPOTrainer ({g['prompts']} x {g['group']}, {g['max_new_tokens']} "
          f"tokens, T={g['temperature']:g}, lr {g['lr']:.0e}, Dr. GRPO normalizer, no KL)",
@@ -795,4 +800,5 @@ if __name__ == "__main__":
         print(f"| {name} | {n:,} |")
     if args.peers == "auto":
         print()
-        print_table(peer_rows(prompts, stop), "| measure against a peer | ours | peer | ratio |")
+        print_table(peer_rows(prompts, stop),
+                    "| measure against a peer | ours | peer | ratio |")

@@ -109,7 +109,8 @@ class VllmWorker:
             self.proc.stdin.write("\n")
             self.proc.stdin.close()
             self.proc.wait(timeout=60)
-        except (OSError, subprocess.TimeoutExpired):   # it died, or hangs: never leave it running
+        except (OSError, subprocess.TimeoutExpired):
+            # it died, or hangs: never leave it running
             self.proc.kill()
             self.proc.wait()
         self.log.close()
@@ -140,7 +141,8 @@ def rollout_vs_vllm(python, model_dir, engine, prompts, stop, samples, max_new_t
     worker = VllmWorker(python, model_dir, max_len, seed, placement)
 
     def ours():
-        engine.flush_cache()   # every timed call starts cold, as vLLM's (reset_prefix_cache)
+        # every timed call starts cold, as vLLM's (reset_prefix_cache)
+        engine.flush_cache()
         c0, t0 = time.process_time(), time.perf_counter()
         out = engine.generate(prompts, params, num_samples_per_prompt=samples)
         return (time.perf_counter() - t0, time.process_time() - c0,
@@ -189,7 +191,8 @@ def ours_grpo(init_dir, steps, prompts, group, max_new_tokens, temperature, lr, 
             "reward": [r["rollout/reward_mean"] for r in rows]}
 
 
-def trl_grpo(python, init_dir, steps, prompts, group, max_new_tokens, temperature, lr, seed):
+def trl_grpo(python, init_dir, steps, prompts, group, max_new_tokens,
+             temperature, lr, seed):
     cmd = [python, os.path.join(ROOT, "bench", "peers", "trl_grpo.py"), init_dir,
            f"--steps={steps}",
            f"--prompts={prompts}", f"--group={group}", f"--max_new_tokens={max_new_tokens}",
@@ -211,7 +214,8 @@ def run(cmd, timeout=1800):
 GRPO = dict(prompts=16, group=8, max_new_tokens=48, temperature=1.0, lr=1e-5)
 
 
-def grpo_vs_trl(python, init_dir, steps, repeats, prompts, group, max_new_tokens, temperature, lr):
+def grpo_vs_trl(python, init_dir, steps, repeats, prompts, group, max_new_tokens,
+                temperature, lr):
     """{'ours': (step s, rollout s, train s, reward), 'trl': ...}: medians over the steps
     after the first of every run (train: step - rollout), the reward of the rollouts of
     the last 5 steps; runs interleaved ours, TRL, ours, ..."""

@@ -132,7 +132,8 @@ def measure_copy_bandwidth(device="cpu"):
     """Bytes/s moved by a copy of a buffer far larger than any cache (bytes read + bytes
     written), timed once per process: the memory-bound reference of a decode step."""
     if str(device) not in _COPY_RATE:
-        n = (2 ** 30 if torch.device(device).type == "cuda" else 2 ** 27) // 4     # 1 GiB | 128 MiB
+        # 1 GiB | 128 MiB
+        n = (2 ** 30 if torch.device(device).type == "cuda" else 2 ** 27) // 4
         a, b = torch.ones(n, device=device), torch.empty(n, device=device)
         sync = torch.cuda.synchronize if torch.device(device).type == "cuda" else (lambda: None)
         (b.copy_(a), sync())

@@ -1,5 +1,5 @@
 """
-The off-policy lab: what each correction (off_policy.py) buys against a known
+The off-policy lab: what each correction (training.py) buys against a known
 mismatch, measured against the exact on-policy gradient. Our engine and trainer share
 model.py and agree to about 1e-7 in fp32, and a seeded sample is a pure function of
 (seed, position), so:
@@ -75,7 +75,8 @@ def batches_of(model, env, problems, config, seed, dtype="float32", top_p=1.0):
     engine = evaluate.task_engine(model, env, problems, dtype=dtype, seed=seed,
                                   record_routes=True)
     G = config["group_size"]
-    episodes = env.episodes(engine, problems, G, config["temperature"], seed=seed, top_p=top_p)
+    episodes = env.episodes(engine, problems, G, config["temperature"],
+                            seed=seed, top_p=top_p)
     engine.shutdown()
     rewards, samples = [e.reward for e in episodes], [e.sample() for e in episodes]
     flat = train_grpo.zero_variance_groups(rewards, G).tolist()
@@ -125,11 +126,12 @@ def measure(model, env, config):
     batch_problems = [train[b * problems_per_batch:(b + 1) * problems_per_batch]
                       for b in range(n_batches)]
     spare = train[n_batches * problems_per_batch:][:8 * problems_per_batch]
-    results, on_policy = {}, {}   # the exact gradients of the checkpoint itself, made once
+    results, on_policy = {}, {}  # the exact gradients of the checkpoint itself, made once
     for kind, strength in sources:
         name = kind if strength is None else f"{kind} {strength}"
         trainer, behaviour = model, model
-        if kind == "stale":   # the trainer is ahead; the engine samples with the older weights
+        if kind == "stale":
+            # the trainer is ahead; the engine samples with the older weights
             trainer = advance(model, env, spare, config, strength, normalizer)
         dtype, top_p = ("bfloat16" if kind == "bf16" else "float32",
                         strength if kind == "top_p" else 1.0)
@@ -239,7 +241,8 @@ def curves_main(out_dir, png):
     import matplotlib.pyplot as plt
     fig, ax = plt.subplots(figsize=(7, 4))
     for arm, (steps, acc) in curves.items():
-        ax.plot(steps, acc, marker="o", label=arm, linestyle="--" if arm == "fp32" else "-")
+        ax.plot(steps, acc, marker="o", label=arm,
+                linestyle="--" if arm == "fp32" else "-")
     ax.set_xlabel("GRPO step")
     ax.set_ylabel("validation accuracy (mean over seeds)")
     ax.legend(fontsize=8)

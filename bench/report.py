@@ -165,7 +165,8 @@ def cluster_bootstrap(diff, clusters, resamples=BOOTSTRAP, seed=0):
 
 def pass_keys(results):
     """The pass@k entries of results, by k (pass@1 first)."""
-    return sorted((k for k in results if k.startswith("pass@")), key=lambda k: int(k.split("@")[1]))
+    return sorted((k for k in results if k.startswith("pass@")),
+                  key=lambda k: int(k.split("@")[1]))
 
 
 def summarize(results, out_dir=None):
@@ -357,7 +358,8 @@ def draw(ax, out_dir, seeds, curve, xlabel):
         n = sum(1 for t, _ in curves if t)
         mean = mean_curve(curves)
         if mean is not None:
-            ax.plot(*mean, color=color, lw=2.5, label=f"{arm}: mean of {n} seeds (thin: each seed)")
+            ax.plot(*mean, color=color, lw=2.5,
+                    label=f"{arm}: mean of {n} seeds (thin: each seed)")
         elif n:
             ax.plot([], [], color=color, lw=0.8, label=f"{arm}: {n} seeds")
     start = [a[0] for _, a in (val_curve(os.path.join(out_dir, f"seed{s}", "grpo", "metrics.jsonl"))
@@ -393,7 +395,8 @@ def plot(out_dir, seeds, path):
     if plt is None:
         return None
     fig, (left, right) = plt.subplots(1, 2, figsize=(13, 5), sharey=True)
-    draw(left, out_dir, seeds, val_curve, "wall-clock seconds of training since the SFT checkpoint")
+    draw(left, out_dir, seeds, val_curve,
+         "wall-clock seconds of training since the SFT checkpoint")
     draw(right, out_dir, seeds, flops_curve,
          "FLOPs spent since the SFT checkpoint (RFT's sampling included)")
     fig.suptitle(
@@ -463,7 +466,8 @@ def draw_references(ax, rows, evals, rule_dirs):
              read_rows(os.path.join(d, "metrics.jsonl"))[-1]["eval/accuracy"] for d in rule_dirs}
     if rules:
         name, best = max(rules.items(), key=lambda kv: kv[1])
-        ax.axhline(best, color="black", linestyle=":", label=f"best rule ({name}) {best:.3f}")
+        ax.axhline(best, color="black", linestyle=":",
+                   label=f"best rule ({name}) {best:.3f}")
 
 
 # -----------------------------------------------------------------------------

@@ -32,8 +32,9 @@ import time
 import numpy as np
 import torch
 
-from attention import DecodeAttention, compile_once
+from inference.attention import DecodeAttention
 from inference.sampling import sample_in_graph
+from model import compile_once
 
 
 def decode_graph(model, k_cache, v_cache, tokens, positions, slots, block_tables, temperatures,
@@ -72,17 +73,20 @@ class StaticDecode:
     def __init__(self, model, kv, max_batch_size, max_blocks, scratch_block):
         self.model, self.kv, self.scratch = model, kv, scratch_block
         self.device = kv.k.device
-        model.rope(self.device)        # made before the graph: its making would be a guard
+        model.rope(self.device)  # made before the graph: its making would be a guard
         self.cuda = self.device.type == "cuda"
-        self.batch_sizes, self.widths = shapes_of(max_batch_size, max_blocks, self.device.type)
+        self.batch_sizes, self.widths = shapes_of(max_batch_size, max_blocks,
+                                                  self.device.type)
         if self.cuda:                  # the CUDA graphs' inputs, at their largest
             B, W = self.batch_sizes[-1], self.widths[-1]
             self.ints = torch.zeros(4, B, dtype=torch.int64, device=self.device)
             self.tables = torch.zeros(B, W, dtype=torch.int64, device=self.device)
             self.temperatures = torch.ones(B, device=self.device)
-        self.graphs = {}       # CUDA: a step's shape (_inputs) -> (graph, its output tensors)
-        self.pool = torch.cuda.graph_pool_handle() if self.cuda else None   # shared by all graphs
-        self.compile_seconds = 0.0    # the CPU's first call (the compile), the GPU's captures
+        self.graphs = {}  # CUDA: a step's shape (_inputs) -> (graph, its output tensors)
+        # shared by all graphs
+        self.pool = torch.cuda.graph_pool_handle() if self.cuda else None
+        # the CPU's first call (the compile), the GPU's captures
+        self.compile_seconds = 0.0
 
     def takes(self, batch):
         """Whether a step's batch is one this step runs: every sequence decodes, with
@@ -154,7 +158,7 @@ class StaticDecode:
             # and size checks were about 8% of a rollout
             with torch.fx.experimental._config.patch(use_duck_shape=False):
                 out = compile_once(decode_graph, dynamic=True, cpp_wrapper=True)(*inputs)
-            if not self.compile_seconds:        # the first call compiles (once per process)
+            if not self.compile_seconds:  # the first call compiles (once per process)
                 self.compile_seconds = time.perf_counter() - t0
             return out
         if shape not in self.graphs:
@@ -175,6 +179,7 @@ class StaticDecode:
             torch.cuda.current_stream().wait_stream(stream)
             graph = torch.cuda.CUDAGraph()
             # thread_local: a weight update's side thread may copy to the GPU meanwhile
-            with torch.cuda.graph(graph, pool=self.pool, capture_error_mode="thread_local"):
+            with torch.cuda.graph(graph, pool=self.pool,
+                                  capture_error_mode="thread_local"):
                 out = decode_graph(*inputs)
         return graph, out

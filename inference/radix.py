@@ -47,8 +47,8 @@ class Node:
 
     def __init__(self, key, slots, parent, last_used=0):
         self.key, self.slots, self.parent = key, slots, parent
-        self.children = {}                     # first token id of the child's edge -> child
-        self.last_used = last_used             # the LRU clock when a request last walked through it
+        self.children = {}           # first token id of the child's edge -> child
+        self.last_used = last_used   # the LRU clock when a request last walked through it
 
 
 def common_length(a, b):
@@ -70,9 +70,10 @@ class RadixCache:
         # holders: running sequences, + 1 while the slot is in the tree
         self.refcount = [0] * num_slots
         self.in_tree = [False] * num_slots
-        self.free = list(range(num_slots - 1, -1, -1))   # refcount 0, handed out from the end
-        self.num_evictable = 0                    # tree slots whose only holder is the tree
-        self.num_evicted = 0                      # slots evicted so far (tests read it)
+        # refcount 0, handed out from the end
+        self.free = list(range(num_slots - 1, -1, -1))
+        self.num_evictable = 0   # tree slots whose only holder is the tree
+        self.num_evicted = 0     # slots evicted so far (tests read it)
         self.root = Node([], [], None)
         self._clock = itertools.count(1)
 
@@ -140,7 +141,8 @@ class RadixCache:
         while i < len(tokens):
             child = node.children.get(tokens[i])
             if child is None:
-                node.children[tokens[i]] = Node(tokens[i:], table[i:len(tokens)], node, now)
+                node.children[tokens[i]] = Node(tokens[i:],
+                                                table[i:len(tokens)], node, now)
                 for slot in table[i:len(tokens)]:
                     self._take_into_tree(slot)
                 return
@@ -153,7 +155,7 @@ class RadixCache:
             child.last_used = now
             if k < len(child.key):
                 if i + k == len(tokens):
-                    return            # the sequence ends inside this edge: nothing new to add
+                    return  # the sequence ends inside this edge: nothing new to add
                 child = self._split(child, k)
             node, i = child, i + k
 

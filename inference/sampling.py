@@ -13,7 +13,7 @@ trainer's loss differentiates on the same weights. With top_k / top_p a token is
 from the truncated distribution (the mass outside them zeroed, the rest renormalised),
 so its logprob is that one's: the full one minus the log of the mass kept. A trainer
 that scores the full distribution then sees the ratio full / truncated = the mass kept,
-and an importance-sampling correction weighs by exactly that (off_policy.py). A seeded
+and an importance-sampling correction weighs by exactly that (training.py). A seeded
 draw is a pure function of (seed, position), so a sample does not depend on what else is
 batched with it, and a preempted sequence resumes with the very tokens it would have
 drawn.
@@ -60,7 +60,8 @@ def mix_seed(seed, k):
     return xxhash.xxh64_intdigest(key) >> 1
 
 
-def sample_with_logprobs(logits, temperatures, top_k=None, top_p=None, seeds=None, positions=None):
+def sample_with_logprobs(logits, temperatures, top_k=None, top_p=None, seeds=None,
+                         positions=None):
     """Sample one token per row of logits [N, V]; return (tokens [N] int64,
     logprobs [N] float32).
 
@@ -80,10 +81,12 @@ def sample_with_logprobs(logits, temperatures, top_k=None, top_p=None, seeds=Non
     t = torch.as_tensor(temperatures, dtype=torch.float32, device=logits.device).reshape(N)
     greedy = t == 0
     t = torch.where(greedy, 1.0, t)[:, None]
-    e, block_sums, shift = _shifted_exp(logits, t)   # exp((logits - shift) / T), and its block sums
+    # exp((logits - shift) / T), and its block sums
+    e, block_sums, shift = _shifted_exp(logits, t)
     total = block_sums.sum(-1)
     tokens = torch.zeros(N, 1, dtype=torch.int64, device=logits.device)
-    kept = torch.ones(N, dtype=torch.float64, device=logits.device)   # the mass top-k / p keep
+    # the mass top-k / p keep
+    kept = torch.ones(N, dtype=torch.float64, device=logits.device)
     if bool(greedy.any()):
         tokens[greedy] = logits[greedy].argmax(-1, keepdim=True)
     if not bool(greedy.all()):
@@ -133,7 +136,7 @@ def _shifted_exp(logits, t):
 
 def _block_sums(e):
     N, V = e.shape
-    whole = V // BLOCK                            # row n's block k: e[n, k * BLOCK:(k + 1) * BLOCK]
+    whole = V // BLOCK  # row n's block k: e[n, k * BLOCK:(k + 1) * BLOCK]
     sums = e.as_strided((N, whole, BLOCK), (V, BLOCK, 1)).sum(-1)
     return torch.cat([sums, e[:, whole * BLOCK:].sum(-1, keepdim=True)], 1) if V % BLOCK else sums
 
@@ -143,10 +146,10 @@ _SCRATCH = threading.local()   # per thread: (use, device, dtype) -> a flat buff
 
 def scratch(use, numel, device, dtype=torch.float32):
     """A buffer reused from call to call, one per use (any hashable name), whose contents
-    live only until the next call for the same use: a fresh tensor of many MB (the [N,
-    V] exponentials here, the engine's gathered K/V in attention.py) is handed back to
-    the OS by glibc when freed and page-faulted in anew the next time, which costs more
-    than the arithmetic it holds."""
+    live only until the next call for the same use: a fresh tensor of many MB (the [N, V]
+    exponentials here, the engine's gathered K/V in attention.py) is handed back to the
+    OS by glibc when freed and page-faulted in anew the next time, which costs more than
+    the arithmetic it holds."""
     buffers = _SCRATCH.__dict__.setdefault("buffers", {})
     key = (use, torch.device(device), dtype)
     if key not in buffers or buffers[key].numel() < numel:
@@ -192,7 +195,7 @@ def _filter_top_k_top_p(probs, top_k, top_p):
     rank = torch.arange(V, device=probs.device)[None, :]
     drop = rank >= torch.where(k > 0, k, V)[:, None]
     drop |= ((sorted_probs.cumsum(-1) - sorted_probs) >= p[:, None]) & (p < 1)[:, None]
-    drop[:, 0] = False                                       # the most likely token always survives
+    drop[:, 0] = False  # the most likely token always survives
     return probs.masked_fill(torch.zeros_like(drop).scatter(1, idx, drop), 0.0)
 
 
@@ -218,7 +221,8 @@ def sample_in_graph(logits, temperatures, seeds, positions):
     safe = ((top / t) >= -23) & ((top / t) <= 76)
     shift = torch.where(safe, 0.0, top)
     e = torch.exp((logits - shift) / t)
-    e = torch.nn.functional.pad(e, (0, num_blocks * block - V))   # a short last block: zeros
+    # a short last block: zeros
+    e = torch.nn.functional.pad(e, (0, num_blocks * block - V))
     block_sums = e.view(N, num_blocks, block).sum(-1).double()
     total = block_sums.sum(-1, keepdim=True)
     target = sampling_uniforms(seeds, positions)[:, None] * total
@@ -244,7 +248,8 @@ def sample_next(seqs, logits):
     """The next token of each sequence (one logits row each) under its own
     SamplingParams and seed."""
     params, dev = [s.params for s in seqs], logits.device
-    meta = torch.tensor([[p.temperature, p.top_k, p.top_p] for p in params], dtype=torch.float64)
+    meta = torch.tensor([[p.temperature, p.top_k, p.top_p] for p in params],
+                        dtype=torch.float64)
     use_k, use_p = any(p.top_k for p in params), any(p.top_p < 1.0 for p in params)
     return sample_with_logprobs(
         logits, meta[:, 0].float().to(dev), top_k=meta[:, 1].long().to(dev) if use_k else None,
@@ -262,7 +267,8 @@ def top_logprobs(seqs, logits):
     out = [None] * len(seqs)
     if not want:
         return out
-    t = torch.tensor([seqs[i].params.temperature or 1.0 for i in want], device=logits.device)
+    t = torch.tensor([seqs[i].params.temperature or 1.0 for i in want],
+                     device=logits.device)
     k = min(max(seqs[i].params.top_logprobs for i in want), logits.shape[-1])
     values, ids = torch.log_softmax(logits[want].float() / t[:, None], dim=-1).topk(k, dim=-1)
     for row, i in enumerate(want):

@@ -38,9 +38,10 @@ class Sequence:
     group of num_samples)."""
 
     def __init__(self, uid, request_id, sample_index, prompt, params, num_samples, seed):
-        self.uid = uid                            # unique per sample: what schedule() names it by
+        # unique per sample: what schedule() names it by
+        self.uid = uid
         self.request_id, self.sample_index, self.params = request_id, sample_index, params
-        self.tokens = list(prompt)                # prompt + completion so far
+        self.tokens = list(prompt)         # prompt + completion so far
         self.num_prompt = len(prompt)
         # > 1: fork into this many samples when the prompt is done
         self.num_samples = num_samples
@@ -48,15 +49,17 @@ class Sequence:
         self.num_computed = 0              # tokens whose KV is in this sequence's blocks
         self.block_table = []              # block of tokens[i] = block_table[i // block_size]
         self.block_hashes = []             # hash of each full block of tokens (a chain)
-        self.num_cached_tokens = 0         # set before schedule(): prefix-cache hit if admitted now
+        # set before schedule(): its prefix-cache hit, if admitted now
+        self.num_cached_tokens = 0
         # ... of which blocks that are free (admitting revives them)
         self.num_cached_free_blocks = 0
         self.kv_version = None             # the weights that computed this sequence's KV
         # per completion token: its logprob, the weights that sampled it
         self.logprobs, self.versions = [], []
-        self.top_logprobs = []             # per completion token, when params.top_logprobs > 0
+        self.top_logprobs = []             # per completion token, when asked for
         self.finish_reason = None
-        self.catching_up = True             # computing tokens it already has (prefill or recompute)
+        # computing tokens it already has (prefill or recompute)
+        self.catching_up = True
 
     @property
     def num_tokens(self):
@@ -105,10 +108,11 @@ class BlockAllocator:
         self.num_blocks, self.block_size = num_blocks, block_size
         self.refcount = [0] * num_blocks
         self.block_hash = [None] * num_blocks
-        self.cached = {}                     # hash -> block, for every named block (free or in use)
+        self.cached = {}  # hash -> block, for every named block (free or in use)
         # free, unnamed: handed out first (a stack)
         self.free_plain = list(range(num_blocks - 1, -1, -1))
-        self.free_cached = OrderedDict()        # free, named: oldest first (the LRU eviction order)
+        # free, named: oldest first (the LRU eviction order)
+        self.free_cached = OrderedDict()
 
     def num_free_blocks(self):
         return len(self.free_plain) + len(self.free_cached)
@@ -136,7 +140,7 @@ class BlockAllocator:
         """One more holder of a block (a prefix-cache hit, or a forked sample); revives a
         free named block."""
         if self.refcount[block] == 0:
-            del self.free_cached[block]           # only named blocks can be hit while free
+            del self.free_cached[block]  # only named blocks can be hit while free
         self.refcount[block] += 1
 
     def free(self, block):
@@ -329,7 +333,8 @@ def _schedule_running(order, budget, free, scheduler_config):
         n = min(seq.num_tokens - seq.num_computed, budget)
         need = blocks_needed(seq, n, scheduler_config.block_size)
         while need > free:
-            if holders is None:   # who holds each block: only running sequences hold blocks
+            if holders is None:
+                # who holds each block: only running sequences hold blocks
                 holders = {}
                 for s in order:
                     for b in s.block_table:

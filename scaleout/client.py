@@ -91,4 +91,5 @@ def next_turn_prompt(tokenizer, sample, new_messages, stop_ids=None, **template_
     stop = generation_stop_ids(tokenizer) if stop_ids is None else stop_ids
     prompt, sampled = list(sample.prompt_tokens), list(sample.completion_tokens)
     bridge = TurnBridge(tokenizer, stop, **template_kwargs)
-    return prompt + sampled + bridge.next_ids(new_messages, sampled[-1] if sampled else None)
+    return prompt + sampled + bridge.next_ids(new_messages,
+                                              sampled[-1] if sampled else None)

@@ -95,7 +95,8 @@ def split_roles(rollout_ranks):
                          f"sets N)")
     trainers, workers = list(range(n - rollout_ranks)), list(range(n - rollout_ranks, n))
     # same order on all
-    groups = [dist.new_group(trainers), dist.new_group(workers), dist.new_group([0] + workers)]
+    groups = [dist.new_group(trainers), dist.new_group(workers),
+              dist.new_group([0] + workers)]
     is_worker = dist.get_rank() in workers
     _group = groups[1] if is_worker else groups[0]
     return Roles(is_worker, trainers, workers, groups[2])
@@ -123,7 +124,8 @@ def all_sum(values):
     """The sum over ranks of each number in values (float64), as a list of floats."""
     if world() == 1:
         return [float(v) for v in values]
-    t = torch.tensor([float(v) for v in values], dtype=torch.float64, device=comm_device())
+    t = torch.tensor([float(v) for v in values], dtype=torch.float64,
+                     device=comm_device())
     dist.all_reduce(t, group=_group)
     return t.tolist()
 

@@ -75,7 +75,7 @@ class Request:
 
     def __init__(self, prompts, params, n, stop, emit, tokenizer, first_index=0):
         self.prompts, self.params, self.n, self.emit = prompts, params, n, emit
-        self.first_index = first_index   # seeded: prompt i draws as prompt first_index + i
+        self.first_index = first_index  # seeded: prompt i draws as prompt first_index + i
         self.samples = [SampleText(tokenizer, stop) for _ in range(len(prompts) * n)]
         self.request_ids = []         # the engine's request_id of each prompt, once added
 
@@ -89,7 +89,8 @@ class EngineLoop:
         self.inbox = queue.Queue()
         # engine request_id -> (Request, prompt index), for requests still running
         self.by_request = {}
-        self.peak_batch = 0   # the most samples one step has run (continuous batching at work)
+        # the most samples one step has run (continuous batching at work)
+        self.peak_batch = 0
         self.thread = threading.Thread(target=self._run, name="engine-owner", daemon=True)
         self.thread.start()
 
@@ -168,7 +169,7 @@ class EngineLoop:
                                                      request.first_index + i)
                 request.request_ids.append(request_id)
                 self.by_request[request_id] = (request, i)
-        except Exception as e:               # checked at the door, so not expected: refuse it whole
+        except Exception as e:  # checked at the door, so not expected: refuse it whole
             self._drop(request)
             request.emit([Delta(-1, [], [], [], [], "", None, error=f"{type(e).__name__}: {e}")])
 
@@ -179,7 +180,7 @@ class EngineLoop:
             if seq.request_id in self.by_request and seq.num_samples == 1:
                 self._progress(out, seq.request_id, seq.sample_index, seq.tokens[seq.num_prompt:],
                                seq.logprobs, seq.top_logprobs, seq.versions, None)
-        for s in finished:                    # samples that finished in this step: the rest of them
+        for s in finished:  # samples that finished in this step: the rest of them
             if s.request_id in self.by_request:
                 self._progress(out, s.request_id, s.sample_index, s.completion_tokens, s.logprobs,
                                s.top_logprobs, s.token_versions, s.finish_reason)

@@ -110,7 +110,8 @@ def send_rollout(tensors, dst):
     each. Returns the works, and the tensors on the wire (to keep alive until the
     works are done)."""
     data, names = (t.to(distributed.comm_device()) for t in tensors)
-    header = torch.tensor([data.numel(), names.numel()], dtype=torch.int64, device=data.device)
+    header = torch.tensor([data.numel(), names.numel()], dtype=torch.int64,
+                          device=data.device)
     works = [dist.isend(header, dst), dist.isend(data, dst), dist.isend(names, dst)]
     return works, (data, names, header)
 
@@ -151,7 +152,8 @@ def run_worker(config, roles, start, env, sampler, engine, rollout):
         received = 0.0
         # rollout it is sampled with the weights after it - s
         while weights_of < it - config["max_staleness"]:
-            dist.barrier(group=roles.sync)    # both sides ready: the transfer is timed alone
+            # both sides ready: the transfer is timed alone
+            dist.barrier(group=roles.sync)
             tensors, seconds, _ = sync.receive()
             engine.update_weights(dict(zip(sync.names, tensors)))
             weights_of, received = weights_of + 1, received + seconds
@@ -165,7 +167,8 @@ def run_worker(config, roles, start, env, sampler, engine, rollout):
         metrics.update({"perf/worker_idle_frac": waited / (now - t_last),
                         "perf/weight_receive_s": received})
         t_last = now
-        if distributed.rank() == 0:   # every worker holds the same groups; the first one sends them
+        if distributed.rank() == 0:
+            # every worker holds the same groups; the first one sends them
             tensors = encode_rollout(it, sampler.last, groups, flops, metrics)
             works, _sent = send_rollout(tensors, roles.trainers[0])
     for work in works:
@@ -200,7 +203,7 @@ class RolloutRanks:
             raise RuntimeError(f"iteration {it} received the rollout of iteration {iteration}: the "
                                f"trainer and the workers disagree on where the run is (resumed "
                                f"from different checkpoints?)")
-        self.sampler.follow(*draw, self.config["group_size"])   # what a checkpoint records
+        self.sampler.follow(*draw, self.config["group_size"])  # what a checkpoint records
         lags = [self.version - v for _, _, samples, _ in groups for s in samples
                 for v, m in zip(s.token_versions, sampled_mask(s)) if m] or [0]
         metrics.update({"rollout/staleness_mean": float(np.mean(lags)),

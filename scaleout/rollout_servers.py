@@ -103,10 +103,12 @@ class Servers:
         self.push = ServerWeights(urls, model.state_dict(), config["weight_bucket_mb"],
                                   config["weight_backend"], config["weight_master_address"],
                                   config["rollout_api_key"])
-        self.push.send(model.state_dict())     # the servers serve the trainer's starting weights
+        # the servers serve the trainer's starting weights
+        self.push.send(model.state_dict())
         self.remote.version = version
         self.weights, self.rollouts = queue.Queue(), queue.Queue()
-        self.state = sampler.state_dict()      # the sampler's record after the last rollout taken
+        # the sampler's record after the last rollout taken
+        self.state = sampler.state_dict()
         threading.Thread(target=self.drive, args=(start_iter,), daemon=True).start()
 
     def drive(self, start_iter):
@@ -114,7 +116,7 @@ class Servers:
         rollout j is due, sample it, hand it over (with the sampler's record after it,
         what a checkpoint saves)."""
         try:
-            weights_of = start_iter            # the servers hold the weights after this iteration
+            weights_of = start_iter  # the servers hold the weights after this iteration
             for j in range(start_iter, self.config["max_iters"]):
                 pushed = 0.0
                 while weights_of < j - self.config["max_staleness"]:

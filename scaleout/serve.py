@@ -106,7 +106,8 @@ class Server:
         self.vocab_size, self.max_model_len = engine.model.config.vocab_size, engine.max_model_len
         self.eos_ids = frozenset(eos_ids) | {tokenizer.eos_token_id} - {None}
         self.loop = EngineLoop(engine, tokenizer)
-        self.peer, self.receiving = None, None   # a trainer's weight-update group, its transfer
+        # a trainer's weight-update group, its transfer
+        self.peer, self.receiving = None, None
 
 
 # -----------------------------------------------------------------------------
@@ -149,9 +150,12 @@ def read_sampling(server, body, logprobs_k, prompts):
                         "must be >= 1")
     temperature = _field(body, "temperature", (int, float), 1.0,
                          lambda v: math.isfinite(v) and v >= 0, "must be a finite number >= 0")
-    top_p = _field(body, "top_p", (int, float), 1.0, lambda v: 0 < v <= 1, "must be in (0, 1]")
-    top_k = _field(body, "top_k", (int,), 0, lambda v: v >= -1, "must be -1 or 0 (off), or >= 1")
-    seed = _field(body, "seed", (int,), None, lambda v: 0 <= v < 2 ** 64, "must be in [0, 2**64)")
+    top_p = _field(body, "top_p", (int, float), 1.0, lambda v: 0 < v <= 1,
+                   "must be in (0, 1]")
+    top_k = _field(body, "top_k", (int,), 0, lambda v: v >= -1,
+                   "must be -1 or 0 (off), or >= 1")
+    seed = _field(body, "seed", (int,), None, lambda v: 0 <= v < 2 ** 64,
+                  "must be in [0, 2**64)")
     stop = body.get("stop")
     stop = [stop] if isinstance(stop, str) else _field(body, "stop", (list,), [])
     if not all(isinstance(s, str) and s for s in stop):
@@ -168,7 +172,8 @@ def read_sampling(server, body, logprobs_k, prompts):
                                 top_p=float(top_p), top_k=max(top_k, 0), seed=seed,
                                 stop_token_ids=frozenset(stop_ids) | eos, top_logprobs=logprobs_k)
         for prompt in prompts:
-            check_fits(prompt, params, n, server.engine.blocks, server.max_model_len, "prompt")
+            check_fits(prompt, params, n, server.engine.blocks,
+                       server.max_model_len, "prompt")
     except ValueError as e:
         field = re.search(r"SamplingParams\.(\w+)", str(e))
         raise BadRequest(str(e), field.group(1) if field else "prompt") from None
@@ -276,7 +281,8 @@ async def deltas_of(server, http, prompts, params, n, stop, first_index=0):
     def emit(deltas):   # called on the owner thread
         try:
             loop.call_soon_threadsafe(queue.put_nowait, deltas)
-        except RuntimeError:   # the event loop is gone (shutting down): nobody is listening
+        except RuntimeError:
+            # the event loop is gone (shutting down): nobody is listening
             pass
 
     request = server.loop.submit(prompts, params, n, stop, emit, first_index)
@@ -355,7 +361,8 @@ async def completions(server, http, body):
             "created": int(time.time()), "model": server.name}
     choices = new_choices(prompts, n)
 
-    def choice_body(ch, d=None):   # the whole choice, or (streaming) the part that Delta d added
+    def choice_body(ch, d=None):
+        # the whole choice, or (streaming) the part that Delta d added
         ids, lps, tops, text = (ch.ids, ch.logprobs, ch.tops, ch.text) if d is None else \
             (d.token_ids, d.logprobs, d.top_logprobs, d.text)
         offset = len(ch.text) - len(text)
@@ -366,7 +373,8 @@ async def completions(server, http, body):
             out.update(token_ids=ids, **({"prompt_token_ids": ch.prompt_ids} if d is None or
                                          len(ch.ids) == len(ids) else {}))
         if ch.finish_reason:
-            out["weight_version"] = min(ch.versions, default=server.engine.get_weight_version())
+            out["weight_version"] = min(ch.versions,
+                                        default=server.engine.get_weight_version())
         return out
 
     if stream:
@@ -375,7 +383,8 @@ async def completions(server, http, body):
     async for deltas in deltas_of(server, http, prompts, params, n, stop, first):
         for d in deltas:
             choices[d.index].add(d)
-    return dict(head, choices=[choice_body(ch) for ch in choices], usage=usage(prompts, n, choices))
+    return dict(head, choices=[choice_body(ch) for ch in choices],
+                usage=usage(prompts, n, choices))
 
 
 async def chat_completions(server, http, body):
@@ -410,7 +419,8 @@ async def chat_completions(server, http, body):
     if stream:
         head = dict(head, object="chat.completion.chunk",
                     **({"prompt_token_ids": prompt} if ids_back else {}))
-        return sse(server, http, [prompt], params, n, stop, choices, body, head, chunk_choices)
+        return sse(server, http, [prompt], params, n, stop, choices, body, head,
+                   chunk_choices)
     async for deltas in deltas_of(server, http, [prompt], params, n, stop):
         for d in deltas:
             choices[d.index].add(d)
@@ -453,7 +463,8 @@ async def generate_tokens(server, http, body):
         for d in deltas:
             choices[d.index].add(d)
 
-    def logprobs(ch):   # the token spelled as vLLM spells it when it returns ids: token_id:<id>
+    def logprobs(ch):
+        # the token spelled as vLLM spells it when it returns ids: token_id:<id>
         tops = ch.tops or [()] * len(ch.ids)
         return {"content": [{"token": f"token_id:{t}", "logprob": lp, "top_logprobs": [
             {"token": f"token_id:{a}", "logprob": b} for a, b in alts]}
@@ -472,7 +483,8 @@ async def tokenize(server, http, body):
     sample from (with messages: the chat template's, the generation prompt included
     unless told otherwise)."""
     if "messages" in body:
-        ids = chat_prompt(server, body, _field(body, "add_generation_prompt", (bool,), True))
+        ids = chat_prompt(server, body,
+                          _field(body, "add_generation_prompt", (bool,), True))
     else:
         prompt = _field(body, "prompt", (str,), None)
         if prompt is None:
@@ -491,7 +503,8 @@ async def detokenize(server, http, body):
     return {"prompt": server.tokenizer.decode(tokens, skip_special_tokens=False)}
 
 
-def sse(server, http, prompts, params, n, stop, choices, body, head, chunk_choices, first_index=0):
+def sse(server, http, prompts, params, n, stop, choices, body, head, chunk_choices,
+        first_index=0):
     """A streaming response: one server-sent event per choice of a Delta (chat: the role
     of a choice first, in an event of its own), then usage if asked, then [DONE]."""
     options = _field(body, "stream_options", (dict,), {})
@@ -499,7 +512,8 @@ def sse(server, http, prompts, params, n, stop, choices, body, head, chunk_choic
 
     async def events():
         try:
-            async for deltas in deltas_of(server, http, prompts, params, n, stop, first_index):
+            async for deltas in deltas_of(server, http, prompts, params, n,
+                                          stop, first_index):
                 for d in deltas:
                     choices[d.index].add(d)
                     # one choice per event: the openai SDK's accumulator
@@ -536,7 +550,8 @@ async def update_weights_from_disk(server, http, body):
         raise BadRequest("model_path is required: a model directory", "model_path")
     config = server.engine.config
     try:
-        model = await asyncio.to_thread(load_hf_checkpoint, path, config.device, config.dtype)
+        model = await asyncio.to_thread(load_hf_checkpoint, path,
+                                        config.device, config.dtype)
     except (OSError, ValueError, TypeError, KeyError) as e:
         raise BadRequest(f"model_path={path!r}: {e}", "model_path") from None
 
@@ -558,9 +573,12 @@ async def init_weights_update_group(server, http, body):
     later call (a trainer that restarted) replaces the group."""
     check_updates_on(server)
     address = _field(body, "master_address", (str,), "")
-    port = _field(body, "master_port", (int,), 0, lambda v: 0 < v < 65536, "must be in (0, 65536)")
-    rank = _field(body, "rank_offset", (int,), 0, lambda v: v >= 1, "must be >= 1 (0: the trainer)")
-    world = _field(body, "world_size", (int,), 0, lambda v: v > rank, "must be > rank_offset")
+    port = _field(body, "master_port", (int,), 0, lambda v: 0 < v < 65536,
+                  "must be in (0, 65536)")
+    rank = _field(body, "rank_offset", (int,), 0, lambda v: v >= 1,
+                  "must be >= 1 (0: the trainer)")
+    world = _field(body, "world_size", (int,), 0, lambda v: v > rank,
+                   "must be > rank_offset")
     backend = _field(body, "backend", (str,), "gloo", lambda v: v in ("gloo", "nccl"),
                      "must be 'gloo' or 'nccl'")
     for name, value in (("master_address", address), ("master_port", port), ("rank_offset", rank),
@@ -590,7 +608,8 @@ async def update_weights_from_distributed(server, http, body):
     if server.receiving is not None and not server.receiving.done():
         raise BadRequest("a weight transfer is under way: one at a time", None, 409, "conflict")
     meta = [_field(body, k, (list,), []) for k in ("names", "shapes", "dtypes")]
-    bucket_mb = _field(body, "bucket_mb", (int, float), 64, lambda v: v > 0, "must be > 0")
+    bucket_mb = _field(body, "bucket_mb", (int, float), 64, lambda v: v > 0,
+                       "must be > 0")
     ours = {n: tuple(t.shape) for n, t in server.engine.model.state_dict().items()}
     if not (len(meta[0]) == len(meta[1]) == len(meta[2]) == len(ours)
             and set(meta[0]) == set(ours)):
@@ -612,7 +631,7 @@ async def update_weights_from_distributed(server, http, body):
     sync = WeightSync(state, src=0, bucket_mb=bucket_mb, group=server.peer,
                       device=torch.device(server.engine.config.device))
 
-    def receive_and_apply():   # on a thread of its own: the engine keeps serving meanwhile
+    def receive_and_apply():  # on a thread of its own: the engine keeps serving meanwhile
         version = -1
         try:
             tensors, _, _ = sync.receive()

@@ -95,7 +95,7 @@ class ChatMLRenderer:
 
     config_class = ChatMLRendererConfig
     supports_tools = False
-    bridges = 0   # how many next-turn prompts were bridged by ids (the example reports it)
+    bridges = 0  # how many next-turn prompts were bridged by ids (the example reports it)
 
     def __init__(self, tokenizer, config: ChatMLRendererConfig | None = None):
         self.tokenizer, self.config = tokenizer, config or ChatMLRendererConfig()
@@ -155,7 +155,8 @@ class ChatMLRenderer:
                            add_generation_prompt=add_generation_prompt).token_ids
 
     def get_stop_token_ids(self) -> list[int]:
-        return [self.im_end, self.endoftext]   # tokenizer.generation_stop_ids, /v1/models says so
+        # tokenizer.generation_stop_ids, /v1/models says so
+        return [self.im_end, self.endoftext]
 
     def parse_response(self, token_ids, *, tools=None, prompt_ids=None) -> ParsedResponse:
         ids = list(token_ids)
@@ -286,7 +287,8 @@ def compare(trace, responses) -> dict:
     each response's prompt + completion a prefix of the branch, the completions exactly
     its sampled tokens, their logprobs the server's, and the last response ending the
     branch."""
-    out = {"turns": len(responses), "branches": len(trace.branches), "ok": True, "why": ""}
+    out = {"turns": len(responses), "branches": len(trace.branches),
+           "ok": True, "why": ""}
 
     def fail(why):
         out.update(ok=False, why=out["why"] or why)
@@ -323,7 +325,8 @@ def compare(trace, responses) -> dict:
     return out
 
 
-async def collect(base_url, model, model_path, turns, num_tasks, max_tokens=48, temperature=1.0):
+async def collect(base_url, model, model_path, turns, num_tasks, max_tokens=48,
+                  temperature=1.0):
     """Run one episode per task, one at a time; return [(episode, comparison)]."""
     renderer = CustomRendererConfig(import_path=f"{MODULE}.ChatMLRenderer")
     client = vf.TrainClientConfig(base_url=base_url.rstrip("/") + "/v1",
@@ -352,10 +355,13 @@ async def collect(base_url, model, model_path, turns, num_tasks, max_tokens=48, 
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--base_url", default="http://127.0.0.1:8123")
-    ap.add_argument("--model_path", default="", help="the served model dir ('' = /v1/models' id)")
-    ap.add_argument("--turns", type=int, default=1, help="1: single-turn; 2+: with feedback")
+    ap.add_argument("--model_path", default="",
+                    help="the served model dir ('' = /v1/models' id)")
+    ap.add_argument("--turns", type=int, default=1,
+                    help="1: single-turn; 2+: with feedback")
     ap.add_argument("--num_tasks", type=int, default=3)
-    ap.add_argument("--max_tokens", type=int, default=48)   # a chain of steps (countdown.py)
+    # a chain of steps (countdown.py)
+    ap.add_argument("--max_tokens", type=int, default=48)
     ap.add_argument("--temperature", type=float, default=1.0)
     ap.add_argument("--json", action="store_true", help="one JSON line per episode")
     args = ap.parse_args()

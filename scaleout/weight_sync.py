@@ -50,9 +50,10 @@ class WeightSync:
         self.sizes = [t.numel() * t.element_size() for t in state.values()]
         self.total = sum(self.sizes)
         self.bucket = max(1, int(bucket_mb * MB))
-        self.device = device or next(iter(state.values())).device   # state may be on 'meta' 
-        self._buffers = None                   # the sender's two bucket buffers, made on first send
-        self._flat = None                      # a receiver's buffer of the whole state
+        # state may be on 'meta'
+        self.device = device or next(iter(state.values())).device
+        self._buffers = None   # the sender's two bucket buffers, made on first send
+        self._flat = None      # a receiver's buffer of the whole state
 
     def is_sender(self):
         return dist.get_rank() == self.src
@@ -107,7 +108,8 @@ class WeightSync:
 
 
     def broadcast(self, buf, async_op=False):
-        if isinstance(self.group, PeerGroup):    # a group of its own, outside torchrun's world
+        if isinstance(self.group, PeerGroup):
+            # a group of its own, outside torchrun's world
             return self.group.broadcast(buf, self.src, async_op)
         return dist.broadcast(buf, src=self.src, group=self.group, async_op=async_op)
 
@@ -229,7 +231,8 @@ class ServerWeights:
         """POST body to url + path; a refusal raises ValueError naming the url
         and the reason."""
         try:
-            r = httpx.post(url + path, json=body, headers=self.headers, timeout=self.timeout_s)
+            r = httpx.post(url + path, json=body, headers=self.headers,
+                           timeout=self.timeout_s)
         except httpx.HTTPError as e:
             raise RuntimeError(f"{url}{path}: {type(e).__name__}: {e}") from e
         if r.status_code != 200:
@@ -241,8 +244,10 @@ class ServerWeights:
         names, shapes, dtypes = zip(*manifest(state))
         body = {"names": list(names), "shapes": [list(s) for s in shapes], "dtypes": list(dtypes),
                 "bucket_mb": self.bucket_mb}
-        for url in self.urls:     # all check first: a server that waits can only be freed by bytes
-            self.post(url, "/update_weights_from_distributed", {**body, "check_only": True})
+        for url in self.urls:
+            # all check first: a server that waits can only be freed by bytes
+            self.post(url, "/update_weights_from_distributed",
+                      {**body, "check_only": True})
         for url in self.urls:     # then each waits for the bytes
             self.post(url, "/update_weights_from_distributed", body)
         self.sync.send(state)

@@ -249,7 +249,8 @@ class _Parser:
 
     def parse(self):
         value = self.expr()
-        return value if self.pos == len(self.text) else None  # trailing text: not an expression
+        # trailing text: not an expression
+        return value if self.pos == len(self.text) else None
 
     def expr(self):
         value = self.term()
@@ -392,7 +393,7 @@ def chain_fault(problem: Problem, line: str) -> str | None:
     if words[0] in {f"{need}={x}{op}{y}" for x, y in ((a, b), (b, a))
                     for op in OPS if _apply(op, x, y) == need}:
         return None if len(words) == 1 else "the line goes on after its pair"
-    if _pair_equation(need, a, b):   # the pair makes the need, but the line says otherwise
+    if _pair_equation(need, a, b):  # the pair makes the need, but the line says otherwise
         return f"{a} and {b} do make {need}, but not as the last word says"
     return f"{a} and {b} make {_spaced(sorted({a + b, abs(a - b), a * b}), ', ')}, not {need}"
 
@@ -620,7 +621,8 @@ def pretrain_corpus(n_docs: int, seed: int) -> list[str]:
         lines, n_lines = [f"digits {' '.join(map(str, digits))}"], rng.randint(4, 8)
         while len(lines) <= n_lines:
             line, solved = _attempt(rng, rng.choice(TARGETS), digits)
-            if not (solved and _answers_held_out(line)):   # no held-out answer, even in a tail
+            if not (solved and _answers_held_out(line)):
+                # no held-out answer, even in a tail
                 lines.append(line)
         docs.append("\n".join(lines))
     return docs

@@ -39,8 +39,8 @@ describe, kind, heuristic_answer = countdown.describe, countdown.kind, countdown
 
 def feedback(problem, reply):
     """What the environment says about a wrong reply: its value (or why it has none)."""
-    line = countdown.final_line(reply)   # the reward reads the last line too
-    if "=" in line:   # a chain of steps: its first fault (countdown.py)
+    line = countdown.final_line(reply)  # the reward reads the last line too
+    if "=" in line:                     # a chain of steps: its first fault (countdown.py)
         return countdown.chain_fault(problem, line)
     parsed = countdown.parse_answer(line)
     if parsed is None:

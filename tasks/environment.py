@@ -175,7 +175,7 @@ class Episode:
     finish_reason: str = "length"   # of the last reply
     reward: float = 0.0
     done: bool = False
-    routes: object = None     # the last reply's TrainingSample.routes: they cover every id before
+    routes: object = None     # the last reply's TrainingSample.routes (they cover every id)
 
     def sample(self) -> TrainingSample:
         """The episode as one TrainingSample: completion = every id after the first
@@ -213,7 +213,7 @@ class Environment:
         # tokenizer's; template_kwargs go to every rendering (Qwen3's enable_thinking, ...)
         self.stop = frozenset(generation_stop_ids(tokenizer) if stop_ids is None else stop_ids)
         self.template_kwargs = dict(template_kwargs or {})
-        self._bridge = None                      # the template's ids between turns, made once
+        self._bridge = None  # the template's ids between turns, made once
 
     def prompts(self, problems):
         """Each problem's opening messages and their chat-template ids, made once: these
@@ -248,7 +248,8 @@ class Environment:
             if going:
                 seeded = params if seed is None else \
                     dataclasses.replace(params, seed=mix_seed(seed, turn))
-                samples = generate_sharded(engine, [e.prompt + e.ids for e in going], seeded)
+                samples = generate_sharded(engine,
+                                           [e.prompt + e.ids for e in going], seeded)
         return episodes
 
     def take_reply(self, e, s, turn):
@@ -286,7 +287,8 @@ class Environment:
             return
         e.done = True
         if offers(self.task, "episode_reward"):
-            e.reward = call(self.task, "episode_reward", e.problem, turn, list(e.messages))
+            e.reward = call(self.task, "episode_reward", e.problem, turn,
+                            list(e.messages))
         else:
             e.reward = call(self.task, "reward", e.problem, turn, text)
 

@@ -37,7 +37,8 @@ class Problem:
 
 
 def data_dir():
-    return os.environ.get("GSM8K_DIR", os.path.join(os.path.dirname(HERE), "data", "gsm8k"))
+    return os.environ.get("GSM8K_DIR",
+                          os.path.join(os.path.dirname(HERE), "data", "gsm8k"))
 
 
 def number(text):

@@ -2,7 +2,7 @@
 The CUDA paths, on a machine with a GPU (skipped elsewhere, CI included): the engine on
 the GPU against transformers on the same GPU, the engine's logprobs against the
 trainer's (fp32 and bf16), the packed training forward and backward against transformers
-and our CPU path, the engine's recorded experts and top-p logprobs (off_policy.py), a
+and our CPU path, the engine's recorded experts and top-p logprobs (training.py), a
 GRPO run on the GPU, and the trainer's weights pushed to a scaleout/serve.py on the GPU
 over NCCL. bash bench/gpu_check.sh runs these and bench/bench.py's CUDA rows.
 
@@ -95,9 +95,9 @@ def test_bfloat16_engine_samples_what_it_scores(checkpoint):
 
 @torch.no_grad()
 def test_cuda_routes_and_truncated_logprobs(checkpoint):
-    # off_policy.py on the GPU: the engine's recorded experts are the fp32 trainer's own,
-    # and a top-p sample's logprob is the nucleus's (at most the full one's, its ratio
-    # the mass kept)
+    # the off-policy corrections on the GPU: the engine's recorded experts are the fp32
+    # trainer's own, and a top-p sample's logprob is the nucleus's (at most the full
+    # one's, its ratio the mass kept)
     name, _, path = checkpoint
     engine = cuda_engine(path, record_routes=True)
     model = load_hf_checkpoint(path, device="cuda")

@@ -217,7 +217,7 @@ def test_no_variance_skips_the_step_and_the_sampler_turns_away(tmp_path, monkeyp
     assert [r["rollout/weight_version"] for r in rows] == [0, 1]
 
 
-# the off-policy corrections at once (off_policy.py): routes recorded and replayed,
+# the off-policy corrections at once (training.py): routes recorded and replayed,
 # masked IS of the sequence ratio, PPO's clip over two epochs: resume and torchrun carry
 # their new fields
 CORRECTED = ["--routing_replay=True", "--mis_low=0.5", "--mis_high=2.0", "--is_level=sequence",

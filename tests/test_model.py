@@ -13,12 +13,12 @@ import torch
 import torch.nn.functional as F
 from transformers import AutoModelForCausalLM, Qwen3Config, Qwen3MoeConfig, Qwen3MoeForCausalLM
 
-from attention import DocumentCausalAttention
 from conftest import randomise, write_hf_checkpoint
 from checkpoint import config_from_hf, config_to_hf
 import training
 from checkpoint import load_hf_checkpoint, save_hf_checkpoint
-from model import ModelConfig, Transformer, head_logprobs, train_flops
+from model import (DocumentCausalAttention, ModelConfig, Transformer, head_logprobs,
+                   train_flops)
 
 VOCAB = 96
 

@@ -1,119 +1,30 @@
 """
-How attention reads keys and values, as small objects handed to model.Transformer's
-forward (`attention=`), built once per forward and called by every layer as
+The paged KV cache and the attention that reads it, as the small objects the engine
+hands to model.Transformer's forward (`attention=`), called by every layer as
 attention(layer_idx, q, k, v) -> [T, heads, head_dim]:
 
-  DocumentCausalAttention   training: a packed batch of documents, causal within each, none across
-  PagedAttention            inference: each sequence's past keys and values live in blocks of
-                            the paged KV cache (PagedKVCache); the engine (engine.py) decides
-                            which block is whose, and paged_step turns its decisions into the
-                            step's slots, padded calls and masks
-  DecodeAttention           the same, for a step where every sequence decodes, as one graph
-                            sees it (EngineConfig(compile=True), inference/decode.py)
+  PagedKVCache      each sequence's past keys and values, in blocks; the engine (engine.py)
+                    decides which block is whose
+  paged_step        turns those decisions into the step's slots, padded calls and masks
+  PagedAttention    writes the step's keys and values into their slots and attends over
+                    each sequence's blocks (SDPA, or FlexAttention reading them in place)
+  DecodeAttention   the same, for a step where every sequence decodes, as one graph sees it
+                    (EngineConfig(compile=True), inference/decode.py)
 
-All compute exactly what transformers' eager attention computes (the tests compare).
+Training's attention over packed documents is model.DocumentCausalAttention. Both compute
+exactly what transformers' eager attention computes (the tests compare).
 """
 
-import functools
 import math
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 import torch.nn.functional as F
-from torch.nn.attention.flex_attention import BlockMask, create_block_mask, flex_attention
+from torch.nn.attention.flex_attention import BlockMask, flex_attention
 
 from inference.sampling import scratch
-
-
-# -----------------------------------------------------------------------------
-# attention over a packed batch (training)
-
-
-@functools.cache
-def compile_once(fn, dynamic=None, cpp_wrapper=False):
-    """torch.compile(fn), once per process. Batch sizes and lengths change every call:
-    flex takes torch.compile's automatic dynamic shapes (a few recompiles; dynamic=True
-    fails in inductor's CPU flex codegen), the decode step (inference/decode.py)
-    dynamic=True (one compile for every shape). cpp_wrapper: the code that calls the
-    graph's kernels in C++, not Python (inductor's cpp_wrapper)."""
-    return torch.compile(fn, dynamic=dynamic,
-                         options={"cpp_wrapper": True} if cpp_wrapper else None)
-
-
-class DocumentCausalAttention:
-    """Causal attention within each packed document, built once per forward and shared
-    by every layer.
-
-    The default, on every device: the documents are laid into a padded [N, H, L, D] batch
-    and SDPA runs causally on it: padding sits after each document's last token, so
-    causality alone keeps every real query off it. That is N x L^2 work instead of T^2,
-    same mask, same numbers. flex=True: FlexAttention with a document-causal mask_mod (a
-    sparse BlockMask, no padding), compiled on a GPU (eager flex materialises the T x T
-    scores, and has no CPU backward); not the default (docs/speed.md says why). With
-    branch (training.pack_groups: completions that share their prompt's rows), a row
-    also sees only branch 0 and its own branch: an explicit mask for SDPA, one more
-    condition in the mask_mod."""
-
-    def __init__(self, cu_seqlens, num_tokens, device, flex=False, branch=None):
-        lengths = (cu_seqlens[1:] - cu_seqlens[:-1]).long().to(device)
-        self.flex = bool(flex)
-        self.doc = torch.repeat_interleave(torch.arange(len(lengths), device=device), lengths)
-        assert self.doc.numel() == num_tokens, \
-            f"cu_seqlens covers {self.doc.numel()} tokens, the batch has {num_tokens}"
-        self.num_tokens, self.device = num_tokens, device
-        self.num_docs, self.max_len = len(lengths), int(lengths.max()) if len(lengths) else 0
-        self.pos = torch.arange(num_tokens,
-                                device=device) - cu_seqlens[:-1].long().to(device)[self.doc]
-        self._block_mask = self._mask = None
-        self.branch = branch = None if branch is None else branch.to(device).long()
-        doc = self.doc
-
-        def mask_mod(b, h, q_idx, kv_idx):   # flex wants a plain function of four indices
-            same = (doc[q_idx] == doc[kv_idx]) & (kv_idx <= q_idx)
-            if branch is None:
-                return same
-            return same & ((branch[kv_idx] == 0) | (branch[kv_idx] == branch[q_idx]))
-        self.mask_mod = mask_mod
-
-    def _branch_mask(self):
-        """[N, 1, L, L] bool for the padded layout: causal, and a row sees branch 0 and
-        its own branch. Padding is branch 0 after each document's last row: no real row
-        sees it, and a padding row always sees a row."""
-        br = self.branch.new_zeros(self.num_docs, self.max_len)
-        br[self.doc, self.pos] = self.branch
-        i = torch.arange(self.max_len, device=br.device)
-        causal = i[None, :] <= i[:, None]
-        return (causal & ((br[:, None, :] == 0) | (br[:, None, :] == br[:, :, None])))[:, None]
-
-    def __call__(self, layer_idx, q, k, v):
-        # q [T, Hq, D], k/v [T, Hkv, D] -> [T, Hq, D]
-        if not self.flex:
-            def pad(t):   # [T, H, D] -> [N, H, L, D], each document from position 0
-                out = t.new_zeros(self.num_docs, self.max_len, *t.shape[1:])
-                out[self.doc, self.pos] = t
-                return out.transpose(1, 2)
-            if self.branch is None:
-                y = F.scaled_dot_product_attention(pad(q), pad(k), pad(v), is_causal=True,
-                                                   enable_gqa=True)
-            else:
-                if self._mask is None:   # one mask for every layer
-                    self._mask = self._branch_mask()
-                y = F.scaled_dot_product_attention(pad(q), pad(k), pad(v), attn_mask=self._mask,
-                                                   enable_gqa=True)
-            return y.transpose(1, 2)[self.doc, self.pos]
-        q, k, v = (t.transpose(0, 1).unsqueeze(0) for t in (q, k, v))   # [1, H, T, D]
-        # eager FlexAttention materialises the T x T scores: on a GPU it runs compiled
-        # (a fused kernel that skips the blocks the mask leaves out), and its mask is
-        # built compiled too
-        on_gpu = torch.device(self.device).type != "cpu"
-        if self._block_mask is None:
-            make_mask = compile_once(create_block_mask) if on_gpu else create_block_mask
-            self._block_mask = make_mask(self.mask_mod, None, None, self.num_tokens,
-                                         self.num_tokens, device=self.device)
-        flex = compile_once(flex_attention) if on_gpu else flex_attention
-        y = flex(q, k, v, block_mask=self._block_mask, enable_gqa=True)
-        return y.squeeze(0).transpose(0, 1)
+from model import compile_once
 
 
 # -----------------------------------------------------------------------------
@@ -132,7 +43,7 @@ class PagedKVCache:
     routes=True (an MoE model; EngineConfig.record_routes) keeps, beside each token's
     keys and values, the experts it was routed to in each MoE layer, [num_blocks,
     block_size, M, top_k] (-1: not computed yet): a sample's routes are read back by its
-    block table, prefix-cache hits included (routing replay, off_policy.py)."""
+    block table, prefix-cache hits included (routing replay, training.py)."""
 
     def __init__(self, cfg, num_blocks, block_size, device="cpu", dtype=torch.float32,
                  routes=False):
@@ -218,8 +129,8 @@ def paged_step(kv, starts, qlens, block_tables, extras=()):
     tables = np.zeros((B, int(-(-ends.max() // bs))), dtype=np.int64)
     for b, table in enumerate(block_tables):
         tables[b, :len(table)] = table
-    row_of = np.repeat(np.arange(B), qlens)                       # each new token's sequence
-    offset = np.arange(int(cu[-1])) - cu[:-1][row_of]   # ... and its place in that sequence's chunk
+    row_of = np.repeat(np.arange(B), qlens)             # each new token's sequence,
+    offset = np.arange(int(cu[-1])) - cu[:-1][row_of]   # and its place in that chunk
     pos = starts[row_of] + offset
     parts, specs = [pos, tables[row_of, pos // bs] * bs + pos % bs, *extras], []
     num_decodes = int((qlens == 1).sum())
@@ -229,7 +140,8 @@ def paged_step(kv, starts, qlens, block_tables, extras=()):
         Qmax, n_blocks = int(qlens[lo:hi].max()), int(-(-ends[lo:hi].max() // bs))
         # pad by repeating the last
         within = np.minimum(np.arange(Qmax)[None, :], (qlens[lo:hi] - 1)[:, None])
-        parts += [tables[lo:hi, :n_blocks].ravel(), (starts[lo:hi, None] + within).ravel()]
+        parts += [tables[lo:hi, :n_blocks].ravel(),
+                  (starts[lo:hi, None] + within).ravel()]
         uniform = bool((qlens[lo:hi] == Qmax).all())
         if not uniform:
             rows = slice(cu[lo], cu[hi])
@@ -279,7 +191,8 @@ class PagedAttention:
     built directly from the positions (create_block_mask is slow on CPU); compiled=True
     runs it through torch.compile."""
 
-    def __init__(self, cache: PagedKVCache, slot_mapping, calls, backend="sdpa", compiled=False):
+    def __init__(self, cache: PagedKVCache, slot_mapping, calls, backend="sdpa",
+                 compiled=False):
         self.cache, self.slot_mapping, self.backend = cache, slot_mapping, backend
         self.calls = list(calls)
         flex = compile_once(flex_attention) if compiled else flex_attention
@@ -296,7 +209,8 @@ class PagedAttention:
         n_q, n_kv = -(-Qmax // block), -(-L // block)
         last = torch.clamp(torch.arange(n_q, device=query_pos.device) * block + block - 1,
                            max=Qmax - 1)
-        kv_num_blocks = (query_pos[:, last] // block + 1).to(torch.int32)[:, None, :]  # [B, 1, n_q]
+        # [B, 1, n_q]
+        kv_num_blocks = (query_pos[:, last] // block + 1).to(torch.int32)[:, None, :]
         kv_indices = torch.arange(n_kv, dtype=torch.int32, device=query_pos.device)
         kv_indices = kv_indices.expand(B, 1, n_q, n_kv)
 
@@ -339,7 +253,8 @@ def _attend(kc, vc, q, g, mask, flex):
     Hkv = kc.shape[2]
     B, Qmax = g.query_pos.shape
     L = g.block_tables.shape[1] * kc.shape[1]
-    blocks = g.block_tables.reshape(-1)     # a view when contiguous; the decode graph's may not be
+    # a view when contiguous; the decode graph's may not be
+    blocks = g.block_tables.reshape(-1)
     k, v = (torch.index_select(c, 0, blocks, out=_gathered(i, blocks.numel(), c))
             .view(B, L, Hkv, D).transpose(1, 2) for i, c in enumerate((kc, vc)))  # [B, Hkv, L, D]
     q = q.view(B, Qmax, Hq, D) if g.query_index is None else q[g.query_index]
@@ -351,7 +266,8 @@ def _attend(kc, vc, q, g, mask, flex):
         q = q.view(B, Qmax, Hkv, group, D).permute(0, 2, 3, 1, 4).reshape(B, Hkv, group * Qmax, D)
         mask = mask if Qmax == 1 else mask.repeat(1, 1, group, 1)
         y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
-        y = y.view(B, Hkv, group, Qmax, D).permute(0, 3, 1, 2, 4)     # [B, Qmax, Hkv, group, D]
+        # [B, Qmax, Hkv, group, D]
+        y = y.view(B, Hkv, group, Qmax, D).permute(0, 3, 1, 2, 4)
     else:
         y = flex(q.transpose(1, 2), k, v, block_mask=mask, enable_gqa=True).transpose(1, 2)
     # y: [B, Qmax, Hq, D]
@@ -389,9 +305,11 @@ _OPS.define("paged_decode(Tensor q, Tensor k, Tensor v, Tensor(a!) k_cache, Tens
             "-> Tensor")
 
 
-def _paged_decode(q, k, v, k_cache, v_cache, layer, slot_mapping, block_tables, query_pos, mask):
+def _paged_decode(q, k, v, k_cache, v_cache, layer, slot_mapping, block_tables,
+                  query_pos, mask):
     call = PaddedCall(0, q.shape[0], block_tables, query_pos)
-    return paged_attention(q, k, v, k_cache[layer], v_cache[layer], slot_mapping, [call], [mask])
+    return paged_attention(q, k, v, k_cache[layer], v_cache[layer], slot_mapping,
+                           [call], [mask])
 
 
 _OPS.impl("paged_decode", _paged_decode, "CompositeExplicitAutograd")
