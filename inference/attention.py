@@ -28,7 +28,7 @@ from model import compile_once
 
 
 # -----------------------------------------------------------------------------
-# the paged KV cache and the attention that reads it (inference)
+# the paged KV cache and the attention that reads it
 
 
 class PagedKVCache:
@@ -171,7 +171,7 @@ def sdpa_mask(g: PaddedCall, block_size, dtype):
 
 class PagedAttention:
     """Attention for one engine step, built once and shared by every layer (the
-    protocol of DocumentCausalAttention).
+    protocol of model.DocumentCausalAttention).
 
     The step's batch is a flat row of T new tokens in padded calls (paged_step
     above). Per layer:
