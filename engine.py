@@ -10,12 +10,13 @@ logprobs, weight hot-swap.
 
 One step() = schedule (inference/scheduler.py: who runs, which block is whose) ->
 preempt -> admit -> allocate -> forward (one model call over a flat batch of every
-scheduled token, attention.PagedAttention reading the paged KV cache) -> postprocess:
-sample_with_logprobs() at the last token of each sequence that has caught up, finish the
-ones that stopped. With compile=True a step in which every sequence decodes runs as one
-graph, the sampler inside (decode.StaticDecode). A GRPO group of G samples is one
-request: its prompt is prefilled once, then it forks into G sequences that share the
-prompt's blocks (the last, partial block is copied so that each sample writes its own).
+scheduled token, inference/attention.py's PagedAttention reading the paged KV cache) ->
+postprocess: sample_with_logprobs() at the last token of each sequence that has caught
+up, finish the ones that stopped. With compile=True a step in which every sequence
+decodes runs as one graph, the sampler inside (decode.StaticDecode). A GRPO group of G
+samples is one request: its prompt is prefilled once, then it forks into G sequences
+that share the prompt's blocks (the last, partial block is copied so that each sample
+writes its own).
 """
 
 import functools
@@ -123,7 +124,7 @@ class SamplingParams:
              f"0 (greedy) or at least {MIN_TEMPERATURE}")
         need("max_tokens", is_int(self.max_tokens) and self.max_tokens >= 1, "an int >= 1")
         need("top_k", is_int(self.top_k) and self.top_k >= 0, "an int >= 0 (0 = off)")
-        # NaN fails
+        # a NaN top_p fails the comparison, as it should
         need("top_p", is_number(self.top_p) and 0 < self.top_p <= 1, "in (0, 1]")
         need("stop_token_ids", hasattr(stop, "__iter__") and not isinstance(stop, (str, bytes)),
              "a set of ints", TypeError)
@@ -143,7 +144,8 @@ class TrainingSample:
     (((token, logprob), ...) most likely first, when asked) and loss_mask (1 sampled, 0
     a multi-turn episode's environment id; () = all sampled)."""
     prompt_tokens: tuple
-    completion_tokens: tuple            # ends with the stop token when it stopped
+    # ends with the stop token when finish_reason == 'stop'
+    completion_tokens: tuple
     logprobs: tuple
     ref_logprobs: tuple | None = None   # the engine never fills it; a trainer may
     weight_version: int = 0             # the oldest weights that produced one of its tokens
@@ -172,7 +174,7 @@ def sampled_mask(sample):
 class InferenceEngine:
     """Continuous batching over a paged KV cache. Single-threaded: every call runs on the
     caller's thread. self.blocks is the block allocator (scheduler.BlockAllocator),
-    self.kv_cache the KV tensors (attention.PagedKVCache)."""
+    self.kv_cache the KV tensors (inference/attention.py's PagedKVCache)."""
 
     def __init__(self, config: EngineConfig, model: Transformer | None = None):
         require(isinstance(config, EngineConfig),

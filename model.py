@@ -217,8 +217,7 @@ def apply_rope(x, cos, sin):
 
 
 # -----------------------------------------------------------------------------
-# attention over a packed batch (training): how every layer reads its keys and values,
-# unless the forward is handed another way (the engine's inference/attention.py)
+# torch.compile, once per process (FlexAttention on a GPU, the engine's decode step)
 
 
 @functools.cache
@@ -230,6 +229,11 @@ def compile_once(fn, dynamic=None, cpp_wrapper=False):
     graph's kernels in C++, not Python (inductor's cpp_wrapper)."""
     return torch.compile(fn, dynamic=dynamic,
                          options={"cpp_wrapper": True} if cpp_wrapper else None)
+
+
+# -----------------------------------------------------------------------------
+# attention over a packed batch (training): how every layer reads its keys and values,
+# unless the forward is handed another way (the engine's inference/attention.py)
 
 
 class DocumentCausalAttention:
@@ -305,6 +309,10 @@ class DocumentCausalAttention:
         flex = compile_once(flex_attention) if on_gpu else flex_attention
         y = flex(q, k, v, block_mask=self._block_mask, enable_gqa=True)
         return y.squeeze(0).transpose(0, 1)
+
+
+# -----------------------------------------------------------------------------
+# the layers
 
 
 class Attention(nn.Module):

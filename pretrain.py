@@ -79,10 +79,11 @@ def main(config):
     train_docs = documents(start.tokenizer, the_task, config["n_docs"], seed)
     val_docs = documents(start.tokenizer, the_task, config["n_val_docs"], seed + 1)
     print0(f"{len(train_docs)} documents, {sum(map(len, train_docs))} tokens")
-    loader = training.PackedLoader(train_docs, [[1.0] * len(d) for d in train_docs], batch_tokens,
-                                   seed)
-    val_batches = training.fixed_batches(val_docs,
-                                         [[1.0] * len(d) for d in val_docs], batch_tokens)
+
+    def ones(docs):   # every token weighs the same
+        return [[1.0] * len(d) for d in docs]
+    loader = training.PackedLoader(train_docs, ones(train_docs), batch_tokens, seed)
+    val_batches = training.fixed_batches(val_docs, ones(val_docs), batch_tokens)
 
     def eval_fn(model):
         return {"eval/loss": training.evaluate_loss(model, val_batches, config["device"])}

@@ -104,8 +104,7 @@ def rejection_samples(model, env, problems, config):
     completion), and the FLOPs sampling them cost."""
     n = config["rft_samples"]
     engine = evaluate.task_engine(model, env, problems, seed=config["seed"])
-    episodes = env.episodes(engine, problems, n, config["rft_temperature"],
-                            config["seed"])
+    episodes = env.episodes(engine, problems, n, config["rft_temperature"], config["seed"])
     engine.shutdown()
     samples, kept = [e.sample() for e in episodes], {}
     for i, (e, s) in enumerate(zip(episodes, samples)):
@@ -152,8 +151,8 @@ def make_eval_fn(env, val_problems, val_batches, start, config):
                 save_best(config["out_dir"], model, start)
         metrics = {"eval/accuracy": accuracy}
         if val_batches is not None:
-            metrics["eval/loss"] = training.evaluate_loss(model, val_batches,
-                                                          config["device"])
+            loss = training.evaluate_loss(model, val_batches, config["device"])
+            metrics["eval/loss"] = loss
         return metrics
     return eval_fn
 

@@ -289,9 +289,9 @@ def rollout(engine, env, sampler, config, it):
     G = config["group_size"]
     indices = sampler.draw(config["prompts_per_step"])
     problems = [sampler.items[i] for i in indices]
-    # under torchrun each rank samples its slice; all get every episode
     t0 = time.perf_counter()
-    # the seed is a function of (run seed, iteration): a resumed run draws the same samples
+    # under torchrun each rank samples its slice; all get every episode. The seed is a
+    # function of (run seed, iteration): a resumed run draws the same samples
     episodes = env.episodes(engine, problems, G, config["temperature"],
                             seed=config["seed"] * 1_000_003 + it, top_p=config["top_p"],
                             top_k=config["top_k"])
@@ -515,8 +515,8 @@ def grpo_step(source, run, reference, config, it):
     # 5. publish the new weights (Colocated: in place, so the next rollout is on-policy)
     metrics.update(source.publish(run.model, it))
     clock["end"] = time.perf_counter()
-    return metrics, flops + step_bookkeeping(metrics, clock, batches, run,
-                                             reference, config)
+    flops += step_bookkeeping(metrics, clock, batches, run, reference, config)
+    return metrics, flops
 
 
 def optimizer_steps(policy, run, batches, normalizer, config, it):
@@ -681,7 +681,7 @@ def main(config):
                       check_template_kwargs(start.tokenizer, config["chat_template_kwargs"]))
     eval_problems = the_task.make_problems(config["eval_split"],
                                            config["n_eval_problems"] or None)
-    # out_dir untouched
+    # made without touching out_dir: the check below refuses before any state changes
     sampler = ProblemSampler(the_task.make_problems("train"), config["seed"])
     # a step's problems are distinct
     n, available = config["prompts_per_step"], len(sampler.items)

@@ -1,7 +1,8 @@
 """
-What the three trainers share: one batch contract and one loss, packing and the data
-cursor, AdamW and its schedule, one optimizer step, logging, one run setup, and the loop
-of a fixed dataset (pretrain.py, sft.py).
+What the three trainers share: one batch contract and one loss (and, beside it, the
+off-policy corrections GRPO folds into the loss's weights), packing and the data cursor,
+AdamW and its schedule, one optimizer step, logging, one run setup, and the loop of a
+fixed dataset (pretrain.py, sft.py).
 
     start = checkpoint.init_start(config, build_tokenizer)   # the weights; what resume restores
     run = setup_run(config, start, loader)                   # device, optimizer, restored state
@@ -47,8 +48,7 @@ class PackedBatch:
     branch: torch.Tensor | None = None       # [T] int64, shared-prefix documents (pack_groups)
     loss_mask: torch.Tensor | None = None    # [T] bool, rows scored on a sampled token (GRPO)
     old_log_probs: torch.Tensor | None = None  # [T] float32, the trainer's pre-step (PPO)
-    # [T, M, k] int64, the experts to replay (-1: the row routes itself)
-    routes: torch.Tensor | None = None
+    routes: torch.Tensor | None = None       # [T, M, k] int64, experts to replay (-1: none)
 
     @property
     def num_tokens(self):

@@ -209,8 +209,8 @@ class PagedAttention:
         n_q, n_kv = -(-Qmax // block), -(-L // block)
         last = torch.clamp(torch.arange(n_q, device=query_pos.device) * block + block - 1,
                            max=Qmax - 1)
-        # [B, 1, n_q]
-        kv_num_blocks = (query_pos[:, last] // block + 1).to(torch.int32)[:, None, :]
+        kv_num_blocks = (query_pos[:, last] // block + 1).to(torch.int32)   # [B, n_q]
+        kv_num_blocks = kv_num_blocks[:, None, :]                            # [B, 1, n_q]
         kv_indices = torch.arange(n_kv, dtype=torch.int32, device=query_pos.device)
         kv_indices = kv_indices.expand(B, 1, n_q, n_kv)
 
@@ -266,8 +266,7 @@ def _attend(kc, vc, q, g, mask, flex):
         q = q.view(B, Qmax, Hkv, group, D).permute(0, 2, 3, 1, 4).reshape(B, Hkv, group * Qmax, D)
         mask = mask if Qmax == 1 else mask.repeat(1, 1, group, 1)
         y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
-        # [B, Qmax, Hkv, group, D]
-        y = y.view(B, Hkv, group, Qmax, D).permute(0, 3, 1, 2, 4)
+        y = y.view(B, Hkv, group, Qmax, D).permute(0, 3, 1, 2, 4)   # [B, Qmax, Hkv, group, D]
     else:
         y = flex(q.transpose(1, 2), k, v, block_mask=mask, enable_gqa=True).transpose(1, 2)
     # y: [B, Qmax, Hq, D]

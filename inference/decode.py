@@ -75,18 +75,17 @@ class StaticDecode:
         self.device = kv.k.device
         model.rope(self.device)  # made before the graph: its making would be a guard
         self.cuda = self.device.type == "cuda"
-        self.batch_sizes, self.widths = shapes_of(max_batch_size, max_blocks,
-                                                  self.device.type)
+        self.batch_sizes, self.widths = shapes_of(max_batch_size, max_blocks, self.device.type)
         if self.cuda:                  # the CUDA graphs' inputs, at their largest
             B, W = self.batch_sizes[-1], self.widths[-1]
             self.ints = torch.zeros(4, B, dtype=torch.int64, device=self.device)
             self.tables = torch.zeros(B, W, dtype=torch.int64, device=self.device)
             self.temperatures = torch.ones(B, device=self.device)
-        self.graphs = {}  # CUDA: a step's shape (_inputs) -> (graph, its output tensors)
-        # shared by all graphs
+        # CUDA: a step's shape (_inputs) -> (graph, its output tensors), all graphs sharing
+        # one memory pool
+        self.graphs = {}
         self.pool = torch.cuda.graph_pool_handle() if self.cuda else None
-        # the CPU's first call (the compile), the GPU's captures
-        self.compile_seconds = 0.0
+        self.compile_seconds = 0.0   # the CPU's first call (the compile), the GPU's captures
 
     def takes(self, batch):
         """Whether a step's batch is one this step runs: every sequence decodes, with

@@ -141,8 +141,8 @@ class RadixCache:
         while i < len(tokens):
             child = node.children.get(tokens[i])
             if child is None:
-                node.children[tokens[i]] = Node(tokens[i:],
-                                                table[i:len(tokens)], node, now)
+                leaf = Node(tokens[i:], table[i:len(tokens)], node, now)
+                node.children[tokens[i]] = leaf
                 for slot in table[i:len(tokens)]:
                     self._take_into_tree(slot)
                 return

@@ -38,28 +38,23 @@ class Sequence:
     group of num_samples)."""
 
     def __init__(self, uid, request_id, sample_index, prompt, params, num_samples, seed):
-        # unique per sample: what schedule() names it by
-        self.uid = uid
+        self.uid = uid                     # unique per sample: schedule()'s name for it
         self.request_id, self.sample_index, self.params = request_id, sample_index, params
         self.tokens = list(prompt)         # prompt + completion so far
         self.num_prompt = len(prompt)
-        # > 1: fork into this many samples when the prompt is done
-        self.num_samples = num_samples
+        self.num_samples = num_samples     # > 1: forks into this many after its prompt
         self.seed = seed                   # this sample's sampling noise is a function of it
         self.num_computed = 0              # tokens whose KV is in this sequence's blocks
         self.block_table = []              # block of tokens[i] = block_table[i // block_size]
         self.block_hashes = []             # hash of each full block of tokens (a chain)
-        # set before schedule(): its prefix-cache hit, if admitted now
-        self.num_cached_tokens = 0
-        # ... of which blocks that are free (admitting revives them)
-        self.num_cached_free_blocks = 0
+        self.num_cached_tokens = 0         # hit if admitted now (set before schedule())
+        self.num_cached_free_blocks = 0    # ... its free blocks (admitting revives them)
         self.kv_version = None             # the weights that computed this sequence's KV
         # per completion token: its logprob, the weights that sampled it
         self.logprobs, self.versions = [], []
-        self.top_logprobs = []             # per completion token, when asked for
+        self.top_logprobs = []             # per new token, when params.top_logprobs > 0
         self.finish_reason = None
-        # computing tokens it already has (prefill or recompute)
-        self.catching_up = True
+        self.catching_up = True            # computing known tokens (prefill or recompute)
 
     @property
     def num_tokens(self):

@@ -75,9 +75,9 @@ class Request:
 
     def __init__(self, prompts, params, n, stop, emit, tokenizer, first_index=0):
         self.prompts, self.params, self.n, self.emit = prompts, params, n, emit
-        self.first_index = first_index  # seeded: prompt i draws as prompt first_index + i
+        self.first_index = first_index   # seeded: prompt i draws as prompt first_index + i
         self.samples = [SampleText(tokenizer, stop) for _ in range(len(prompts) * n)]
-        self.request_ids = []         # the engine's request_id of each prompt, once added
+        self.request_ids = []            # the engine's request_id of each prompt, once added
 
 
 class EngineLoop:

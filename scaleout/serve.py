@@ -150,12 +150,12 @@ def read_sampling(server, body, logprobs_k, prompts):
                         "must be >= 1")
     temperature = _field(body, "temperature", (int, float), 1.0,
                          lambda v: math.isfinite(v) and v >= 0, "must be a finite number >= 0")
-    top_p = _field(body, "top_p", (int, float), 1.0, lambda v: 0 < v <= 1,
-                   "must be in (0, 1]")
-    top_k = _field(body, "top_k", (int,), 0, lambda v: v >= -1,
-                   "must be -1 or 0 (off), or >= 1")
-    seed = _field(body, "seed", (int,), None, lambda v: 0 <= v < 2 ** 64,
-                  "must be in [0, 2**64)")
+    top_p = _field(body, "top_p", (int, float), 1.0,
+                   lambda v: 0 < v <= 1, "must be in (0, 1]")
+    top_k = _field(body, "top_k", (int,), 0,
+                   lambda v: v >= -1, "must be -1 or 0 (off), or >= 1")
+    seed = _field(body, "seed", (int,), None,
+                  lambda v: 0 <= v < 2 ** 64, "must be in [0, 2**64)")
     stop = body.get("stop")
     stop = [stop] if isinstance(stop, str) else _field(body, "stop", (list,), [])
     if not all(isinstance(s, str) and s for s in stop):

@@ -244,11 +244,11 @@ class ServerWeights:
         names, shapes, dtypes = zip(*manifest(state))
         body = {"names": list(names), "shapes": [list(s) for s in shapes], "dtypes": list(dtypes),
                 "bucket_mb": self.bucket_mb}
+        # all check first: a server that waits can only be freed by bytes
         for url in self.urls:
-            # all check first: a server that waits can only be freed by bytes
-            self.post(url, "/update_weights_from_distributed",
-                      {**body, "check_only": True})
-        for url in self.urls:     # then each waits for the bytes
+            self.post(url, "/update_weights_from_distributed", {**body, "check_only": True})
+        # then each waits for the bytes
+        for url in self.urls:
             self.post(url, "/update_weights_from_distributed", body)
         self.sync.send(state)
         versions = self.group.gather_ints(-1)[1:]

@@ -175,7 +175,7 @@ class Episode:
     finish_reason: str = "length"   # of the last reply
     reward: float = 0.0
     done: bool = False
-    routes: object = None     # the last reply's TrainingSample.routes (they cover every id)
+    routes: object = None     # the last reply's TrainingSample.routes (cover every id before)
 
     def sample(self) -> TrainingSample:
         """The episode as one TrainingSample: completion = every id after the first
@@ -248,8 +248,8 @@ class Environment:
             if going:
                 seeded = params if seed is None else \
                     dataclasses.replace(params, seed=mix_seed(seed, turn))
-                samples = generate_sharded(engine,
-                                           [e.prompt + e.ids for e in going], seeded)
+                prompts = [e.prompt + e.ids for e in going]
+                samples = generate_sharded(engine, prompts, seeded)
         return episodes
 
     def take_reply(self, e, s, turn):

@@ -35,7 +35,6 @@ def test_few_lines_are_over_90_characters():
     assert wide <= MAX_WIDE_SHARE * len(lines), f"{wide} of {len(lines)} lines over {WIDE}"
 
 
-
 def code_lines(path):
     """The lines of code of a file: not blank, not a comment, not a docstring."""
     text = path.read_text()
@@ -60,6 +59,7 @@ def test_checks_are_few():
     checks = sum(line.startswith(("raise ", "assert ", "require(")) or line == "raise"
                  for line in lines)
     assert checks <= MAX_CHECK_SHARE * len(lines), f"{checks} of {len(lines)} code lines"
+
 
 def module_name(path):
     return ".".join(path.relative_to(ROOT).with_suffix("").parts)
