@@ -68,14 +68,13 @@ def config_from_hf(d) -> ModelConfig:
     Unsupported variants are refused, naming the model_type and what is missing."""
     model_type = d.get("model_type")
     if model_type not in FAMILIES:
-        raise ValueError(f"unsupported model_type {model_type!r}: expected one of "
-                         f"{sorted(FAMILIES)}")
+        raise ValueError(f"unsupported model_type {model_type!r}: not one of {sorted(FAMILIES)}")
     flags = dict(FAMILIES[model_type])
     if d.get("use_sliding_window") or (model_type == "llama" and d.get("sliding_window")):
         raise ValueError(f"{model_type}: sliding-window attention is not supported")
-    if d.get("mlp_bias") or d.get("hidden_act", "silu") != "silu":
-        raise ValueError(f"{model_type}: only a bias-free SiLU MLP is supported (mlp_bias="
-                         f"{d.get('mlp_bias')}, hidden_act={d.get('hidden_act')!r})")
+    bias, act = d.get("mlp_bias"), d.get("hidden_act", "silu")
+    if bias or act != "silu":
+        raise ValueError(f"{model_type}: mlp_bias={bias}, hidden_act={act!r}: only SiLU, no bias")
     theta, rope_type, scaling = rope_of(d)
     if rope_type not in flags.pop("rope"):
         raise ValueError(f"{model_type}: rope_type {rope_type!r} is not supported for this family")
@@ -258,7 +257,7 @@ def read_safetensors(path):
     return tensors
 
 
-def _names(names):
+def first_five(names):
     return f"{names[:5]}{' ...' if len(names) > 5 else ''}"
 
 
@@ -274,14 +273,12 @@ def load_hf_checkpoint(path, device="cpu", dtype=torch.float32) -> Transformer:
         # some tied checkpoints store the head anyway; it is the embedding
         hf.pop("lm_head.weight", None)
     unknown, missing = sorted(set(hf) - set(expected)), sorted(set(expected) - set(hf))
-    if unknown:
-        raise ValueError(f"unknown tensor(s) in {path!r}: {_names(unknown)}")
-    if missing:
-        raise ValueError(f"missing tensor(s) in {path!r}: {_names(missing)}")
+    if unknown or missing:
+        unknown, missing = first_five(unknown), first_five(missing)
+        raise ValueError(f"{path!r}: unknown tensors {unknown}, missing {missing}")
     for name, shape in expected.items():
         if tuple(hf[name].shape) != shape:
-            raise ValueError(f"tensor {name!r} in {path!r} has shape {tuple(hf[name].shape)}, "
-                             f"expected {shape}")
+            raise ValueError(f"{name!r} in {path!r}: shape {tuple(hf[name].shape)}, not {shape}")
     with torch.device("meta"):
         model = Transformer(cfg)
     model = model.to_empty(device=device).to(dtype)
@@ -364,8 +361,7 @@ def generation_config_of(path, tokenizer):
     if ids is None or ids == []:
         ids = default_generation(tokenizer)["eos_token_id"]
     if not (isinstance(ids, list) and all(type(i) is int and i >= 0 for i in ids)):
-        raise ValueError(f"generation_config.json in {path!r}: eos_token_id must be an id or a "
-                         f"list of ids, got {eos!r}")
+        raise ValueError(f"generation_config.json in {path!r}: eos_token_id={eos!r}, not ids")
     return {**generation, "eos_token_id": list(dict.fromkeys(ids))}
 
 
@@ -485,11 +481,10 @@ def read_checkpoint_meta(path):
         raise ValueError(f"corrupt checkpoint {path!r}: bad {META} (iter={it!r})")
     for name, info in files.items():
         fpath = os.path.join(path, name)
-        if not os.path.isfile(fpath):
-            raise ValueError(f"corrupt checkpoint {path!r}: {name} is missing")
-        if os.path.getsize(fpath) != info["size"] or file_digest(fpath) != info["xxh64"]:
-            raise ValueError(f"corrupt checkpoint {path!r}: {name} does not match its recorded "
-                             f"size/xxh64 (truncated or modified)")
+        intact = (os.path.isfile(fpath) and os.path.getsize(fpath) == info["size"]
+                  and file_digest(fpath) == info["xxh64"])
+        if not intact:
+            raise ValueError(f"corrupt checkpoint {path!r}: {name} missing, truncated or modified")
     return meta
 
 
@@ -497,15 +492,14 @@ def model_dir_of(path):
     """init_from=path accepts a previous stage's out_dir (its ckpt, or ckpt.old) or a
     transformers model dir."""
     if not isinstance(path, str) or not os.path.isdir(path):
-        raise ValueError(f"init_from={path!r}: expected 'scratch', 'resume' or an existing "
-                         f"directory")
+        raise ValueError(f"init_from={path!r}: expected scratch, resume or an existing directory")
     found = find_checkpoint(path)
     if found:
         return found
     if os.path.isfile(os.path.join(path, "config.json")):
         return path
-    raise ValueError(f"init_from={path!r}: neither a run directory (no {CKPT}/{META}) nor a "
-                     f"model directory (no config.json)")
+    raise ValueError(f"init_from={path!r}: neither a run directory ({CKPT}/) nor a model one "
+                     f"(config.json)")
 
 
 def load_model(path):
@@ -523,8 +517,7 @@ def load_trainer_state(path):
         state = torch.load(os.path.join(path, TRAINER_STATE), map_location="cpu",
                            weights_only=True)
     except Exception as e:  # pickle/zip errors of all kinds mean one thing here
-        raise ValueError(f"corrupt checkpoint {path!r}: cannot read {TRAINER_STATE} "
-                         f"({type(e).__name__}: {e})") from None
+        raise ValueError(f"corrupt checkpoint {path!r}: {TRAINER_STATE}: {e!r}") from None
     if not isinstance(state, dict) or not {"optimizer", "rng"} <= set(state):
         raise ValueError(f"corrupt checkpoint {path!r}: {TRAINER_STATE} lacks optimizer/rng")
     return state
@@ -576,8 +569,7 @@ def init_start(config, new_tokenizer):
         out_dir = config["out_dir"]
         path = find_checkpoint(out_dir)
         if path is None:
-            raise ValueError(f"init_from='resume': no checkpoint in out_dir={out_dir!r} "
-                             f"(expected {CKPT}/{META})")
+            raise ValueError(f"init_from='resume': no checkpoint in out_dir={out_dir!r}")
         meta, tokenizer = read_checkpoint_meta(path), load_tokenizer(path)
         report_changed_settings(config, meta["config"])
         return Start(load_model(path), tokenizer, generation_config_of(path, tokenizer), meta,
@@ -592,9 +584,8 @@ def init_start(config, new_tokenizer):
         return Start(model, tokenizer, generation_config_of(path, tokenizer), source=path)
     tokenizer = new_tokenizer()
     if len(tokenizer) > model.config.vocab_size:
-        raise ValueError(f"init_from={init_from!r} has no tokenizer and its "
-                         f"vocab_size={model.config.vocab_size} is smaller than the embedded "
-                         f"tokenizer's {len(tokenizer)} ids")
+        raise ValueError(f"init_from={init_from!r} has no tokenizer, and its vocab_size="
+                         f"{model.config.vocab_size} is below the embedded one's {len(tokenizer)}")
     print0(f"init_from={init_from!r} has no tokenizer: using the embedded one ({len(tokenizer)} "
            f"ids)")
     return Start(model, tokenizer, default_generation(tokenizer), source=path)
@@ -617,9 +608,9 @@ def _model_config(model_kw, tokenizer):
         raise ValueError(f"model: unknown ModelConfig field(s) {unknown}")
     kw = {"vocab_size": len(tokenizer), "eos_token_id": tokenizer.eos_token_id,
           "pad_token_id": tokenizer.pad_token_id, **model_kw}
-    if kw["vocab_size"] < len(tokenizer):
-        raise ValueError(f"model: vocab_size={kw['vocab_size']} is smaller than the tokenizer "
-                         f"({len(tokenizer)} ids)")
+    vocab = kw["vocab_size"]
+    if vocab < len(tokenizer):
+        raise ValueError(f"vocab_size={vocab} is smaller than the tokenizer ({len(tokenizer)} ids)")
     try:
         return ModelConfig(**kw)
     except TypeError as e:

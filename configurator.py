@@ -77,8 +77,7 @@ def check_value(key, value, default, source):
         return value
     else:
         expected = type(default).__name__
-    raise TypeError(f"{source}: {key}={value!r} has type {type(value).__name__}, expected "
-                    f"{expected} (default {default!r})")
+    raise TypeError(f"{source}: {key}={value!r} is a {type(value).__name__}, expected {expected}")
 
 def parse_cli_value(key, text, default):
     """the python value of the text after '--key=', before type checking"""
@@ -89,8 +88,7 @@ def parse_cli_value(key, text, default):
     except (ValueError, SyntaxError, TypeError, MemoryError, RecursionError):
         if default is None or type(default) is str:
             return text  # a bare word: the string itself
-        raise TypeError(f"--{key}={text}: {text!r} is not a python literal, expected "
-                        f"{type(default).__name__}")
+        raise TypeError(f"--{key}={text}: not a python literal, expected {type(default).__name__}")
     if type(default) is str and value is not None and type(value) is not str:
         return text  # names and paths like 2024 or 1e-5 stay the text that was typed
     return value
@@ -150,8 +148,6 @@ def print_help(g, config):
 def configure(g, args, stage):
     """apply config files and --key=value args to the settings in g (a script's
     globals()); returns the config"""
-    if not isinstance(g, dict):
-        raise TypeError(f"configure: expected the script's globals() dict, got {type(g).__name__}")
     if isinstance(args, str) or not all(isinstance(a, str) for a in args):
         raise TypeError(f"configure: expected a list of argument strings, got {args!r}")
     if stage not in STAGES:
@@ -178,8 +174,7 @@ def configure(g, args, stage):
         cfg = load_config_file(path)
         for name in STAGES:
             if name in cfg and type(cfg[name]) is not dict:
-                raise TypeError(f"{path}: stage section {name!r} must be a dict, got "
-                                f"{type(cfg[name]).__name__}")
+                raise TypeError(f"{path}: [{name}] is a {type(cfg[name]).__name__}, not a dict")
         for key, value in cfg.items():
             if key not in STAGES:
                 put(key, value, path)
@@ -194,8 +189,7 @@ def configure(g, args, stage):
         try:
             json.dumps(value)
         except (TypeError, ValueError) as e:
-            raise TypeError(f"config key {key!r}: value {value!r} is not JSON-serialisable "
-                            f"({e})") from None
+            raise TypeError(f"{key}={value!r}: not JSON-serialisable ({e})") from None
     if wants_help:   # what this command line would run with; nothing is applied
         print_help(g, config)
         raise SystemExit(0)
@@ -225,8 +219,7 @@ def require_field(obj, name, ok, expected, error=ValueError):
     """require() for a config's field: the message names the class, the field, what it
     must be and what it is"""
     if not ok:
-        raise error(f"{type(obj).__name__}.{name} must be {expected}, "
-                    f"got {getattr(obj, name)!r}")
+        raise error(f"{type(obj).__name__}.{name} must be {expected}, got {getattr(obj, name)!r}")
 
 def is_int(x):
     """an int (a numpy integer too: numbers.Integral), never a bool"""

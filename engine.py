@@ -31,7 +31,7 @@ import numpy as np
 import torch
 
 from inference.attention import PagedAttention, PagedKVCache, paged_step
-from checkpoint import load_hf_checkpoint
+from checkpoint import first_five, load_hf_checkpoint
 from configurator import is_int, is_number, require, require_field
 from inference.decode import StaticDecode
 from inference.radix import RadixCache
@@ -177,10 +177,8 @@ class InferenceEngine:
     self.kv_cache the KV tensors (inference/attention.py's PagedKVCache)."""
 
     def __init__(self, config: EngineConfig, model: Transformer | None = None):
-        require(isinstance(config, EngineConfig),
-                f"config must be an EngineConfig, got {config!r}", TypeError)
-        require(model is not None or config.model_path is not None,
-                "no model given and EngineConfig.model_path is None")
+        require(isinstance(config, EngineConfig), f"config={config!r}: not EngineConfig", TypeError)
+        require(model is not None or config.model_path is not None, "no model and no model_path")
         self.config = config
         self.device, self.dtype = torch.device(config.device), as_dtype(config.dtype)
         if model is None:
@@ -209,13 +207,13 @@ class InferenceEngine:
         # one graph per decode step: on the CPU through the grouped expert matmul, on a
         # GPU for dense models only (the experts' loop syncs with the host)
         cfg, cpu = model.config, self.device.type == "cpu"
-        widths = f"{cfg.hidden_size} and {cfg.moe_intermediate_size}"
-        require(not (static and cpu) or grouped_experts(cfg, self.device, self.dtype),
-                f"compile=True on the CPU needs the grouped expert matmul (hidden_size "
-                f"and moe_intermediate_size multiples of 4), got {widths}: leave it off")
-        require(not static or cpu or not cfg.num_experts,
-                f"compile=True on a GPU: dense models only, got {cfg.num_experts} "
-                f"experts: leave it off")
+        if cpu:
+            ok = grouped_experts(cfg, self.device, self.dtype)
+            widths = f"{cfg.hidden_size} and {cfg.moe_intermediate_size}"
+            why = f"hidden_size and moe_intermediate_size in multiples of 4, got {widths}"
+        else:
+            ok, why = not cfg.num_experts, f"dense models only, got {cfg.num_experts} experts"
+        require(ok or not static, f"compile=True on {self.device.type}: {why}; leave it off")
         self.static = StaticDecode(
             self.model, self.kv_cache, config.max_batch_size,
             -(-self.max_model_len // self.blocks.block_size), self.blocks.num_blocks) if static \
@@ -243,9 +241,7 @@ class InferenceEngine:
         """Queue a prompt (token ids) for num_samples samples; returns its request_id
         (TrainingSample.request_id). With params.seed, it draws as prompt `index` of
         a generate call."""
-        self._check_request(params, num_samples, "num_samples")
-        require(is_int(index) and 0 <= index < 2 ** 63,
-                f"index={index!r}: expected an int in [0, 2**63)")
+        self._check_request(params, num_samples, index, ("num_samples", "index"))
         prompt = check_prompt(prompt, self.model.config.vocab_size, self.max_model_len)
         check_fits(prompt, params, num_samples, self.blocks, self.max_model_len, "prompt")
         return self._add(prompt, params, num_samples, index)
@@ -257,9 +253,8 @@ class InferenceEngine:
         input is checked before anything is queued. With a seed, prompt i draws as
         prompt first_index + i of one big call would (a rank's slice of it)."""
         params = sampling_params
-        self._check_request(params, num_samples_per_prompt, "num_samples_per_prompt")
-        require(is_int(first_index) and 0 <= first_index < 2 ** 63,
-                f"first_index={first_index!r}: expected an int in [0, 2**63)")
+        self._check_request(params, num_samples_per_prompt, first_index,
+                            ("num_samples_per_prompt", "first_index"))
         checked = check_prompts(prompts, self.model.config.vocab_size, self.max_model_len)
         for i, p in enumerate(checked):
             check_fits(p, params, num_samples_per_prompt, self.blocks, self.max_model_len,
@@ -285,13 +280,14 @@ class InferenceEngine:
     def has_pending(self) -> bool:
         return bool(self.waiting or self.running)
 
-    def _check_request(self, params, num_samples, name):
+    def _check_request(self, params, num_samples, index, names):
+        # names: what the caller calls num_samples and index
         self._check_open()
-        require(isinstance(params, SamplingParams),
-                f"params must be SamplingParams, got {params!r}", TypeError)
-        n, limit = num_samples, self.config.max_batch_size
-        require(is_int(n) and n >= 1, f"{name}={n!r}: expected an int >= 1")
-        require(n <= limit, f"{name}={n} exceeds max_batch_size={limit}")
+        if not isinstance(params, SamplingParams):
+            raise TypeError(f"params={params!r}: not SamplingParams")
+        n, limit, (name, index_name) = num_samples, self.config.max_batch_size, names
+        require(is_int(n) and 0 < n <= limit, f"{name}={n!r}: not in [1, max_batch_size={limit}]")
+        require(is_int(index) and 0 <= index < 2**63, f"{index_name}={index!r}: not in [0, 2**63)")
 
     def _add(self, prompt, params, num_samples, index=0):
         # a seeded request's draws depend on (its seed, its index in the generate call,
@@ -571,14 +567,11 @@ def check_prompt(prompt, vocab_size, max_model_len, where="prompt"):
     """A prompt as a list of ints, or a TypeError / ValueError naming what is wrong with
     it."""
     if isinstance(prompt, torch.Tensor):
-        ints = not (prompt.is_floating_point() or prompt.dtype == torch.bool)
-        shape = tuple(prompt.shape)
-        require(prompt.dim() == 1 and ints,
-                f"{where}: a {prompt.dtype} tensor of shape {shape}, not 1-D ints",
-                TypeError)
+        ints = prompt.dim() == 1 and not (prompt.is_floating_point() or prompt.dtype == torch.bool)
+        require(ints, f"{where}: {prompt.dtype}{list(prompt.shape)}, not 1-D ints", TypeError)
     prompt = prompt.tolist() if isinstance(prompt, (torch.Tensor, np.ndarray)) else prompt
-    require(hasattr(prompt, "__len__") and not isinstance(prompt, (str, bytes)),
-            f"{where} must be a list of token ids, got {type(prompt).__name__}", TypeError)
+    listlike = hasattr(prompt, "__len__") and not isinstance(prompt, (str, bytes))
+    require(listlike, f"{where}: a {type(prompt).__name__}, not a list of token ids", TypeError)
     require(len(prompt) > 0, f"{where} is empty: a prompt needs at least one token")
     # (a plain loop, not require: a message is formatted only when raised)
     for i, tok in enumerate(prompt):
@@ -587,20 +580,18 @@ def check_prompt(prompt, vocab_size, max_model_len, where="prompt"):
         if not 0 <= tok < vocab_size:
             raise ValueError(f"{where}[{i}] = {tok} is outside the vocabulary [0, {vocab_size})")
     # at most max_model_len - 1 tokens: room for one new token
-    require(len(prompt) < max_model_len,
-            f"{where} has {len(prompt)} tokens: at most {max_model_len - 1} fit "
-            f"max_model_len={max_model_len}")
+    n = len(prompt)
+    require(n < max_model_len, f"{where} has {n} tokens, not below max_model_len={max_model_len}")
     return [int(t) for t in prompt]
 
 
 def check_prompts(prompts, vocab_size, max_model_len):
     """A list of prompts (token-id lists), each checked by check_prompt; returns them as
     lists of ints."""
-    require(hasattr(prompts, "__len__") and not isinstance(prompts, (str, bytes, torch.Tensor)),
-            f"prompts must be a list of token-id lists, got {type(prompts).__name__}", TypeError)
-    require(not (len(prompts) and is_int(prompts[0])),
-            "prompts must be a list of token-id lists, got one list of ints (wrap it: "
-            "[prompt])", TypeError)
+    listlike = hasattr(prompts, "__len__") and not isinstance(prompts, (str, bytes, torch.Tensor))
+    flat = listlike and len(prompts) > 0 and is_int(prompts[0])
+    got = "one list of ints (wrap it: [prompt])" if flat else type(prompts).__name__
+    require(listlike and not flat, f"prompts: a list of token-id lists, not {got}", TypeError)
     return [check_prompt(p, vocab_size, max_model_len, f"prompts[{i}]")
             for i, p in enumerate(prompts)]
 
@@ -608,28 +599,22 @@ def check_prompts(prompts, vocab_size, max_model_len):
 def check_layout(state_dict, params):
     """The tensors of state_dict in params' order, after checking names, shapes and dtypes
     (cheap: no value is read); otherwise a ValueError / TypeError naming the tensor."""
-    require(hasattr(state_dict, "keys") and hasattr(state_dict, "__getitem__"),
-            f"state_dict must be a mapping, got {type(state_dict).__name__}", TypeError)
+    mapping = hasattr(state_dict, "keys") and hasattr(state_dict, "__getitem__")
+    require(mapping, f"state_dict: a {type(state_dict).__name__}, not a mapping", TypeError)
     if state_dict.keys() != params.keys():
-        missing, unknown = (sorted(set(params) - set(state_dict.keys())),
-                            sorted(set(state_dict.keys()) - set(params)))
-        require(not missing, f"state_dict is missing {_first_five(missing)}")
-        require(not unknown, f"state_dict has unknown tensor(s) {_first_five(unknown)}")
+        missing = first_five(sorted(set(params) - set(state_dict.keys())))
+        unknown = first_five(sorted(set(state_dict.keys()) - set(params)))
+        raise ValueError(f"state_dict: missing {missing}, unknown {unknown}")
     tensors = [state_dict[name] for name in params]
     # plain ifs: a message is formatted only when raised
     for (name, ours), t in zip(params.items(), tensors):
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"state_dict[{name!r}] is a {type(t).__name__}, not a tensor")
         if t.shape != ours.shape:
-            raise ValueError(f"state_dict[{name!r}] has shape {tuple(t.shape)}, expected "
-                             f"{tuple(ours.shape)}")
+            raise ValueError(f"state_dict[{name!r}]: shape {list(t.shape)}, not {list(ours.shape)}")
         if not t.dtype.is_floating_point:
             raise ValueError(f"state_dict[{name!r}] has dtype {t.dtype}, expected a floating dtype")
     return tensors
-
-
-def _first_five(names):
-    return f"{names[:5]}{' ...' if len(names) > 5 else ''}"
 
 
 def check_values(tensors, params, dtype):
@@ -652,8 +637,7 @@ def check_values(tensors, params, dtype):
             if not torch.isfinite(t.detach()).all():
                 raise ValueError(f"state_dict[{name!r}] has non-finite values (NaN or inf)")
             if n and t.detach().abs().max() > limit:
-                raise ValueError(f"state_dict[{name!r}] has values beyond {dtype}'s "
-                                 f"range (|x| <= {limit:g})")
+                raise ValueError(f"state_dict[{name!r}]: values beyond {dtype}'s range {limit:g}")
     return tensors
 
 
@@ -697,17 +681,17 @@ def attention_choice(device_type, backend, compile, head_dim):
     backend = "sdpa" if backend == "auto" else backend
     if compile is None:
         compile = backend == "flex" and device_type == "cuda"
-    require(head_dim >= 16 or device_type != "cuda" or not (backend == "flex" and compile),
-            f"compiled flex on CUDA needs head_dim >= 16, the model has {head_dim}: use "
-            f"attention_backend='sdpa'")
+    flex_cuda = backend == "flex" and compile and device_type == "cuda"
+    if flex_cuda and head_dim < 16:
+        raise ValueError(f"flex on CUDA needs head_dim >= 16, the model has {head_dim}: use 'sdpa'")
     return backend, compile
 
 
 def own_copy(model, device, dtype):
     """The engine's own copy of a trainer's model, in its device and dtype: the trainer
     keeps stepping its parameters, and the engine must never alias them."""
-    require(isinstance(model, Transformer),
-            f"model must be a model.Transformer, got {type(model).__name__}", TypeError)
+    if not isinstance(model, Transformer):
+        raise TypeError(f"model: a {type(model).__name__}, not a model.Transformer")
     with torch.device("meta"):
         own = Transformer(model.config)
     own = own.to_empty(device=device).to(dtype)

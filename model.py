@@ -107,8 +107,8 @@ class ModelConfig:
                                     self.num_experts_per_tok)
         need("num_attention_heads", self.num_attention_heads % kv_heads == 0,
              f"a multiple of num_key_value_heads={kv_heads}")
-        require(not experts or 1 <= top_k <= experts,
-                f"num_experts_per_tok={top_k}: not in [1, num_experts={experts}]")
+        routed = not experts or 1 <= top_k <= experts
+        require(routed, f"num_experts_per_tok={top_k}: not in [1, num_experts={experts}]")
         need("head_dim", self.head_dim % 2 == 0, "even (half-split RoPE)")
 
     def is_moe_layer(self, i):
@@ -254,8 +254,7 @@ class DocumentCausalAttention:
         lengths = (cu_seqlens[1:] - cu_seqlens[:-1]).long().to(device)
         self.flex = bool(flex)
         self.doc = torch.repeat_interleave(torch.arange(len(lengths), device=device), lengths)
-        assert self.doc.numel() == num_tokens, \
-            f"cu_seqlens covers {self.doc.numel()} tokens, the batch has {num_tokens}"
+        assert self.doc.numel() == num_tokens, (self.doc.numel(), num_tokens)   # cu_seqlens, tokens
         self.num_tokens, self.device = num_tokens, device
         self.num_docs, self.max_len = len(lengths), int(lengths.max()) if len(lengths) else 0
         self.pos = torch.arange(num_tokens,
@@ -577,8 +576,7 @@ class Transformer(nn.Module):
         ever whole: the trainers' path. routes [T, M, k]: routing replay, the experts
         each row uses in each of the M MoE layers (-1: its own choice); routes_out: a
         list that receives the experts each MoE layer used, [T, k] each."""
-        assert tokens.dim() == 1 and position_ids.shape == tokens.shape, \
-            f"tokens {tuple(tokens.shape)}, position_ids {tuple(position_ids.shape)}"
+        assert tokens.dim() == 1 and position_ids.shape == tokens.shape
         # an attention already holds its mask (DocumentCausalAttention(..., branch=...))
         require(attention is None or branch is None, "pass branch or attention, not both")
         T = tokens.shape[0]
@@ -623,8 +621,7 @@ def head_logprobs(hidden, weight, labels, temperature=1.0, chunk_bytes=256 * 2 *
     at once, forward or backward (backward recomputes each chunk's logits, as fused
     linear-cross-entropy kernels do). Under autocast the matmuls run in the autocast
     dtype, as F.linear would."""
-    assert hidden.dim() == 2 and labels.shape == hidden.shape[:1], \
-        f"hidden {tuple(hidden.shape)}, labels {tuple(labels.shape)}: one label per row"
+    assert hidden.dim() == 2 and labels.shape == hidden.shape[:1], (hidden.shape, labels.shape)
     kind = hidden.device.type
     dtype = torch.get_autocast_dtype(kind) if torch.is_autocast_enabled(kind) else hidden.dtype
     rows = max(1, chunk_bytes // (4 * weight.shape[0]))

@@ -185,8 +185,8 @@ def main(config):
     check_settings(config)
     the_task = load_task(config["task"])
     if config["rft_samples"] == 0 and not offers(the_task, "sft_examples"):
-        raise ValueError(f"task={config['task']!r} has no sft_examples(seed, fraction): "
-                         f"set rft_samples > 0 (rejection sampling needs none)")
+        # (rejection sampling needs none)
+        raise ValueError(f"task={config['task']!r} has no sft_examples: set rft_samples > 0")
     val_problems = the_task.make_problems("val", config["n_eval_problems"] or None)
     start = init_start(config, build_tokenizer)
     tokenizer = start.tokenizer

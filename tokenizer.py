@@ -79,12 +79,8 @@ def build_tokenizer() -> PreTrainedTokenizerFast:
                                   clean_up_tokenization_spaces=False, model_max_length=4096)
     # the specials must keep the ids of VOCAB (add_special_tokens must not have
     # appended new ones)
-    for i, s in enumerate(SPECIAL_TOKENS):
-        if tok.convert_tokens_to_ids(s) != i:
-            raise RuntimeError(f"special token {s!r} got id {tok.convert_tokens_to_ids(s)}, "
-                               f"expected {i}")
-    if len(tok) != len(VOCAB):
-        raise RuntimeError(f"tokenizer has {len(tok)} ids, expected {len(VOCAB)}")
+    specials = tok.convert_tokens_to_ids(SPECIAL_TOKENS)
+    assert specials == list(range(len(SPECIAL_TOKENS))) and len(tok) == len(VOCAB), specials
     return tok
 
 
@@ -127,10 +123,8 @@ def load_tokenizer(path) -> PreTrainedTokenizerFast:
     the class of the model_type in a config.json beside ours (Qwen2Tokenizer, say),
     which rebuilds the pre-tokenizer and loses our spaces."""
     path = os.fspath(path)
-    if not os.path.isdir(path):
-        raise FileNotFoundError(f"tokenizer directory not found: {path!r}")
     if not os.path.isfile(os.path.join(path, "tokenizer.json")):
-        raise FileNotFoundError(f"no tokenizer.json in tokenizer directory {path!r}")
+        raise FileNotFoundError(f"no tokenizer.json in {path!r}")
     try:
         loader = AutoTokenizer if _named_class(path) not in GENERIC_CLASSES else \
             PreTrainedTokenizerFast
@@ -162,8 +156,7 @@ def _ids(out) -> list[int]:
 
 def _check_messages(tok, messages) -> None:
     if not isinstance(messages, (list, tuple)) or len(messages) == 0:
-        raise ValueError(f"messages must be a non-empty list of dicts, got "
-                         f"{messages!r:.80}")
+        raise ValueError(f"messages must be a non-empty list of dicts, got {messages!r:.80}")
     specials = set(tok.all_special_tokens)
     for m in messages:
         if not (isinstance(m, Mapping) and isinstance(m.get("role"), str)
@@ -173,8 +166,7 @@ def _check_messages(tok, messages) -> None:
             raise ValueError(f"unknown chat role {m['role']!r} (system, user, assistant)")
         for s in specials:
             if s in m["content"]:
-                raise ValueError(f"message content has the special token {s!r}: "
-                                 f"{m['content']!r}")
+                raise ValueError(f"a message has the special token {s!r}: {m['content']!r}")
 
 
 def chat_ids(tok, messages, add_generation_prompt, **template_kwargs) -> list[int]:
@@ -185,9 +177,8 @@ def chat_ids(tok, messages, add_generation_prompt, **template_kwargs) -> list[in
         out = tok.apply_chat_template(list(messages), add_generation_prompt=add_generation_prompt,
                                       tokenize=True, return_dict=False, **template_kwargs)
     except Exception as e:   # jinja's TemplateError, the template's raise_exception, ...
-        raise ValueError(f"the chat template cannot render {len(messages)} message(s) "
-                         f"(roles {[m.get('role') for m in messages]}): {type(e).__name__}: "
-                         f"{e}") from e
+        roles = [m.get("role") for m in messages]
+        raise ValueError(f"the chat template cannot render roles {roles}: {e!r}") from e
     return _ids(out)
 
 
@@ -212,11 +203,10 @@ def check_template_kwargs(tok, kwargs, name="chat_template_kwargs") -> dict:
     defaults = {t.node.name for t in tree.find_all(jinja2.nodes.Test)
                 if t.name == "defined" and isinstance(t.node, jinja2.nodes.Name)}
     used = jinja2.meta.find_undeclared_variables(tree) - (set_here - defaults)
+    honoured = sorted(used - RESERVED_TEMPLATE_NAMES)
     for key in kwargs:
-        if key in RESERVED_TEMPLATE_NAMES or key not in used:
-            honoured = sorted(used - RESERVED_TEMPLATE_NAMES)
-            raise ValueError(f"{name}: {key!r} is not a variable this chat template reads; it "
-                             f"reads {honoured or 'none'}")
+        if key not in honoured:
+            raise ValueError(f"{name}: the chat template reads {honoured or 'none'}, not {key!r}")
     return dict(kwargs)
 
 
@@ -270,19 +260,17 @@ def chat_example(tok, messages, stop_ids=None, **template_kwargs) -> tuple[list[
     """
     _check_messages(tok, messages)
     if messages[-1]["role"] != "assistant" or len(messages) < 2:
-        raise ValueError(f"a demonstration is a conversation that ends with the assistant reply "
-                         f"to learn, after at least one message; got roles "
-                         f"{[m['role'] for m in messages]}")
+        raise ValueError(f"a demonstration ends with the assistant reply to learn, after at least "
+                         f"one message; got roles {[m['role'] for m in messages]}")
     stop = set(generation_stop_ids(tok) if stop_ids is None else stop_ids)
     prompt = chat_prompt_ids(tok, messages[:-1], **template_kwargs)
     full = chat_ids(tok, messages, False, **template_kwargs)
+    # otherwise the model would be taught a turn it never samples
     if full[:len(prompt)] != prompt:
-        raise ValueError("the chat template renders the reply after other ids than its generation "
-                         "prompt: the model would be taught a turn it never samples")
+        raise ValueError("the chat template renders the reply after other ids than its prompt's")
     end = next((i + 1 for i in range(len(prompt), len(full)) if full[i] in stop), None)
     if end is None:
-        raise ValueError(f"the chat template ends a reply with none of the stop ids "
-                         f"{sorted(stop)}")
+        raise ValueError(f"the chat template ends a reply with none of the stop ids {sorted(stop)}")
     # the learned text must end with the reply (catches characters the tokenizer cannot
     # spell -> <|unk|>; the template may trim the reply, or write a think block before it)
     learned = tok.decode(full[len(prompt):end - 1], skip_special_tokens=False)
@@ -318,9 +306,8 @@ class TurnBridge:
         closed = chat_ids(tok, STUB, False, **template_kwargs)
         at = next((i for i in range(len(self.opened), len(closed)) if closed[i] in self.stop), None)
         if closed[:len(self.opened)] != self.opened or at is None:
-            raise ValueError(f"the chat template does not render an assistant turn as its "
-                             f"generation prompt, a reply and one of the stop ids "
-                             f"{sorted(self.stop)}: episodes cannot be built by ids with it")
+            raise ValueError(f"no episodes by ids: the chat template's assistant turn is not its "
+                             f"generation prompt, a reply and a stop id of {sorted(self.stop)}")
         self.close = closed[at:]
         # where the stub's assistant turn starts
         self.user = chat_ids(tok, STUB[:1], False, **template_kwargs)
@@ -336,8 +323,7 @@ class TurnBridge:
         at = next((i for i in range(len(self.user), len(whole) - n + 1)
                    if whole[i:i + n] == self.close), None)
         if whole[:len(self.user)] != self.user or at is None:
-            raise ValueError("the chat template renders an assistant turn followed by more "
-                             "messages differently from one that ends the conversation: an "
-                             "episode cannot be built by ids with it")
+            raise ValueError("no episodes by ids: the chat template renders an assistant turn "
+                             "before more messages unlike one that ends the conversation")
         rest = self.close[1:] if last_id in self.stop else self.close
         return rest + whole[at + n:]

@@ -147,9 +147,8 @@ def group_advantages(rewards, group_size, scale_rewards=False, eps=1e-6):
     ([num_groups * G] -> same shape). With scale_rewards the centred rewards are
     divided by the group's std (+eps), as in the GRPO paper."""
     r = torch.as_tensor(rewards, dtype=torch.float32)
-    require(r.dim() == 1 and r.numel() > 0 and r.numel() % group_size == 0,
-            f"rewards {tuple(r.shape)}: expected a flat list of whole groups of "
-            f"{group_size}")
+    whole = r.dim() == 1 and r.numel() > 0 and r.numel() % group_size == 0
+    require(whole, f"rewards {tuple(r.shape)}: not a flat list of whole groups of {group_size}")
     g = r.view(-1, group_size)
     adv = g - g.mean(dim=1, keepdim=True)
     if scale_rewards:
@@ -250,9 +249,8 @@ class ProblemSampler:
         records)."""
         mine = self.draw(len(indices))
         if mine != list(indices):
-            raise RuntimeError(f"draw {self.draws}: the rollout ranks drew problems "
-                               f"{list(indices)[:4]}..., this trainer's sampler {mine[:4]}...: "
-                               f"their records differ")
+            raise RuntimeError(f"draw {self.draws}: the rollout ranks drew {list(indices)[:4]}..., "
+                               f"this trainer's sampler {mine[:4]}...: their records differ")
         self.record(indices, successes, group_size)
 
     def state_dict(self):
@@ -265,15 +263,12 @@ class ProblemSampler:
         ok = (isinstance(state, dict) and set(state) == keys
               and all(type(state[k]) is int and state[k] >= 0 for k in ("draws", "taken"))
               and all(isinstance(state[k], list) and len(state[k]) == n for k in counts)
-              and all(type(v) is int for k in counts for v in state[k]))
-        require(ok, f"ProblemSampler: bad data state for {n} problems: expected "
-                    f"{sorted(keys)} with a count per problem, got {state!r:.200}")
-        successes = np.array(state["successes"], dtype=np.int64)
-        samples = np.array(state["samples"], dtype=np.int64)
-        require(bool((successes >= 0).all() and (successes <= samples).all()),
-                "ProblemSampler: bad data state: successes not in [0, samples]")
+              and all(type(v) is int for k in counts for v in state[k])
+              and all(0 <= s <= t for s, t in zip(state["successes"], state["samples"])))
+        require(ok, f"ProblemSampler: bad data state, {n} problems {sorted(keys)}: {state!r:.80}")
         self.draws, self.taken = state["draws"], state["taken"]
-        self.successes, self.samples = successes, samples
+        self.successes = np.array(state["successes"], dtype=np.int64)
+        self.samples = np.array(state["samples"], dtype=np.int64)
 
 
 # -----------------------------------------------------------------------------
@@ -585,9 +580,8 @@ def check_settings(config):
                    top_k=config["top_k"])
     # greedy samples of a prompt are all the same
     require(config["temperature"] != 0, "temperature=0: GRPO needs sampled groups")
-    kl = config["kl_coef"]
-    require(kl == 0 or config["init_from"] != "scratch",
-            f"kl_coef={kl}: a KL to init_from='scratch' (random) teaches nothing")
+    kl, scratch = config["kl_coef"], config["init_from"] == "scratch"
+    require(not (kl and scratch), f"kl_coef={kl}: a KL to random weights (scratch) teaches nothing")
     EngineConfig(device=config["device"], dtype=config["engine_dtype"],
                  block_size=config["engine_block_size"], compile=config["engine_compile"])
     sources.check_settings(config)
@@ -599,11 +593,9 @@ def check_off_policy_settings(config):
     what needs what."""
     tis, lo, hi = config["tis_cap"], config["mis_low"], config["mis_high"]
     clip, epochs, level = config["ppo_clip"], config["ppo_epochs"], config["is_level"]
-    require(not (tis > 0 and hi > 0),
-            f"tis_cap={tis}, mis_high={hi}: truncated and masked IS, set one")
+    require(not (tis and hi), f"tis_cap={tis}, mis_high={hi}: truncated and masked IS, set one")
     require(hi == 0 or lo < 1 < hi, f"mis_low={lo}, mis_high={hi}: the range must hold 1")
-    require(level == "token" or tis > 0 or hi > 0,
-            f"is_level={level!r}: set tis_cap or mis_high")
+    require(level == "token" or tis > 0 or hi > 0, f"is_level={level!r}: set tis_cap or mis_high")
     require(clip < 1, f"ppo_clip={clip}: expected in [0, 1)")
     # a later epoch trains off-policy on the same rollout
     require(epochs == 1 or clip > 0, f"ppo_epochs={epochs} needs ppo_clip > 0 (e.g. 0.2)")

@@ -71,8 +71,7 @@ def token_logprobs(logits, labels):
     [T, V], [T] -> [T]. The same quantity the engine reports as a sample's logprob
     at temperature 1."""
     ok = logits.dim() == 2 and labels.shape == logits.shape[:1]
-    require(ok, f"logits {tuple(logits.shape)}, labels {tuple(labels.shape)}: expected "
-                f"[T, V] and [T] (T rows, one per label)")
+    require(ok, f"logits {tuple(logits.shape)}, labels {tuple(labels.shape)}: not T rows, T labels")
     return torch.log_softmax(logits.float(), dim=-1).gather(-1, labels[:, None]).squeeze(-1)
 
 
@@ -231,17 +230,14 @@ def pack_sequences(sequences, weights, log_probs=None, rewards=None, loss_masks=
     predict: label 0 (a placeholder), weight 0."""
     n = len(sequences)
     require(n > 0, "pack_sequences: no sequences")
-    for name, rows in (("weight lists", weights), ("log_probs lists", log_probs),
-                       ("rewards", rewards), ("loss_masks lists", loss_masks)):
-        if rows is not None:
-            require(len(rows) == n, f"pack_sequences: {n} sequences but {len(rows)} {name}")
+    check_aligned("pack_sequences:", n, "sequences", {
+        "weight lists": weights, "log_probs lists": log_probs, "rewards": rewards,
+        "loss_masks lists": loss_masks})
+    aligned = {"weights": weights, "log_probs": log_probs, "loss_masks": loss_masks}
     for i, seq in enumerate(sequences):
         require(len(seq) > 0, f"pack_sequences: sequence {i} is empty")
-        for name, rows in (("weights", weights), ("log_probs", log_probs),
-                           ("loss_masks", loss_masks)):
-            if rows is not None and len(rows[i]) != len(seq):
-                raise ValueError(f"pack_sequences: sequence {i} has {len(seq)} tokens "
-                                 f"but {len(rows[i])} {name}")
+        check_aligned(f"pack_sequences: sequence {i} has", len(seq), "tokens",
+                      {name: rows[i] for name, rows in aligned.items() if rows is not None})
     # dtype inferred: floats / bools show up
     ids = torch.tensor([t for s in sequences for t in s])
     ints = not (ids.dtype == torch.bool or ids.is_floating_point() or ids.is_complex())
@@ -288,20 +284,16 @@ def pack_groups(prompts, completions, weights, log_probs=None, loss_masks=None):
         branch    0  0 | 1  1  1 | 2  2
         position  0  1 | 2  3  4 | 2  3
         labels    6* 7*| 8  9  7*| 4  0*     (* weight 0: a prompt token, or a placeholder)"""
-    for name, rows in (("completion", completions), ("weight", weights),
-                       ("log_probs", log_probs), ("loss_masks", loss_masks)):
-        if rows is not None and len(rows) != len(prompts):
-            raise ValueError(f"pack_groups: {len(prompts)} prompts but {len(rows)} "
-                             f"{name} lists")
+    check_aligned("pack_groups:", len(prompts), "prompts", {
+        "completion lists": completions, "weight lists": weights,
+        "log_probs lists": log_probs, "loss_masks lists": loss_masks})
     docs, doc_weights, doc_logprobs, doc_masks, positions, branch = [], [], [], [], [], []
     for i, (prompt, comps) in enumerate(zip(prompts, completions)):
         lps = [[0.0] * len(c) for c in comps] if log_probs is None else log_probs[i]
         masks = [[1] * len(c) for c in comps] if loss_masks is None else loss_masks[i]
         require(len(prompt) > 0, f"pack_groups: prompt {i} is empty")
-        if not len(weights[i]) == len(lps) == len(masks) == len(comps):
-            raise ValueError(f"pack_groups: group {i} has {len(comps)} completions but "
-                             f"{len(weights[i])} weight, {len(lps)} logprob and "
-                             f"{len(masks)} loss_mask lists")
+        check_aligned(f"pack_groups: group {i} has", len(comps), "completions", {
+            "weight lists": weights[i], "log_probs lists": lps, "loss_mask lists": masks})
         n = len(prompt) - 1
         docs.append(list(prompt[:-1]))
         doc_weights.append([0.0] * n)
@@ -310,10 +302,8 @@ def pack_groups(prompts, completions, weights, log_probs=None, loss_masks=None):
         positions += range(n)
         branch += [0] * n
         for b, (comp, w, lp, m) in enumerate(zip(comps, weights[i], lps, masks), start=1):
-            if not len(w) == len(comp) == len(lp) == len(m):
-                raise ValueError(f"pack_groups: group {i} completion {b - 1} has "
-                                 f"{len(comp)} tokens but {len(w)} weights, {len(lp)} "
-                                 f"log_probs and {len(m)} loss_mask values")
+            check_aligned(f"pack_groups: group {i} completion {b - 1} has", len(comp), "tokens",
+                          {"weights": w, "log_probs": lp, "loss_mask values": m})
             docs[-1] += [prompt[-1], *comp]
             doc_weights[-1] += [0.0, *w]
             doc_logprobs[-1] += [0.0, *lp]
@@ -324,6 +314,15 @@ def pack_groups(prompts, completions, weights, log_probs=None, loss_masks=None):
                             loss_masks=None if loss_masks is None else doc_masks)
     return replace(packed, position_ids=torch.tensor(positions),
                    branch=torch.tensor(branch))
+
+
+def check_aligned(where, n, noun, lists):
+    """A ValueError unless each list in lists (name -> a list, or None: not given) has n
+    items: check_aligned("group 0 has", 2, "completions", {"weight lists": [[1.0]]})
+    raises 'group 0 has 2 completions but 1 weight lists'."""
+    for name, rows in lists.items():
+        if rows is not None and len(rows) != n:
+            raise ValueError(f"{where} {n} {noun} but {len(rows)} {name}")
 
 
 def _finite(values, name):
@@ -337,8 +336,7 @@ def split_under_budget(lengths, max_tokens):
     max_tokens tokens each: [3, 4, 2, 5, 1] under 7 -> [[0, 1], [2, 3], [4]]."""
     runs, run, total = [], [], 0
     for i, n in enumerate(lengths):
-        require(n <= max_tokens,
-                f"sequence {i} has {n} tokens, more than the budget of {max_tokens}")
+        require(n <= max_tokens, f"sequence {i} has {n} tokens, over the budget of {max_tokens}")
         if total + n > max_tokens:
             runs.append(run)
             run, total = [], 0
@@ -402,9 +400,8 @@ class PackedLoader(EpochCursor):
     (ids, weights) examples."""
 
     def __init__(self, sequences, weights, batch_tokens, seed):
-        require(len(sequences) > 0 and len(sequences) == len(weights),
-                f"PackedLoader: {len(sequences)} sequences and {len(weights)} weight "
-                f"lists: expected a non-empty list, one weight list each")
+        require(len(sequences) > 0, "PackedLoader: no sequences")
+        check_aligned("PackedLoader:", len(sequences), "sequences", {"weight lists": weights})
         # refuses a sequence over the budget
         split_under_budget([len(s) for s in sequences], batch_tokens)
         super().__init__(list(zip(sequences, weights)), seed)
@@ -632,12 +629,12 @@ def precision(config):
     over fp32 weights."""
     device_type = torch.device(config["device"]).type
     # float16 would need a grad scaler, which these loops do not have
-    require(config["dtype"] in ("float32", "bfloat16"),
-            f"dtype={config['dtype']!r}: expected 'float32' or 'bfloat16'")
+    dtype = config["dtype"]
+    require(dtype in ("float32", "bfloat16"), f"dtype={dtype!r}: expected 'float32' or 'bfloat16'")
     if device_type == "cuda":
         torch.backends.cuda.matmul.allow_tf32 = True
         torch.backends.cudnn.allow_tf32 = True
-    if config["dtype"] == "float32":
+    if dtype == "float32":
         return device_type, nullcontext()
     return device_type, torch.autocast(device_type=device_type, dtype=torch.bfloat16)
 
@@ -696,19 +693,17 @@ def check_loop_settings(config):
     for name, low in (("max_iters", 0), ("warmup_iters", 0), ("lr_decay_iters", 0),
                       ("grad_accum", 1), ("batch_tokens", 1), ("log_interval", 1),
                       ("eval_interval", 1), ("ckpt_interval", 1)):
-        require(name not in config or type(config[name]) is int and config[name] >= low,
-                f"{name}={config.get(name)!r}: expected an int >= {low}")
+        value = config.get(name, low)
+        require(type(value) is int and value >= low, f"{name}={value!r}: expected an int >= {low}")
     # each rank takes its share of every step
-    require(config.get("grad_accum", 0) % distributed.world() == 0,
-            f"grad_accum={config.get('grad_accum')!r}: expected a multiple of the "
-            f"{distributed.world()} ranks")
+    accum, ranks = config.get("grad_accum", 0), distributed.world()
+    require(accum % ranks == 0, f"grad_accum={accum}: expected a multiple of the {ranks} ranks")
     lr, min_lr = config["learning_rate"], config["min_lr"]
     require(is_finite_number(lr) and lr > 0, f"learning_rate={lr!r}: expected a finite number > 0")
-    require(is_finite_number(min_lr) and 0 <= min_lr <= lr,
-            f"min_lr={min_lr!r}: expected 0 <= min_lr <= {lr!r}")
+    require(is_finite_number(min_lr) and 0 <= min_lr <= lr, f"min_lr={min_lr!r}: not in [0, {lr}]")
     for name in ("weight_decay", "grad_clip", "aux_loss_coef", "max_flops"):
-        require(name not in config or is_finite_number(config[name]) and config[name] >= 0,
-                f"{name}={config.get(name)!r}: expected a number >= 0")
+        value = config.get(name, 0)
+        require(is_finite_number(value) and value >= 0, f"{name}={value!r}: expected a number >= 0")
 
 
 def due(config, interval, done, last):

@@ -81,8 +81,7 @@ def paired_ci(a, b):
     Student-t interval. One pair has no spread to estimate: lo and hi are then nan."""
     a, b = np.asarray(a, dtype=float), np.asarray(b, dtype=float)
     if a.ndim != 1 or a.shape != b.shape or len(a) == 0:
-        raise ValueError(f"paired_ci needs two non-empty lists of one length, got shapes {a.shape} "
-                         f"and {b.shape}")
+        raise ValueError(f"paired_ci: shapes {a.shape} and {b.shape}, not one length, non-empty")
     d = a - b
     mean = float(d.mean())
     if len(d) == 1:
@@ -108,8 +107,7 @@ def arms_present(out_dir, seeds):
         return os.path.isdir(os.path.join(out_dir, f"seed{seed}", f"test_{arm}"))
     present = [a for a in ARMS if any(evaluated(a, s) for s in seeds)]
     if "grpo" not in present:
-        raise FileNotFoundError(
-            f"{out_dir}: no seed has test_grpo: run `bash bench/compare.sh` first")
+        raise FileNotFoundError(f"{out_dir}: no seed has test_grpo (run bash bench/compare.sh)")
     return present
 
 
@@ -123,12 +121,10 @@ def load(out_dir, seeds):
         for arm in results["arms"]:
             path = os.path.join(out_dir, f"seed{seed}", f"test_{arm}", "metrics.jsonl")
             if not os.path.exists(path):
-                raise FileNotFoundError(
-                    f"{path} is missing: run `bash bench/compare.sh {seed}` first")
+                raise FileNotFoundError(f"{path} is missing (run bash bench/compare.sh {seed})")
             rows = read_rows(path)
             if not rows or "eval/accuracy" not in rows[-1]:
-                raise ValueError(f"{path}: its last row has no eval/accuracy (did the evaluation "
-                                 f"finish?)")
+                raise ValueError(f"{path}: its last row has no eval/accuracy (unfinished?)")
             row = rows[-1]
             results["per_seed"].setdefault(seed, {})[arm] = row["eval/accuracy"]
             for key in row:
@@ -216,8 +212,7 @@ def bootstrap_pair(out_dir, seeds, a, b):
     problems = [(tuple(o["digits"]), o["target"]) for o in oa[0]]
     for rows in oa + ob:
         if [(tuple(o["digits"]), o["target"]) for o in rows] != problems:
-            raise ValueError(f"{out_dir}: the outcomes of {a} and {b} are not over the same "
-                             f"problems")
+            raise ValueError(f"{out_dir}: the outcomes of {a} and {b} are not on the same problems")
     per_seed = [[x["reward"] - y["reward"] for x, y in zip(ra, rb)] for ra, rb in zip(oa, ob)]
     diff = np.mean(per_seed, axis=0)
     return list(cluster_bootstrap(diff, [tuple(sorted(d)) for d, _ in problems]))
@@ -495,9 +490,7 @@ def main(argv):
             print(f"wrote {png}")
         return 0
     out_dir, seeds = argv[0], [str(s) for s in argv[1:]] or find_seeds(argv[0])
-    if not seeds:
-        raise SystemExit(f"no seed<S> directories under {out_dir}: run bash bench/compare.sh first")
-    try:
+    try:   # (no seed<S> directory at all: no seed has test_grpo)
         results = summarize(load(out_dir, seeds), out_dir)
     except (FileNotFoundError, ValueError) as e:
         raise SystemExit(f"bench/report.py: {e}") from None

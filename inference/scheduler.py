@@ -262,8 +262,7 @@ def check_fits(prompt, params, num_samples, blocks, max_model_len, where):
     longest = min(P + params.max_tokens - 1, max_model_len)
     need = max(-(-longest // bs), -(-P // bs) + (num_samples - 1 if P % bs else 0))
     if need > blocks.num_blocks:
-        raise ValueError(f"{where} needs {need} KV blocks but the pool has "
-                         f"num_blocks={blocks.num_blocks}")
+        raise ValueError(f"{where} needs {need} KV blocks > num_blocks={blocks.num_blocks}")
 
 
 def blocks_needed(seq, num_new_tokens, block_size, num_computed=None):

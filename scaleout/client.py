@@ -45,17 +45,16 @@ def sample_from_response(response, index=0, sent=None) -> TrainingSample:
         check_same(list(prompt), list(sent), None,
                    "the server's prompt_token_ids against the ids sent")
     if logprobs is None:
-        raise ValueError("the response has no logprobs: send logprobs=true (chat) or logprobs=0 "
-                         "(completions)")
+        raise ValueError("no logprobs: send logprobs=true (chat) or logprobs=0 (completions)")
     logprobs = [c["logprob"] for c in logprobs["content"]] if chat else logprobs["token_logprobs"]
     if len(logprobs) != len(ids):
         raise ValueError(f"choice {index} has {len(ids)} token ids but {len(logprobs)} logprobs")
-    if choice["finish_reason"] not in ("stop", "length"):
-        raise ValueError(f"choice {index} finished with {choice['finish_reason']!r}, expected "
-                         f"'stop' or 'length'")
+    finish = choice["finish_reason"]
+    if finish not in ("stop", "length"):
+        raise ValueError(f"choice {index} finished with {finish!r}, expected 'stop' or 'length'")
     return TrainingSample(prompt_tokens=tuple(prompt), completion_tokens=tuple(ids),
                           logprobs=tuple(logprobs), weight_version=choice.get("weight_version", 0),
-                          finish_reason=choice["finish_reason"], sample_index=index)
+                          finish_reason=finish, sample_index=index)
 
 
 def first_difference(a, b):
@@ -75,8 +74,7 @@ def check_same(ours, expected, tokenizer, what):
         def around(ids):
             part = ids[max(i - 3, 0):i + 3]
             return f"{part} ({tokenizer.decode(part)!r})" if tokenizer is not None else f"{part}"
-        raise ValueError(f"{what}: the ids differ at position {i}: ours {around(ours)}, expected "
-                         f"{around(expected)}")
+        raise ValueError(f"{what}: ids differ at {i}: {around(ours)}, not {around(expected)}")
 
 
 def next_turn_prompt(tokenizer, sample, new_messages, stop_ids=None, **template_kwargs):

@@ -91,8 +91,7 @@ def split_roles(rollout_ranks):
     n = world()
     if not (type(rollout_ranks) is int and 0 < rollout_ranks < n):
         raise ValueError(f"rollout_ranks={rollout_ranks!r}: expected an int >= 1 that leaves at "
-                         f"least one of the job's {n} ranks to train (torchrun --nproc_per_node=N "
-                         f"sets N)")
+                         f"least one of the job's {n} ranks to train (torchrun --nproc_per_node)")
     trainers, workers = list(range(n - rollout_ranks)), list(range(n - rollout_ranks, n))
     # same order on all
     groups = [dist.new_group(trainers), dist.new_group(workers),

@@ -200,9 +200,8 @@ class RolloutRanks:
         iteration, draw, groups, flops, metrics = decode_rollout(
             *recv_rollout(self.roles.workers[0]))
         if iteration != it:
-            raise RuntimeError(f"iteration {it} received the rollout of iteration {iteration}: the "
-                               f"trainer and the workers disagree on where the run is (resumed "
-                               f"from different checkpoints?)")
+            raise RuntimeError(f"iteration {it} received iteration {iteration}'s rollout: the "
+                               f"trainer and the workers resumed from different checkpoints?")
         self.sampler.follow(*draw, self.config["group_size"])  # what a checkpoint records
         lags = [self.version - v for _, _, samples, _ in groups for s in samples
                 for v, m in zip(s.token_versions, sampled_mask(s)) if m] or [0]

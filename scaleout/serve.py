@@ -119,8 +119,8 @@ def _field(body, name, kinds, default, ok=lambda v: True, rule=""):
     if value is None:
         return default
     if not isinstance(value, kinds) or isinstance(value, bool) and bool not in kinds:
-        raise BadRequest(f"{name} must be {' or '.join(k.__name__ for k in kinds)}, got {value!r}",
-                         name)
+        expected = " or ".join(k.__name__ for k in kinds)
+        raise BadRequest(f"{name} must be {expected}, got {value!r}", name)
     if not ok(value):
         raise BadRequest(f"{name} {rule}, got {value!r}", name)
     return value
@@ -187,8 +187,7 @@ def completion_prompts(server, body):
         prompt = [prompt]
     if not (isinstance(prompt, list) and prompt
             and all(isinstance(p, str) or _ids_list(p) for p in prompt)):
-        raise BadRequest(f"prompt must be a string, a list of token ids, or a non-empty list of "
-                         f"either, got {str(prompt)[:80]!r}", "prompt")
+        raise BadRequest(f"prompt: a string, ids or a list of either, not {prompt!r:.60}", "prompt")
     ids = [server.tokenizer.encode(p) if isinstance(p, str) else p for p in prompt]
     return [_checked(server, p, f"prompt[{i}]" if len(ids) > 1 else "prompt")
             for i, p in enumerate(ids)]
@@ -199,21 +198,18 @@ def chat_prompt(server, body, add_generation_prompt=True):
     included (unless add_generation_prompt=False)."""
     messages = body.get("messages")
     if not (isinstance(messages, list) and messages):
-        raise BadRequest(f"messages must be a non-empty list, got {messages!r:.80}",
-                         "messages")
+        raise BadRequest(f"messages must be a non-empty list, got {messages!r:.80}", "messages")
     plain = []
     for i, m in enumerate(messages):
         content = m.get("content") if isinstance(m, dict) else None
         if isinstance(content, list):   # content parts: text only
             if not all(isinstance(p, dict) and p.get("type") == "text"
                        and isinstance(p.get("text"), str) for p in content):
-                raise BadRequest(f"messages[{i}].content: only text parts are supported",
-                                 "messages")
+                raise BadRequest(f"messages[{i}].content: text parts only", "messages")
             content = "".join(p["text"] for p in content)
         if not (isinstance(m, dict) and isinstance(m.get("role"), str)
                 and isinstance(content, str)):
-            raise BadRequest(f"messages[{i}] must have a string role and content, got "
-                             f"{str(m)[:80]!r}", "messages")
+            raise BadRequest(f"messages[{i}] needs a str role and content: {m!r:.60}", "messages")
         plain.append({"role": m["role"], "content": content})
         if isinstance(m.get("reasoning_content"), str):   # a thinking template renders it
             plain[-1]["reasoning_content"] = m["reasoning_content"]
@@ -444,8 +440,7 @@ async def generate_tokens(server, http, body):
     missing max_tokens means up to max_model_len."""
     prompt = body.get("token_ids")
     if not _ids_list(prompt):
-        raise BadRequest(f"token_ids must be a non-empty list of token ids, got "
-                         f"{prompt!r:.80}", "token_ids")
+        raise BadRequest(f"token_ids: a non-empty list of ids, not {prompt!r:.60}", "token_ids")
     prompt = _checked(server, prompt, "token_ids")
     sampling = dict(_field(body, "sampling_params", (dict,), {}))
     try:
@@ -498,8 +493,7 @@ async def detokenize(server, http, body):
     """POST /detokenize as vLLM spells it: {tokens} -> {prompt}, special tokens kept."""
     tokens = body.get("tokens")
     if not (_ids_list(tokens) and all(0 <= t < server.vocab_size for t in tokens)):
-        raise BadRequest(f"tokens must be a non-empty list of ids in [0, {server.vocab_size}), got "
-                         f"{str(tokens)[:80]!r}", "tokens")
+        raise BadRequest(f"tokens must be ids < {server.vocab_size}, got {tokens!r:.60}", "tokens")
     return {"prompt": server.tokenizer.decode(tokens, skip_special_tokens=False)}
 
 
@@ -562,8 +556,7 @@ async def update_weights_from_disk(server, http, body):
     try:
         version = await asyncio.to_thread(server.loop.call, swap)
     except (ValueError, TypeError) as e:
-        raise BadRequest(f"model_path={path!r} does not fit the served model: {e}",
-                         "model_path") from None
+        raise BadRequest(f"model_path={path!r} does not fit: {e}", "model_path") from None
     return {"success": True, "message": f"loaded {path}", "weight_version": version}
 
 
@@ -619,12 +612,10 @@ async def update_weights_from_distributed(server, http, body):
                          f"and a dtype each (missing: {missing}, unknown: {unknown})", "names")
     for name, shape, dtype in zip(*meta):
         if not (isinstance(shape, list) and tuple(shape) == ours[name]):
-            raise BadRequest(f"tensor {name!r} has shape {shape}, the served model "
-                             f"{list(ours[name])}", "shapes")
+            raise BadRequest(f"tensor {name!r} has shape {shape}, not {list(ours[name])}", "shapes")
         if not (isinstance(dtype, str) and isinstance(getattr(torch, dtype, None), torch.dtype)
                 and getattr(torch, dtype).is_floating_point):
-            raise BadRequest(f"tensor {name!r}: dtype {dtype!r} is not a float torch dtype",
-                             "dtypes")
+            raise BadRequest(f"tensor {name!r}: {dtype!r} is not a float torch dtype", "dtypes")
     if _field(body, "check_only", (bool,), False):
         return {"success": True, "message": f"the {len(meta[0])} tensors fit"}
     state = {n: torch.empty(sh, dtype=getattr(torch, d), device="meta") for n, sh, d in zip(*meta)}
@@ -671,8 +662,7 @@ async def body_of(server, http):
     if not isinstance(body, dict):
         raise BadRequest(f"the request body must be a JSON object, got {type(body).__name__}")
     if body.get("model") not in (None, server.name):
-        raise BadRequest(f"the model {body['model']!r} does not exist: this server serves "
-                         f"{server.name!r}", "model")
+        raise BadRequest(f"model={body['model']!r}: this server serves {server.name!r}", "model")
     return body
 
 

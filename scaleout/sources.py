@@ -37,29 +37,25 @@ SETTINGS = dict(
 def check_settings(config):
     """The scale-out settings, each refused with a ValueError naming it."""
     ranks, stale, urls = config["rollout_ranks"], config["max_staleness"], config["rollout_urls"]
-    require(ranks >= 0, f"rollout_ranks={ranks!r}: expected an int >= 0")
-    require(stale >= 0, f"max_staleness={stale!r}: expected an int >= 0")
+    for name in ("rollout_ranks", "max_staleness"):
+        require(config[name] >= 0, f"{name}={config[name]!r}: expected an int >= 0")
     # only rollout ranks or servers sample ahead of the trainer, and IS corrects what
     # older weights sampled (tis_cap or mis_high)
-    require(stale == 0 or ranks or urls,
-            f"max_staleness={stale}: set rollout_ranks or rollout_urls")
-    require(stale == 0 or config["tis_cap"] > 0 or config["mis_high"] > 0,
-            f"max_staleness={stale} trains on samples of older weights: set tis_cap "
-            f"or mis_high")
+    require(not stale or ranks or urls, f"max_staleness={stale}: set rollout_ranks or rollout_urls")
+    corrected = config["tis_cap"] > 0 or config["mis_high"] > 0
+    require(stale == 0 or corrected,
+            f"max_staleness={stale} trains on samples of older weights: set tis_cap or mis_high")
     # serve.py rollouts run with one trainer process; routes travel only from this
     # process's engine for now
     single_process = (ranks, distributed.world()) == (0, 1)
-    require(not urls or single_process,
-            f"rollout_urls={urls!r}: not with rollout_ranks or torchrun")
+    require(not urls or single_process, f"rollout_urls={urls!r}: not with rollout_ranks, torchrun")
     routes = config["record_routes"] or config["routing_replay"]
-    require(not (routes and (ranks or urls)),
-            "record_routes / routing_replay: not with rollout_ranks or rollout_urls")
+    require(not (routes and (ranks or urls)), "record_routes/routing_replay: colocated only")
     backend = config["weight_backend"]
     require(backend in ("gloo", "nccl"), f"weight_backend={backend!r}: expected gloo or nccl")
-    cuda = config["device"].startswith("cuda")   # nccl broadcasts from a GPU
-    require(backend == "gloo" or cuda,
-            f"weight_backend='nccl' needs a cuda device, got {config['device']!r} "
-            f"(gloo runs on any)")
+    device = config["device"]   # nccl broadcasts from a GPU; gloo runs on any
+    cuda = device.startswith("cuda")
+    require(backend == "gloo" or cuda, f"weight_backend='nccl' needs a cuda device, not {device!r}")
     require(config["weight_master_address"], "weight_master_address='': expected a host")
     mb = config["weight_bucket_mb"]
     require(mb > 0, f"weight_bucket_mb={mb!r}: expected a number > 0")

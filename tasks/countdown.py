@@ -69,8 +69,7 @@ class Problem:
 
     def __post_init__(self):
         if not isinstance(self.digits, tuple) or not self.digits:
-            raise TypeError(f"Problem.digits must be a non-empty tuple of ints, got "
-                            f"{self.digits!r}")
+            raise TypeError(f"Problem.digits must be a non-empty tuple of ints: {self.digits!r}")
         if any(type(d) is not int or d not in DIGITS for d in self.digits):
             raise ValueError(f"Problem.digits must be ints in 1..9, got {self.digits!r}")
         if type(self.target) is not int:
@@ -188,8 +187,7 @@ def make_problems(split: str, n: int | None = None, full: bool = False) -> list[
     problems = _space()[split] if full else _edge()[split]
     if n is not None:
         if type(n) is not int or n < 0 or n > len(problems):
-            raise ValueError(f"n must be an int in [0, {len(problems)}] for split {split!r}, got "
-                             f"{n!r}")
+            raise ValueError(f"n must be an int in [0, {len(problems)}] for {split!r}, got {n!r}")
         problems = problems[:n]
     return list(problems)
 

@@ -91,16 +91,13 @@ def load_task(spec):
         raise ValueError(f"task={spec!r}: no such file")
     try:
         module = import_file(spec) if spec.endswith(".py") else importlib.import_module(spec)
-    except ModuleNotFoundError as e:
-        if e.name != spec:                     # the task itself imports something missing
-            raise ValueError(f"task={spec!r} raised while loading: {type(e).__name__}: {e}") from e
-        raise ValueError(f"task={spec!r}: no module of that name") from e
-    except Exception as e:
+    except Exception as e:   # (a task that imports something missing raises while loading)
+        if isinstance(e, ModuleNotFoundError) and e.name == spec:
+            raise ValueError(f"task={spec!r}: no module of that name") from e
         raise ValueError(f"task={spec!r} raised while loading: {type(e).__name__}: {e}") from e
     missing = [f for f in REQUIRED if not callable(getattr(module, f, None))]
     if missing:
-        raise ValueError(f"task={spec!r} ({module.__file__}) lacks {', '.join(missing)}: a task "
-                         f"defines {', '.join(REQUIRED)} (tasks/environment.py)")
+        raise ValueError(f"task={spec!r} lacks {', '.join(missing)}; a task defines {REQUIRED}")
     return module
 
 
@@ -142,8 +139,8 @@ def call(task, name, problem, turn, *args):
             if not (isinstance(out, list) and out and all(
                     isinstance(m, dict) and isinstance(m.get("role"), str) and
                     isinstance(m.get("content"), str) for m in out)):
-                raise ValueError(f"returned {out!r}: expected a non-empty list of "
-                                 f"{{'role', 'content'}} dicts" + (" or None" if turn else ""))
+                none = " or None" if turn else ""
+                raise ValueError(f"returned {out!r}, not a list of role/content dicts{none}")
         return out
     except Exception as e:
         raise RuntimeError(f"the task's {name} raised on problem {problem!r} at turn {turn}: "
@@ -202,9 +199,8 @@ class Environment:
             raise ValueError(f"max_turns={max_turns}: the task {task.__name__!r} has no "
                              f"env_response, so its episodes are one reply; use max_turns=1")
         if max_turns > 1 and max_episode_tokens <= max_new_tokens:
-            raise ValueError(f"max_episode_tokens={max_episode_tokens}: a multi-turn episode "
-                             f"(max_turns={max_turns}) needs room for more than one reply of "
-                             f"max_new_tokens={max_new_tokens}")
+            raise ValueError(f"max_episode_tokens={max_episode_tokens}: a multi-turn episode needs "
+                             f"room for more than one reply of max_new_tokens={max_new_tokens}")
         self.task, self.tokenizer = task, tokenizer
         self.max_new_tokens, self.max_turns = max_new_tokens, max_turns
         # single-turn: an episode is one reply

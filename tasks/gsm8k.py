@@ -78,8 +78,7 @@ def read_rows(path):
                 if not isinstance(row, dict) or not isinstance(row.get(field), str):
                     raise ValueError(f"{path}, line {n}: field {field!r} must be a string")
             if "####" not in row["answer"] or final_number(row["answer"]) is None:
-                raise ValueError(f"{path}, line {n}: field 'answer' must end with '#### N', got "
-                                 f"{row['answer'][-40:]!r}")
+                raise ValueError(f"{path}, line {n}: field 'answer' must end with '#### N'")
             solution = re.sub(r"<<[^>]*>>", "", row["answer"]).strip()
             problems.append(Problem(row["question"].strip(), solution,
                                     final_number(row["answer"])))
@@ -90,12 +89,10 @@ def read_rows(path):
 def _splits(folder):
     for name in ("train.jsonl", "test.jsonl"):
         if not os.path.isfile(os.path.join(folder, name)):
-            raise ValueError(f"GSM8K_DIR={folder!r} has no {name}: point GSM8K_DIR at a folder "
-                             f"with train.jsonl and test.jsonl")
+            raise ValueError(f"GSM8K_DIR={folder!r} has no {name} (it needs train and test.jsonl)")
     train = read_rows(os.path.join(folder, "train.jsonl"))
-    if len(train) <= N_VAL:
-        raise ValueError(f"{folder}/train.jsonl has {len(train)} rows: more than N_VAL={N_VAL} "
-                         f"are needed (the last N_VAL are validation)")
+    if len(train) <= N_VAL:   # the last N_VAL rows are validation
+        raise ValueError(f"{folder}/train.jsonl has {len(train)} rows, not more than N_VAL={N_VAL}")
     return {"train": train[:-N_VAL], "val": train[-N_VAL:],
             "test": read_rows(os.path.join(folder, "test.jsonl"))}
 
@@ -103,8 +100,7 @@ def _splits(folder):
 def make_problems(split, n=None):
     problems = _splits(data_dir()).get(split)
     if problems is None or (n is not None and not (type(n) is int and 0 <= n <= len(problems))):
-        raise ValueError(f"make_problems({split!r}, {n!r}): expected 'train', 'val' or 'test' "
-                         f"and n in [0, the split's size]")
+        raise ValueError(f"make_problems({split!r}, {n!r}): expected train/val/test, n <= its size")
     return list(problems if n is None else problems[:n])
 
 

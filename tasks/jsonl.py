@@ -48,17 +48,13 @@ def load_rows(path):
                 row = json.loads(line)
             except json.JSONDecodeError as e:
                 raise ValueError(f"{path}, line {n}: not JSON ({e})") from e
-            if not isinstance(row, dict):
-                raise ValueError(f"{path}, line {n}: expected an object, got {row!r}")
             for field in ("split", "prompt", "answer"):
-                if field not in row:
+                if not isinstance(row, dict) or field not in row:
                     raise ValueError(f"{path}, line {n}: missing field {field!r}")
                 if not isinstance(row[field], str) or not row[field].strip():
-                    raise ValueError(f"{path}, line {n}: field {field!r} must be a non-empty "
-                                     f"string, got {row[field]!r}")
+                    raise ValueError(f"{path}, line {n}: field {field!r} must be non-empty text")
             if row["split"] not in SPLITS:
-                raise ValueError(f"{path}, line {n}: field 'split' must be one of {SPLITS}, "
-                                 f"got {row['split']!r}")
+                raise ValueError(f"{path}, line {n}: field 'split' must be one of {SPLITS}")
             rows[row["split"]].append(Row(row["prompt"], row["answer"]))
     return rows
 
@@ -71,8 +67,7 @@ def _rows():
 def make_problems(split, n=None):
     rows = _rows()[split] if split in SPLITS else None
     if rows is None or (n is not None and not (type(n) is int and 0 <= n <= len(rows))):
-        raise ValueError(f"make_problems({split!r}, {n!r}): expected a split in {SPLITS} and n "
-                         f"in [0, the split's size]")
+        raise ValueError(f"make_problems({split!r}, {n!r}): not a split of {SPLITS}, n <= its size")
     return list(rows if n is None else rows[:n])
 
 
