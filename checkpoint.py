@@ -361,7 +361,7 @@ def generation_config_of(path, tokenizer):
     if ids is None or ids == []:
         ids = default_generation(tokenizer)["eos_token_id"]
     if not (isinstance(ids, list) and all(type(i) is int and i >= 0 for i in ids)):
-        raise ValueError(f"generation_config.json in {path!r}: eos_token_id={eos!r}, not ids")
+        raise ValueError(f"generation_config.json in {path!r}: eos_token_id={eos!r}, not id(s)")
     return {**generation, "eos_token_id": list(dict.fromkeys(ids))}
 
 
@@ -569,7 +569,7 @@ def init_start(config, new_tokenizer):
         out_dir = config["out_dir"]
         path = find_checkpoint(out_dir)
         if path is None:
-            raise ValueError(f"init_from='resume': no checkpoint in out_dir={out_dir!r}")
+            raise ValueError(f"init_from='resume': no checkpoint in out_dir={out_dir!r} ({CKPT}/)")
         meta, tokenizer = read_checkpoint_meta(path), load_tokenizer(path)
         report_changed_settings(config, meta["config"])
         return Start(load_model(path), tokenizer, generation_config_of(path, tokenizer), meta,
@@ -610,7 +610,7 @@ def _model_config(model_kw, tokenizer):
           "pad_token_id": tokenizer.pad_token_id, **model_kw}
     vocab = kw["vocab_size"]
     if vocab < len(tokenizer):
-        raise ValueError(f"vocab_size={vocab} is smaller than the tokenizer ({len(tokenizer)} ids)")
+        raise ValueError(f"vocab_size={vocab} is smaller than the tokenizer's {len(tokenizer)}")
     try:
         return ModelConfig(**kw)
     except TypeError as e:

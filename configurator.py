@@ -174,7 +174,7 @@ def configure(g, args, stage):
         cfg = load_config_file(path)
         for name in STAGES:
             if name in cfg and type(cfg[name]) is not dict:
-                raise TypeError(f"{path}: [{name}] is a {type(cfg[name]).__name__}, not a dict")
+                raise TypeError(f"{path}: stage {name!r}: a {type(cfg[name]).__name__}, not a dict")
         for key, value in cfg.items():
             if key not in STAGES:
                 put(key, value, path)

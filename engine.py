@@ -178,7 +178,8 @@ class InferenceEngine:
 
     def __init__(self, config: EngineConfig, model: Transformer | None = None):
         require(isinstance(config, EngineConfig), f"config={config!r}: not EngineConfig", TypeError)
-        require(model is not None or config.model_path is not None, "no model and no model_path")
+        given = model is not None or config.model_path is not None
+        require(given, "no model given and EngineConfig.model_path is None")
         self.config = config
         self.device, self.dtype = torch.device(config.device), as_dtype(config.dtype)
         if model is None:
@@ -601,9 +602,9 @@ def check_layout(state_dict, params):
     (cheap: no value is read); otherwise a ValueError / TypeError naming the tensor."""
     mapping = hasattr(state_dict, "keys") and hasattr(state_dict, "__getitem__")
     require(mapping, f"state_dict: a {type(state_dict).__name__}, not a mapping", TypeError)
-    if state_dict.keys() != params.keys():
-        missing = first_five(sorted(set(params) - set(state_dict.keys())))
-        unknown = first_five(sorted(set(state_dict.keys()) - set(params)))
+    missing, unknown = set(params) - set(state_dict.keys()), set(state_dict.keys()) - set(params)
+    if missing or unknown:
+        missing, unknown = first_five(sorted(missing)), first_five(sorted(unknown))
         raise ValueError(f"state_dict: missing {missing}, unknown {unknown}")
     tensors = [state_dict[name] for name in params]
     # plain ifs: a message is formatted only when raised
@@ -683,7 +684,8 @@ def attention_choice(device_type, backend, compile, head_dim):
         compile = backend == "flex" and device_type == "cuda"
     flex_cuda = backend == "flex" and compile and device_type == "cuda"
     if flex_cuda and head_dim < 16:
-        raise ValueError(f"flex on CUDA needs head_dim >= 16, the model has {head_dim}: use 'sdpa'")
+        raise ValueError(f"compiled flex on CUDA needs head_dim >= 16, the model has {head_dim}: "
+                         f"use attention_backend='sdpa'")
     return backend, compile
 
 

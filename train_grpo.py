@@ -581,7 +581,7 @@ def check_settings(config):
     # greedy samples of a prompt are all the same
     require(config["temperature"] != 0, "temperature=0: GRPO needs sampled groups")
     kl, scratch = config["kl_coef"], config["init_from"] == "scratch"
-    require(not (kl and scratch), f"kl_coef={kl}: a KL to random weights (scratch) teaches nothing")
+    require(not (kl and scratch), f"kl_coef={kl}: a KL to init_from='scratch' teaches nothing")
     EngineConfig(device=config["device"], dtype=config["engine_dtype"],
                  block_size=config["engine_block_size"], compile=config["engine_compile"])
     sources.check_settings(config)

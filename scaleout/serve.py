@@ -187,7 +187,7 @@ def completion_prompts(server, body):
         prompt = [prompt]
     if not (isinstance(prompt, list) and prompt
             and all(isinstance(p, str) or _ids_list(p) for p in prompt)):
-        raise BadRequest(f"prompt: a string, ids or a list of either, not {prompt!r:.60}", "prompt")
+        raise BadRequest(f"prompt={prompt!r:.40}: not text, ids or a non-empty list", "prompt")
     ids = [server.tokenizer.encode(p) if isinstance(p, str) else p for p in prompt]
     return [_checked(server, p, f"prompt[{i}]" if len(ids) > 1 else "prompt")
             for i, p in enumerate(ids)]
@@ -492,8 +492,9 @@ async def tokenize(server, http, body):
 async def detokenize(server, http, body):
     """POST /detokenize as vLLM spells it: {tokens} -> {prompt}, special tokens kept."""
     tokens = body.get("tokens")
-    if not (_ids_list(tokens) and all(0 <= t < server.vocab_size for t in tokens)):
-        raise BadRequest(f"tokens must be ids < {server.vocab_size}, got {tokens!r:.60}", "tokens")
+    vocab = server.vocab_size
+    if not (_ids_list(tokens) and all(0 <= t < vocab for t in tokens)):
+        raise BadRequest(f"tokens={tokens!r:.40}: not a non-empty list of ids < {vocab}", "tokens")
     return {"prompt": server.tokenizer.decode(tokens, skip_special_tokens=False)}
 
 

@@ -50,7 +50,8 @@ def check_settings(config):
     single_process = (ranks, distributed.world()) == (0, 1)
     require(not urls or single_process, f"rollout_urls={urls!r}: not with rollout_ranks, torchrun")
     routes = config["record_routes"] or config["routing_replay"]
-    require(not (routes and (ranks or urls)), "record_routes/routing_replay: colocated only")
+    remote = ranks or urls
+    require(not (routes and remote), "record_routes/routing_replay: not with rollout_ranks/urls")
     backend = config["weight_backend"]
     require(backend in ("gloo", "nccl"), f"weight_backend={backend!r}: expected gloo or nccl")
     device = config["device"]   # nccl broadcasts from a GPU; gloo runs on any

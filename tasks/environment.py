@@ -97,7 +97,7 @@ def load_task(spec):
         raise ValueError(f"task={spec!r} raised while loading: {type(e).__name__}: {e}") from e
     missing = [f for f in REQUIRED if not callable(getattr(module, f, None))]
     if missing:
-        raise ValueError(f"task={spec!r} lacks {', '.join(missing)}; a task defines {REQUIRED}")
+        raise ValueError(f"task={spec!r} ({module.__file__}) lacks {', '.join(missing)}")
     return module
 
 
@@ -200,7 +200,7 @@ class Environment:
                              f"env_response, so its episodes are one reply; use max_turns=1")
         if max_turns > 1 and max_episode_tokens <= max_new_tokens:
             raise ValueError(f"max_episode_tokens={max_episode_tokens}: a multi-turn episode needs "
-                             f"room for more than one reply of max_new_tokens={max_new_tokens}")
+                             f"more than max_new_tokens={max_new_tokens} (max_turns={max_turns})")
         self.task, self.tokenizer = task, tokenizer
         self.max_new_tokens, self.max_turns = max_new_tokens, max_turns
         # single-turn: an episode is one reply

@@ -77,11 +77,11 @@ def read_rows(path):
             for field in ("question", "answer"):
                 if not isinstance(row, dict) or not isinstance(row.get(field), str):
                     raise ValueError(f"{path}, line {n}: field {field!r} must be a string")
-            if "####" not in row["answer"] or final_number(row["answer"]) is None:
-                raise ValueError(f"{path}, line {n}: field 'answer' must end with '#### N'")
-            solution = re.sub(r"<<[^>]*>>", "", row["answer"]).strip()
-            problems.append(Problem(row["question"].strip(), solution,
-                                    final_number(row["answer"])))
+            answer = row["answer"]
+            if "####" not in answer or final_number(answer) is None:
+                raise ValueError(f"{path}, line {n}: answer {answer[-30:]!r} must end in '#### N'")
+            solution = re.sub(r"<<[^>]*>>", "", answer).strip()
+            problems.append(Problem(row["question"].strip(), solution, final_number(answer)))
     return problems
 
 
