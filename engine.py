@@ -602,9 +602,10 @@ def check_layout(state_dict, params):
     (cheap: no value is read); otherwise a ValueError / TypeError naming the tensor."""
     mapping = hasattr(state_dict, "keys") and hasattr(state_dict, "__getitem__")
     require(mapping, f"state_dict: a {type(state_dict).__name__}, not a mapping", TypeError)
-    missing, unknown = set(params) - set(state_dict.keys()), set(state_dict.keys()) - set(params)
-    if missing or unknown:
-        missing, unknown = first_five(sorted(missing)), first_five(sorted(unknown))
+    names = set(state_dict.keys())   # (a mapping's keys() may be a list)
+    if names != params.keys():
+        missing = first_five(sorted(params.keys() - names))
+        unknown = first_five(sorted(names - params.keys()))
         raise ValueError(f"state_dict: missing {missing}, unknown {unknown}")
     tensors = [state_dict[name] for name in params]
     # plain ifs: a message is formatted only when raised
