@@ -30,7 +30,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from inference.attention import PagedAttention, PagedKVCache, paged_step
+from inference.attention import PagedAttention, PagedKVCache, decode_kernel, paged_step
 from checkpoint import first_five, load_hf_checkpoint
 from configurator import is_int, is_number, require, require_field
 from inference.decode import StaticDecode
@@ -60,8 +60,9 @@ class EngineConfig:
     dtype: str = "float32"
     max_num_batched_tokens: int = 2048  # new tokens in one step (prefill is chunked to fit)
     memory_fraction: float = 0.5        # of free memory, for the pool when num_blocks is None
-    attention_backend: str = "auto"     # 'sdpa' | 'flex' | 'auto'
-    # True: with attention_backend 'auto' / 'sdpa', a step where every sequence decodes
+    # 'paged' (CPU, float32: decodes read the cache in place) | 'sdpa' | 'flex' | 'auto'
+    attention_backend: str = "auto"
+    # True: with attention_backend 'auto', 'paged' or 'sdpa', a step where every sequence decodes
     # runs as one graph (inference/decode.py: compiled on the CPU in float32, tens of
     # seconds once per process; CUDA graphs on a GPU); with 'flex', FlexAttention through
     # torch.compile. None: flex on CUDA only
@@ -75,8 +76,8 @@ class EngineConfig:
     def __post_init__(self):
         need = functools.partial(require_field, self)
         need("cache_type", self.cache_type in ("paged", "radix"), "'paged' or 'radix'")
-        need("attention_backend", self.attention_backend in ("auto", "sdpa", "flex"),
-             "'auto', 'sdpa' or 'flex'")
+        need("attention_backend", self.attention_backend in ("auto", "sdpa", "flex", "paged"),
+             "'auto', 'paged', 'sdpa' or 'flex'")
         need("compile", self.compile is None or isinstance(self.compile, bool),
              "True, False or None", TypeError)
         for name, low in (("block_size", 1), ("max_batch_size", 1),
@@ -95,6 +96,8 @@ class EngineConfig:
         graph = self.compile and self.attention_backend != "flex" and cpu
         need("dtype", not graph or self.dtype == "float32",
              "float32 for compile=True on the CPU (or leave compile off)")
+        paged = self.attention_backend != "paged" or cpu and self.dtype == "float32"
+        need("attention_backend", paged, "'paged' on the CPU in float32 only; use 'sdpa'")
 
 
 # below this (and above 0) a temperature is greedy in all but name, and risks inf / NaN
@@ -203,8 +206,9 @@ class InferenceEngine:
                                                 config.max_num_batched_tokens,
                                                 self.blocks.block_size)
         self.backend, self.compile = attention_choice(self.device.type, config.attention_backend,
-                                                      config.compile, model.config.head_dim)
-        static = self.compile and self.backend == "sdpa"
+                                                      config.compile, model.config.head_dim,
+                                                      self.dtype)
+        static = self.compile and self.backend in ("sdpa", "paged")
         # one graph per decode step: on the CPU through the grouped expert matmul, on a
         # GPU for dense models only (the experts' loop syncs with the host)
         cfg, cpu = model.config, self.device.type == "cpu"
@@ -217,8 +221,8 @@ class InferenceEngine:
         require(ok or not static, f"compile=True on {self.device.type}: {why}; leave it off")
         self.static = StaticDecode(
             self.model, self.kv_cache, config.max_batch_size,
-            -(-self.max_model_len // self.blocks.block_size), self.blocks.num_blocks) if static \
-            else None
+            -(-self.max_model_len // self.blocks.block_size), self.blocks.num_blocks,
+            self.backend) if static else None
         self._version = config.weight_version
         self._staged = None                       # a non-blocking update (a Future)
         self._side = None                         # the thread that checks and copies it
@@ -674,13 +678,19 @@ def make_blocks(config, num_blocks):
     return BlockAllocator(num_blocks, config.block_size)
 
 
-def attention_choice(device_type, backend, compile, head_dim):
-    """(backend, compile) the engine runs. 'auto' is SDPA over the gathered blocks on
-    every device (docs/speed.md says why). 'flex' stays selectable; compile=None
-    compiles it on CUDA only, where it needs heads of at least 16 dims. With SDPA,
-    compile=True runs the steps where every sequence decodes as one graph
-    (decode.StaticDecode); None and False leave them eager."""
-    backend = "sdpa" if backend == "auto" else backend
+def attention_choice(device_type, backend, compile, head_dim, dtype=torch.float32):
+    """(backend, compile) the engine runs. 'auto' is 'paged' on the CPU in float32 (SDPA
+    for prefill, decodes reading the cache in place: attention.decode_kernel) and SDPA
+    over the gathered blocks elsewhere, or where the kernel cannot be built (docs/speed.md
+    says why). 'flex' stays selectable; compile=None compiles it on CUDA only, where it
+    needs heads of at least 16 dims. With 'paged' or SDPA, compile=True runs the steps
+    where every sequence decodes as one graph (decode.StaticDecode); None and False
+    leave them eager."""
+    if backend == "auto":
+        cpu32 = device_type == "cpu" and dtype == torch.float32
+        backend = "paged" if cpu32 and decode_kernel() else "sdpa"
+    built = backend != "paged" or decode_kernel()   # else the reason is printed above
+    require(built, "attention_backend='paged': its kernel could not be built", RuntimeError)
     if compile is None:
         compile = backend == "flex" and device_type == "cuda"
     flex_cuda = backend == "flex" and compile and device_type == "cuda"

@@ -165,7 +165,7 @@ def test_engine_logprobs_equal_trainer_logprobs(moe):
 
 
 @torch.no_grad()
-@pytest.mark.parametrize("backend", ["sdpa", "flex"])
+@pytest.mark.parametrize("backend", ["sdpa", "flex", "paged"])
 def test_paged_attention_mixed_batch_matches_document_attention(backend):
     g = torch.Generator().manual_seed(0)
     cfg = ModelConfig(num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2, head_dim=8)
@@ -196,6 +196,52 @@ def test_paged_attention_mixed_batch_matches_document_attention(backend):
     got = attn(0, q[flat], k[flat], v[flat])
     ref = DocumentCausalAttention(cu.to(torch.int32), sum(lens), "cpu")(0, q, k, v)[flat]
     assert (got - ref).abs().max().item() < 1e-5
+
+
+@torch.no_grad()
+@pytest.mark.parametrize("head_dim", [8, 32, 64, 128])
+def test_the_decode_kernel_reads_blocks_in_place_as_float64_attention_would(head_dim):
+    # inference/paged_attention.cpp: each head size it unrolls (32, 64, 128) and the
+    # generic loop (8); 1, 2 and 4 query heads per kv head; blocks scattered over the
+    # pool, lengths from 1 token to a full table, against attention computed in float64
+    from inference.attention import decode_kernel
+    g = torch.Generator().manual_seed(head_dim)
+    bs, W, B = 4, 5, 6
+    for heads, kv_heads in ((2, 2), (4, 2), (8, 2)):
+        k_pool, v_pool = (torch.randn(40, bs, kv_heads, head_dim, generator=g) for _ in "kv")
+        tables = torch.randperm(40, generator=g)[:B * W].view(B, W)
+        positions = torch.tensor([0, 3, 4, 9, 17, W * bs - 1])
+        q = torch.randn(B, heads, head_dim, generator=g)
+        got = decode_kernel().paged_decode(q, k_pool, v_pool, tables, positions, 0.3)
+        for b in range(B):
+            n = int(positions[b]) + 1
+            slots = tables[b, torch.arange(n) // bs] * bs + torch.arange(n) % bs
+            k, v = (p.view(-1, kv_heads, head_dim)[slots].double() for p in (k_pool, v_pool))
+            kv_of = torch.arange(heads) // (heads // kv_heads)
+            scores = torch.einsum("hd,thd->ht", q[b].double(), k[:, kv_of]) * 0.3
+            ref = torch.einsum("ht,thd->hd", scores.softmax(-1), v[:, kv_of])
+            assert (got[b].double() - ref).abs().max().item() < 1e-5
+
+
+@pytest.mark.parametrize("compile", [False, True])
+def test_decodes_read_in_place_draw_what_sdpa_draws(moe, compile):
+    # attention_backend 'paged' (the CPU's default in float32): decodes read their blocks
+    # in place (inference/paged_attention.cpp) where 'sdpa' gathers them; the same seeded
+    # draws and logprobs within 1e-5, eager and in the static decode step, through
+    # chunked prefill and prefix hits (the second call)
+    _, path = moe
+    kw = dict(max_num_batched_tokens=24, compile=compile)
+    engines = {b: engine_for(path, attention_backend=b, **kw) for b in ("paged", "sdpa")}
+    params = SamplingParams(temperature=1.0, max_tokens=12, seed=7)
+    got = {b: [e.generate(PROMPTS, params, 2) for _ in range(2)] for b, e in engines.items()}
+    for a, b in zip(sum(got["paged"], []), sum(got["sdpa"], [])):
+        assert a.completion_tokens == b.completion_tokens
+        assert max(abs(x - y) for x, y in zip(a.logprobs, b.logprobs)) < 1e-5
+    stats = engines["paged"].stats()
+    assert stats["attention_backend"] == "paged" and stats["prefix_cache_hit_tokens"] > 0
+    assert (stats["compiled_steps"] > 0) == compile
+    with pytest.raises(ValueError, match="'paged' on the CPU in float32"):
+        engine_for(path, attention_backend="paged", dtype="bfloat16")
 
 
 def test_flex_backend_and_chunked_prefill_give_the_same_tokens(moe):
@@ -544,10 +590,11 @@ def test_the_design_documents_usage_block_runs_as_written(moe):
     engine.shutdown()
 
 
-def test_attention_choice_is_sdpa_unless_flex_is_asked_for():
+def test_attention_choice_is_paged_on_the_cpu_sdpa_elsewhere_unless_flex_is_asked_for():
     from engine import attention_choice
     assert attention_choice("cuda", "auto", None, 32) == ("sdpa", False)
-    assert attention_choice("cpu", "auto", None, 32) == ("sdpa", False)
+    assert attention_choice("cpu", "auto", None, 32) == ("paged", False)
+    assert attention_choice("cpu", "auto", None, 32, torch.bfloat16) == ("sdpa", False)
     assert attention_choice("cuda", "flex", None, 32) == ("flex", True)    # compiled on CUDA
     assert attention_choice("cpu", "flex", None, 32) == ("flex", False)    # eager on CPU
     assert attention_choice("cpu", "flex", True, 32) == ("flex", True)

@@ -8,6 +8,8 @@ attention(layer_idx, q, k, v) -> [T, heads, head_dim]:
   paged_step        turns those decisions into the step's slots, padded calls and masks
   PagedAttention    writes the step's keys and values into their slots and attends over
                     each sequence's blocks (SDPA, or FlexAttention reading them in place)
+  decode_kernel     on the CPU, decodes' attention reading the blocks in place: a short
+                    C++ loop (inference/paged_attention.cpp), built on first use
   DecodeAttention   the same, for a step where every sequence decodes, as one graph sees it
                     (EngineConfig(compile=True), inference/decode.py)
 
@@ -15,7 +17,10 @@ Training's attention over packed documents is model.DocumentCausalAttention. Bot
 exactly what transformers' eager attention computes (the tests compare).
 """
 
+import functools
 import math
+import os
+import time
 from dataclasses import dataclass
 
 import numpy as np
@@ -29,6 +34,30 @@ from model import compile_once
 
 # -----------------------------------------------------------------------------
 # the paged KV cache and the attention that reads it
+
+
+@functools.cache
+def decode_kernel():
+    """The C++ decode attention (inference/paged_attention.cpp) as a module with one
+    function, paged_decode(q [B, heads, D], k_pool, v_pool, block_tables, positions [B],
+    scale); None, with the reason printed, where it cannot be built (no C++ compiler or
+    ninja). Built by torch's extension builder on first use (about 25 s with 2 cores,
+    once per machine: the build is kept under ~/.cache/torch_extensions), then loaded
+    in well under a second."""
+    from torch.utils.cpp_extension import load
+    t0 = time.perf_counter()
+    source = os.path.join(os.path.dirname(__file__), "paged_attention.cpp")
+    try:
+        # -ffast-math for the compile only: vectorised expf and sums (see the source)
+        module = load("nanorl_paged_attention", [source],
+                      extra_cflags=["-O3", "-march=native", "-ffast-math"])
+    except Exception as e:   # what the builder raises varies: compiler, ninja, linker
+        print(f"inference/paged_attention.cpp could not be built ({e}); decodes use SDPA")
+        return None
+    if time.perf_counter() - t0 > 2:
+        print(f"built inference/paged_attention.cpp in {time.perf_counter() - t0:.0f} s "
+              f"(once per machine)")
+    return module
 
 
 class PagedKVCache:
@@ -185,11 +214,13 @@ class PagedAttention:
     Gathering afresh every step keeps K/V hot in cache for the attention call that
     reads it next.
 
-    backend 'sdpa' (the default on every device, engine.attention_choice): torch's
-    scaled_dot_product_attention with an additive mask, the query heads that share a kv
-    head folded in as its extra queries. backend 'flex': FlexAttention with a BlockMask
-    built directly from the positions (create_block_mask is slow on CPU); compiled=True
-    runs it through torch.compile."""
+    backend 'sdpa': torch's scaled_dot_product_attention with an additive mask, the
+    query heads that share a kv head folded in as its extra queries. backend 'paged'
+    (the default on the CPU in float32, engine.attention_choice): the same for prefill
+    chunks, and decode_kernel for the decodes, which reads their blocks in place (steps
+    2 and 3 in one loop). backend 'flex': FlexAttention with a BlockMask built directly
+    from the positions (create_block_mask is slow on CPU); compiled=True runs it through
+    torch.compile."""
 
     def __init__(self, cache: PagedKVCache, slot_mapping, calls, backend="sdpa",
                  compiled=False):
@@ -197,8 +228,10 @@ class PagedAttention:
         self.calls = list(calls)
         flex = compile_once(flex_attention) if compiled else flex_attention
         self.flex = flex if backend == "flex" else None
-        self.masks = [sdpa_mask(g, cache.block_size, cache.k.dtype) if backend == "sdpa"
-                      else self._block_mask(g) for g in self.calls]
+        # None: the decodes of backend 'paged', which need no mask
+        self.masks = [None if backend == "paged" and g.query_pos.shape[1] == 1
+                      else self._block_mask(g) if backend == "flex"
+                      else sdpa_mask(g, cache.block_size, cache.k.dtype) for g in self.calls]
 
     def _block_mask(self, g, block=128):
         # the sparsity pattern straight from the positions: query tile j of sequence b
@@ -227,8 +260,8 @@ class PagedAttention:
 
 def paged_attention(q, k, v, kc, vc, slot_mapping, calls, masks, flex=None):
     """One layer of PagedAttention, on tensors: kc, vc the layer's [num_blocks,
-    block_size, Hkv, D] pool; flex None for SDPA (masks additive) or the flex
-    function (masks BlockMasks)."""
+    block_size, Hkv, D] pool; flex None for SDPA (masks additive; a mask None: a call
+    of decodes, for decode_kernel) or the flex function (masks BlockMasks)."""
     # the new tokens into their slots
     kc.view(-1, *kc.shape[2:]).index_copy_(0, slot_mapping, k)
     vc.view(-1, *vc.shape[2:]).index_copy_(0, slot_mapping, v)
@@ -250,6 +283,9 @@ def _gathered(i, num_blocks, pool):
 
 def _attend(kc, vc, q, g, mask, flex):
     T, Hq, D = q.shape
+    if mask is None:    # decodes, their blocks read in place
+        return decode_kernel().paged_decode(q.contiguous(), kc, vc, g.block_tables,
+                                            g.query_pos.view(-1), D ** -0.5)
     Hkv = kc.shape[2]
     B, Qmax = g.query_pos.shape
     L = g.block_tables.shape[1] * kc.shape[1]
@@ -280,40 +316,42 @@ def _attend(kc, vc, q, g, mask, flex):
 
 
 class DecodeAttention:
-    """PagedAttention for a step where every sequence decodes (one SDPA call), made
-    inside the decode graph from plain tensors: k_cache / v_cache the whole pool
-    [layers, blocks, block_size, Hkv, D], positions [B] each sequence's one query;
-    slot_mapping and block_tables as in PagedAttention and PaddedCall. The mask is
-    made here, once per step."""
+    """PagedAttention for a step where every sequence decodes (one call), made inside
+    the decode graph from plain tensors: k_cache / v_cache the whole pool [layers,
+    blocks, block_size, Hkv, D], positions [B] each sequence's one query; slot_mapping
+    and block_tables as in PagedAttention and PaddedCall; backend 'sdpa' or 'paged'.
+    SDPA's mask is made here, once per step."""
 
-    def __init__(self, k_cache, v_cache, slot_mapping, block_tables, positions):
+    def __init__(self, k_cache, v_cache, slot_mapping, block_tables, positions, backend):
         self.k_cache, self.v_cache, self.slot_mapping = k_cache, v_cache, slot_mapping
         self.block_tables, self.query_pos = block_tables, positions[:, None]
         call = PaddedCall(0, len(positions), block_tables, self.query_pos)
-        self.mask = sdpa_mask(call, k_cache.shape[2], k_cache.dtype)
+        self.mask = None if backend == "paged" else sdpa_mask(call, k_cache.shape[2],
+                                                              k_cache.dtype)
 
     def __call__(self, layer_idx, q, k, v):
-        return torch.ops.nanorl.paged_decode(q, k, v, self.k_cache, self.v_cache, layer_idx,
-                                             self.slot_mapping, self.block_tables, self.query_pos,
-                                             self.mask)
+        args = (q, k, v, self.k_cache, self.v_cache, layer_idx, self.slot_mapping,
+                self.block_tables, self.query_pos)
+        if self.mask is None:
+            return torch.ops.nanorl.paged_decode_in_place(*args)
+        return torch.ops.nanorl.paged_decode(*args, self.mask)
 
 
+# two ops: the SDPA one takes the step's mask, the in-place one (decode_kernel) none
 _OPS = torch.library.Library("nanorl", "FRAGMENT")   # see model.py's grouped_mm
-_OPS.define("paged_decode(Tensor q, Tensor k, Tensor v, Tensor(a!) k_cache, Tensor(b!) v_cache, "
-            "int layer, Tensor slot_mapping, Tensor block_tables, Tensor query_pos, Tensor mask) "
-            "-> Tensor")
+_ARGS = ("Tensor q, Tensor k, Tensor v, Tensor(a!) k_cache, Tensor(b!) v_cache, int layer, "
+         "Tensor slot_mapping, Tensor block_tables, Tensor query_pos")
+_OPS.define(f"paged_decode({_ARGS}, Tensor mask) -> Tensor")
+_OPS.define(f"paged_decode_in_place({_ARGS}) -> Tensor")
 
 
 def _paged_decode(q, k, v, k_cache, v_cache, layer, slot_mapping, block_tables,
-                  query_pos, mask):
+                  query_pos, mask=None):
     call = PaddedCall(0, q.shape[0], block_tables, query_pos)
     return paged_attention(q, k, v, k_cache[layer], v_cache[layer], slot_mapping,
                            [call], [mask])
 
 
-_OPS.impl("paged_decode", _paged_decode, "CompositeExplicitAutograd")
-
-
-@torch.library.register_fake("nanorl::paged_decode")
-def _(q, k, v, k_cache, v_cache, layer, slot_mapping, block_tables, query_pos, mask):
-    return torch.empty_like(q)
+for _name in ("paged_decode", "paged_decode_in_place"):
+    _OPS.impl(_name, _paged_decode, "CompositeExplicitAutograd")
+    torch.library.register_fake(f"nanorl::{_name}", lambda q, *args: torch.empty_like(q))

@@ -3,14 +3,15 @@ The decode step at static shapes: a step in which every running sequence decodes
 token, run as one function whose input shapes repeat, so that the host only fills
 buffers and launches it.
 
-    decode = StaticDecode(model, kv_cache, max_batch_size, max_blocks, scratch_block)
+    decode = StaticDecode(model, kv_cache, max_batch_size, max_blocks, scratch_block, backend)
     if decode.takes(batch):                 # the engine's (sequence, new tokens) pairs
         tokens, logprobs = decode(seqs)     # lists, one per sequence
 
 The function (decode_graph) is the whole step: the embedding, every layer (each
-layer's paged attention one opaque op: write the new K/V into their slots, gather the
-blocks, SDPA), the head and the sampler (sampling.sample_in_graph: the engine's seeded
-draw, without data-dependent branches). Its inputs live in buffers made once and
+layer's paged attention one opaque op: write the new K/V into their slots, then attend
+over the blocks, read in place (backend 'paged', the CPU's) or gathered for SDPA), the
+head and the sampler (sampling.sample_in_graph: the engine's seeded draw, without
+data-dependent branches). Its inputs live in buffers made once and
 filled in place:
 
     tokens [B], positions [B], slots [B], temperatures [B], seeds [B], block_tables [B, W]
@@ -38,9 +39,10 @@ from model import compile_once
 
 
 def decode_graph(model, k_cache, v_cache, tokens, positions, slots, block_tables, temperatures,
-                 seeds):
-    """One decode step, tensors in, tensors out: each row's next token and its logprob."""
-    attention = DecodeAttention(k_cache, v_cache, slots, block_tables, positions)
+                 seeds, backend):
+    """One decode step, tensors in, tensors out: each row's next token and its logprob.
+    backend: the engine's attention, 'sdpa' or 'paged'."""
+    attention = DecodeAttention(k_cache, v_cache, slots, block_tables, positions, backend)
     logits, _ = model(tokens, positions, attention=attention, aux_loss=False)
     # the draw for the token at position p + 1 (sampling.sample_next: a sequence's length)
     return sample_in_graph(logits, temperatures, seeds, positions + 1)
@@ -68,10 +70,10 @@ def padded(n, sizes):
 class StaticDecode:
     """The engine's static decode step (see the module docstring). max_blocks: the
     block-table width of a sequence at max_model_len; scratch_block: the pool's block
-    that padded rows use."""
+    that padded rows use; backend: the engine's attention, 'sdpa' or 'paged'."""
 
-    def __init__(self, model, kv, max_batch_size, max_blocks, scratch_block):
-        self.model, self.kv, self.scratch = model, kv, scratch_block
+    def __init__(self, model, kv, max_batch_size, max_blocks, scratch_block, backend):
+        self.model, self.kv, self.scratch, self.backend = model, kv, scratch_block, backend
         self.device = kv.k.device
         model.rope(self.device)  # made before the graph: its making would be a guard
         self.cuda = self.device.type == "cuda"
@@ -105,7 +107,7 @@ class StaticDecode:
             slots = torch.full((2,), self.scratch * self.kv.block_size)
             tables = torch.full((2, W), self.scratch)
             self._run((2, W), (self.model, self.kv.k, self.kv.v, zeros, zeros.clone(), slots,
-                               tables, torch.ones(2), zeros.clone()))
+                               tables, torch.ones(2), zeros.clone(), self.backend))
         return self.compile_seconds
 
     @torch.inference_mode()
@@ -146,7 +148,7 @@ class StaticDecode:
             tokens, positions, slots, seeds = (torch.from_numpy(row.copy()) for row in ints)
             tables, temperatures = torch.from_numpy(tables), torch.from_numpy(temperatures)
         return (B, W), (self.model, self.kv.k, self.kv.v, tokens, positions, slots, tables,
-                        temperatures, seeds)
+                        temperatures, seeds, self.backend)
 
     def _run(self, shape, inputs):
         t0 = time.perf_counter()
