@@ -41,9 +41,9 @@ def decode_kernel():
     """The C++ decode attention (inference/paged_attention.cpp) as a module with one
     function, paged_decode(q [B, heads, D], k_pool, v_pool, block_tables, positions [B],
     scale); None, with the reason printed, where it cannot be built (no C++ compiler or
-    ninja). Built by torch's extension builder on first use (about 25 s with 2 cores,
-    once per machine: the build is kept under ~/.cache/torch_extensions), then loaded
-    in well under a second."""
+    ninja). Built by torch's extension builder on first use (tens of seconds, once per
+    machine: the build is kept under ~/.cache/torch_extensions), then loaded in well
+    under a second."""
     from torch.utils.cpp_extension import load
     t0 = time.perf_counter()
     source = os.path.join(os.path.dirname(__file__), "paged_attention.cpp")

@@ -32,17 +32,20 @@ static void attend_one(const float* q, const float* k_pool, const float* v_pool,
   const int64_t D = FIXED_D > 0 ? FIXED_D : dim;
   const int64_t group = heads / kv_heads;
   const int64_t token_stride = kv_heads * D;   // a slot holds every kv head's vector
-  // 1. scores
-  for (int64_t t = 0; t < len; ++t) {
-    const int64_t slot = table[t / block_size] * block_size + t % block_size;
-    const float* k = k_pool + slot * token_stride;
-    for (int64_t h = 0; h < heads; ++h) {
-      const float* kh = k + (h / group) * D;
-      const float* qh = q + h * D;
-      float s = 0.f;
-      for (int64_t d = 0; d < D; ++d) s += qh[d] * kh[d];
-      scores[h * len + t] = s * scale;
-    }
+  // 1. scores, block by block: token first + i lives in slot i of block
+  // table[first / block_size], so no token pays a division
+  for (int64_t first = 0; first < len; first += block_size) {
+    const float* k = k_pool + table[first / block_size] * block_size * token_stride;
+    const int64_t n = std::min(block_size, len - first);
+    for (int64_t i = 0; i < n; ++i, k += token_stride)
+      for (int64_t kv = 0; kv < kv_heads; ++kv)
+        for (int64_t h = kv * group; h < (kv + 1) * group; ++h) {
+          const float* qh = q + h * D;
+          const float* kh = k + kv * D;
+          float s = 0.f;
+          for (int64_t d = 0; d < D; ++d) s += qh[d] * kh[d];
+          scores[h * len + first + i] = s * scale;
+        }
   }
   // 2. softmax, each query head's row
   for (int64_t h = 0; h < heads; ++h) {
@@ -57,17 +60,19 @@ static void attend_one(const float* q, const float* k_pool, const float* v_pool,
     const float inv = 1.f / sum;
     for (int64_t t = 0; t < len; ++t) p[t] *= inv;
   }
-  // 3. the weighted sum of values
+  // 3. the weighted sum of values, block by block as in 1
   std::fill(out, out + heads * D, 0.f);
-  for (int64_t t = 0; t < len; ++t) {
-    const int64_t slot = table[t / block_size] * block_size + t % block_size;
-    const float* v = v_pool + slot * token_stride;
-    for (int64_t h = 0; h < heads; ++h) {
-      const float* vh = v + (h / group) * D;
-      const float p = scores[h * len + t];
-      float* o = out + h * D;
-      for (int64_t d = 0; d < D; ++d) o[d] += p * vh[d];
-    }
+  for (int64_t first = 0; first < len; first += block_size) {
+    const float* v = v_pool + table[first / block_size] * block_size * token_stride;
+    const int64_t n = std::min(block_size, len - first);
+    for (int64_t i = 0; i < n; ++i, v += token_stride)
+      for (int64_t kv = 0; kv < kv_heads; ++kv)
+        for (int64_t h = kv * group; h < (kv + 1) * group; ++h) {
+          const float* vh = v + kv * D;
+          const float p = scores[h * len + first + i];
+          float* o = out + h * D;
+          for (int64_t d = 0; d < D; ++d) o[d] += p * vh[d];
+        }
   }
 }
 
