@@ -97,7 +97,7 @@ class EngineConfig:
         need("dtype", not graph or self.dtype == "float32",
              "float32 for compile=True on the CPU (or leave compile off)")
         paged = self.attention_backend != "paged" or cpu and self.dtype == "float32"
-        need("attention_backend", paged, "'paged' on the CPU in float32 only; use 'sdpa'")
+        need("attention_backend", paged, "'auto', 'sdpa' or 'flex' unless on the CPU in float32")
 
 
 # below this (and above 0) a temperature is greedy in all but name, and risks inf / NaN
@@ -689,7 +689,7 @@ def attention_choice(device_type, backend, compile, head_dim, dtype=torch.float3
     if backend == "auto":
         cpu32 = device_type == "cpu" and dtype == torch.float32
         backend = "paged" if cpu32 and decode_kernel() else "sdpa"
-    built = backend != "paged" or decode_kernel()   # else the reason is printed above
+    built = backend != "paged" or decode_kernel()   # decode_kernel printed why not
     require(built, "attention_backend='paged': its kernel could not be built", RuntimeError)
     if compile is None:
         compile = backend == "flex" and device_type == "cuda"

@@ -20,7 +20,7 @@ exactly what transformers' eager attention computes (the tests compare).
 import functools
 import math
 import os
-import time
+import zlib
 from dataclasses import dataclass
 
 import numpy as np
@@ -39,25 +39,27 @@ from model import compile_once
 @functools.cache
 def decode_kernel():
     """The C++ decode attention (inference/paged_attention.cpp) as a module with one
-    function, paged_decode(q [B, heads, D], k_pool, v_pool, block_tables, positions [B],
-    scale); None, with the reason printed, where it cannot be built (no C++ compiler or
-    ninja). Built by torch's extension builder on first use (tens of seconds, once per
-    machine: the build is kept under ~/.cache/torch_extensions), then loaded in well
-    under a second."""
-    from torch.utils.cpp_extension import load
-    t0 = time.perf_counter()
-    source = os.path.join(os.path.dirname(__file__), "paged_attention.cpp")
+    function, decode_attention(q [B, heads, D], k_pool, v_pool, block_tables, positions
+    [B], scale); None, with the reason printed, where it cannot be built (no C++
+    compiler or ninja). Built by torch's extension builder on first use (tens of
+    seconds), then loaded from its folder under ~/.cache/torch_extensions, which is
+    named by the source's path, contents and flags: one build per checkout and machine."""
+    from torch.utils.cpp_extension import get_default_build_root, load
+    source = os.path.join(os.path.dirname(os.path.abspath(__file__)), "paged_attention.cpp")
+    # -ffast-math for the compile only: vectorised expf and sums (see the source)
+    flags = ["-O3", "-march=native", "-ffast-math"]
+    with open(source, "rb") as f:
+        digest = zlib.crc32(f.read() + source.encode() + " ".join(flags).encode())
+    name = f"nanorl_paged_attention_{digest:08x}"
+    folder = os.path.join(get_default_build_root(), name)
+    if not os.path.exists(os.path.join(folder, f"{name}.so")):
+        print(f"building inference/paged_attention.cpp into {folder} (tens of seconds, once)")
+    os.makedirs(folder, exist_ok=True)
     try:
-        # -ffast-math for the compile only: vectorised expf and sums (see the source)
-        module = load("nanorl_paged_attention", [source],
-                      extra_cflags=["-O3", "-march=native", "-ffast-math"])
+        return load(name, [source], extra_cflags=flags, build_directory=folder)
     except Exception as e:   # what the builder raises varies: compiler, ninja, linker
-        print(f"inference/paged_attention.cpp could not be built ({e}); decodes use SDPA")
+        print(f"inference/paged_attention.cpp could not be built: {str(e)[:300]}")
         return None
-    if time.perf_counter() - t0 > 2:
-        print(f"built inference/paged_attention.cpp in {time.perf_counter() - t0:.0f} s "
-              f"(once per machine)")
-    return module
 
 
 class PagedKVCache:
@@ -284,8 +286,8 @@ def _gathered(i, num_blocks, pool):
 def _attend(kc, vc, q, g, mask, flex):
     T, Hq, D = q.shape
     if mask is None:    # decodes, their blocks read in place
-        return decode_kernel().paged_decode(q.contiguous(), kc, vc, g.block_tables,
-                                            g.query_pos.view(-1), D ** -0.5)
+        return decode_kernel().decode_attention(q.contiguous(), kc, vc, g.block_tables,
+                                                g.query_pos.view(-1), D ** -0.5)
     Hkv = kc.shape[2]
     B, Qmax = g.query_pos.shape
     L = g.block_tables.shape[1] * kc.shape[1]
@@ -333,16 +335,16 @@ class DecodeAttention:
         args = (q, k, v, self.k_cache, self.v_cache, layer_idx, self.slot_mapping,
                 self.block_tables, self.query_pos)
         if self.mask is None:
-            return torch.ops.nanorl.paged_decode_in_place(*args)
+            return torch.ops.nanorl.paged_decode_cpp(*args)
         return torch.ops.nanorl.paged_decode(*args, self.mask)
 
 
-# two ops: the SDPA one takes the step's mask, the in-place one (decode_kernel) none
+# two ops: the SDPA one takes the step's mask, the C++ one (decode_kernel) none
 _OPS = torch.library.Library("nanorl", "FRAGMENT")   # see model.py's grouped_mm
 _ARGS = ("Tensor q, Tensor k, Tensor v, Tensor(a!) k_cache, Tensor(b!) v_cache, int layer, "
          "Tensor slot_mapping, Tensor block_tables, Tensor query_pos")
 _OPS.define(f"paged_decode({_ARGS}, Tensor mask) -> Tensor")
-_OPS.define(f"paged_decode_in_place({_ARGS}) -> Tensor")
+_OPS.define(f"paged_decode_cpp({_ARGS}) -> Tensor")
 
 
 def _paged_decode(q, k, v, k_cache, v_cache, layer, slot_mapping, block_tables,
@@ -352,6 +354,6 @@ def _paged_decode(q, k, v, k_cache, v_cache, layer, slot_mapping, block_tables,
                            [call], [mask])
 
 
-for _name in ("paged_decode", "paged_decode_in_place"):
+for _name in ("paged_decode", "paged_decode_cpp"):
     _OPS.impl(_name, _paged_decode, "CompositeExplicitAutograd")
     torch.library.register_fake(f"nanorl::{_name}", lambda q, *args: torch.empty_like(q))

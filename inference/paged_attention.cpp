@@ -1,6 +1,6 @@
 // Decode attention on the CPU that reads each sequence's keys and values where they lie
-// in the paged cache (inference/attention.py builds this file on first use, once per
-// machine, and calls it for every call in which each sequence has one query).
+// in the paged cache (inference/attention.py builds this file on first use and calls it
+// for every call in which each sequence has one query).
 //
 // The pure-torch path gathers a sequence's blocks into one contiguous copy, then runs
 // SDPA over it: at decode sizes (one query, a few hundred keys, heads of 32-128 dims)
@@ -13,8 +13,9 @@
 // Token t of a sequence lives in slot t % block_size of block table[t / block_size].
 // Compiled with -ffast-math (attention.py's build flags) so that expf and the sums
 // vectorise: the result differs from SDPA's by rounding only (about 1e-6; the tests bound
-// it). The flag is not passed to the linker, which would turn on flush-to-zero for the
-// whole process.
+// it). The flag also lets the compiler assume every value is finite, as a model's keys
+// and values are (where one is not, SDPA's output is not either). It is not passed to
+// the linker, which would turn on flush-to-zero for the whole process.
 
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
@@ -78,15 +79,23 @@ static void attend_one(const float* q, const float* k_pool, const float* v_pool,
 
 // q [B, heads, D]; k_pool, v_pool [blocks, block_size, kv_heads, D]; tables [B, W] int64;
 // positions [B] int64 (each query's position: it sees tokens 0 .. position). Returns
-// [B, heads, D]. The positions must lie inside each table's blocks (the engine's do).
-torch::Tensor paged_decode(torch::Tensor q, torch::Tensor k_pool, torch::Tensor v_pool,
-                           torch::Tensor tables, torch::Tensor positions, double scale) {
-  for (const auto& t : {q, k_pool, v_pool})
-    TORCH_CHECK(t.device().is_cpu() && t.scalar_type() == torch::kFloat && t.is_contiguous(),
-                "paged_decode: q and the pools must be contiguous float32 CPU tensors");
-  for (const auto& t : {tables, positions})
-    TORCH_CHECK(t.scalar_type() == torch::kLong && t.is_contiguous(),
-                "paged_decode: tables and positions must be contiguous int64");
+// [B, heads, D]. Every read is checked to lie inside the tensors it reads.
+torch::Tensor decode_attention(torch::Tensor q, torch::Tensor k_pool, torch::Tensor v_pool,
+                               torch::Tensor tables, torch::Tensor positions, double scale) {
+  for (const auto& t : {q, k_pool, v_pool, tables, positions})
+    TORCH_CHECK(t.device().is_cpu() && t.is_contiguous(), "decode_attention: CPU tensors, "
+                "contiguous");
+  TORCH_CHECK(q.scalar_type() == torch::kFloat && k_pool.scalar_type() == torch::kFloat
+              && v_pool.scalar_type() == torch::kFloat, "decode_attention: float32 q and pools");
+  TORCH_CHECK(tables.scalar_type() == torch::kLong && positions.scalar_type() == torch::kLong,
+              "decode_attention: int64 tables and positions");
+  TORCH_CHECK(q.dim() == 3 && k_pool.dim() == 4 && v_pool.sizes() == k_pool.sizes()
+              && k_pool.size(3) == q.size(2) && q.size(1) % k_pool.size(2) == 0,
+              "decode_attention: q [B, heads, D] and pools [blocks, block_size, kv_heads, D] "
+              "with heads a multiple of kv_heads");
+  TORCH_CHECK(tables.dim() == 2 && tables.size(0) == q.size(0)
+              && positions.numel() == q.size(0), "decode_attention: a table and a position "
+              "per query");
   const int64_t B = q.size(0), heads = q.size(1), D = q.size(2);
   const int64_t block_size = k_pool.size(1), kv_heads = k_pool.size(2), W = tables.size(1);
   auto out = torch::empty_like(q);
@@ -102,10 +111,10 @@ torch::Tensor paged_decode(torch::Tensor q, torch::Tensor k_pool, torch::Tensor 
                : D == 128 ? attend_one<128> : attend_one<0>;
   const int64_t num_blocks = k_pool.size(0);
   for (int64_t b = 0; b < B; ++b) {
-    TORCH_CHECK(pos[b] >= 0 && pos[b] < W * block_size, "paged_decode: position ", pos[b],
-                " outside a table of ", W, " blocks");
+    TORCH_CHECK(pos[b] >= 0 && pos[b] < W * block_size, "decode_attention: position ",
+                pos[b], " outside a table of ", W, " blocks");
     for (int64_t i = 0; i <= pos[b] / block_size; ++i)
-      TORCH_CHECK(tp[b * W + i] >= 0 && tp[b * W + i] < num_blocks, "paged_decode: block ",
+      TORCH_CHECK(tp[b * W + i] >= 0 && tp[b * W + i] < num_blocks, "decode_attention: block ",
                   tp[b * W + i], " outside the pool");
   }
   at::parallel_for(0, B, 1, [&](int64_t lo, int64_t hi) {
@@ -118,5 +127,6 @@ torch::Tensor paged_decode(torch::Tensor q, torch::Tensor k_pool, torch::Tensor 
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("paged_decode", &paged_decode, "decode attention over a paged KV cache, in place");
+  m.def("decode_attention", &decode_attention,
+        "one query per sequence attending over its blocks where they lie in the pool");
 }
