@@ -24,6 +24,19 @@
 #include <cmath>
 #include <vector>
 
+// Calls visit(t, slot) for the tokens t < len of a sequence, slot pointing at token t's
+// vectors in pool, walking the table block by block: token first + i lives in slot i of
+// block table[first / block_size], so no token pays a division
+template <typename Visit>
+static inline void for_each_slot(const float* pool, const int64_t* table, int64_t len,
+                                 int64_t block_size, int64_t token_stride, Visit visit) {
+  for (int64_t first = 0; first < len; first += block_size) {
+    const float* slot = pool + table[first / block_size] * block_size * token_stride;
+    const int64_t n = std::min(block_size, len - first);
+    for (int64_t i = 0; i < n; ++i, slot += token_stride) visit(first + i, slot);
+  }
+}
+
 // FIXED_D > 0: the head size known at compile time, so the loops over d unroll and
 // vectorise; 0: any head size, read from dim
 template <int FIXED_D>
@@ -33,21 +46,17 @@ static void attend_one(const float* q, const float* k_pool, const float* v_pool,
   const int64_t D = FIXED_D > 0 ? FIXED_D : dim;
   const int64_t group = heads / kv_heads;
   const int64_t token_stride = kv_heads * D;   // a slot holds every kv head's vector
-  // 1. scores, block by block: token first + i lives in slot i of block
-  // table[first / block_size], so no token pays a division
-  for (int64_t first = 0; first < len; first += block_size) {
-    const float* k = k_pool + table[first / block_size] * block_size * token_stride;
-    const int64_t n = std::min(block_size, len - first);
-    for (int64_t i = 0; i < n; ++i, k += token_stride)
-      for (int64_t kv = 0; kv < kv_heads; ++kv)
-        for (int64_t h = kv * group; h < (kv + 1) * group; ++h) {
-          const float* qh = q + h * D;
-          const float* kh = k + kv * D;
-          float s = 0.f;
-          for (int64_t d = 0; d < D; ++d) s += qh[d] * kh[d];
-          scores[h * len + first + i] = s * scale;
-        }
-  }
+  // 1. scores
+  for_each_slot(k_pool, table, len, block_size, token_stride, [&](int64_t t, const float* k) {
+    for (int64_t kv = 0; kv < kv_heads; ++kv)
+      for (int64_t h = kv * group; h < (kv + 1) * group; ++h) {
+        const float* qh = q + h * D;
+        const float* kh = k + kv * D;
+        float s = 0.f;
+        for (int64_t d = 0; d < D; ++d) s += qh[d] * kh[d];
+        scores[h * len + t] = s * scale;
+      }
+  });
   // 2. softmax, each query head's row
   for (int64_t h = 0; h < heads; ++h) {
     float* p = scores + h * len;
@@ -61,20 +70,17 @@ static void attend_one(const float* q, const float* k_pool, const float* v_pool,
     const float inv = 1.f / sum;
     for (int64_t t = 0; t < len; ++t) p[t] *= inv;
   }
-  // 3. the weighted sum of values, block by block as in 1
+  // 3. the weighted sum of values
   std::fill(out, out + heads * D, 0.f);
-  for (int64_t first = 0; first < len; first += block_size) {
-    const float* v = v_pool + table[first / block_size] * block_size * token_stride;
-    const int64_t n = std::min(block_size, len - first);
-    for (int64_t i = 0; i < n; ++i, v += token_stride)
-      for (int64_t kv = 0; kv < kv_heads; ++kv)
-        for (int64_t h = kv * group; h < (kv + 1) * group; ++h) {
-          const float* vh = v + kv * D;
-          const float p = scores[h * len + first + i];
-          float* o = out + h * D;
-          for (int64_t d = 0; d < D; ++d) o[d] += p * vh[d];
-        }
-  }
+  for_each_slot(v_pool, table, len, block_size, token_stride, [&](int64_t t, const float* v) {
+    for (int64_t kv = 0; kv < kv_heads; ++kv)
+      for (int64_t h = kv * group; h < (kv + 1) * group; ++h) {
+        const float* vh = v + kv * D;
+        const float p = scores[h * len + t];
+        float* o = out + h * D;
+        for (int64_t d = 0; d < D; ++d) o[d] += p * vh[d];
+      }
+  });
 }
 
 // q [B, heads, D]; k_pool, v_pool [blocks, block_size, kv_heads, D]; tables [B, W] int64;
