@@ -40,7 +40,8 @@ from model import compile_once
 def decode_kernel():
     """The C++ decode attention (inference/paged_attention.cpp) as a module with one
     function, decode_attention(q [B, heads, D], k_pool, v_pool, block_tables, positions
-    [B], scale); None, with the reason printed, where it cannot be built (no C++
+    [B], scale); loading it also registers the decode graph's op paged_decode_cpp (see
+    DecodeAttention). None, with the reason printed, where it cannot be built (no C++
     compiler or ninja). Built by torch's extension builder on first use (tens of
     seconds), then loaded from its folder under ~/.cache/torch_extensions, which is
     named by the source's path, contents and flags: one build per checkout and machine."""
@@ -339,7 +340,8 @@ class DecodeAttention:
         return torch.ops.nanorl.paged_decode(*args, self.mask)
 
 
-# two ops: the SDPA one takes the step's mask, the C++ one (decode_kernel) none
+# two ops: the SDPA one takes the step's mask; the C++ one takes none, and its kernel
+# (paged_decode in inference/paged_attention.cpp) is registered when decode_kernel() loads
 _OPS = torch.library.Library("nanorl", "FRAGMENT")   # see model.py's grouped_mm
 _ARGS = ("Tensor q, Tensor k, Tensor v, Tensor(a!) k_cache, Tensor(b!) v_cache, int layer, "
          "Tensor slot_mapping, Tensor block_tables, Tensor query_pos")
@@ -354,6 +356,6 @@ def _paged_decode(q, k, v, k_cache, v_cache, layer, slot_mapping, block_tables,
                            [call], [mask])
 
 
+_OPS.impl("paged_decode", _paged_decode, "CompositeExplicitAutograd")
 for _name in ("paged_decode", "paged_decode_cpp"):
-    _OPS.impl(_name, _paged_decode, "CompositeExplicitAutograd")
     torch.library.register_fake(f"nanorl::{_name}", lambda q, *args: torch.empty_like(q))

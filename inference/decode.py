@@ -33,7 +33,7 @@ import time
 import numpy as np
 import torch
 
-from inference.attention import DecodeAttention
+from inference.attention import DecodeAttention, decode_kernel
 from inference.sampling import sample_in_graph
 from model import compile_once
 
@@ -74,6 +74,8 @@ class StaticDecode:
 
     def __init__(self, model, kv, max_batch_size, max_blocks, scratch_block, backend):
         self.model, self.kv, self.scratch, self.backend = model, kv, scratch_block, backend
+        if backend == "paged":
+            decode_kernel()   # loading it registers the graph's attention op
         self.device = kv.k.device
         model.rope(self.device)  # made before the graph: its making would be a guard
         self.cuda = self.device.type == "cuda"

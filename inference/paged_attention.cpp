@@ -132,6 +132,46 @@ torch::Tensor decode_attention(torch::Tensor q, torch::Tensor k_pool, torch::Ten
   return out;
 }
 
+// Copies row i of new_rows [N, row] into row slots[i] of pool (a layer's pool seen as
+// [num_slots, row]: slot = block * block_size + offset)
+static void write_slots(torch::Tensor pool, const torch::Tensor& new_rows,
+                        const torch::Tensor& slots) {
+  const int64_t row = new_rows.size(1), num_slots = pool.numel() / row;
+  const float* src = new_rows.data_ptr<float>();
+  const int64_t* slot = slots.data_ptr<int64_t>();
+  float* dst = pool.data_ptr<float>();
+  for (int64_t i = 0; i < slots.numel(); ++i) {
+    TORCH_CHECK(slot[i] >= 0 && slot[i] < num_slots, "paged_decode: slot ", slot[i],
+                " outside the pool");
+    std::copy_n(src + i * row, row, dst + slot[i] * row);
+  }
+}
+
+// The decode graph's op nanorl::paged_decode_cpp (inference/attention.py, DecodeAttention):
+// one layer of a step in which every sequence decodes. Writes the step's keys and values
+// [B, kv_heads, D] into their slots of the layer's pools, then attends. Registered here so
+// that the compiled graph calls it without a trip through Python.
+torch::Tensor paged_decode(const torch::Tensor& q, const torch::Tensor& k,
+                           const torch::Tensor& v, torch::Tensor k_cache, torch::Tensor v_cache,
+                           int64_t layer, const torch::Tensor& slots,
+                           const torch::Tensor& tables, const torch::Tensor& positions) {
+  auto k_pool = k_cache.select(0, layer), v_pool = v_cache.select(0, layer);
+  const int64_t row = k_pool.size(2) * k_pool.size(3);
+  auto new_k = k.reshape({-1, row}).contiguous(), new_v = v.reshape({-1, row}).contiguous();
+  TORCH_CHECK(k_pool.is_contiguous() && v_pool.is_contiguous()
+              && new_k.scalar_type() == torch::kFloat && new_v.sizes() == new_k.sizes()
+              && slots.scalar_type() == torch::kLong && slots.is_contiguous()
+              && slots.numel() == new_k.size(0), "paged_decode: a slot per new key and value");
+  write_slots(k_pool, new_k, slots);
+  write_slots(v_pool, new_v, slots);
+  return decode_attention(q.contiguous(), k_pool, v_pool, tables, positions.reshape({-1}),
+                          1.0 / std::sqrt(static_cast<double>(q.size(2))));
+}
+
+TORCH_LIBRARY_IMPL(nanorl, CPU, m) {
+  m.impl("paged_decode_cpp", &paged_decode);
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("decode_attention", &decode_attention,
         "one query per sequence attending over its blocks where they lie in the pool");
