@@ -350,7 +350,7 @@ _OPS.define(f"paged_decode_cpp({_ARGS}) -> Tensor")
 
 
 def _paged_decode(q, k, v, k_cache, v_cache, layer, slot_mapping, block_tables,
-                  query_pos, mask=None):
+                  query_pos, mask):
     call = PaddedCall(0, q.shape[0], block_tables, query_pos)
     return paged_attention(q, k, v, k_cache[layer], v_cache[layer], slot_mapping,
                            [call], [mask])

@@ -74,7 +74,7 @@ class StaticDecode:
 
     def __init__(self, model, kv, max_batch_size, max_blocks, scratch_block, backend):
         self.model, self.kv, self.scratch, self.backend = model, kv, scratch_block, backend
-        if backend == "paged":
+        if backend == "paged":   # the engine chose it: the kernel is built
             decode_kernel()   # loading it registers the graph's attention op
         self.device = kv.k.device
         model.rope(self.device)  # made before the graph: its making would be a guard

@@ -1,6 +1,7 @@
 // Decode attention on the CPU that reads each sequence's keys and values where they lie
 // in the paged cache (inference/attention.py builds this file on first use and calls it
-// for every call in which each sequence has one query).
+// for every call in which each sequence has one query). Loading it also registers the
+// CPU kernel of the decode graph's op nanorl::paged_decode_cpp (paged_decode, below).
 //
 // The pure-torch path gathers a sequence's blocks into one contiguous copy, then runs
 // SDPA over it: at decode sizes (one query, a few hundred keys, heads of 32-128 dims)
@@ -132,38 +133,42 @@ torch::Tensor decode_attention(torch::Tensor q, torch::Tensor k_pool, torch::Ten
   return out;
 }
 
-// Copies row i of new_rows [N, row] into row slots[i] of pool (a layer's pool seen as
-// [num_slots, row]: slot = block * block_size + offset)
-static void write_slots(torch::Tensor pool, const torch::Tensor& new_rows,
-                        const torch::Tensor& slots) {
-  const int64_t row = new_rows.size(1), num_slots = pool.numel() / row;
+// Copies token i's vectors new[i] [kv_heads, D] into slot slots[i] of a layer's pool
+// [blocks, block_size, kv_heads, D] (slot = block * block_size + offset). new is read in
+// place when each token's vectors are contiguous (a view of the layer's qkv is)
+static void write_slots(torch::Tensor pool, torch::Tensor new_rows, const torch::Tensor& slots) {
+  const int64_t row = pool.size(2) * pool.size(3), num_slots = pool.size(0) * pool.size(1);
+  TORCH_CHECK(new_rows.scalar_type() == torch::kFloat && new_rows.dim() == 3
+              && new_rows.size(1) * new_rows.size(2) == row, "paged_decode: new keys and "
+              "values [tokens, kv_heads, D] of float32");
+  TORCH_CHECK(slots.scalar_type() == torch::kLong && slots.is_contiguous()
+              && slots.numel() == new_rows.size(0), "paged_decode: an int64 slot per token");
+  if (new_rows.stride(2) != 1 || new_rows.stride(1) != new_rows.size(2))
+    new_rows = new_rows.contiguous();
   const float* src = new_rows.data_ptr<float>();
   const int64_t* slot = slots.data_ptr<int64_t>();
   float* dst = pool.data_ptr<float>();
   for (int64_t i = 0; i < slots.numel(); ++i) {
     TORCH_CHECK(slot[i] >= 0 && slot[i] < num_slots, "paged_decode: slot ", slot[i],
                 " outside the pool");
-    std::copy_n(src + i * row, row, dst + slot[i] * row);
+    std::copy_n(src + i * new_rows.stride(0), row, dst + slot[i] * row);
   }
 }
 
 // The decode graph's op nanorl::paged_decode_cpp (inference/attention.py, DecodeAttention):
 // one layer of a step in which every sequence decodes. Writes the step's keys and values
-// [B, kv_heads, D] into their slots of the layer's pools, then attends. Registered here so
-// that the compiled graph calls it without a trip through Python.
-torch::Tensor paged_decode(const torch::Tensor& q, const torch::Tensor& k,
-                           const torch::Tensor& v, torch::Tensor k_cache, torch::Tensor v_cache,
-                           int64_t layer, const torch::Tensor& slots,
-                           const torch::Tensor& tables, const torch::Tensor& positions) {
+// [B, kv_heads, D] (views of the layer's qkv) into their slots of the layer's pools, then
+// attends. Registered here so that the compiled graph calls it without a trip through Python.
+static torch::Tensor paged_decode(const torch::Tensor& q, const torch::Tensor& k,
+                                  const torch::Tensor& v, torch::Tensor k_cache,
+                                  torch::Tensor v_cache, int64_t layer,
+                                  const torch::Tensor& slots, const torch::Tensor& tables,
+                                  const torch::Tensor& positions) {
   auto k_pool = k_cache.select(0, layer), v_pool = v_cache.select(0, layer);
-  const int64_t row = k_pool.size(2) * k_pool.size(3);
-  auto new_k = k.reshape({-1, row}).contiguous(), new_v = v.reshape({-1, row}).contiguous();
-  TORCH_CHECK(k_pool.is_contiguous() && v_pool.is_contiguous()
-              && new_k.scalar_type() == torch::kFloat && new_v.sizes() == new_k.sizes()
-              && slots.scalar_type() == torch::kLong && slots.is_contiguous()
-              && slots.numel() == new_k.size(0), "paged_decode: a slot per new key and value");
-  write_slots(k_pool, new_k, slots);
-  write_slots(v_pool, new_v, slots);
+  TORCH_CHECK(k_pool.is_contiguous() && v_pool.is_contiguous() && k_pool.dim() == 4,
+              "paged_decode: contiguous pools [layers, blocks, block_size, kv_heads, D]");
+  write_slots(k_pool, k, slots);
+  write_slots(v_pool, v, slots);
   return decode_attention(q.contiguous(), k_pool, v_pool, tables, positions.reshape({-1}),
                           1.0 / std::sqrt(static_cast<double>(q.size(2))));
 }
