@@ -165,13 +165,14 @@ def _draw(e, block_sums, target):
     inside that block (a cumsum over BLOCK entries). Example: block sums [2, 5, 3],
     target 6 -> block 1 (running sums 2, 7, 10), 4 left to find inside it."""
     N, V = e.shape
+    width = min(BLOCK, V)   # a vocabulary under one block is one block of V entries
     running = block_sums.cumsum(-1)
     b = torch.searchsorted(running, target[:, None]).clamp_(max=block_sums.shape[1] - 1)
     left = target[:, None] - (running.gather(1, b) - block_sums.gather(1, b))
     # the block's columns (past V in a short last one)
-    cols = b * BLOCK + torch.arange(BLOCK, device=e.device)
+    cols = b * BLOCK + torch.arange(width, device=e.device)
     inside = e.gather(1, cols.clamp(max=V - 1)).masked_fill_(cols >= V, 0.0).double().cumsum(-1)
-    return b[:, 0] * BLOCK + torch.searchsorted(inside, left).clamp_(max=BLOCK - 1)[:, 0]
+    return b[:, 0] * BLOCK + torch.searchsorted(inside, left).clamp_(max=width - 1)[:, 0]
 
 
 def _draw_filtered(e, top_k, top_p, u):

@@ -69,11 +69,12 @@ def test_sample_with_logprobs():
         sample_with_logprobs(one.expand(10, 8), torch.ones(10), seeds=torch.arange(10))
 
 
-def test_two_level_draw_is_the_inverse_cdf_over_the_whole_vocabulary():
-    # several blocks and a partial one: the same token as one cumsum over all V, and
-    # the exact logprob
+@pytest.mark.parametrize("V", [2 * 1024 + 300, 105])
+def test_two_level_draw_is_the_inverse_cdf_over_the_whole_vocabulary(V):
+    # several blocks and a partial one, or a vocabulary under one block (the main job's):
+    # the same token as one cumsum over all V, and the exact logprob
     g = torch.Generator().manual_seed(1)
-    N, V = 64, 2 * 1024 + 300
+    N = 64
     logits = torch.randn(N, V, generator=g) * 4
     # rows whose exp would overflow or vanish
     logits[:4] += torch.tensor([300.0, -300.0, 80.0, -90.0])[:, None]
@@ -90,14 +91,15 @@ def test_two_level_draw_is_the_inverse_cdf_over_the_whole_vocabulary():
     assert torch.allclose(lp, ref, atol=1e-5, rtol=1e-6)
 
 
-def test_the_graphs_sampler_draws_what_the_engines_draws():
+@pytest.mark.parametrize("V", [2 * 1024 + 300, 105])
+def test_the_graphs_sampler_draws_what_the_engines_draws(V):
     # sampling.sample_in_graph (inference/decode.py's step) against
-    # sample_with_logprobs: several blocks and a partial one, greedy rows among sampled
-    # ones, rows shifted by their max (both rules shift these), eager and compiled: the
-    # same tokens, logprobs within 1e-6
+    # sample_with_logprobs: several blocks and a partial one (or one short block),
+    # greedy rows among sampled ones, rows shifted by their max (both rules shift these),
+    # eager and compiled: the same tokens, logprobs within 1e-6
     from inference.sampling import sample_in_graph
     g = torch.Generator().manual_seed(2)
-    N, V = 48, 2 * 1024 + 300
+    N = 48
     logits = torch.randn(N, V, generator=g) * 4
     logits[:4] += torch.tensor([300.0, -300.0, 100.0, -200.0])[:, None]
     T = (torch.rand(N, generator=g) + 0.3).masked_fill(torch.arange(N) % 5 == 0, 0.0)
