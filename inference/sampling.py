@@ -162,8 +162,8 @@ def scratch(use, numel, device, dtype=torch.float32):
 def _draw(e, block_sums, target):
     """The token where the CDF of e first reaches target, per row, in two levels: the
     block whose running sum reaches it (a cumsum over B block sums), then the entry
-    inside that block (a cumsum over BLOCK entries). Example: block sums [2, 5, 3],
-    target 6 -> block 1 (running sums 2, 7, 10), 4 left to find inside it."""
+    inside that block (a cumsum over its min(BLOCK, V) entries). Example: block sums
+    [2, 5, 3], target 6 -> block 1 (running sums 2, 7, 10), 4 left to find inside it."""
     N, V = e.shape
     width = min(BLOCK, V)   # a vocabulary under one block is one block of V entries
     running = block_sums.cumsum(-1)
