@@ -55,19 +55,21 @@ def free_port():
 
 class Served:
     """A scaleout/serve.py process on a free port; stop() sends Ctrl-C and returns
-    its exit code."""
+    its exit code. eager=False: the server's default decode step (compiled on the CPU:
+    tens of seconds at startup); else --compile=False, as most tests need no compile."""
 
-    def __init__(self, path, *args):
+    def __init__(self, path, *args, eager=True):
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         env = dict(os.environ, OMP_NUM_THREADS="1")
+        args = ("--compile=False", *args) if eager else args
         self.proc = subprocess.Popen([sys.executable, "-m", "scaleout.serve",
                                       f"--model_path={path}", f"--port={self.port}",
                                       "--max_model_len=256", *args], env=env, cwd=ROOT,
                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
         headers = {"Authorization": f"Bearer {KEY}"} if any(a.startswith("--api_key")
                                                             for a in args) else {}
-        for _ in range(600):
+        for _ in range(3000):   # 5 minutes: a cold compile on a loaded machine
             if self.proc.poll() is not None:
                 raise RuntimeError(f"scaleout/serve.py exited: {self.proc.stdout.read()}")
             try:
@@ -91,8 +93,9 @@ def setup(tmp_path_factory):
     root = tmp_path_factory.mktemp("serve")
     hf = model_dir(root / "a", seed=1)
     model_dir(root / "b", seed=2)
+    # the server as it starts by default: decode steps as one compiled graph
     server = Served(root / "a", f"--api_key={KEY}", "--enable_weight_updates=True",
-                    "--served_model_name=tiny")
+                    "--served_model_name=tiny", eager=False)
     yield dict(root=root, hf=hf, server=server,
                api=OpenAI(base_url=server.url + "/v1", api_key=KEY, max_retries=0),
                tok=build_tokenizer())
@@ -273,6 +276,7 @@ def test_64_concurrent_requests_batch_and_match(setup):
     stats = httpx.get(setup["server"].url + "/stats",
                       headers={"Authorization": f"Bearer {KEY}"}).json()
     assert stats["peak_batch"] >= 16, stats
+    assert stats["compiled_steps"] > 0, stats   # the default server's decode graph ran
 
 
 BAD = [
