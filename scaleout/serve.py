@@ -70,10 +70,10 @@ num_blocks = 0               # KV blocks; 0 = sized from memory
 block_size = 16
 # 'paged' | 'radix' (token-granular: a chat's next turn reuses all of its history)
 cache_type = "paged"
-# decode steps as one compiled graph (engine.py's compile): about 1.7x the decode speed on
-# a CPU, for a compile at startup (said in the log: about 30 s the first time on a machine,
-# under 10 s once torch's compile cache holds it). None: on where that graph runs (the CPU
-# in float32, experts' widths in multiples of 4), off elsewhere
+# decode steps as one compiled graph (engine.py's compile): about 1.2x the throughput end to
+# end on a CPU (docs/serving.md), for a compile at startup (said in the log: about 30 s the
+# first time on a machine, under 10 s once torch's compile cache holds it). None: on where
+# that graph runs (the CPU in float32, experts' widths in multiples of 4), off elsewhere
 compile = None
 seed = 0                     # seeds the sampling of requests without a seed
 # the most top_logprobs a request may ask for
