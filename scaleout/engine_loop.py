@@ -5,6 +5,7 @@ talks to it by message.
     loop = EngineLoop(engine, tokenizer)       # starts the owner thread
     request = loop.submit([prompt_ids], params, n=4, stop=["\\n\\n"], emit=callback)
     ...                                        # callback(list[Delta]) runs on the owner thread
+    loop.submit(..., stream=False)             # only each sample's last Delta (no stop strings)
     loop.abort(request)                        # its client went away
     loop.call(lambda engine: engine.update_weights(state_dict))   # runs between two steps
     loop.close()
@@ -16,6 +17,8 @@ it takes everything queued, so requests that arrive while a step runs join the n
 that moved, a Delta: the new token ids, their logprobs, the new text. The text is
 detokenized here, where the stop strings are found: a sample whose text reaches one is
 aborted in the engine at once (its blocks are freed) and finishes with reason 'stop'.
+A request that does not stream and has no stop strings hears only when each sample ends,
+with all of it: no text is decoded, and no Delta made, in the steps between.
 
 The engine keeps the tokens of a running sample in engine.running (scheduler.Sequence:
 tokens, num_prompt, logprobs, versions); a preempted sample keeps them while it waits,
@@ -73,8 +76,11 @@ class Request:
     """One server request: its prompts, each an engine request of n samples, and what each
     choice has so far."""
 
-    def __init__(self, prompts, params, n, stop, emit, tokenizer, first_index=0):
+    def __init__(self, prompts, params, n, stop, emit, tokenizer, first_index=0,
+                 stream=True):
         self.prompts, self.params, self.n, self.emit = prompts, params, n, emit
+        # whether its samples report as they go: to stream, or to find the stop strings
+        self.progress = stream or bool(stop)
         self.first_index = first_index   # seeded: prompt i draws as prompt first_index + i
         self.samples = [SampleText(tokenizer, stop) for _ in range(len(prompts) * n)]
         self.request_ids = []            # the engine's request_id of each prompt, once added
@@ -96,11 +102,12 @@ class EngineLoop:
 
     # ---- called from other threads
 
-    def submit(self, prompts, params, n, stop, emit, first_index=0) -> Request:
+    def submit(self, prompts, params, n, stop, emit, first_index=0, stream=True) -> Request:
         """Queue a request (prompts already checked against the engine's limits);
         emit(list[Delta]) is called from the owner thread, in order, until every sample
-        has finished (or an error Delta)."""
-        request = Request(prompts, params, n, stop, emit, self.tokenizer, first_index)
+        has finished (or an error Delta); stream=False (and no stop strings): once per
+        sample, when it ends."""
+        request = Request(prompts, params, n, stop, emit, self.tokenizer, first_index, stream)
         self.inbox.put(("add", request))
         return request
 
@@ -177,7 +184,8 @@ class EngineLoop:
         """One Delta per sample that moved in this step, sent per request."""
         out = {}
         for seq in self.engine.running:            # samples still going: their new tokens
-            if seq.request_id in self.by_request and seq.num_samples == 1:
+            request = self.by_request.get(seq.request_id, (None,))[0]
+            if request is not None and request.progress and seq.num_samples == 1:
                 self._progress(out, seq.request_id, seq.sample_index, seq.tokens[seq.num_prompt:],
                                seq.logprobs, seq.top_logprobs, seq.versions, None)
         for s in finished:  # samples that finished in this step: the rest of them

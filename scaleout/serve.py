@@ -70,7 +70,7 @@ num_blocks = 0               # KV blocks; 0 = sized from memory
 block_size = 16
 # 'paged' | 'radix' (token-granular: a chat's next turn reuses all of its history)
 cache_type = "paged"
-# decode steps as one compiled graph (engine.py's compile): about 1.2x the throughput end to
+# decode steps as one compiled graph (engine.py's compile): about 1.3x the throughput end to
 # end on a CPU (docs/serving.md), for a compile at startup (said in the log: about 30 s the
 # first time on a machine, under 10 s once torch's compile cache holds it). None: on where
 # that graph runs (the CPU in float32, experts' widths in multiples of 4), off elsewhere
@@ -271,10 +271,11 @@ class Choice:
         self.finish_reason = d.finish_reason
 
 
-async def deltas_of(server, http, prompts, params, n, stop, first_index=0):
-    """Yield lists of Deltas until every choice has finished. A client that disconnects
-    (seen while waiting, or as this generator being closed) has what is left of its
-    request aborted in the engine."""
+async def deltas_of(server, http, prompts, params, n, stop, first_index=0, stream=True):
+    """Yield lists of Deltas until every choice has finished (stream=False: a choice's
+    Deltas may come as one, at its end). A client that disconnects (seen while waiting,
+    or as this generator being closed) has what is left of its request aborted in the
+    engine."""
     queue, loop = asyncio.Queue(), asyncio.get_running_loop()
 
     def emit(deltas):   # called on the owner thread
@@ -284,7 +285,7 @@ async def deltas_of(server, http, prompts, params, n, stop, first_index=0):
             # the event loop is gone (shutting down): nobody is listening
             pass
 
-    request = server.loop.submit(prompts, params, n, stop, emit, first_index)
+    request = server.loop.submit(prompts, params, n, stop, emit, first_index, stream)
     left, checked = len(prompts) * n, time.monotonic()
     try:
         while left:
@@ -379,7 +380,7 @@ async def completions(server, http, body):
     if stream:
         return sse(server, http, prompts, params, n, stop, choices, body, head,
                    lambda ch, d: [choice_body(ch, d)], first)
-    async for deltas in deltas_of(server, http, prompts, params, n, stop, first):
+    async for deltas in deltas_of(server, http, prompts, params, n, stop, first, stream=False):
         for d in deltas:
             choices[d.index].add(d)
     return dict(head, choices=[choice_body(ch) for ch in choices],
@@ -420,7 +421,7 @@ async def chat_completions(server, http, body):
                     **({"prompt_token_ids": prompt} if ids_back else {}))
         return sse(server, http, [prompt], params, n, stop, choices, body, head,
                    chunk_choices)
-    async for deltas in deltas_of(server, http, [prompt], params, n, stop):
+    async for deltas in deltas_of(server, http, [prompt], params, n, stop, stream=False):
         for d in deltas:
             choices[d.index].add(d)
     return dict(head,
@@ -457,7 +458,7 @@ async def generate_tokens(server, http, body):
     if _field(body, "stream", (bool,), False):
         raise BadRequest("stream=true is not supported on /inference/v1/generate", "stream")
     choices = new_choices([prompt], n)
-    async for deltas in deltas_of(server, http, [prompt], params, n, stop):
+    async for deltas in deltas_of(server, http, [prompt], params, n, stop, stream=False):
         for d in deltas:
             choices[d.index].add(d)
 
