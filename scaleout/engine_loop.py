@@ -5,7 +5,7 @@ talks to it by message.
     loop = EngineLoop(engine, tokenizer)       # starts the owner thread
     request = loop.submit([prompt_ids], params, n=4, stop=["\\n\\n"], emit=callback)
     ...                                        # callback(list[Delta]) runs on the owner thread
-    loop.submit(..., stream=False)             # only each sample's last Delta (no stop strings)
+    loop.submit(..., stream=False)             # no stop strings: one Delta a sample, at its end
     loop.abort(request)                        # its client went away
     loop.call(lambda engine: engine.update_weights(state_dict))   # runs between two steps
     loop.close()
@@ -184,8 +184,8 @@ class EngineLoop:
         """One Delta per sample that moved in this step, sent per request."""
         out = {}
         for seq in self.engine.running:            # samples still going: their new tokens
-            request = self.by_request.get(seq.request_id, (None,))[0]
-            if request is not None and request.progress and seq.num_samples == 1:
+            entry = self.by_request.get(seq.request_id)    # (request, prompt index)
+            if entry and entry[0].progress and seq.num_samples == 1:
                 self._progress(out, seq.request_id, seq.sample_index, seq.tokens[seq.num_prompt:],
                                seq.logprobs, seq.top_logprobs, seq.versions, None)
         for s in finished:  # samples that finished in this step: the rest of them

@@ -2,7 +2,7 @@
 Rollouts from running scaleout/serve.py processes: train_grpo --rollout_urls.
 
     python -m scaleout.serve --model_path=DIR --port=8000 --enable_weight_updates=True &   # per GPU
-    # once its log says "serving" (it compiles its decode step first)
+    # once GET :8000/health answers (it compiles its decode step first)
     python train_grpo.py config/qwen_small.py --rollout_urls=http://127.0.0.1:8000
 
 The trainer samples through HTTP exactly as it samples in-process: RemoteEngine has the

@@ -73,7 +73,8 @@ cache_type = "paged"
 # decode steps as one compiled graph (engine.py's compile): about 1.3x the throughput end to
 # end on a CPU (docs/serving.md), for a compile at startup (said in the log: about 30 s the
 # first time on a machine, under 10 s once torch's compile cache holds it). None: on where
-# that graph runs (the CPU in float32, experts' widths in multiples of 4), off elsewhere
+# that graph runs (the CPU in float32, experts' widths in multiples of 4), off elsewhere;
+# --compile=True / False decides
 compile = None
 seed = 0                     # seeds the sampling of requests without a seed
 # the most top_logprobs a request may ask for
@@ -732,7 +733,7 @@ def main():
         raise ValueError(f"port must be in [0, 65536), got {port}")
     tokenizer = load_tokenizer(model_path)
     graph = compile if compile is not None else (   # where the decode graph runs
-        device == "cpu" and dtype == "float32"
+        torch.device(device).type == "cpu" and dtype == "float32"
         and grouped_experts(load_config(model_path), device, torch.float32))
     engine = InferenceEngine(EngineConfig(
         model_path=model_path, device=device, dtype=dtype, max_batch_size=max_batch_size, seed=seed,

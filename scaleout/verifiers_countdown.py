@@ -12,7 +12,7 @@ sequence the model actually produced.
 
     bash scaleout/install_verifiers.sh                     # a venv with verifiers==0.4.0 (+ uv)
     python -m scaleout.serve --model_path=out/qwen_small/grpo/ckpt --port=8123 &
-    # ready once its log says "serving" (it compiles its decode step first)
+    # once GET :8123/health answers (it compiles its decode step first)
     /tmp/vf_venv/bin/python scaleout/verifiers_countdown.py --base_url=http://127.0.0.1:8123
     /tmp/vf_venv/bin/python scaleout/verifiers_countdown.py --turns=2 --num_tasks=3
 

@@ -108,6 +108,40 @@ def engine(setup):
                                         num_blocks=256))
 
 
+def test_a_request_told_only_at_its_end_gets_what_a_streamed_one_gets(setup):
+    # EngineLoop.submit(stream=False), no stop strings: one Delta per sample, at its end
+    # (no text decoded in between); the same ids, logprobs, top logprobs, versions, text
+    # and finish reasons as a request reported step by step, n > 1 and preemptions included
+    from scaleout.engine_loop import EngineLoop
+    from scaleout.serve import Choice
+
+    def run(stream):
+        engine = InferenceEngine(EngineConfig(model_path=str(setup["root"] / "a"),
+                                              max_model_len=256, num_blocks=12))
+        loop, requests = EngineLoop(engine, setup["tok"]), []
+        for r in range(6):
+            n = [1, 4, 2][r % 3]
+            prompt = [[1, 100 + r, 4, 103, 5, 24], list(range(10, 40 + r))][r % 2]
+            params = SamplingParams(temperature=1.0, max_tokens=[1, 70, 40][r % 3], seed=r,
+                                    top_logprobs=2)
+            choices, done = [Choice(i, prompt) for i in range(n)], threading.Event()
+
+            def emit(deltas, choices=choices, done=done):
+                for d in deltas:
+                    choices[d.index].add(d)
+                if all(c.finish_reason for c in choices):
+                    done.set()
+            loop.submit([prompt], params, n, [], emit, stream=stream)
+            requests.append((choices, done))
+        assert all(done.wait(120) for _, done in requests)
+        preempted = loop.call(lambda e: e.stats()["preemptions"])
+        loop.close()
+        return [[(c.ids, c.logprobs, c.tops, c.versions, c.text, c.finish_reason) for c in choices]
+                for choices, _ in requests], preempted
+    (stepwise, preempted), (at_end, _) = run(True), run(False)
+    assert preempted > 0 and stepwise == at_end
+
+
 def post(setup, path, body, key=KEY):
     headers = {"Authorization": f"Bearer {key}"} if key else {}
     return httpx.post(setup["server"].url + path, json=body, headers=headers, timeout=60)
