@@ -209,15 +209,7 @@ class InferenceEngine:
                                                       config.compile, model.config.head_dim,
                                                       self.dtype)
         static = self.compile and self.backend in ("sdpa", "paged")
-        # one graph per decode step: on the CPU through the grouped expert matmul, on a
-        # GPU for dense models only (the experts' loop syncs with the host)
-        cfg, cpu = model.config, self.device.type == "cpu"
-        if cpu:
-            ok = grouped_experts(cfg, self.device, self.dtype)
-            widths = f"{cfg.hidden_size} and {cfg.moe_intermediate_size}"
-            why = f"hidden_size and moe_intermediate_size in multiples of 4, got {widths}"
-        else:
-            ok, why = not cfg.num_experts, f"dense models only, got {cfg.num_experts} experts"
+        ok, why = decode_graph_fits(model.config, self.device, self.dtype)
         require(ok or not static, f"compile=True on {self.device.type}: {why}; leave it off")
         self.static = StaticDecode(
             self.model, self.kv_cache, config.max_batch_size,
@@ -676,6 +668,18 @@ def make_blocks(config, num_blocks):
     if config.cache_type == "radix":
         return RadixCache(num_blocks * config.block_size)
     return BlockAllocator(num_blocks, config.block_size)
+
+
+def decode_graph_fits(cfg, device, dtype):
+    """(whether a step of decodes can run as one graph for this model here, why not): on
+    the CPU in float32 through the grouped expert matmul, on a GPU for dense models only
+    (the experts' loop syncs with the host)."""
+    if torch.device(device).type == "cpu":
+        widths = f"{cfg.hidden_size} and {cfg.moe_intermediate_size}"
+        return (dtype == torch.float32 and grouped_experts(cfg, device, dtype),
+                f"float32, and hidden_size and moe_intermediate_size in multiples of 4, "
+                f"got {widths}")
+    return not cfg.num_experts, f"dense models only, got {cfg.num_experts} experts"
 
 
 def attention_choice(device_type, backend, compile, head_dim, dtype=torch.float32):

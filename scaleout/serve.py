@@ -47,8 +47,9 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from checkpoint import load_config, load_hf_checkpoint, stop_ids_of
 from configurator import configure, is_int
-from engine import EngineConfig, InferenceEngine, SamplingParams, check_fits, check_prompt
-from model import grouped_experts
+from engine import (EngineConfig, InferenceEngine, SamplingParams, check_fits, check_prompt,
+                    decode_graph_fits)
+from model import as_dtype
 from scaleout.engine_loop import EngineLoop
 from scaleout.weight_sync import PeerGroup, WeightSync
 from tokenizer import check_template_kwargs, chat_ids, load_tokenizer
@@ -732,9 +733,9 @@ def main():
     if not 0 <= port < 65536:
         raise ValueError(f"port must be in [0, 65536), got {port}")
     tokenizer = load_tokenizer(model_path)
-    graph = compile if compile is not None else (   # where the decode graph runs
-        torch.device(device).type == "cpu" and dtype == "float32"
-        and grouped_experts(load_config(model_path), device, torch.float32))
+    graph = compile if compile is not None else (   # on where the decode graph runs: CPUs
+        torch.device(device).type == "cpu"
+        and decode_graph_fits(load_config(model_path), device, as_dtype(dtype))[0])
     engine = InferenceEngine(EngineConfig(
         model_path=model_path, device=device, dtype=dtype, max_batch_size=max_batch_size, seed=seed,
         max_num_batched_tokens=max_num_batched_tokens, max_model_len=max_model_len or None,
