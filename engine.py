@@ -672,14 +672,13 @@ def make_blocks(config, num_blocks):
 
 def decode_graph_fits(cfg, device, dtype):
     """(whether a step of decodes can run as one graph for this model here, why not): on
-    the CPU in float32 through the grouped expert matmul, on a GPU for dense models only
-    (the experts' loop syncs with the host)."""
-    if torch.device(device).type == "cpu":
-        widths = f"{cfg.hidden_size} and {cfg.moe_intermediate_size}"
-        return (dtype == torch.float32 and grouped_experts(cfg, device, dtype),
-                f"float32, and hidden_size and moe_intermediate_size in multiples of 4, "
-                f"got {widths}")
-    return not cfg.num_experts, f"dense models only, got {cfg.num_experts} experts"
+    the CPU in float32 through the grouped expert matmul; on a GPU always (an MoE
+    layer's capture runs every expert on every token: model.Experts)."""
+    widths = f"{cfg.hidden_size} and {cfg.moe_intermediate_size}"
+    return (torch.device(device).type != "cpu"
+            or dtype == torch.float32 and grouped_experts(cfg, device, dtype),
+            f"float32, and hidden_size and moe_intermediate_size in multiples of 4, "
+            f"got {widths}")
 
 
 def attention_choice(device_type, backend, compile, head_dim, dtype=torch.float32):

@@ -379,8 +379,11 @@ class Experts(nn.Module):
 
     def forward(self, x, top_idx, top_w):
         # x [T, H]; top_idx / top_w [T, k]: token t goes to experts top_idx[t] with
-        # weights top_w[t]. sort the T*k (token, slot) pairs by expert so each expert's
-        # tokens are one contiguous slice
+        # weights top_w[t]
+        if x.is_cuda and torch.cuda.is_current_stream_capturing():
+            return self._every_expert(x, top_idx, top_w)
+        # sort the T*k (token, slot) pairs by expert so each expert's tokens are one
+        # contiguous slice
         T, k = top_idx.shape
         flat = top_idx.flatten()
         order = flat.argsort(stable=True)
@@ -411,6 +414,16 @@ class Experts(nn.Module):
                 gate, up = F.linear(x, gate_up).chunk(2, dim=-1)
                 ys.append(F.linear(F.silu(gate) * up, down))
         return torch.cat(ys)
+
+    def _every_expert(self, x, top_idx, top_w):
+        # inside a CUDA graph (inference/decode.py's decode step) nothing may wait on the
+        # host, as the loop's slice sizes do: every expert runs on every token (E / k
+        # times the FLOPs, for a decode step's few tokens), and each token keeps its k
+        # outputs, weighted and summed as above
+        gate, up = torch.matmul(x, self.gate_up_proj.transpose(1, 2)).chunk(2, dim=-1)
+        ys = torch.matmul(F.silu(gate) * up, self.down_proj.transpose(1, 2))   # [E, T, H]
+        y = ys[top_idx, torch.arange(len(x), device=x.device)[:, None]]       # [T, k, H]
+        return (y * top_w[..., None]).sum(dim=1)
 
     def _grouped(self, xs, counts):
         # the same two matmuls for all experts in one grouped-GEMM call each (offs = where

@@ -117,7 +117,7 @@ parser.add_argument("--turn_tokens", type=int, default=24,
                     help="new tokens per reply in the multi-turn row")
 parser.add_argument("--compile", default="auto", choices=["auto", "on", "off"],
                     help="our engine's static decode step (EngineConfig.compile), paid before the "
-                         "timed calls; auto: on the CPU in float32, on a GPU for --layout dense")
+                         "timed calls; auto: on the CPU in float32 and on a GPU")
 parser.add_argument("--peers", default="auto", choices=["auto", "only", "off"],
                     help="the rows against vLLM and TRL (bench_peers.py): auto = when installed, "
                     "only = skip every other row")
@@ -195,11 +195,10 @@ def workload(g):
 # 1 + 2: rollouts and prefix caching
 
 
-# the static decode step: one compiled graph on the CPU in fp32, CUDA graphs on a GPU for
-# a dense model (engine.py refuses it elsewhere)
+# the static decode step: one compiled graph on the CPU in fp32, CUDA graphs on a GPU
+# (engine.py refuses it elsewhere)
 COMPILE = args.compile == "on" or args.compile == "auto" and (
-    (args.device == "cpu" and args.dtype == "float32")
-    or (args.device.startswith("cuda") and args.layout == "dense"))
+    args.device == "cpu" and args.dtype == "float32" or args.device.startswith("cuda"))
 
 
 def rollout_config(prompts, compiled=COMPILE):

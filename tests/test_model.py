@@ -328,7 +328,7 @@ def test_bad_dtype_and_config_values():
 @torch.no_grad()
 def test_grouped_gemm_experts_equal_the_loop(monkeypatch):
     # inference on CPU takes torch._grouped_mm; training (and GROUPED_MM=False)
-    # the per-expert loop
+    # the per-expert loop; a CUDA graph's capture every expert on every token
     import model
     torch.manual_seed(0)
     experts = model.Experts(8, 32, 24)
@@ -345,8 +345,10 @@ def test_grouped_gemm_experts_equal_the_loop(monkeypatch):
             e = top_idx[t, j]
             gate, up = (experts.gate_up_proj[e] @ x[t]).chunk(2)
             ref[t] += top_w[t, j] * (experts.down_proj[e] @ (F.silu(gate) * up))
+    every = experts._every_expert(x, top_idx, top_w)
     assert (slow - ref).abs().max().item() < 1e-5
     assert (fast - ref).abs().max().item() < 1e-5
+    assert (every - ref).abs().max().item() < 1e-5
 
 
 @torch.no_grad()
