@@ -44,32 +44,58 @@ class Delta:
 
 
 class SampleText:
-    """One sample's ids and text so far. The text is decoded in full each time (simple and
-    exact; fine for the completion lengths this server sees) and handed out with the
-    last few characters held back while they could still be the start of a stop string,
-    or an incomplete character."""
+    """One sample's ids and text so far. Each step decodes only the ids new since the
+    last, after the last step's ids again as context (as vLLM does): a tokenizer may spell
+    a token differently at the start of a text, and the context's own text, decoded the
+    same way, is cut off again. A step so costs what its new ids cost, where decoding
+    the whole sample each step made a long completion's steps cost ever more. A tokenizer
+    that cleans up spaces (clean_up_tokenization_spaces: " ." -> ".", across the ids'
+    boundaries) decodes the whole sample instead. The text is handed out with the last
+    few characters held back while they could still be the start of a stop string, or an
+    incomplete character."""
 
     def __init__(self, tokenizer, stop):
         self.tokenizer, self.stop = tokenizer, stop
         self.hold = max((len(s) for s in stop), default=1) - 1
         self.ids, self.sent, self.finish_reason = [], 0, None
+        # the text of ids[:read], and where the last step's ids (the context) start
+        self.text, self.context, self.read = "", 0, 0
+        self.whole = bool(getattr(tokenizer, "clean_up_tokenization_spaces", False))
 
     def add(self, ids, final):
         """Take new ids; returns (new text, stopped): stopped when a stop string appeared
         (text cut before it)."""
         self.ids += ids
-        text = self.tokenizer.decode(self.ids, skip_special_tokens=True)
+        text = self._decode(final)
         cut = min((i for i in (text.find(s, max(self.sent - len(s), 0)) for s in self.stop)
                    if i >= 0), default=-1)
         if cut >= 0:
             text, final = text[:cut], True
-        elif not final:
-            text = text[:len(text) - self.hold] if self.hold else text
-            # an incomplete multi-byte character: wait for its other bytes
-            while text.endswith("\ufffd"):
-                text = text[:-1]
+        elif not final and self.hold:
+            text = text[:max(len(text) - self.hold, 0)]
         new, self.sent = text[self.sent:], max(self.sent, len(text))
         return new, cut >= 0
+
+    def _decode(self, final):
+        """The text of every id so far, less an incomplete character at its end (whose
+        other bytes are still to come) unless final."""
+        def decode(ids):
+            return self.tokenizer.decode(ids, skip_special_tokens=True)
+        if self.whole:
+            text = decode(self.ids)
+            while not final and text.endswith("\ufffd"):
+                text = text[:-1]
+            return text
+        before, after = decode(self.ids[self.context:self.read]), decode(self.ids[self.context:])
+        if not after.startswith(before):   # no tokenizer seen does this: decode it all
+            self.whole = True
+            return self._decode(final)
+        if final or not after.endswith("\ufffd"):
+            new = after[len(before):]
+            self.text += new
+            # ids with no text (special ones) are no context: the next step keeps this one
+            self.context, self.read = self.read if new else self.context, len(self.ids)
+        return self.text
 
 
 class Request:

@@ -6,6 +6,7 @@ scaleout/client.py's token-exact conversations.
 
 import dataclasses
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -140,6 +141,67 @@ def test_a_request_told_only_at_its_end_gets_what_a_streamed_one_gets(setup):
                 for choices, _ in requests], preempted
     (stepwise, preempted), (at_end, _) = run(True), run(False)
     assert preempted > 0 and stepwise == at_end
+
+
+def bpe_tokenizer(byte_level):
+    """A small BPE tokenizer trained here: byte-level (Qwen's and Llama 3's kind, whose ids
+    split multi-byte characters) or SentencePiece-style (a token's leading space is
+    dropped at the start of a text)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+    core = Tokenizer(models.BPE(unk_token=None if byte_level else "<unk>"))
+    if byte_level:
+        core.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+        core.decoder = decoders.ByteLevel()
+        alphabet = pre_tokenizers.ByteLevel.alphabet()
+    else:
+        core.pre_tokenizer, core.decoder, alphabet = (pre_tokenizers.Metaspace(),
+                                                      decoders.Metaspace(), [])
+    trainer = trainers.BpeTrainer(vocab_size=400, initial_alphabet=alphabet,
+                                  special_tokens=["<s>", "</s>", "<unk>"])
+    core.train_from_iterator(DETOK_TEXTS * 20, trainer)
+    return PreTrainedTokenizerFast(tokenizer_object=core, bos_token="<s>", eos_token="</s>",
+                                   clean_up_tokenization_spaces=False)
+
+
+DETOK_TEXTS = ["héllo wörld, ça va? 日本語のテキスト 🙂🚀 naïve café, fin.",
+               "the quick brown fox can't jump . ok ! really ?"]
+
+
+@pytest.mark.parametrize("kind", ["ours", "byte-level", "sentencepiece"])
+def test_text_decoded_a_step_at_a_time_is_the_whole_decode(kind):
+    # the server decodes only each step's new ids (after the last step's as context): the
+    # text handed out, stop strings cut, must be what decoding every id at once gives,
+    # through characters split over ids, invalid bytes, special tokens mid-text and a
+    # leading space dropped at a text's start; and a long sample's decoding stays linear
+    from scaleout.engine_loop import SampleText
+    tok = {"ours": build_tokenizer, "byte-level": lambda: bpe_tokenizer(True),
+           "sentencepiece": lambda: bpe_tokenizer(False)}[kind]()
+    decoded = []   # how many ids each decode call was given
+    real_decode = tok.decode
+    tok.decode = lambda ids, **kw: decoded.append(len(ids)) or real_decode(ids, **kw)
+    rng = random.Random(0)
+    for trial in range(300):
+        if trial % 2:   # random ids: invalid bytes and split characters
+            ids = [rng.randrange(len(tok)) for _ in range(rng.randrange(1, 60))]
+        else:           # real text, with special ids put in
+            ids = tok(rng.choice(DETOK_TEXTS)[rng.randrange(40):])["input_ids"]
+            for _ in range(rng.randrange(3)):
+                ids.insert(rng.randrange(len(ids) + 1), rng.randrange(2))
+        stop = rng.choice([[], ["a"], [" ca", "ö"], ["fox c"]])
+        sample, text, i, stopped = SampleText(tok, stop), "", 0, False
+        while i < len(ids) and not stopped:
+            step = rng.randrange(1, 4)
+            new, stopped = sample.add(ids[i:i + step], final=i + step >= len(ids))
+            text, i = text + new, i + step
+        whole = real_decode(ids, skip_special_tokens=True)
+        cut = min((whole.find(s) for s in stop if s in whole), default=len(whole))
+        assert text == whole[:cut], (ids, stop)
+    decoded.clear()
+    sample, long = SampleText(tok, ["zzz"]), tok("the quick brown fox " * 200)["input_ids"]
+    for i in range(len(long)):
+        sample.add(long[i:i + 1], final=False)
+    assert sum(decoded) < 4 * len(long), "each step decodes only its own ids and a few more"
 
 
 def post(setup, path, body, key=KEY):
