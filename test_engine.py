@@ -225,6 +225,32 @@ def test_the_decode_kernel_reads_blocks_in_place_as_float64_attention_would(head
             assert (got[b].double() - ref).abs().max().item() < 1e-5
 
 
+@torch.no_grad()
+@NEEDS_KERNEL
+def test_the_decode_op_checks_every_index_before_it_writes():
+    # nanorl::paged_decode_cpp, the decode graph's attention op (in C++): a slot or a
+    # block outside the pool, or a position past the table, is refused, named, and the
+    # pools are left as they were
+    decode_kernel()   # registers the op
+    g = torch.Generator().manual_seed(0)
+    k_cache, v_cache = (torch.randn(2, 6, 4, 2, 8, generator=g) for _ in "kv")   # 2 layers
+    q, k, v = torch.randn(3, 4, 8), torch.randn(3, 2, 8), torch.randn(3, 2, 8)
+    slots, tables, positions = torch.tensor([1, 9, 22]), torch.tensor([[0, 5]] * 3), \
+        torch.tensor([1, 5, 6])
+    good = torch.ops.nanorl.paged_decode_cpp(q, k, v, k_cache, v_cache, 1, slots, tables,
+                                             positions)
+    assert good.shape == q.shape and torch.equal(k_cache[1].view(-1, 2, 8)[slots], k)
+    bad = [(torch.tensor([1, 9, 24]), tables, positions, "slot 24 outside the pool"),
+           (slots, torch.tensor([[0, 5], [0, 6], [0, 5]]), positions, "block 6 outside"),
+           (slots, tables, torch.tensor([1, 8, 6]), "position 8 outside a table of 2")]
+    for bad_slots, bad_tables, bad_positions, message in bad:
+        before = k_cache.clone(), v_cache.clone()
+        with pytest.raises(RuntimeError, match=message):
+            torch.ops.nanorl.paged_decode_cpp(q, k + 1, v + 1, k_cache, v_cache, 1, bad_slots,
+                                              bad_tables, bad_positions)
+        assert torch.equal(k_cache, before[0]) and torch.equal(v_cache, before[1])
+
+
 @NEEDS_KERNEL
 @pytest.mark.parametrize("compile", [False, True])
 def test_decodes_read_in_place_draw_what_sdpa_draws(moe, compile):

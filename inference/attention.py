@@ -20,6 +20,7 @@ exactly what transformers' eager attention computes (the tests compare).
 import functools
 import math
 import os
+import platform
 import zlib
 from dataclasses import dataclass
 
@@ -44,13 +45,16 @@ def decode_kernel():
     DecodeAttention). None, with the reason printed, where it cannot be built (no C++
     compiler or ninja). Built by torch's extension builder on first use (tens of
     seconds), then loaded from its folder under ~/.cache/torch_extensions, which is
-    named by the source's path, contents and flags: one build per checkout and machine."""
+    named by the source's path, contents and flags and the CPU's instruction sets: one
+    build per checkout and kind of CPU (-march=native code may not run on another, and
+    a home directory may be shared by machines with different CPUs)."""
     from torch.utils.cpp_extension import get_default_build_root, load
     source = os.path.join(os.path.dirname(os.path.abspath(__file__)), "paged_attention.cpp")
     # -ffast-math for the compile only: vectorised expf and sums (see the source)
     flags = ["-O3", "-march=native", "-ffast-math"]
     with open(source, "rb") as f:
-        digest = zlib.crc32(f.read() + source.encode() + " ".join(flags).encode())
+        digest = zlib.crc32(f.read() + source.encode() + " ".join(flags).encode()
+                            + _cpu_features().encode())
     name = f"nanorl_paged_attention_{digest:08x}"
     folder = os.path.join(get_default_build_root(), name)
     if not os.path.exists(os.path.join(folder, f"{name}.so")):
@@ -61,6 +65,15 @@ def decode_kernel():
     except Exception as e:   # what the builder raises varies: compiler, ninja, linker
         print(f"inference/paged_attention.cpp could not be built: {str(e)[:300]}")
         return None
+
+
+def _cpu_features():
+    # what -march=native compiles for: the flags line of /proc/cpuinfo on Linux
+    try:
+        with open("/proc/cpuinfo") as f:
+            return next((line for line in f if line.startswith("flags")), "")
+    except OSError:
+        return platform.processor()
 
 
 class PagedKVCache:

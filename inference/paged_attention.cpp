@@ -85,10 +85,11 @@ static void attend_one(const float* q, const float* k_pool, const float* v_pool,
 }
 
 // q [B, heads, D]; k_pool, v_pool [blocks, block_size, kv_heads, D]; tables [B, W] int64;
-// positions [B] int64 (each query's position: it sees tokens 0 .. position). Returns
-// [B, heads, D]. Every read is checked to lie inside the tensors it reads.
-torch::Tensor decode_attention(torch::Tensor q, torch::Tensor k_pool, torch::Tensor v_pool,
-                               torch::Tensor tables, torch::Tensor positions, double scale) {
+// positions [B] int64 (each query's position: it sees tokens 0 .. position). Checks that
+// every read attend_all will make lies inside the tensors it reads.
+static void check_reads(const torch::Tensor& q, const torch::Tensor& k_pool,
+                        const torch::Tensor& v_pool, const torch::Tensor& tables,
+                        const torch::Tensor& positions) {
   for (const auto& t : {q, k_pool, v_pool, tables, positions})
     TORCH_CHECK(t.device().is_cpu() && t.is_contiguous(), "decode_attention: CPU tensors, "
                 "contiguous");
@@ -103,6 +104,22 @@ torch::Tensor decode_attention(torch::Tensor q, torch::Tensor k_pool, torch::Ten
   TORCH_CHECK(tables.dim() == 2 && tables.size(0) == q.size(0)
               && positions.numel() == q.size(0), "decode_attention: a table and a position "
               "per query");
+  const int64_t B = q.size(0), W = tables.size(1), block_size = k_pool.size(1);
+  const int64_t* tp = tables.data_ptr<int64_t>();
+  const int64_t* pos = positions.data_ptr<int64_t>();
+  for (int64_t b = 0; b < B; ++b) {
+    TORCH_CHECK(pos[b] >= 0 && pos[b] < W * block_size, "decode_attention: position ",
+                pos[b], " outside a table of ", W, " blocks");
+    for (int64_t i = 0; i <= pos[b] / block_size; ++i)
+      TORCH_CHECK(tp[b * W + i] >= 0 && tp[b * W + i] < k_pool.size(0),
+                  "decode_attention: block ", tp[b * W + i], " outside the pool");
+  }
+}
+
+// The attention itself, over tensors check_reads has passed. Returns [B, heads, D].
+static torch::Tensor attend_all(const torch::Tensor& q, const torch::Tensor& k_pool,
+                                const torch::Tensor& v_pool, const torch::Tensor& tables,
+                                const torch::Tensor& positions, double scale) {
   const int64_t B = q.size(0), heads = q.size(1), D = q.size(2);
   const int64_t block_size = k_pool.size(1), kv_heads = k_pool.size(2), W = tables.size(1);
   auto out = torch::empty_like(q);
@@ -116,14 +133,6 @@ torch::Tensor decode_attention(torch::Tensor q, torch::Tensor k_pool, torch::Ten
   // a fixed head size lets the compiler unroll and vectorise the loops over d
   auto* attend = D == 32 ? attend_one<32> : D == 64 ? attend_one<64>
                : D == 128 ? attend_one<128> : attend_one<0>;
-  const int64_t num_blocks = k_pool.size(0);
-  for (int64_t b = 0; b < B; ++b) {
-    TORCH_CHECK(pos[b] >= 0 && pos[b] < W * block_size, "decode_attention: position ",
-                pos[b], " outside a table of ", W, " blocks");
-    for (int64_t i = 0; i <= pos[b] / block_size; ++i)
-      TORCH_CHECK(tp[b * W + i] >= 0 && tp[b * W + i] < num_blocks, "decode_attention: block ",
-                  tp[b * W + i], " outside the pool");
-  }
   at::parallel_for(0, B, 1, [&](int64_t lo, int64_t hi) {
     std::vector<float> scores(heads * W * block_size);   // this thread's, reused
     for (int64_t b = lo; b < hi; ++b)
@@ -133,44 +142,63 @@ torch::Tensor decode_attention(torch::Tensor q, torch::Tensor k_pool, torch::Ten
   return out;
 }
 
-// Copies token i's vectors new[i] [kv_heads, D] into slot slots[i] of a layer's pool
-// [blocks, block_size, kv_heads, D] (slot = block * block_size + offset). new is read in
-// place when each token's vectors are contiguous (a view of the layer's qkv is)
-static void write_slots(torch::Tensor pool, torch::Tensor new_rows, const torch::Tensor& slots) {
+// The module's function: check_reads, then attend_all.
+torch::Tensor decode_attention(torch::Tensor q, torch::Tensor k_pool, torch::Tensor v_pool,
+                               torch::Tensor tables, torch::Tensor positions, double scale) {
+  check_reads(q, k_pool, v_pool, tables, positions);
+  return attend_all(q, k_pool, v_pool, tables, positions, scale);
+}
+
+// Checks that write_slots may copy token i's vectors new[i] [kv_heads, D] into slot
+// slots[i] of a layer's pool [blocks, block_size, kv_heads, D] (slot = block * block_size
+// + offset): every slot inside the pool.
+static void check_slots(const torch::Tensor& pool, const torch::Tensor& new_rows,
+                        const torch::Tensor& slots) {
   const int64_t row = pool.size(2) * pool.size(3), num_slots = pool.size(0) * pool.size(1);
   TORCH_CHECK(new_rows.scalar_type() == torch::kFloat && new_rows.dim() == 3
               && new_rows.size(1) * new_rows.size(2) == row, "paged_decode: new keys and "
               "values [tokens, kv_heads, D] of float32");
   TORCH_CHECK(slots.scalar_type() == torch::kLong && slots.is_contiguous()
               && slots.numel() == new_rows.size(0), "paged_decode: an int64 slot per token");
+  const int64_t* slot = slots.data_ptr<int64_t>();
+  for (int64_t i = 0; i < slots.numel(); ++i)
+    TORCH_CHECK(slot[i] >= 0 && slot[i] < num_slots, "paged_decode: slot ", slot[i],
+                " outside the pool");
+}
+
+// The copies check_slots allowed. new is read in place when each token's vectors are
+// contiguous (a view of the layer's qkv is)
+static void write_slots(torch::Tensor pool, torch::Tensor new_rows, const torch::Tensor& slots) {
+  const int64_t row = pool.size(2) * pool.size(3);
   if (new_rows.stride(2) != 1 || new_rows.stride(1) != new_rows.size(2))
     new_rows = new_rows.contiguous();
   const float* src = new_rows.data_ptr<float>();
   const int64_t* slot = slots.data_ptr<int64_t>();
   float* dst = pool.data_ptr<float>();
-  for (int64_t i = 0; i < slots.numel(); ++i) {
-    TORCH_CHECK(slot[i] >= 0 && slot[i] < num_slots, "paged_decode: slot ", slot[i],
-                " outside the pool");
+  for (int64_t i = 0; i < slots.numel(); ++i)
     std::copy_n(src + i * new_rows.stride(0), row, dst + slot[i] * row);
-  }
 }
 
 // The decode graph's op nanorl::paged_decode_cpp (inference/attention.py, DecodeAttention):
 // one layer of a step in which every sequence decodes. Writes the step's keys and values
 // [B, kv_heads, D] (views of the layer's qkv) into their slots of the layer's pools, then
-// attends. Registered here so that the compiled graph calls it without a trip through Python.
+// attends; everything is checked before anything is written. Registered here so that the
+// compiled graph calls it without a trip through Python.
 static torch::Tensor paged_decode(const torch::Tensor& q, const torch::Tensor& k,
                                   const torch::Tensor& v, torch::Tensor k_cache,
                                   torch::Tensor v_cache, int64_t layer,
                                   const torch::Tensor& slots, const torch::Tensor& tables,
                                   const torch::Tensor& positions) {
   auto k_pool = k_cache.select(0, layer), v_pool = v_cache.select(0, layer);
-  TORCH_CHECK(k_pool.is_contiguous() && v_pool.is_contiguous() && k_pool.dim() == 4,
-              "paged_decode: contiguous pools [layers, blocks, block_size, kv_heads, D]");
+  const auto query = q.contiguous();
+  const auto position = positions.reshape({-1});
+  check_reads(query, k_pool, v_pool, tables, position);
+  check_slots(k_pool, k, slots);
+  check_slots(v_pool, v, slots);
   write_slots(k_pool, k, slots);
   write_slots(v_pool, v, slots);
-  return decode_attention(q.contiguous(), k_pool, v_pool, tables, positions.reshape({-1}),
-                          1.0 / std::sqrt(static_cast<double>(q.size(2))));
+  return attend_all(query, k_pool, v_pool, tables, position,
+                    1.0 / std::sqrt(static_cast<double>(q.size(2))));
 }
 
 TORCH_LIBRARY_IMPL(nanorl, CPU, m) {
