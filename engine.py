@@ -674,9 +674,10 @@ def decode_graph_fits(cfg, device, dtype):
     """(whether a step of decodes can run as one graph for this model here, why not): on
     the CPU in float32 through the grouped expert matmul; on a GPU always (an MoE
     layer's capture runs every expert on every token: model.Experts)."""
+    if torch.device(device).type != "cpu":
+        return True, ""
     widths = f"{cfg.hidden_size} and {cfg.moe_intermediate_size}"
-    return (torch.device(device).type != "cpu"
-            or dtype == torch.float32 and grouped_experts(cfg, device, dtype),
+    return (dtype == torch.float32 and grouped_experts(cfg, device, dtype),
             f"float32, and hidden_size and moe_intermediate_size in multiples of 4, "
             f"got {widths}")
 

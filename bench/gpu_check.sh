@@ -2,8 +2,8 @@
 # The GPU checks in one script of at most 8 minutes, for a session that is lent a GPU: the CUDA
 # tests (tests/test_cuda.py) and bench/bench.py's CUDA rows (ours against transformers, bf16, the
 # decode step as CUDA graphs) at the embedded default and at Qwen3-0.6B's shape (dense, 28 layers,
-# its vocabulary; 128 sequences of about 512 tokens), with the GPU named. Each part has its own time limit,
-# so a hang cannot eat the machine's budget.
+# its vocabulary; 128 sequences of about 512 tokens), with the GPU named. Each part has its own
+# time limit, so a hang cannot eat the machine's budget.
 #
 #   bash bench/gpu_check.sh [OUT_DIR]       # default out/gpu_check: gpu.txt, tests.txt, bench*.txt
 #

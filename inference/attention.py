@@ -68,12 +68,13 @@ def decode_kernel():
 
 
 def _cpu_features():
-    # what -march=native compiles for: the flags line of /proc/cpuinfo on Linux
+    # what -march=native compiles for: on Linux the instruction sets /proc/cpuinfo lists
+    # (x86's "flags", ARM's "Features")
     try:
         with open("/proc/cpuinfo") as f:
-            return next((line for line in f if line.startswith("flags")), "")
+            return next((line for line in f if line.startswith(("flags", "Features"))), "")
     except OSError:
-        return platform.processor()
+        return platform.machine() + platform.processor()
 
 
 class PagedKVCache:

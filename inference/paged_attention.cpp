@@ -149,17 +149,19 @@ torch::Tensor decode_attention(torch::Tensor q, torch::Tensor k_pool, torch::Ten
   return attend_all(q, k_pool, v_pool, tables, positions, scale);
 }
 
-// Checks that write_slots may copy token i's vectors new[i] [kv_heads, D] into slot
-// slots[i] of a layer's pool [blocks, block_size, kv_heads, D] (slot = block * block_size
-// + offset): every slot inside the pool.
-static void check_slots(const torch::Tensor& pool, const torch::Tensor& new_rows,
-                        const torch::Tensor& slots) {
+// Checks that write_slots may copy token i's key and value vectors k[i], v[i]
+// [kv_heads, D] into slot slots[i] of a layer's pools [blocks, block_size, kv_heads, D]
+// (slot = block * block_size + offset): every slot inside the pool.
+static void check_slots(const torch::Tensor& pool, const torch::Tensor& k,
+                        const torch::Tensor& v, const torch::Tensor& slots) {
   const int64_t row = pool.size(2) * pool.size(3), num_slots = pool.size(0) * pool.size(1);
-  TORCH_CHECK(new_rows.scalar_type() == torch::kFloat && new_rows.dim() == 3
-              && new_rows.size(1) * new_rows.size(2) == row, "paged_decode: new keys and "
-              "values [tokens, kv_heads, D] of float32");
+  for (const auto& t : {k, v})
+    TORCH_CHECK(t.scalar_type() == torch::kFloat && t.dim() == 3
+                && t.size(1) * t.size(2) == row, "paged_decode: new keys and values "
+                "[tokens, kv_heads, D] of float32");
   TORCH_CHECK(slots.scalar_type() == torch::kLong && slots.is_contiguous()
-              && slots.numel() == new_rows.size(0), "paged_decode: an int64 slot per token");
+              && slots.numel() == k.size(0) && slots.numel() == v.size(0),
+              "paged_decode: an int64 slot per token");
   const int64_t* slot = slots.data_ptr<int64_t>();
   for (int64_t i = 0; i < slots.numel(); ++i)
     TORCH_CHECK(slot[i] >= 0 && slot[i] < num_slots, "paged_decode: slot ", slot[i],
@@ -193,8 +195,7 @@ static torch::Tensor paged_decode(const torch::Tensor& q, const torch::Tensor& k
   const auto query = q.contiguous();
   const auto position = positions.reshape({-1});
   check_reads(query, k_pool, v_pool, tables, position);
-  check_slots(k_pool, k, slots);
-  check_slots(v_pool, v, slots);
+  check_slots(k_pool, k, v, slots);
   write_slots(k_pool, k, slots);
   write_slots(v_pool, v, slots);
   return attend_all(query, k_pool, v_pool, tables, position,

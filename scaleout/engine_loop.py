@@ -25,6 +25,7 @@ tokens, num_prompt, logprobs, versions); a preempted sample keeps them while it 
 so what was reported is never taken back.
 """
 
+import functools
 import queue
 import threading
 from dataclasses import dataclass
@@ -44,15 +45,12 @@ class Delta:
 
 
 class SampleText:
-    """One sample's ids and text so far. Each step decodes only the ids new since the
-    last, after the last step's ids again as context (as vLLM does): a tokenizer may spell
-    a token differently at the start of a text, and the context's own text, decoded the
-    same way, is cut off again. A step so costs what its new ids cost, where decoding
-    the whole sample each step made a long completion's steps cost ever more. A tokenizer
-    that cleans up spaces (clean_up_tokenization_spaces: " ." -> ".", across the ids'
-    boundaries) decodes the whole sample instead. The text is handed out with the last
-    few characters held back while they could still be the start of a stop string, or an
-    incomplete character."""
+    """One sample's ids and text so far. Each step decodes only its new ids, after the last
+    step's ids as context (as vLLM does; a tokenizer may spell a text's first token
+    differently, and the context's own text, decoded the same way, is cut off again), so
+    a step costs what its new ids cost, not what the whole sample does. The text is
+    handed out with its last few characters held back while they could still start a
+    stop string, or be an incomplete character."""
 
     def __init__(self, tokenizer, stop):
         self.tokenizer, self.stop = tokenizer, stop
@@ -60,7 +58,7 @@ class SampleText:
         self.ids, self.sent, self.finish_reason = [], 0, None
         # the text of ids[:read], and where the last step's ids (the context) start
         self.text, self.context, self.read = "", 0, 0
-        self.whole = bool(getattr(tokenizer, "clean_up_tokenization_spaces", False))
+        self.whole = not joins_texts(tokenizer)   # then each step decodes every id
 
     def add(self, ids, final):
         """Take new ids; returns (new text, stopped): stopped when a stop string appeared
@@ -79,23 +77,32 @@ class SampleText:
     def _decode(self, final):
         """The text of every id so far, less an incomplete character at its end (whose
         other bytes are still to come) unless final."""
-        def decode(ids):
-            return self.tokenizer.decode(ids, skip_special_tokens=True)
+        decode = self.tokenizer.decode
+        if not self.whole:
+            before = decode(self.ids[self.context:self.read], skip_special_tokens=True)
+            after = decode(self.ids[self.context:], skip_special_tokens=True)
+            self.whole = not after.startswith(before)   # no tokenizer seen does this
         if self.whole:
-            text = decode(self.ids)
+            text = decode(self.ids, skip_special_tokens=True)
             while not final and text.endswith("\ufffd"):
                 text = text[:-1]
             return text
-        before, after = decode(self.ids[self.context:self.read]), decode(self.ids[self.context:])
-        if not after.startswith(before):   # no tokenizer seen does this: decode it all
-            self.whole = True
-            return self._decode(final)
         if final or not after.endswith("\ufffd"):
             new = after[len(before):]
             self.text += new
             # ids with no text (special ones) are no context: the next step keeps this one
             self.context, self.read = self.read if new else self.context, len(self.ids)
         return self.text
+
+
+@functools.cache
+def joins_texts(tokenizer):
+    """Whether decoding ids joins their texts as they are, which decoding a step at a time
+    needs; transformers' clean_up_tokenization_spaces (" ." -> ".", across ids), where it
+    applies, does not."""
+    probe = "a ."
+    return tokenizer.decode(tokenizer.encode(probe, add_special_tokens=False),
+                            skip_special_tokens=True) == probe
 
 
 class Request:

@@ -143,6 +143,10 @@ def test_a_request_told_only_at_its_end_gets_what_a_streamed_one_gets(setup):
     assert preempted > 0 and stepwise == at_end
 
 
+DETOK_TEXTS = ["héllo wörld, ça va? 日本語のテキスト 🙂🚀 naïve café, fin.",
+               "the quick brown fox can't jump . ok ! really ?"]
+
+
 def bpe_tokenizer(byte_level):
     """A small BPE tokenizer trained here: byte-level (Qwen's and Llama 3's kind, whose ids
     split multi-byte characters) or SentencePiece-style (a token's leading space is
@@ -164,10 +168,6 @@ def bpe_tokenizer(byte_level):
                                    clean_up_tokenization_spaces=False)
 
 
-DETOK_TEXTS = ["héllo wörld, ça va? 日本語のテキスト 🙂🚀 naïve café, fin.",
-               "the quick brown fox can't jump . ok ! really ?"]
-
-
 @pytest.mark.parametrize("kind", ["ours", "byte-level", "sentencepiece"])
 def test_text_decoded_a_step_at_a_time_is_the_whole_decode(kind):
     # the server decodes only each step's new ids (after the last step's as context): the
@@ -177,9 +177,12 @@ def test_text_decoded_a_step_at_a_time_is_the_whole_decode(kind):
     from scaleout.engine_loop import SampleText
     tok = {"ours": build_tokenizer, "byte-level": lambda: bpe_tokenizer(True),
            "sentencepiece": lambda: bpe_tokenizer(False)}[kind]()
-    decoded = []   # how many ids each decode call was given
-    real_decode = tok.decode
-    tok.decode = lambda ids, **kw: decoded.append(len(ids)) or real_decode(ids, **kw)
+    decoded, real_decode = [], tok.decode   # how many ids each decode call was given
+
+    def counted_decode(ids, **kw):
+        decoded.append(len(ids))
+        return real_decode(ids, **kw)
+    tok.decode = counted_decode
     rng = random.Random(0)
     for trial in range(300):
         if trial % 2:   # random ids: invalid bytes and split characters
