@@ -58,7 +58,8 @@ class SampleText:
         self.ids, self.sent, self.finish_reason = [], 0, None
         # the text of ids[:read], and where the last step's ids (the context) start
         self.text, self.context, self.read = "", 0, 0
-        self.whole = not joins_texts(tokenizer)   # then each step decodes every id
+        self.decode = step_decoder(tokenizer)
+        self.whole = self.decode is None   # then each step decodes every id
 
     def add(self, ids, final):
         """Take new ids; returns (new text, stopped): stopped when a stop string appeared
@@ -77,13 +78,12 @@ class SampleText:
     def _decode(self, final):
         """The text of every id so far, less an incomplete character at its end (whose
         other bytes are still to come) unless final."""
-        decode = self.tokenizer.decode
         if not self.whole:
-            before = decode(self.ids[self.context:self.read], skip_special_tokens=True)
-            after = decode(self.ids[self.context:], skip_special_tokens=True)
+            before = self.decode(self.ids[self.context:self.read])
+            after = self.decode(self.ids[self.context:])
             self.whole = not after.startswith(before)   # no tokenizer seen does this
         if self.whole:
-            text = decode(self.ids, skip_special_tokens=True)
+            text = self.tokenizer.decode(self.ids, skip_special_tokens=True)
             while not final and text.endswith("\ufffd"):
                 text = text[:-1]
             return text
@@ -96,13 +96,18 @@ class SampleText:
 
 
 @functools.cache
-def joins_texts(tokenizer):
-    """Whether decoding ids joins their texts as they are, which decoding a step at a time
-    needs; transformers' clean_up_tokenization_spaces (" ." -> ".", across ids), where it
-    applies, does not."""
+def step_decoder(tokenizer):
+    """decode(ids) -> text (special ids skipped) for decoding a step at a time, or None
+    where decoding ids does not join their texts as they are: transformers'
+    clean_up_tokenization_spaces (" ." -> ".", across ids), where it applies. A fast
+    tokenizer's own decode, without transformers' wrapper around it (most of the time of
+    a step's few ids)."""
     probe = "a ."
-    return tokenizer.decode(tokenizer.encode(probe, add_special_tokens=False),
-                            skip_special_tokens=True) == probe
+    if tokenizer.decode(tokenizer.encode(probe, add_special_tokens=False),
+                        skip_special_tokens=True) != probe:
+        return None
+    decode = getattr(tokenizer, "backend_tokenizer", tokenizer).decode
+    return functools.partial(decode, skip_special_tokens=True)
 
 
 class Request:

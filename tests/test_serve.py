@@ -169,20 +169,21 @@ def bpe_tokenizer(byte_level):
 
 
 @pytest.mark.parametrize("kind", ["ours", "byte-level", "sentencepiece"])
-def test_text_decoded_a_step_at_a_time_is_the_whole_decode(kind):
+def test_text_decoded_a_step_at_a_time_is_the_whole_decode(kind, monkeypatch):
     # the server decodes only each step's new ids (after the last step's as context): the
     # text handed out, stop strings cut, must be what decoding every id at once gives,
     # through characters split over ids, invalid bytes, special tokens mid-text and a
     # leading space dropped at a text's start; and a long sample's decoding stays linear
+    from scaleout import engine_loop
     from scaleout.engine_loop import SampleText
     tok = {"ours": build_tokenizer, "byte-level": lambda: bpe_tokenizer(True),
            "sentencepiece": lambda: bpe_tokenizer(False)}[kind]()
-    decoded, real_decode = [], tok.decode   # how many ids each decode call was given
+    decoded, step_decode = [], engine_loop.step_decoder(tok)   # ids given to each call
 
-    def counted_decode(ids, **kw):
+    def counted_decode(ids):
         decoded.append(len(ids))
-        return real_decode(ids, **kw)
-    tok.decode = counted_decode
+        return step_decode(ids)
+    monkeypatch.setattr(engine_loop, "step_decoder", lambda tokenizer: counted_decode)
     rng = random.Random(0)
     for trial in range(300):
         if trial % 2:   # random ids: invalid bytes and split characters
@@ -197,7 +198,7 @@ def test_text_decoded_a_step_at_a_time_is_the_whole_decode(kind):
             step = rng.randrange(1, 4)
             new, stopped = sample.add(ids[i:i + step], final=i + step >= len(ids))
             text, i = text + new, i + step
-        whole = real_decode(ids, skip_special_tokens=True)
+        whole = tok.decode(ids, skip_special_tokens=True)
         cut = min((whole.find(s) for s in stop if s in whole), default=len(whole))
         assert text == whole[:cut], (ids, stop)
     decoded.clear()
