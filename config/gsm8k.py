@@ -7,9 +7,10 @@
 # Memory, Qwen3-0.6B (0.6B parameters): the trainer keeps fp32 master weights, gradients
 # and AdamW's two moments (16 bytes a parameter, about 10 GB), the engine a bf16 copy
 # (1.2 GB) and its KV cache (the longest episode for up to 1,024 sequences at a time, at
-# most half the memory free when the engine starts); activations follow batch_tokens. Halve batch_tokens when it does not fit; a 1.7B model
-# needs about 3x that. Tried here end to end on random checkpoints of each family and tiny
-# generated data (test_templates.py), never on real weights.
+# most a quarter of the memory free when the engine starts); activations follow
+# batch_tokens. Halve batch_tokens when it does not fit; a 1.7B model needs about 3x that.
+# Tried here end to end on random checkpoints of each family and tiny generated data
+# (test_templates.py), never on real weights.
 task = "tasks.gsm8k"
 seed = 1337
 device = "cuda"

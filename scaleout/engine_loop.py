@@ -30,6 +30,8 @@ import queue
 import threading
 from dataclasses import dataclass
 
+from transformers import PreTrainedTokenizerFast
+
 
 @dataclass
 class Delta:
@@ -106,7 +108,11 @@ def step_decoder(tokenizer):
     if tokenizer.decode(tokenizer.encode(probe, add_special_tokens=False),
                         skip_special_tokens=True) != probe:
         return None
-    decode = getattr(tokenizer, "backend_tokenizer", tokenizer).decode
+    # a class that decodes its own way (its own decode or _decode) keeps it
+    plain = hasattr(tokenizer, "backend_tokenizer") and all(
+        getattr(type(tokenizer), name) is getattr(PreTrainedTokenizerFast, name)
+        for name in ("decode", "_decode"))
+    decode = tokenizer.backend_tokenizer.decode if plain else tokenizer.decode
     return functools.partial(decode, skip_special_tokens=True)
 
 

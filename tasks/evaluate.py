@@ -38,13 +38,14 @@ from model import train_flops
 def task_engine(model, env, problems, block_size=16, dtype="float32", device="cpu", seed=0,
                 weight_version=0, record_routes=False, compile=False):
     """An in-process engine over a copy of model, sized for the longest episode over these
-    problems (env.max_len), for up to 1,024 sequences at a time, its KV pool capped at
-    EngineConfig's share of free memory (record_routes, compile: EngineConfig's). A GRPO
+    problems (env.max_len), for up to 1,024 sequences at a time, its KV pool capped at a
+    quarter of the memory free when it starts (a trainer's optimizer state and activations
+    come after it, on the same device) (record_routes, compile: EngineConfig's). A GRPO
     step's 768 samples so run as one batch: fewer, fuller steps (1.35x the main job's
     rollouts, docs/speed.md, against 256 at a time)."""
     return InferenceEngine(EngineConfig(
         device=device, dtype=dtype, block_size=block_size, max_model_len=env.max_len(problems),
-        max_batch_size=1024, seed=seed, weight_version=weight_version,
+        max_batch_size=1024, memory_fraction=0.25, seed=seed, weight_version=weight_version,
         record_routes=record_routes, compile=compile), model=model)
 
 
