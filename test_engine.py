@@ -204,9 +204,10 @@ def test_paged_attention_mixed_batch_matches_document_attention(backend):
 @NEEDS_KERNEL
 @pytest.mark.parametrize("head_dim", [8, 32, 64, 128])
 def test_the_decode_kernel_reads_blocks_in_place_as_float64_attention_would(head_dim):
-    # inference/paged_attention.cpp: each head size it unrolls (32, 64, 128) and the
-    # generic loop (8); 1, 2 and 4 query heads per kv head; blocks scattered over the
-    # pool, lengths from 1 token to a full table, against attention computed in float64
+    # inference/paged_attention.cpp: each head size it unrolls (32, 64, 128), the heads
+    # it fixes too (4 of 32 over 2) and the generic loop (8); 1, 2 and 4 query heads per
+    # kv head; blocks scattered over the pool, lengths from 1 token to a full table,
+    # against attention computed in float64
     g = torch.Generator().manual_seed(head_dim)
     bs, W, B = 4, 5, 6
     for heads, kv_heads in ((2, 2), (4, 2), (8, 2)):
