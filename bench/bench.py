@@ -382,12 +382,13 @@ def bench_shared_prompt(ours, prompts, comps):
 # 6: one decode step against the machine's limit
 
 
-def bench_decode(ours, prompts, peak_rate, compiled=COMPILE):
+def bench_decode(ours, prompts, compiled=COMPILE):
     """(step seconds, matmul-bound seconds, sampler seconds, samples, memory-bound
     seconds): one engine step in which every sample decodes, the time its FLOPs (weights
-    and attention) would take at the measured matmul rate, the sampler alone on logits
-    of the same shape, and the time its bytes (every weight, each sample's K/V, the
-    logits written and read) would take at the measured copy bandwidth."""
+    and attention) would take at the matmul rate measured beside the steps, the sampler
+    alone on logits of the same shape, and the time its bytes (every weight, each
+    sample's K/V, the logits written and read) would take at the measured copy
+    bandwidth."""
     G = args.samples
     # no stop ids: all keep decoding
     params = SamplingParams(temperature=1.0, max_tokens=args.max_new_tokens)
@@ -397,13 +398,28 @@ def bench_decode(ours, prompts, peak_rate, compiled=COMPILE):
     while engine.waiting or any(s.catching_up or s.num_samples > 1 for s in engine.running):
         engine.step()
     engine.step()
-    times = []
+    # the matmul rate timed just before and just after the steps: on a shared host whose
+    # speed drifts from minute to minute, the step and its bound come from the same moment
+    m = 4096 if args.device.startswith("cuda") else 1024
+    a, b = (torch.randn(m, m, device=args.device, dtype=getattr(torch, args.dtype))
+            for _ in "ab")
+
+    def matmul_rates():
+        rates = []
+        for _ in range(5):
+            sync(args.device)
+            t0 = time.perf_counter()
+            (a @ b, sync(args.device))
+            rates.append(2 * m ** 3 / (time.perf_counter() - t0))
+        return rates
+    rates, times = matmul_rates(), []
     for _ in range(min(20, args.max_new_tokens - 3)):
         sync(args.device)
         t0 = time.perf_counter()
         engine.step()
         sync(args.device)
         times.append(time.perf_counter() - t0)
+    rates += matmul_rates()
     n = len(engine.running)
     context = statistics.mean(s.num_tokens for s in engine.running)
     cfg = ours.config
@@ -420,7 +436,7 @@ def bench_decode(ours, prompts, peak_rate, compiled=COMPILE):
                                                              torch.ones(n, device=args.device),
                                                              seeds=seeds, positions=positions),
                                 lambda: None, 10, args.device)
-    return (statistics.median(times), flops / peak_rate, t_sample, n,
+    return (statistics.median(times), flops / statistics.median(rates), t_sample, n,
             moved / measure_copy_bandwidth(args.device))
 
 
@@ -620,7 +636,7 @@ if __name__ == "__main__":
     (ours_tps, hf_tps, n_ours, n_hf, *roll_peaks), prefill, profiles = bench_rollout(
         ours, hf.to(hf_dtype), prompts, stop
     )
-    decode = bench_decode(ours, prompts, peak)
+    decode = bench_decode(ours, prompts)
     # early lines, in case a time limit (bench/gpu_check.sh) stops the run before the table
     print(f"rollout tok/s: ours {ours_tps:,.0f}, transformers {hf_tps:,.0f}; decode step of "
           f"{decode[3]}: {decode[0] * 1e3:.1f} ms (matmul bound {decode[1] * 1e3:.1f}, memory "
@@ -640,7 +656,7 @@ if __name__ == "__main__":
     rollout = eager_step = None
     if COMPILE:
         rollout = bench_compiled_rollout(ours, prompts, stop)
-        eager_step = bench_decode(ours, prompts, peak, compiled=False)
+        eager_step = bench_decode(ours, prompts, compiled=False)
     t_swap, t_bare, swap_floor = bench_swap(ours)
     radix, paged, turn_prompts, same_replies = bench_multiturn(ours, g, stop)
     syncs = [(ours.num_params(), *bench_weight_sync(ours))]
