@@ -382,13 +382,27 @@ def bench_shared_prompt(ours, prompts, comps):
 # 6: one decode step against the machine's limit
 
 
+def matmul_rates(a, b, reps, count=5):
+    """count samples of the FLOP/s of the square product a @ b, each timing reps products
+    between two syncs"""
+    rates = []
+    for _ in range(count):
+        sync(args.device)
+        t0 = time.perf_counter()
+        for _ in range(reps):
+            a @ b
+        sync(args.device)
+        rates.append(2 * a.shape[0] ** 3 * reps / (time.perf_counter() - t0))
+    return rates
+
+
 def bench_decode(ours, prompts, compiled=COMPILE):
     """(step seconds, matmul-bound seconds, sampler seconds, samples, memory-bound
-    seconds): one engine step in which every sample decodes, the time its FLOPs (weights
-    and attention) would take at the matmul rate measured beside the steps, the sampler
-    alone on logits of the same shape, and the time its bytes (every weight, each
-    sample's K/V, the logits written and read) would take at the measured copy
-    bandwidth."""
+    seconds, matmul FLOP/s): one engine step in which every sample decodes, the time its
+    FLOPs (weights and attention) would take at the matmul rate measured beside the
+    steps (returned last), the sampler alone on logits of the same shape, and the time its
+    bytes (every weight, each sample's K/V, the logits written and read) would take at the
+    measured copy bandwidth."""
     G = args.samples
     # no stop ids: all keep decoding
     params = SamplingParams(temperature=1.0, max_tokens=args.max_new_tokens)
@@ -399,27 +413,21 @@ def bench_decode(ours, prompts, compiled=COMPILE):
         engine.step()
     engine.step()
     # the matmul rate timed just before and just after the steps: on a shared host whose
-    # speed drifts from minute to minute, the step and its bound come from the same moment
-    m = 4096 if args.device.startswith("cuda") else 1024
-    a, b = (torch.randn(m, m, device=args.device, dtype=getattr(torch, args.dtype))
+    # speed drifts from minute to minute, the step and its bound come from the same moment.
+    # Its own generator (the run's random stream stays as it was); on a GPU 10 matmuls
+    # between syncs, so the launch and the sync do not count
+    m, reps = (4096, 10) if args.device.startswith("cuda") else (1024, 1)
+    g = torch.Generator().manual_seed(0)
+    a, b = (torch.randn(m, m, generator=g).to(args.device, getattr(torch, args.dtype))
             for _ in "ab")
-
-    def matmul_rates():
-        rates = []
-        for _ in range(5):
-            sync(args.device)
-            t0 = time.perf_counter()
-            (a @ b, sync(args.device))
-            rates.append(2 * m ** 3 / (time.perf_counter() - t0))
-        return rates
-    rates, times = matmul_rates(), []
+    rates, times = matmul_rates(a, b, reps), []
     for _ in range(min(20, args.max_new_tokens - 3)):
         sync(args.device)
         t0 = time.perf_counter()
         engine.step()
         sync(args.device)
         times.append(time.perf_counter() - t0)
-    rates += matmul_rates()
+    rates += matmul_rates(a, b, reps)
     n = len(engine.running)
     context = statistics.mean(s.num_tokens for s in engine.running)
     cfg = ours.config
@@ -436,8 +444,9 @@ def bench_decode(ours, prompts, compiled=COMPILE):
                                                              torch.ones(n, device=args.device),
                                                              seeds=seeds, positions=positions),
                                 lambda: None, 10, args.device)
-    return (statistics.median(times), flops / statistics.median(rates), t_sample, n,
-            moved / measure_copy_bandwidth(args.device))
+    rate = statistics.median(rates)
+    return (statistics.median(times), flops / rate, t_sample, n,
+            moved / measure_copy_bandwidth(args.device), rate)
 
 
 # -----------------------------------------------------------------------------
@@ -639,8 +648,8 @@ if __name__ == "__main__":
     decode = bench_decode(ours, prompts)
     # early lines, in case a time limit (bench/gpu_check.sh) stops the run before the table
     print(f"rollout tok/s: ours {ours_tps:,.0f}, transformers {hf_tps:,.0f}; decode step of "
-          f"{decode[3]}: {decode[0] * 1e3:.1f} ms (matmul bound {decode[1] * 1e3:.1f}, memory "
-          f"bound {decode[4] * 1e3:.1f})", flush=True)
+          f"{decode[3]}: {decode[0] * 1e3:.1f} ms (matmul bound {decode[1] * 1e3:.1f} at "
+          f"{decode[5] / 1e9:.1f} GFLOP/s, memory bound {decode[4] * 1e3:.1f})", flush=True)
     hf = hf.float()
     # train on GRPO-shaped sequences: each prompt with completions of the
     # rollout's length spread
@@ -728,7 +737,7 @@ if __name__ == "__main__":
         ),
         (
             f"decode step ms, {decode[3]} samples{', one graph' if COMPILE else ''} (ref: its "
-            f"FLOPs at the measured matmul rate)",
+            f"FLOPs at the matmul rate beside the steps, {decode[5] / 1e9:.1f} GFLOP/s)",
             f"{decode[0] * 1e3:.1f}",
             f"{decode[1] * 1e3:.1f}",
             decode[0] / decode[1],

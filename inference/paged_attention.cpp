@@ -40,9 +40,10 @@ static inline void for_each_slot(const float* pool, const int64_t* table, int64_
 
 // FIXED_D > 0: the head size known at compile time, so the loops over d unroll and
 // vectorise; 0: any head size, read from dim. FIXED_H, FIXED_KV > 0: the head counts
-// known too (a small model's: see attend_all), so the outputs of step 3 stay in registers
-// for the whole walk over the values; 0: read from heads, kv_heads, the outputs summed in
-// place in out. Each pass reads a slot's vectors for every head at once.
+// known too (a small model's: see attend_all), so step 3 sums its outputs in a local array
+// the compiler can keep in vector registers for the whole walk over the values (where the
+// CPU has enough of them); 0: read from heads_ and kv_heads_, the outputs summed in place in
+// out. Each pass reads a slot's vectors for every head at once.
 template <int FIXED_D, int FIXED_H, int FIXED_KV>
 static void attend_one(const float* __restrict__ q, const float* __restrict__ k_pool,
                        const float* __restrict__ v_pool, const int64_t* table, int64_t len,
@@ -55,13 +56,14 @@ static void attend_one(const float* __restrict__ q, const float* __restrict__ k_
   const int64_t token_stride = kv_heads * D;   // a slot holds every kv head's vector
   // 1. scores
   for_each_slot(k_pool, table, len, block_size, token_stride, [&](int64_t t, const float* k) {
-    for (int64_t h = 0; h < heads; ++h) {
-      const float* qh = q + h * D;
-      const float* kh = k + h / group * D;
-      float s = 0.f;
-      for (int64_t d = 0; d < D; ++d) s += qh[d] * kh[d];
-      scores[h * len + t] = s * scale;
-    }
+    for (int64_t kv = 0; kv < kv_heads; ++kv)
+      for (int64_t h = kv * group; h < (kv + 1) * group; ++h) {
+        const float* qh = q + h * D;
+        const float* kh = k + kv * D;
+        float s = 0.f;
+        for (int64_t d = 0; d < D; ++d) s += qh[d] * kh[d];
+        scores[h * len + t] = s * scale;
+      }
   });
   // 2. softmax, each query head's row
   for (int64_t h = 0; h < heads; ++h) {
@@ -79,15 +81,16 @@ static void attend_one(const float* __restrict__ q, const float* __restrict__ k_
   // 3. the weighted sum of values
   constexpr bool in_registers = FIXED_D > 0 && FIXED_H > 0;
   float local[in_registers ? FIXED_H * FIXED_D : 1];
-  float* __restrict__ acc = in_registers ? local : out;
+  float* acc = in_registers ? local : out;
   std::fill(acc, acc + heads * D, 0.f);
   for_each_slot(v_pool, table, len, block_size, token_stride, [&](int64_t t, const float* v) {
-    for (int64_t h = 0; h < heads; ++h) {
-      const float p = scores[h * len + t];
-      const float* vh = v + h / group * D;
-      float* o = acc + h * D;
-      for (int64_t d = 0; d < D; ++d) o[d] += p * vh[d];
-    }
+    for (int64_t kv = 0; kv < kv_heads; ++kv)
+      for (int64_t h = kv * group; h < (kv + 1) * group; ++h) {
+        const float p = scores[h * len + t];
+        const float* vh = v + kv * D;
+        float* o = acc + h * D;
+        for (int64_t d = 0; d < D; ++d) o[d] += p * vh[d];
+      }
   });
   if (in_registers) std::copy_n(acc, heads * D, out);
 }
@@ -139,8 +142,8 @@ static torch::Tensor attend_all(const torch::Tensor& q, const torch::Tensor& k_p
   float* op = out.data_ptr<float>();
   const float s = static_cast<float>(scale);
   // a fixed head size lets the compiler unroll and vectorise the loops over d; the
-  // embedded default's heads (4 of 32 over 2 kv heads) are fixed too, its 4 x 32 outputs
-  // held in registers (docs/speed.md has the gain)
+  // embedded default's heads (4 query heads of 32 dims over 2 kv heads) are fixed too, its
+  // 4 x 32 outputs summed in registers (docs/speed.md has the gain)
   auto* attend = D == 32 && heads == 4 && kv_heads == 2 ? attend_one<32, 4, 2>
                : D == 32 ? attend_one<32, 0, 0> : D == 64 ? attend_one<64, 0, 0>
                : D == 128 ? attend_one<128, 0, 0> : attend_one<0, 0, 0>;
