@@ -534,21 +534,27 @@ _MATMUL_RATE = {}
 
 def measure_matmul_flops(device="cpu", dtype=torch.float32):
     """FLOP/s of a square matmul on this machine, timed once per process (the MFU
-    denominator). Uses its own generator, so measuring never shifts the training RNG."""
+    denominator)."""
     key = (str(device), dtype)
     if key not in _MATMUL_RATE:
-        n = 4096 if torch.device(device).type == "cuda" else 1024
-        g = torch.Generator().manual_seed(0)
-        a, b = (torch.randn(n, n, generator=g).to(device, dtype) for _ in range(2))
-        sync = torch.cuda.synchronize if torch.device(device).type == "cuda" else (lambda: None)
-        (a @ b, sync())
-        reps, t0 = 0, time.perf_counter()
-        while reps < 3 or time.perf_counter() - t0 < 0.2:
-            a @ b
-            reps += 1
-        sync()
-        _MATMUL_RATE[key] = 2 * n ** 3 * reps / (time.perf_counter() - t0)
+        _MATMUL_RATE[key] = matmul_flops_now(device, dtype)
     return _MATMUL_RATE[key]
+
+
+def matmul_flops_now(device="cpu", dtype=torch.float32):
+    """FLOP/s of a square matmul, timed now (at least 0.2 s of them). Uses its own
+    generator, so measuring never shifts the training RNG."""
+    n = 4096 if torch.device(device).type == "cuda" else 1024
+    g = torch.Generator().manual_seed(0)
+    a, b = (torch.randn(n, n, generator=g).to(device, dtype) for _ in range(2))
+    sync = torch.cuda.synchronize if torch.device(device).type == "cuda" else (lambda: None)
+    (a @ b, sync())
+    reps, t0 = 0, time.perf_counter()
+    while reps < 3 or time.perf_counter() - t0 < 0.2:
+        a @ b
+        reps += 1
+    sync()
+    return 2 * n ** 3 * reps / (time.perf_counter() - t0)
 
 
 class Logger:

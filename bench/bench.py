@@ -382,20 +382,6 @@ def bench_shared_prompt(ours, prompts, comps):
 # 6: one decode step against the machine's limit
 
 
-def matmul_rates(a, b, reps, count=5):
-    """count samples of the FLOP/s of the square product a @ b, each timing reps products
-    between two syncs"""
-    rates = []
-    for _ in range(count):
-        sync(args.device)
-        t0 = time.perf_counter()
-        for _ in range(reps):
-            a @ b
-        sync(args.device)
-        rates.append(2 * a.shape[0] ** 3 * reps / (time.perf_counter() - t0))
-    return rates
-
-
 def bench_decode(ours, prompts, compiled=COMPILE):
     """(step seconds, matmul-bound seconds, sampler seconds, samples, memory-bound
     seconds, matmul FLOP/s): one engine step in which every sample decodes, the time its
@@ -413,28 +399,23 @@ def bench_decode(ours, prompts, compiled=COMPILE):
         engine.step()
     engine.step()
     # the matmul rate timed just before and just after the steps: on a shared host whose
-    # speed drifts from minute to minute, the step and its bound come from the same moment.
-    # Its own generator (the run's random stream stays as it was); on a GPU 10 matmuls
-    # between syncs, so the launch and the sync do not count
-    m, reps = (4096, 10) if args.device.startswith("cuda") else (1024, 1)
-    g = torch.Generator().manual_seed(0)
-    a, b = (torch.randn(m, m, generator=g).to(args.device, getattr(torch, args.dtype))
-            for _ in "ab")
-    rates, times = matmul_rates(a, b, reps), []
+    # speed drifts from minute to minute, the step and its bound come from the same moment
+    dtype = getattr(torch, args.dtype)
+    rates, times = [training.matmul_flops_now(args.device, dtype)], []
     for _ in range(min(20, args.max_new_tokens - 3)):
         sync(args.device)
         t0 = time.perf_counter()
         engine.step()
         sync(args.device)
         times.append(time.perf_counter() - t0)
-    rates += matmul_rates(a, b, reps)
+    rates.append(training.matmul_flops_now(args.device, dtype))
     n = len(engine.running)
     context = statistics.mean(s.num_tokens for s in engine.running)
     cfg = ours.config
     # QK^T and PV
     attention = 4 * context * cfg.num_attention_heads * cfg.head_dim * cfg.num_hidden_layers
     flops = n * (2 * ours.num_active_params() + attention)
-    width = torch.finfo(getattr(torch, args.dtype)).bits // 8
+    width = torch.finfo(dtype).bits // 8
     kv = n * context * cfg.num_hidden_layers * 2 * cfg.num_key_value_heads * cfg.head_dim
     moved = (ours.num_params() + kv) * width + 2 * n * args.vocab * 4
     engine.shutdown()
@@ -444,7 +425,7 @@ def bench_decode(ours, prompts, compiled=COMPILE):
                                                              torch.ones(n, device=args.device),
                                                              seeds=seeds, positions=positions),
                                 lambda: None, 10, args.device)
-    rate = statistics.median(rates)
+    rate = statistics.mean(rates)
     return (statistics.median(times), flops / rate, t_sample, n,
             moved / measure_copy_bandwidth(args.device), rate)
 
