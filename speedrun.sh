@@ -44,7 +44,8 @@ from tasks.evaluate import offered_rules
 task = globals().get('task', 'tasks.countdown')
 print(grpo['init_from'], grpo['out_dir'], task, *offered_rules(load_task(task)))")
 read -r SFT GRPO TASK RULES <<< "$info"   # (a failing python stops the script on the line above)
-TEST=(--max_iters=0 --eval_split=test --n_eval_problems=0 --pass_k=8 --keep_best=False)   # no model copy
+# evaluations only: no training, and no copy of the model kept
+TEST=(--max_iters=0 --eval_split=test --n_eval_problems=0 --pass_k=8 --keep_best=False)
 stage train_grpo.py --init_from="$SFT" --out_dir="$GRPO/../test_sft" "${TEST[@]}"
 stage train_grpo.py --init_from="$GRPO/best" --out_dir="$GRPO/../test_grpo" "${TEST[@]}"
 VAL_RULES=()
