@@ -62,12 +62,7 @@ FAMILIES = {
 PROMPTS = [[1, 100, 4, 103, 5, 24, 5, 26], [7, 8, 9], list(range(10, 70))]
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")   # conftest: tiny models on one thread
 
 
 @pytest.fixture(scope="module", params=list(FAMILIES))

@@ -30,12 +30,7 @@ from tokenizer import build_tokenizer
 from train_grpo import build_batches, group_advantages, zero_variance_groups
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")   # conftest: tiny models on one thread
 
 
 # -----------------------------------------------------------------------------

@@ -8,7 +8,6 @@ the colocated run.
 
 import httpx
 import pytest
-import torch
 
 import train_grpo
 from test_grpo import TINY, metrics, tiny_config
@@ -19,12 +18,7 @@ SAME = ("train/loss", "train/grad_norm", "train/tokens", "rollout/reward_mean",
         "rollout/problems_total", "rollout/completion_len", "eval/accuracy", "eval/pass@1")
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")   # conftest: tiny models on one thread
 
 
 def assert_same(a, b, rel=1e-5, at_least=20):
