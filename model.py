@@ -630,10 +630,10 @@ class Transformer(nn.Module):
 
 def head_logprobs(hidden, weight, labels, temperature=1.0, chunk_bytes=256 * 2 ** 20):
     """log_softmax(hidden @ weight.T / temperature)[label] per row, [T, D] x [V, D] -> [T]
-    fp32, equal to the whole computation; no more than chunk_bytes of fp32 logits exist
-    at once, forward or backward (backward recomputes each chunk's logits, as fused
-    linear-cross-entropy kernels do). Under autocast the matmuls run in the autocast
-    dtype, as F.linear would."""
+    fp32, equal to the whole computation; one chunk's logits (chunk_bytes of fp32) and
+    their softmax are all of them that exist at once, forward or backward (backward
+    recomputes each chunk's logits, as fused linear-cross-entropy kernels do). Under
+    autocast the matmuls run in the autocast dtype, as F.linear would."""
     assert hidden.dim() == 2 and labels.shape == hidden.shape[:1], (hidden.shape, labels.shape)
     kind = hidden.device.type
     dtype = torch.get_autocast_dtype(kind) if torch.is_autocast_enabled(kind) else hidden.dtype
@@ -652,9 +652,10 @@ class HeadLogprobs(torch.autograd.Function):
         with torch.autocast(hidden.device.type, enabled=False):
             w = weight.to(dtype)
             for s in range(0, hidden.shape[0], rows):
-                logits = F.linear(hidden[s:s + rows].to(dtype), w).float() / temperature
+                logits = F.linear(hidden[s:s + rows].to(dtype), w).float().div_(temperature)
                 logp = torch.log_softmax(logits, -1)
                 out[s:s + rows] = logp.gather(1, labels[s:s + rows, None])[:, 0]
+                del logits, logp   # gone before the next chunk's are made
         ctx.save_for_backward(hidden, weight, labels)
         ctx.temperature, ctx.rows, ctx.dtype = temperature, rows, dtype
         return out
@@ -669,11 +670,12 @@ class HeadLogprobs(torch.autograd.Function):
             w = weight.to(dtype)
             for s in range(0, hidden.shape[0], rows):
                 h, g = hidden[s:s + rows].to(dtype), grad[s:s + rows].float() / T
-                d = torch.softmax(F.linear(h, w).float() / T, -1).mul_(-g[:, None])
+                d = torch.softmax(F.linear(h, w).float().div_(T), -1).mul_(-g[:, None])
                 # + onehot(label) * g
                 d.scatter_add_(1, labels[s:s + rows, None], g[:, None])
                 grad_hidden[s:s + rows] = (d.to(dtype) @ w).to(hidden.dtype)
                 grad_weight += (d.t().to(dtype) @ h).float()
+                del d
         return grad_hidden, grad_weight.to(weight.dtype), None, None, None, None
 
 

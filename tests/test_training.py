@@ -528,11 +528,11 @@ print(loss, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)
 """
 
 
-def test_a_4k_token_step_at_qwen3_vocabulary_never_holds_its_logits():
-    # 4,096 tokens x 151,936 logits would be 2.3 GiB in fp32 alone, on top of the 1.4 GiB
-    # or so that the model, AdamW and torch take; the trainers' path (model(...,
-    # labels=...)) never holds more than a chunk of them (256 MB), forward or backward,
-    # and peaks near 1.7 GiB (16,384 tokens: 2.2 GiB)
+def test_a_4k_token_step_at_qwen3_vocabulary_never_holds_its_whole_logits():
+    # 4,096 tokens x 151,936 fp32 logits are 2.3 GiB; the trainers' path (model(...,
+    # labels=...)) makes them 256 MiB of rows at a time, forward and backward: this step
+    # peaks near 1.4 GiB (16,384 tokens: 1.9 GiB), so one whole [T, V] tensor anywhere
+    # would pass 2.5 GiB (with the head unchunked it peaks at 5.5 GiB)
     out = subprocess.run([sys.executable, "-c", REAL_VOCAB_STEP], capture_output=True, text=True,
                          timeout=600, cwd=ROOT,
                          env=dict(os.environ, OMP_NUM_THREADS="2"))
