@@ -511,8 +511,10 @@ def test_sft_refuses_bad_settings_before_touching_out_dir(bad, tmp_path, monkeyp
     assert os.listdir(out) == ["best"]
 
 
+# the peak is VmHWM, this process's own: getrusage's ru_maxrss would carry over the peak of
+# the pytest process that spawned it (Linux keeps it across exec)
 REAL_VOCAB_STEP = """
-import resource, torch, training
+import torch, training
 from model import ModelConfig, Transformer
 torch.manual_seed(0)
 cfg = ModelConfig(vocab_size=151936, hidden_size=256, intermediate_size=512,
@@ -524,7 +526,8 @@ optimizer = training.configure_optimizer(model, 1e-3, 0.1, (0.9, 0.95), "cpu")
 docs = [torch.randint(0, cfg.vocab_size, (1024,)).tolist() for _ in range(4)]
 batch = training.pack_sequences(docs, [[1.0] * 1024 for _ in docs])
 loss = training.train_step(model, optimizer, [batch], 1e-3)["train/loss"]
-print(loss, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)
+peak = next(line for line in open('/proc/self/status') if line.startswith('VmHWM:'))
+print(loss, int(peak.split()[1]) * 1024)
 """
 
 
