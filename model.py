@@ -630,10 +630,12 @@ class Transformer(nn.Module):
 
 def head_logprobs(hidden, weight, labels, temperature=1.0, chunk_bytes=256 * 2 ** 20):
     """log_softmax(hidden @ weight.T / temperature)[label] per row, [T, D] x [V, D] -> [T]
-    fp32, equal to the whole computation; one chunk's logits (chunk_bytes of fp32) and
-    their softmax are all of them that exist at once, forward or backward (backward
-    recomputes each chunk's logits, as fused linear-cross-entropy kernels do). Under
-    autocast the matmuls run in the autocast dtype, as F.linear would."""
+    fp32, equal to the whole computation. At most two [rows, V] fp32 tensors (chunk_bytes
+    at most each) exist at once, forward or backward: one chunk's logits and their
+    log-softmax (forward) or softmax (backward, which recomputes each chunk's logits, as
+    fused linear-cross-entropy kernels do). Under autocast the matmuls run in the
+    autocast dtype, as F.linear would, and a copy in it (half the bytes) may sit beside
+    one of the two."""
     assert hidden.dim() == 2 and labels.shape == hidden.shape[:1], (hidden.shape, labels.shape)
     kind = hidden.device.type
     dtype = torch.get_autocast_dtype(kind) if torch.is_autocast_enabled(kind) else hidden.dtype

@@ -511,8 +511,8 @@ def test_sft_refuses_bad_settings_before_touching_out_dir(bad, tmp_path, monkeyp
     assert os.listdir(out) == ["best"]
 
 
-# the peak is VmHWM, this process's own: getrusage's ru_maxrss would carry over the peak of
-# the pytest process that spawned it (Linux keeps it across exec)
+# the step's peak is the child's own VmHWM (kB): getrusage's ru_maxrss would include the
+# peak of the pytest process that spawned it (Linux keeps it across exec)
 REAL_VOCAB_STEP = """
 import torch, training
 from model import ModelConfig, Transformer
