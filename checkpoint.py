@@ -19,7 +19,10 @@ ours_to_hf) is the only place that knows both spellings.
 A training checkpoint {out_dir}/ckpt is a complete transformers model directory
 (config.json, model.safetensors, the tokenizer) plus trainer_state.pt (optimizer, RNG
 states) and checkpoint.json (iteration, config, data state, and the size and xxh64 of
-every file, written last). It is built in ckpt.tmp and swapped in by two renames; a run
+every file, written last). A LoRA run's (lora.py) model.safetensors is the merged model,
+beside its adapter in PEFT's format (adapter/) and, in checkpoint.json, the base it
+adapts (path and digest): resume rebuilds base + adapters exactly. It is built in
+ckpt.tmp and swapped in by two renames; a run
 killed between them leaves ckpt.old, which resume falls back to. The next stage's
 init_from is the out_dir itself.
 """
@@ -28,13 +31,14 @@ import json
 import os
 import random
 import shutil
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass, fields, replace
 
 import numpy as np
 import torch
 import xxhash
 
-from configurator import print0
+import lora
+from configurator import print0, require
 from model import ModelConfig, Transformer, as_dtype
 from tokenizer import generation_stop_ids, load_tokenizer, save_tokenizer
 
@@ -321,6 +325,7 @@ def save_hf_checkpoint(model: Transformer, path):
 CKPT, CKPT_TMP, CKPT_OLD = "ckpt", "ckpt.tmp", "ckpt.old"
 META = "checkpoint.json"
 TRAINER_STATE = "trainer_state.pt"
+ADAPTER = "adapter"
 
 
 def save_best(out_dir, model, start):
@@ -426,13 +431,19 @@ def save_checkpoint(out_dir, model, optimizer, tokenizer, iter_num, config, data
     save_generation_config(tmp, default_generation(tokenizer) if generation is None else generation)
     torch.save({"optimizer": optimizer.state_dict(), "rng": rng_state()},
                os.path.join(tmp, TRAINER_STATE))
+    adapted = lora.has_adapters(model)
+    if adapted:
+        lora.save_peft_adapter(model, os.path.join(tmp, ADAPTER), base=model.lora_base["path"])
+        _fsync(os.path.join(tmp, ADAPTER))
     files = {}
-    for name in sorted(os.listdir(tmp)):
+    for name in _files_under(tmp):
         _fsync(os.path.join(tmp, name))
         files[name] = {"size": os.path.getsize(os.path.join(tmp, name)),
                        "xxh64": file_digest(os.path.join(tmp, name))}
     meta = {"iter": iter_num, "config": config, "data_state": data_state, "extra": extra,
             "files": files}
+    if adapted:
+        meta["lora"] = {**lora.spec_record(model.lora_spec), **model.lora_base}
     # the manifest last: its presence means the rest is whole
     with open(os.path.join(tmp, META), "w") as f:
         json.dump(meta, f, indent=1)
@@ -445,6 +456,12 @@ def save_checkpoint(out_dir, model, optimizer, tokenizer, iter_num, config, data
     _fsync(out_dir)
     shutil.rmtree(old, ignore_errors=True)
     return final
+
+
+def _files_under(path):
+    """Every file under path, relative to it, sorted ('adapter/adapter_config.json')."""
+    return sorted(os.path.relpath(os.path.join(root, name), path)
+                  for root, _, names in os.walk(path) for name in names)
 
 
 def clear_checkpoints(out_dir):
@@ -557,7 +574,42 @@ def init_start(config, new_tokenizer):
       'resume'    {out_dir}/ckpt: weights, optimizer, RNG, iteration, data state
       a path      a previous stage's out_dir or a transformers model dir: weights (and its
                   tokenizer), iteration 0. A transformers dir without a tokenizer gets
-                  new_tokenizer() if its vocabulary fits."""
+                  new_tokenizer() if its vocabulary fits.
+    With lora_rank > 0 the model carries the run's LoRA adapters (with_lora)."""
+    return with_lora(config, _start(config, new_tokenizer))
+
+
+def with_lora(config, start):
+    """start's model with the LoRA adapters config asks for (lora.spec_of): fresh ones on
+    a new run's model (its base: start.source, and a digest of it), or a resumed run's
+    rebuilt exactly: its base reloaded (the digest checked) and the checkpoint's adapter
+    copied in. LoRA settings that differ from the resumed run's are refused."""
+    spec, saved = lora.spec_of(config), (start.meta or {}).get("lora")
+    if start.meta is not None:
+        was = None if saved is None else lora.LoRASpec(saved["rank"], saved["alpha"],
+                                                       tuple(saved["targets"]))
+        asked = {k: config.get(k) for k in ("lora_rank", "lora_alpha", "lora_targets")}
+        require(spec == was, f"{asked}: the run being resumed had {was or 'no LoRA'}")
+    if spec is None:
+        return start
+    require(config["init_from"] != "scratch",
+            "lora_rank > 0 with init_from='scratch': LoRA adapts a trained model, start from one")
+    if saved is None:
+        model, base = start.model, {"path": os.path.abspath(start.source)}
+    else:
+        model, base = load_model(saved["path"]), {"path": saved["path"]}
+    base["digest"] = lora.base_digest(model)
+    if saved is not None and base["digest"] != saved["digest"]:
+        raise ValueError(f"init_from='resume': the LoRA run's base {saved['path']!r} changed since "
+                         f"the run started (digest {base['digest']}, was {saved['digest']})")
+    lora.add_lora(model, spec, seed=config["seed"])
+    model.lora_base = base
+    if saved is not None:
+        lora.load_peft_adapter(model, os.path.join(start.source, ADAPTER))
+    return replace(start, model=model)
+
+
+def _start(config, new_tokenizer):
     init_from = config["init_from"]
     if init_from == "scratch":
         tokenizer = new_tokenizer()

@@ -380,8 +380,10 @@ class Experts(nn.Module):
     def forward(self, x, top_idx, top_w):
         # x [T, H]; top_idx / top_w [T, k]: token t goes to experts top_idx[t] with
         # weights top_w[t]
+        # each weight read once (a LoRA adapter, lora.py, recomputes it on every read)
+        gate_up, down = self.gate_up_proj, self.down_proj
         if x.is_cuda and torch.cuda.is_current_stream_capturing():
-            return self._every_expert(x, top_idx, top_w)
+            return self._every_expert(x, top_idx, top_w, gate_up, down)
         # sort the T*k (token, slot) pairs by expert so each expert's tokens are one
         # contiguous slice
         T, k = top_idx.shape
@@ -390,47 +392,47 @@ class Experts(nn.Module):
         xs = x.index_select(0, order // k)  # the token of each pair, expert by expert
         # tokens per expert (a bincount, whose output size torch.compile cannot
         # know in advance)
-        counts = flat.new_zeros(self.gate_up_proj.shape[0])
+        counts = flat.new_zeros(gate_up.shape[0])
         counts.index_add_(0, flat, torch.ones_like(flat))
-        if _use_grouped_mm(x, self):
-            ys = self._grouped(xs, counts)
+        if _use_grouped_mm(x, gate_up, down):
+            ys = self._grouped(xs, counts, gate_up, down)
         else:
-            ys = self._loop(xs, counts.tolist())
+            ys = self._loop(xs, counts.tolist(), gate_up, down)
         # back to (token, slot) order by gathering with the inverse permutation
         # (deterministic, unlike a scatter-add), then each token's k outputs
         # weighted and summed
         y = ys.index_select(0, order.argsort()).view(T, k, -1)
         return (y * top_w[..., None]).sum(dim=1)
 
-    def _loop(self, xs, counts):
+    def _loop(self, xs, counts, gate_up_proj, down_proj):
         # the readable path (and the one with gradients): one SwiGLU per expert over its
         # slice. split / unbind rather than xs[a:b] / w[e]: their backward is one cat /
         # stack, where each slice's backward would write a zero tensor the size of all of
         # xs (or of all experts' weights) per expert
         ys = []
-        for x, gate_up, down in zip(xs.split(counts), self.gate_up_proj.unbind(0),
-                                    self.down_proj.unbind(0)):
+        for x, gate_up, down in zip(xs.split(counts), gate_up_proj.unbind(0),
+                                    down_proj.unbind(0)):
             if len(x):
                 gate, up = F.linear(x, gate_up).chunk(2, dim=-1)
                 ys.append(F.linear(F.silu(gate) * up, down))
         return torch.cat(ys)
 
-    def _every_expert(self, x, top_idx, top_w):
+    def _every_expert(self, x, top_idx, top_w, gate_up, down):
         # inside a CUDA graph (inference/decode.py's decode step) nothing may wait on the
         # host, as the loop's slice sizes do: every expert runs on every token (E / k
         # times the FLOPs, for a decode step's few tokens), and each token keeps its k
         # outputs, weighted and summed as above
-        gate, up = torch.matmul(x, self.gate_up_proj.transpose(1, 2)).chunk(2, dim=-1)
-        ys = torch.matmul(F.silu(gate) * up, self.down_proj.transpose(1, 2))   # [E, T, H]
+        gate, up = torch.matmul(x, gate_up.transpose(1, 2)).chunk(2, dim=-1)
+        ys = torch.matmul(F.silu(gate) * up, down.transpose(1, 2))   # [E, T, H]
         y = ys[top_idx, torch.arange(len(x), device=x.device)[:, None]]       # [T, k, H]
         return (y * top_w[..., None]).sum(dim=1)
 
-    def _grouped(self, xs, counts):
+    def _grouped(self, xs, counts, gate_up_proj, down_proj):
         # the same two matmuls for all experts in one grouped-GEMM call each (offs = where
         # each slice ends)
         offs = counts.cumsum(0).to(torch.int32)
-        gate, up = grouped_mm(xs, self.gate_up_proj.transpose(1, 2), offs).chunk(2, dim=-1)
-        return grouped_mm(F.silu(gate) * up, self.down_proj.transpose(1, 2), offs)
+        gate, up = grouped_mm(xs, gate_up_proj.transpose(1, 2), offs).chunk(2, dim=-1)
+        return grouped_mm(F.silu(gate) * up, down_proj.transpose(1, 2), offs)
 
 
 # an opaque op for torch.compile, registered on the dispatcher directly:
@@ -474,12 +476,12 @@ def _grouped_fits(device, dtype, hidden, width):
             and hidden % 4 == 0 and width % 4 == 0)
 
 
-def _use_grouped_mm(x, experts):
+def _use_grouped_mm(x, gate_up_proj, down_proj):
     # CPU fp32 inference with aligned widths; anything that needs gradients takes the loop
-    weights = (experts.gate_up_proj, experts.down_proj)
+    weights = (gate_up_proj, down_proj)
     if torch.is_grad_enabled() and (x.requires_grad or any(w.requires_grad for w in weights)):
         return False
-    _, hidden, width = experts.down_proj.shape                       # [E, H, I]
+    _, hidden, width = down_proj.shape                       # [E, H, I]
     return _grouped_fits(x.device, x.dtype, hidden, width)
 
 

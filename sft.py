@@ -58,6 +58,12 @@ demo_fraction = 0.1       # share of the training problems with a demonstration 
 rft_samples = 0           # > 0: answers sampled per training problem, the correct ones kept as data
 rft_problems = 0          # training problems to sample (the first of GRPO's prompt stream)
 rft_temperature = 1.0
+# LoRA (lora.py): 0 trains every weight; r > 0 trains a rank-r update of each targeted
+# weight, the base frozen (no gradient, no optimizer state)
+lora_rank = 0
+lora_alpha = 16.0             # the update is scaled by lora_alpha / lora_rank
+lora_targets = "all"          # 'all', or some of q_proj,k_proj,v_proj,o_proj (attention),
+                              # gate_proj,up_proj,down_proj (dense MLP), experts
 # optimization
 max_iters = 200
 max_flops = 0.0       # > 0: stop once the run has spent this many FLOPs (compute-matched baselines)

@@ -108,6 +108,12 @@ routing_replay = False        # MoE: ... and the trainer routes each token by th
 engine_dtype = "float32"      # the engine's copy of the weights ('bfloat16' on a GPU)
 engine_block_size = 16
 engine_compile = False        # decode steps as one graph (engine.py: tens of seconds to compile)
+# LoRA (lora.py): 0 trains every weight; r > 0 trains a rank-r update of each targeted
+# weight, the base frozen (no gradient, no optimizer state)
+lora_rank = 0
+lora_alpha = 16.0             # the update is scaled by lora_alpha / lora_rank
+lora_targets = "all"          # 'all', or some of q_proj,k_proj,v_proj,o_proj (attention),
+                              # gate_proj,up_proj,down_proj (dense MLP), experts
 # optimization
 max_iters = 100
 learning_rate = 1e-4

@@ -23,6 +23,7 @@ from dataclasses import dataclass, fields, replace
 import numpy as np
 import torch
 
+import lora
 from checkpoint import Start, clear_checkpoints, save_checkpoint, set_rng_state
 from configurator import is_finite_number, print0, require
 from model import Transformer, train_flops
@@ -687,9 +688,10 @@ def setup_run(config, start, data):
                     resume_iter=None if start.meta is None else start.iter_num)
     peak = measure_matmul_flops(config["device"],
                                 torch.float32 if config["dtype"] == "float32" else torch.bfloat16)
+    trained = sum(p.numel() for p in model.parameters() if p.requires_grad)
     print0(f"{model.num_params() / 1e6:.2f}M parameters ({model.num_active_params() / 1e6:.2f}M "
-           f"active), from {start.source}, iter {start.iter_num} -> {config['max_iters']}, matmul "
-           f"peak {peak / 1e9:.1f} GFLOP/s")
+           f"active, {trained / 1e6:.3f}M trained), from {start.source}, iter {start.iter_num} -> "
+           f"{config['max_iters']}, matmul peak {peak / 1e9:.1f} GFLOP/s")
     return Run(model, forward, optimizer, autocast, device_type, logger, peak, start)
 
 
@@ -710,6 +712,7 @@ def check_loop_settings(config):
     for name in ("weight_decay", "grad_clip", "aux_loss_coef", "max_flops"):
         value = config.get(name, 0)
         require(is_finite_number(value) and value >= 0, f"{name}={value!r}: expected a number >= 0")
+    lora.spec_of(config)   # lora_rank, lora_alpha, lora_targets
 
 
 def due(config, interval, done, last):

@@ -335,7 +335,7 @@ def test_grouped_gemm_experts_equal_the_loop(monkeypatch):
     x = torch.randn(50, 32)
     top_w, top_idx = torch.topk(torch.randn(50, 8).softmax(-1), 2)
     top_idx[:5] = torch.tensor([0, 7])        # some experts crowded, some (maybe) empty
-    assert model._use_grouped_mm(x, experts) == model.GROUPED_MM
+    assert model._use_grouped_mm(x, experts.gate_up_proj, experts.down_proj) == model.GROUPED_MM
     fast = experts(x, top_idx, top_w)
     monkeypatch.setattr(model, "GROUPED_MM", False)
     slow = experts(x, top_idx, top_w)
@@ -345,7 +345,7 @@ def test_grouped_gemm_experts_equal_the_loop(monkeypatch):
             e = top_idx[t, j]
             gate, up = (experts.gate_up_proj[e] @ x[t]).chunk(2)
             ref[t] += top_w[t, j] * (experts.down_proj[e] @ (F.silu(gate) * up))
-    every = experts._every_expert(x, top_idx, top_w)
+    every = experts._every_expert(x, top_idx, top_w, experts.gate_up_proj, experts.down_proj)
     assert (slow - ref).abs().max().item() < 1e-5
     assert (fast - ref).abs().max().item() < 1e-5
     assert (every - ref).abs().max().item() < 1e-5
@@ -361,7 +361,8 @@ def test_grouped_gemm_path_is_the_inference_default_and_equals_the_loop(checkpoi
     ours = load_hf_checkpoint(path)
     x = torch.randint(0, VOCAB, (41,), generator=torch.Generator().manual_seed(3))
     moe = [layer.mlp.experts for layer in ours.layers if layer.is_moe]
-    assert all(model._use_grouped_mm(torch.zeros(1), e) == model.GROUPED_MM for e in moe)
+    grouped = [model._use_grouped_mm(torch.zeros(1), e.gate_up_proj, e.down_proj) for e in moe]
+    assert all(g == model.GROUPED_MM for g in grouped)
     fast, _ = ours(x, torch.arange(len(x)))
     monkeypatch.setattr(model, "GROUPED_MM", False)
     slow, _ = ours(x, torch.arange(len(x)))
@@ -370,7 +371,7 @@ def test_grouped_gemm_path_is_the_inference_default_and_equals_the_loop(checkpoi
     monkeypatch.setattr(model, "GROUPED_MM", hasattr(torch, "_grouped_mm"))
     torch.manual_seed(0)
     odd = model.Experts(4, 30, 6)
-    assert not model._use_grouped_mm(torch.zeros(1, 30), odd)
+    assert not model._use_grouped_mm(torch.zeros(1, 30), odd.gate_up_proj, odd.down_proj)
     h = torch.randn(9, 30)
     top_w, top_idx = torch.topk(torch.randn(9, 4).softmax(-1), 2)
     ref = torch.stack([sum(top_w[t, j] * (odd.down_proj[e] @ (F.silu(g) * u))

@@ -1,6 +1,7 @@
 """The style rules a reader relies on, checked on every Python file of the project: no
 line over 100 characters (and few over 90 outside the tests), no function over 60 lines,
-no import circle, and (outside the tests) few input checks."""
+and no import circle. (No quota on input checks: a check belongs wherever outside input
+arrives, and a quota was met by cutting checks and aliasing helpers.)"""
 
 import ast
 import pathlib
@@ -10,7 +11,6 @@ FOLDERS = ("", "config/", "tests/", "tasks/", "inference/", "scaleout/", "bench/
 FILES = sorted(p for folder in FOLDERS for p in ROOT.glob(folder + "*.py"))
 MAX_LINE, MAX_FUNCTION = 100, 60
 WIDE, MAX_WIDE_SHARE = 90, 0.08   # at most 8% of non-blank lines over 90 (tests aside)
-MAX_CHECK_SHARE = 0.035           # lines of raise / assert / require, of code lines
 
 
 def test_no_line_is_over_100_characters():
@@ -33,41 +33,6 @@ def test_few_lines_are_over_90_characters():
              if line.strip()]
     wide = sum(len(line) > WIDE for line in lines)
     assert wide <= MAX_WIDE_SHARE * len(lines), f"{wide} of {len(lines)} lines over {WIDE}"
-
-
-def is_check(node):
-    """A raise, an assert, or a require(...) / require_field(...) statement."""
-    call = node.value if isinstance(node, ast.Expr) else None
-    name = getattr(getattr(call, "func", None), "id", None)
-    return isinstance(node, (ast.Raise, ast.Assert)) or name in ("require", "require_field")
-
-
-def code_lines(path):
-    """{line number: is it part of a check} over the lines of code of a file: not blank,
-    not a comment, not a docstring. Every line of a check counts, continuations too."""
-    text = path.read_text()
-    docs, checks = set(), set()
-    for node in ast.walk(ast.parse(text)):
-        if is_check(node):
-            checks.update(range(node.lineno, node.end_lineno + 1))
-        if not isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef,
-                                 ast.AsyncFunctionDef)) or not node.body:
-            continue
-        first = node.body[0]
-        if isinstance(first, ast.Expr) and isinstance(first.value, ast.Constant) \
-                and isinstance(first.value.value, str):
-            docs.update(range(first.lineno, first.end_lineno + 1))
-    return {i: i in checks for i, line in enumerate(text.splitlines(), 1)
-            if line.strip() and not line.strip().startswith("#") and i not in docs}
-
-
-def test_checks_are_few():
-    # input checks belong at the edges (config, API calls, HTTP, checkpoints); inside,
-    # the code trusts its caller
-    lines = [check for p in FILES if p.parent.name != "tests" and p.name != "conftest.py"
-             and not p.name.startswith("test_") for check in code_lines(p).values()]
-    checks = sum(lines)
-    assert checks <= MAX_CHECK_SHARE * len(lines), f"{checks} of {len(lines)} code lines"
 
 
 def module_name(path):

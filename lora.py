@@ -1,0 +1,270 @@
+"""
+LoRA: a trainable low-rank update on every weight the forward reads, the base frozen.
+
+    import lora
+    lora.add_lora(model, lora.LoRASpec(rank=8, alpha=16, targets=lora.parse_targets("all")))
+    # train: only the adapters have requires_grad (no gradient or AdamW state for the base)
+    engine.update_weights(model.state_dict())   # the merged weights, under the base names
+    save_hf_checkpoint(model, "out/merged")     # a plain transformers model of the merged weights
+    lora.save_peft_adapter(model, "out/adapter", base="out/sft/best")
+    # peft.PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(base), "out/adapter")
+
+Each targeted weight W ([out, in], or a stack of E experts [E, out, in]) is read as
+W + (alpha / rank) * B @ A, with A [.., rank, in] and B [.., out, rank], through
+torch.nn.utils.parametrize: every access of `module.weight` in model.py (the fused q/k/v
+cat of Attention, the experts' stacked tensors) gets the update, so no weight is
+silently left out, as wrapping modules would leave q, k and v out (model.py reads them
+as tensors). A starts as peft's (Kaiming-uniform) and B at zero, so a fresh adapter
+changes nothing.
+
+A LoRA model's state_dict() is its merged weights under the base names (a hook below):
+what every reader of a model's weights wants (the engine's hot-swap, the checkpoints,
+weight sync, the in-sync check), so none of them knows about LoRA. The adapters
+themselves are adapters(model); a training checkpoint keeps them in PEFT's format
+beside the merged model, and resume rebuilds base + adapters exactly from the run's
+base (its digest checked).
+
+What it leaves out: dropout on the adapters (RL runs use none), the embedding and the
+head as targets, rsLoRA / DoRA, and several adapters at once.
+"""
+
+import json
+import math
+import os
+from dataclasses import asdict, dataclass
+
+import torch
+import torch.nn as nn
+import torch.nn.utils.parametrize as parametrize
+import xxhash
+
+from configurator import require
+from model import Experts, Transformer
+
+# what lora_targets may name: the attention projections, the dense MLP's three linears,
+# and 'experts' (both fused expert tensors of every MoE layer)
+TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj",
+           "experts")
+ADAPTER_CONFIG, ADAPTER_WEIGHTS = "adapter_config.json", "adapter_model.safetensors"
+
+
+@dataclass(frozen=True)
+class LoRASpec:
+    rank: int
+    alpha: float
+    targets: tuple          # names from TARGETS
+
+    @property
+    def scale(self):
+        return self.alpha / self.rank
+
+
+def parse_targets(text):
+    """'all' or comma-separated names of TARGETS -> a tuple of them, in TARGETS' order."""
+    names = TARGETS if text == "all" else tuple(n.strip() for n in str(text).split(","))
+    unknown = [n for n in names if n not in TARGETS]
+    require(not unknown and names,
+            f"lora_targets={text!r}: unknown {unknown}; expected 'all' or names from {TARGETS}")
+    return tuple(n for n in TARGETS if n in names)
+
+
+def spec_of(config):
+    """The LoRASpec a run's settings ask for (lora_rank, lora_alpha, lora_targets), or
+    None when lora_rank = 0; each bad value refused naming it."""
+    rank, alpha = config.get("lora_rank", 0), config.get("lora_alpha", 0.0)
+    require(type(rank) is int and rank >= 0, f"lora_rank={rank!r}: expected an int >= 0")
+    if rank == 0:
+        return None
+    ok = type(alpha) in (int, float) and math.isfinite(alpha) and alpha > 0
+    require(ok, f"lora_alpha={alpha!r}: expected a number > 0")
+    return LoRASpec(rank, float(alpha), parse_targets(config["lora_targets"]))
+
+
+# -----------------------------------------------------------------------------
+# the adapter on one weight
+
+
+class LoRA(nn.Module):
+    """The parametrization W -> W + scale * B @ A of one [out, in] weight or one stack of
+    them [E, out, in] (an adapter per expert)."""
+
+    def __init__(self, weight, rank, scale, generator):
+        super().__init__()
+        *lead, out, inp = weight.shape
+        self.scale = scale
+        self.A = nn.Parameter(weight.new_empty(*lead, rank, inp))
+        self.B = nn.Parameter(weight.new_zeros(*lead, out, rank))
+        # peft's init: nn.Linear's Kaiming-uniform on each [rank, in] (bound 1 / sqrt(in))
+        bound = 1 / math.sqrt(inp)
+        with torch.no_grad():
+            self.A.copy_(torch.rand(self.A.shape, generator=generator) * 2 * bound - bound)
+
+    def forward(self, weight):
+        return weight + self.scale * (self.B @ self.A)
+
+
+def targeted(model, targets):
+    """(module path, module, parameter name) of every weight the targets name:
+    nn.Linear leaves named like a target (the router, 'gate', and the head are not),
+    and both fused tensors of each Experts."""
+    for path, module in model.named_modules():
+        if isinstance(module, nn.Linear) and path.rsplit(".", 1)[-1] in targets:
+            yield path, module, "weight"
+        elif isinstance(module, Experts) and "experts" in targets:
+            yield path, module, "gate_up_proj"
+            yield path, module, "down_proj"
+
+
+def add_lora(model: Transformer, spec: LoRASpec, seed=0):
+    """Freeze model and give each targeted weight an adapter, in place (A's init from
+    its own generator: the run's RNG stream is untouched). Returns model."""
+    require(not has_adapters(model), "add_lora: the model already has adapters")
+    model.requires_grad_(False)
+    generator = torch.Generator().manual_seed(seed)
+    found = list(targeted(model, spec.targets))
+    require(found, f"lora_targets={spec.targets}: no such weight in this model")
+    for _, module, name in found:
+        weight = getattr(module, name)
+        adapter = LoRA(weight, spec.rank, spec.scale, generator).to(weight.device)
+        parametrize.register_parametrization(module, name, adapter)
+    model.lora_spec = spec
+    model.register_state_dict_post_hook(_merged_state_dict)
+    return model
+
+
+def has_adapters(model):
+    return getattr(model, "lora_spec", None) is not None
+
+
+def _merged_state_dict(model, state, prefix, local_metadata):
+    # parametrize's names (path.parametrizations.weight.original, ...0.A, ...0.B) -> the
+    # base name holding the merged weight, as the forward reads it, in the base's place
+    merged = {}
+    with torch.no_grad():
+        for path, module, name in targeted(model, model.lora_spec.targets):
+            merged[f"{prefix}{path}.parametrizations.{name}.original"] = (
+                f"{prefix}{path}.{name}", getattr(module, name).detach())
+    items = list(state.items())
+    state.clear()
+    for key, t in items:
+        if key in merged:
+            state.__setitem__(*merged[key])
+        elif ".parametrizations." not in key:
+            state[key] = t
+
+
+def adapters(model):
+    """{'{path}.{name}': LoRA} of every adapted weight, in the model's order."""
+    return {f"{path}.{name}": module.parametrizations[name][0]
+            for path, module, name in targeted(model, model.lora_spec.targets)}
+
+
+def base_weights(model):
+    """The frozen base tensors, under the base names (the state_dict's hides them)."""
+    out = {}
+    for key, t in model.named_parameters():
+        if ".parametrizations." in key:
+            path, rest = key.split(".parametrizations.")
+            if rest.endswith(".original"):
+                out[f"{path}.{rest.removesuffix('.original')}"] = t
+        else:
+            out[key] = t
+    return out
+
+
+def base_digest(model):
+    """xxh64 of every base tensor's bytes, in name order: what a resumed run checks its
+    base against."""
+    h = xxhash.xxh64()
+    for name, t in sorted(base_weights(model).items()):
+        h.update(name.encode())
+        h.update(t.detach().cpu().contiguous().view(-1).view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()
+
+
+# -----------------------------------------------------------------------------
+# PEFT's folder format: adapter_config.json + adapter_model.safetensors
+#
+# peft names an nn.Linear's adapter after its module (lora_A.weight [r, in], lora_B.weight
+# [out, r]) and fused experts' adapters after the Experts module through its
+# target_parameters: gate_up_proj's wrapper is the inner one (its keys have
+# '.base_layer.'), down_proj's the outer; their A is [E * r, in] (expert-major) and their
+# B [out, r * E] (rank-major): expert e's B is B[:, e::E]. Worked example, E = 2, r = 1:
+# our A [2, 1, in] -> rows [A_0; A_1]; our B [2, out, 1] -> columns [B_0, B_1].
+
+
+def peft_tensors(model):
+    """Our adapters -> {peft key: tensor} (the saved names, no adapter name)."""
+    out = {}
+    for key, adapter in adapters(model).items():
+        path, name = key.rsplit(".", 1)
+        A, B = adapter.A.detach(), adapter.B.detach()
+        stem = f"base_model.model.model.{path}."
+        if name == "gate_up_proj":
+            stem += "base_layer."
+        if A.dim() == 3:
+            E, r = A.shape[:2]
+            A, B = A.reshape(E * r, -1), B.permute(1, 2, 0).reshape(B.shape[1], r * E)
+        out[stem + "lora_A.weight"], out[stem + "lora_B.weight"] = A, B
+    return out
+
+
+def load_peft_tensors(model, tensors):
+    """peft_tensors' inverse: copy a saved adapter's tensors into model's adapters
+    (names and shapes checked first, as from outside)."""
+    ours = {}
+    for key, adapter in adapters(model).items():
+        path, name = key.rsplit(".", 1)
+        stem = f"base_model.model.model.{path}." + ("base_layer." if name == "gate_up_proj" else "")
+        ours[stem + "lora_A.weight"], ours[stem + "lora_B.weight"] = adapter.A, adapter.B
+    missing, unknown = sorted(set(ours) - set(tensors)), sorted(set(tensors) - set(ours))
+    require(not missing and not unknown, f"adapter: missing {missing[:3]}, unknown {unknown[:3]}")
+    with torch.no_grad():
+        for key, target in ours.items():
+            t = tensors[key]
+            if target.dim() == 3:   # [E*r, in] / [out, r*E] -> [E, r, in] / [E, out, r]
+                E, a, b = target.shape
+                t = t.reshape(E, a, b) if "lora_A" in key else t.reshape(a, b, E).permute(2, 0, 1)
+            require(tuple(t.shape) == tuple(target.shape),
+                    f"adapter {key}: shape {tuple(t.shape)}, not {tuple(target.shape)}")
+            target.copy_(t)
+
+
+def save_peft_adapter(model, path, base=None):
+    """Write model's adapters as a PEFT LoRA folder (each file atomically), for
+    peft.PeftModel.from_pretrained on the base checkpoint (`base`, recorded as
+    base_model_name_or_path). peft 0.21 remaps the dense MLP targets of a qwen3_moe
+    model to its experts, so a MoE model with adapted dense layers is refused."""
+    from safetensors.torch import save_file
+    spec, cfg = model.lora_spec, model.config
+    found = {p.rsplit(".", 1)[-1] for p, _, name in targeted(model, spec.targets)
+             if name == "weight"}
+    dense_in_moe = found & {"gate_proj", "up_proj", "down_proj"} if cfg.num_experts else set()
+    require(not dense_in_moe, f"a PEFT adapter of a qwen3_moe model cannot hold its dense "
+                              f"layers' {sorted(dense_in_moe)} (peft maps them to the experts)")
+    experts = "experts" in spec.targets and cfg.num_experts > 0
+    config = {"peft_type": "LORA", "task_type": "CAUSAL_LM", "r": spec.rank,
+              "lora_alpha": spec.alpha, "lora_dropout": 0.0, "bias": "none",
+              "fan_in_fan_out": False, "use_rslora": False, "use_dora": False,
+              "init_lora_weights": True, "base_model_name_or_path": base,
+              "target_modules": [t for t in TARGETS if t in found],
+              "target_parameters": ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]
+              if experts else None}
+    os.makedirs(path, exist_ok=True)
+    tensors = {k: v.contiguous().cpu() for k, v in peft_tensors(model).items()}
+    save_file(tensors, os.path.join(path, ADAPTER_WEIGHTS) + ".tmp", metadata={"format": "pt"})
+    os.replace(os.path.join(path, ADAPTER_WEIGHTS) + ".tmp", os.path.join(path, ADAPTER_WEIGHTS))
+    with open(os.path.join(path, ADAPTER_CONFIG) + ".tmp", "w") as f:
+        json.dump(config, f, indent=2)
+    os.replace(os.path.join(path, ADAPTER_CONFIG) + ".tmp", os.path.join(path, ADAPTER_CONFIG))
+
+
+def load_peft_adapter(model, path):
+    """Copy a saved PEFT LoRA folder's tensors into model's adapters (the same spec)."""
+    from safetensors.torch import load_file
+    load_peft_tensors(model, load_file(os.path.join(path, ADAPTER_WEIGHTS)))
+
+
+def spec_record(spec):
+    """A spec as the checkpoint's JSON holds it (and compares it on resume)."""
+    return {**asdict(spec), "targets": list(spec.targets)}

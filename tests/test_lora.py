@@ -1,0 +1,217 @@
+"""
+LoRA (lora.py) against its definition and against peft: every targeted weight the
+forward reads gets a gradient and no base weight does; the merged weights are
+base + scale * B @ A exactly; peft loads the exported adapter onto the transformers
+model and gives our logits; LoRA runs resume exactly; bad settings are refused.
+
+peft lives in the test venv (.ci/run installs it; `pip install peft` elsewhere), not in
+requirements.txt: its test skips without it outside CI.
+"""
+
+import importlib.util
+import os
+
+import pytest
+import torch
+from transformers import (AutoModelForCausalLM, LlamaConfig, Qwen2Config, Qwen3Config,
+                          Qwen3MoeConfig)
+
+import checkpoint
+import lora
+import train_grpo
+from conftest import write_hf_checkpoint
+from tests.test_grpo import TINY, metrics, tiny_config
+from tokenizer import build_tokenizer
+
+VOCAB = 96
+SHAPE = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+             num_attention_heads=4, num_key_value_heads=2, head_dim=8)
+FAMILIES = {
+    "qwen3_moe": Qwen3MoeConfig(**SHAPE, moe_intermediate_size=16, num_experts=4,
+                                num_experts_per_tok=2, norm_topk_prob=True),
+    "qwen3": Qwen3Config(**SHAPE),
+    "qwen2": Qwen2Config(**SHAPE),
+    "llama": LlamaConfig(**SHAPE),
+}
+
+
+@pytest.fixture(scope="module", params=list(FAMILIES))
+def family(request, tmp_path_factory, one_thread):
+    """(name, the transformers model, its directory)"""
+    name = request.param
+    hf, path = write_hf_checkpoint(FAMILIES[name], str(tmp_path_factory.mktemp(name)))
+    return name, hf, path
+
+
+def adapted(path, targets=lora.TARGETS, seed=1):
+    """Our model of path with rank-4 adapters whose B is random (a fresh B is 0, which
+    would hide a wrong merge)."""
+    model = checkpoint.load_hf_checkpoint(path)
+    lora.add_lora(model, lora.LoRASpec(4, 8.0, targets), seed=seed)
+    g = torch.Generator().manual_seed(seed + 1)
+    with torch.no_grad():
+        for adapter in lora.adapters(model).values():
+            adapter.B.copy_(0.1 * torch.randn(adapter.B.shape, generator=g))
+    return model
+
+
+def test_every_targeted_weight_gets_a_gradient_and_no_base_weight_does(family):
+    name, _, path = family
+    model = adapted(path)
+    x = torch.randint(0, VOCAB, (29,), generator=torch.Generator().manual_seed(0))
+    logp, aux = model(x, torch.arange(29), labels=torch.roll(x, -1))
+    (logp.sum() + aux).backward()
+    trained = {n for n, p in model.named_parameters() if p.requires_grad}
+    assert trained == {n for n, _ in model.named_parameters() if n.endswith((".0.A", ".0.B"))}
+    assert all(p.grad is None for n, p in model.named_parameters() if n not in trained)
+    # each adapted weight, by the name the forward reads it under, and both its factors
+    adapted_names = set(lora.adapters(model))
+    expected = {f"layers.{i}.self_attn.{p}.weight" for i in range(2)
+                for p in ("q_proj", "k_proj", "v_proj", "o_proj")}
+    if name == "qwen3_moe":
+        expected |= {f"layers.{i}.mlp.experts.{p}" for i in range(2)
+                     for p in ("gate_up_proj", "down_proj")}
+    else:
+        expected |= {f"layers.{i}.mlp.{p}.weight" for i in range(2)
+                     for p in ("gate_proj", "up_proj", "down_proj")}
+    assert adapted_names == expected
+    for key, adapter in lora.adapters(model).items():
+        for factor in (adapter.A, adapter.B):
+            assert factor.grad is not None and factor.grad.abs().sum() > 0, key
+
+
+def test_merged_weights_are_the_base_plus_scaled_B_A_exactly(family):
+    _, _, path = family
+    base = checkpoint.load_hf_checkpoint(path).state_dict()
+    model = adapted(path)
+    merged = model.state_dict()
+    assert sorted(merged) == sorted(base)     # the base names
+    adapters = lora.adapters(model)
+    for name, t in merged.items():
+        if name in adapters:
+            a = adapters[name]
+            assert torch.equal(t, base[name] + 2.0 * (a.B @ a.A)), name
+            assert not torch.equal(t, base[name])
+        else:
+            assert torch.equal(t, base[name]), name
+    # the forward reads what the state_dict says
+    plain = checkpoint.load_hf_checkpoint(path)
+    plain.load_state_dict(merged)
+    x = torch.arange(VOCAB)[:31]
+    with torch.no_grad():
+        assert torch.equal(plain(x, torch.arange(31))[0], model(x, torch.arange(31))[0])
+
+
+needs_peft = pytest.mark.skipif(
+    importlib.util.find_spec("peft") is None and not os.environ.get("CI"),
+    reason="no peft in this venv (pip install peft; .ci/run installs it)")
+
+
+@needs_peft
+@torch.no_grad()
+def test_peft_loads_the_exported_adapter_onto_the_transformers_model(family, tmp_path):
+    from peft import PeftModel
+    _, hf, path = family
+    model = adapted(path)
+    lora.save_peft_adapter(model, str(tmp_path / "adapter"), base=path)
+    theirs = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(path),
+                                       str(tmp_path / "adapter")).eval()
+    x = torch.randint(0, VOCAB, (37,), generator=torch.Generator().manual_seed(2))
+    ours, _ = model(x, torch.arange(37))
+    assert (theirs(x[None]).logits[0] - ours).abs().max().item() < 1e-4
+    # and the merged model, saved as a plain transformers checkpoint
+    checkpoint.save_hf_checkpoint(model, str(tmp_path / "merged"))
+    merged = AutoModelForCausalLM.from_pretrained(str(tmp_path / "merged")).eval()
+    assert (merged(x[None]).logits[0] - ours).abs().max().item() < 1e-4
+    # our reader of the folder gives back the same adapters
+    again = checkpoint.load_hf_checkpoint(path)
+    lora.add_lora(again, model.lora_spec, seed=9)
+    lora.load_peft_adapter(again, str(tmp_path / "adapter"))
+    assert all(torch.equal(a, b) for a, b in zip(again.state_dict().values(),
+                                                 model.state_dict().values()))
+
+
+def test_some_targets_only(family):
+    _, _, path = family
+    model = adapted(path, targets=lora.parse_targets("q_proj,v_proj"))
+    assert {k.split(".")[-2] for k in lora.adapters(model)} == {"q_proj", "v_proj"}
+
+
+# -----------------------------------------------------------------------------
+# LoRA runs
+
+
+@pytest.fixture(scope="module")
+def tiny_base(tmp_path_factory):
+    """A tiny embedded-tokenizer model directory, what a LoRA run adapts."""
+    path = str(tmp_path_factory.mktemp("base") / "model")
+    start = checkpoint.init_start({"init_from": "scratch", "model": TINY, "seed": 0},
+                                  build_tokenizer)
+    checkpoint.save_best(os.path.dirname(path), start.model, start)
+    return os.path.join(os.path.dirname(path), "best")
+
+
+LORA = ["--lora_rank=2", "--lora_alpha=4", "--learning_rate=3e-2"]
+
+
+def test_killed_lora_run_resumes_exactly(tmp_path, monkeypatch, tiny_base):
+    common = ["--max_iters=4", "--lr_decay_iters=4", "--ckpt_interval=2",
+              f"--init_from={tiny_base}", *LORA]
+    whole = tmp_path / "whole"
+    train_grpo.main(tiny_config(whole, *common))
+    real_rollout = train_grpo.rollout
+
+    class Killed(Exception):
+        pass
+
+    def dies_at_3(engine, env, sampler, c, it):
+        if it == 3:
+            raise Killed
+        return real_rollout(engine, env, sampler, c, it)
+
+    killed = tmp_path / "killed"
+    monkeypatch.setattr(train_grpo, "rollout", dies_at_3)
+    with pytest.raises(Killed):
+        train_grpo.main(tiny_config(killed, *common))
+    monkeypatch.setattr(train_grpo, "rollout", real_rollout)
+    resumed = [c for c in common if not c.startswith("--init_from")] + ["--init_from=resume"]
+    train_grpo.main(tiny_config(killed, *resumed))
+    a, b = metrics(whole), metrics(killed)
+    assert [r["iter"] for r in a] == [r["iter"] for r in b]
+    steps = [r for r in a if "train/loss" in r]
+    assert steps and all(r["train/logprob_mismatch"] < 1e-4 for r in steps)
+    for ra, rb in zip(a, b):
+        for k in ("train/loss", "train/grad_norm", "rollout/reward_mean", "eval/accuracy"):
+            if k in ra:
+                assert ra[k] == rb[k], (ra["iter"], k, ra[k], rb[k])
+    # the checkpoint: the merged model (it moved), its adapter, the base untouched
+    base = checkpoint.load_hf_checkpoint(tiny_base).state_dict()
+    wa = checkpoint.load_hf_checkpoint(str(whole / "ckpt")).state_dict()
+    wb = checkpoint.load_hf_checkpoint(str(killed / "ckpt")).state_dict()
+    assert all(torch.equal(wa[n], wb[n]) for n in wa)
+    moved = {n for n in wa if not torch.equal(wa[n], base[n])}
+    assert moved and all(n.endswith(("_proj.weight", "_proj")) for n in moved)
+    meta = checkpoint.read_checkpoint_meta(str(whole / "ckpt"))
+    assert meta["lora"]["rank"] == 2 and "adapter/adapter_model.safetensors" in meta["files"]
+
+
+def test_bad_lora_settings_are_refused_before_anything_is_written(tmp_path, tiny_base):
+    for bad, says in (("--lora_rank=-1", "lora_rank=-1"), ("--lora_alpha=0", "lora_alpha=0"),
+                      ("--lora_targets=q_proj,gate", "unknown ['gate']")):
+        with pytest.raises(ValueError, match=f"{says}.*" if "unknown" not in says else None) as e:
+            train_grpo.check_settings(tiny_config(tmp_path, f"--init_from={tiny_base}",
+                                                  "--lora_rank=2", bad))
+        assert says in str(e.value)
+    assert "experts" in str(e.value)     # the known targets are listed
+    with pytest.raises(ValueError, match="init_from='scratch'"):
+        train_grpo.main(tiny_config(tmp_path / "scratch", "--lora_rank=2"))
+    assert not os.path.exists(tmp_path / "scratch")
+    # resuming with other LoRA settings (or none) than the run's
+    out = tmp_path / "run"
+    train_grpo.main(tiny_config(out, "--max_iters=1", f"--init_from={tiny_base}", *LORA))
+    before = sorted(os.listdir(out))
+    for other in (["--lora_rank=4"], ["--lora_rank=0"], [*LORA, "--lora_targets=q_proj"]):
+        with pytest.raises(ValueError, match="the run being resumed had"):
+            train_grpo.main(tiny_config(out, "--init_from=resume", "--max_iters=2",
+                                        *LORA, *other))
+    assert sorted(os.listdir(out)) == before
