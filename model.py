@@ -669,7 +669,11 @@ class HeadLogprobs(torch.autograd.Function):
         hidden, weight, labels = ctx.saved_tensors
         T, rows, dtype = ctx.temperature, ctx.rows, ctx.dtype
         grad_hidden = torch.empty_like(hidden)
-        grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)
+        # a frozen head (LoRA, lora.py) gets no gradient: the [V, D] fp32 buffer is the
+        # size of the embedding
+        wants_weight = ctx.needs_input_grad[1]
+        grad_weight = torch.zeros(weight.shape, dtype=torch.float32,
+                                  device=weight.device) if wants_weight else None
         with torch.autocast(hidden.device.type, enabled=False):
             w = weight.to(dtype)
             for s in range(0, hidden.shape[0], rows):
@@ -678,9 +682,11 @@ class HeadLogprobs(torch.autograd.Function):
                 # + onehot(label) * g
                 d.scatter_add_(1, labels[s:s + rows, None], g[:, None])
                 grad_hidden[s:s + rows] = (d.to(dtype) @ w).to(hidden.dtype)
-                grad_weight += (d.t().to(dtype) @ h).float()
+                if wants_weight:
+                    grad_weight += (d.t().to(dtype) @ h).float()
                 del d
-        return grad_hidden, grad_weight.to(weight.dtype), None, None, None, None
+        grad_weight = grad_weight.to(weight.dtype) if wants_weight else None
+        return grad_hidden, grad_weight, None, None, None, None
 
 
 def load_balancing_loss(router_logits, num_experts, top_k, like):
