@@ -37,8 +37,13 @@ import numpy as np
 import torch
 import xxhash
 
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_optimizer_state_dict,
+                                                     set_optimizer_state_dict)
+
 import lora
 from configurator import print0, require
+from scaleout import distributed
 from model import ModelConfig, Transformer, as_dtype
 from tokenizer import generation_stop_ids, load_tokenizer, save_tokenizer
 
@@ -301,16 +306,18 @@ def _write_atomically(path, write):
     os.replace(path + ".tmp", path)
 
 
-def save_hf_checkpoint(model: Transformer, path):
+def save_hf_checkpoint(model: Transformer, path, weights=None):
     """Write config.json + model.safetensors (hub names, one tensor per expert),
-    each file atomically."""
+    each file atomically; weights: model's state_dict (the default), or its tensors
+    gathered from shards."""
     from safetensors.torch import save_file
     os.makedirs(path, exist_ok=True)
-    hf = {k: v.detach().contiguous().cpu() for k, v in ours_to_hf(model.state_dict()).items()}
+    weights = model.state_dict() if weights is None else weights
+    hf = {k: v.detach().contiguous().cpu() for k, v in ours_to_hf(weights).items()}
     _write_atomically(os.path.join(path, "model.safetensors"),
                       lambda p: save_file(hf, p, metadata={"format": "pt"}))
     hf_cfg = config_to_hf(model.config) | {
-        "dtype": str(next(model.parameters()).dtype).removeprefix("torch.")
+        "dtype": str(next(iter(weights.values())).dtype).removeprefix("torch.")
     }
 
     def write_json(p):
@@ -326,14 +333,30 @@ CKPT, CKPT_TMP, CKPT_OLD = "ckpt", "ckpt.tmp", "ckpt.old"
 META = "checkpoint.json"
 TRAINER_STATE = "trainer_state.pt"
 ADAPTER = "adapter"
+OPTIMIZER = "optimizer"      # a sharded run's optimizer (torch.distributed.checkpoint)
+
+
+def whole_weights(model):
+    """model's state_dict whole on rank 0 (None on the others): a sharded model's gathered
+    one tensor at a time, every rank taking part, each kept on rank 0's CPU."""
+    if not distributed.is_sharded(model):
+        return model.state_dict() if distributed.is_main() else None
+    main = distributed.is_main()
+    weights = {name: t.cpu() for name, t in distributed.full_tensors(model.state_dict())
+               if main}
+    return weights if main else None
 
 
 def save_best(out_dir, model, start):
     """{out_dir}/best: a transformers model directory (a later stage's init_from) with
-    start's tokenizer and generation config, swapped in by one rename."""
+    start's tokenizer and generation config, swapped in by one rename. Every rank calls
+    it (a sharded model's weights are gathered); rank 0 writes."""
+    weights = whole_weights(model)
+    if weights is None:
+        return
     best, tmp = os.path.join(out_dir, "best"), os.path.join(out_dir, "best.tmp")
     shutil.rmtree(tmp, ignore_errors=True)
-    save_hf_checkpoint(model, tmp)
+    save_hf_checkpoint(model, tmp, weights)
     save_tokenizer(start.tokenizer, tmp)
     save_generation_config(tmp, start.generation)
     shutil.rmtree(best, ignore_errors=True)
@@ -422,18 +445,37 @@ def save_checkpoint(out_dir, model, optimizer, tokenizer, iter_num, config, data
                     extra=None, generation=None):
     """Write {out_dir}/ckpt atomically (see the top of this file). data_state and extra
     must be JSON-serialisable; generation is its generation_config.json
-    (Start.generation; default the tokenizer's stop ids)."""
+    (Start.generation; default the tokenizer's stop ids). Every rank calls it; rank 0
+    writes. A sharded (FSDP2) model's weights are gathered to rank 0 one tensor at a time,
+    and each rank writes its optimizer shards through torch.distributed.checkpoint into
+    optimizer/ (read back on any world size: load_optimizer)."""
     final, tmp, old = (os.path.join(out_dir, n) for n in (CKPT, CKPT_TMP, CKPT_OLD))
-    shutil.rmtree(tmp, ignore_errors=True)
-    os.makedirs(tmp)
-    save_hf_checkpoint(model, tmp)
+    sharded, main = distributed.is_sharded(model), distributed.is_main()
+    if not (main or sharded):
+        return final
+    if main:
+        shutil.rmtree(tmp, ignore_errors=True)
+        os.makedirs(tmp)
+    adapted, adapter = lora.has_adapters(model), None
+    if sharded:
+        # FSDP2 leaves the root's parameters gathered after a forward without backward
+        # (an evaluation): shards again, the ones the optimizer knows
+        model.reshard()
+    weights = whole_weights(model)
+    if sharded:
+        distributed.barrier()   # tmp exists before any rank writes into it
+        adapter = lora.peft_tensors(model) if adapted else None
+        dcp.save({"optimizer": get_optimizer_state_dict(model, optimizer)},
+                 checkpoint_id=os.path.join(tmp, OPTIMIZER))
+    if not main:
+        return final
+    save_hf_checkpoint(model, tmp, weights)
     save_tokenizer(tokenizer, tmp)
     save_generation_config(tmp, default_generation(tokenizer) if generation is None else generation)
-    torch.save({"optimizer": optimizer.state_dict(), "rng": rng_state()},
+    torch.save({"optimizer": None if sharded else optimizer.state_dict(), "rng": rng_state()},
                os.path.join(tmp, TRAINER_STATE))
-    adapted = lora.has_adapters(model)
     if adapted:
-        lora.save_peft_adapter(model, os.path.join(tmp, ADAPTER), base=model.lora_base["path"])
+        lora.save_peft_adapter(model, os.path.join(tmp, ADAPTER), model.lora_base["path"], adapter)
         _fsync(os.path.join(tmp, ADAPTER))
     files = {}
     for name in _files_under(tmp):
@@ -528,6 +570,35 @@ def load_model(path):
         raise ValueError(f"missing checkpoint files in {path!r}: {e}") from None
 
 
+def load_optimizer(model, optimizer, start):
+    """A resumed run's optimizer state into optimizer, on this run's world size: shards
+    saved through torch.distributed.checkpoint (optimizer/) are read into whatever layout
+    model has now, sharded or whole; a whole state (trainer_state.pt) loads into a whole
+    model as it is and into a sharded one by parameter name."""
+    shards = os.path.join(start.source, OPTIMIZER)
+    if os.path.isdir(shards):
+        state = {"optimizer": get_optimizer_state_dict(model, optimizer)}
+        dcp.load(state, checkpoint_id=shards)
+        set_optimizer_state_dict(model, optimizer, state["optimizer"])
+    elif distributed.is_sharded(model):
+        set_optimizer_state_dict(model, optimizer, by_name(start.trainer_state["optimizer"],
+                                                           model, optimizer),
+                                 options=StateDictOptions(full_state_dict=True))
+    else:
+        optimizer.load_state_dict(start.trainer_state["optimizer"])
+
+
+def by_name(state, model, optimizer):
+    """An optimizer state_dict keyed by parameter index (torch's) -> keyed by parameter
+    name (torch.distributed.checkpoint's), the indices counted over optimizer's groups
+    in order: {"state": {0: ...}} -> {"state": {"embed_tokens.weight": ...}}."""
+    names = {id(p): n for n, p in model.named_parameters()}
+    order = [names[id(p)] for group in optimizer.param_groups for p in group["params"]]
+    return {"state": {order[i]: s for i, s in state["state"].items()},
+            "param_groups": [{**g, "params": [order[i] for i in g["params"]]}
+                             for g in state["param_groups"]]}
+
+
 def load_trainer_state(path):
     """The optimizer and RNG states of a training checkpoint."""
     try:
@@ -586,8 +657,7 @@ def with_lora(config, start):
     copied in. LoRA settings that differ from the resumed run's are refused."""
     spec, saved = lora.spec_of(config), (start.meta or {}).get("lora")
     if start.meta is not None:
-        was = None if saved is None else lora.LoRASpec(saved["rank"], saved["alpha"],
-                                                       tuple(saved["targets"]))
+        was = lora.spec_from_record(saved)
         asked = {k: config.get(k) for k in ("lora_rank", "lora_alpha", "lora_targets")}
         require(spec == was, f"{asked}: the run being resumed had {was or 'no LoRA'}")
     if spec is None:
@@ -596,8 +666,10 @@ def with_lora(config, start):
             "lora_rank > 0 with init_from='scratch': LoRA adapts a trained model, start from one")
     if saved is None:
         model, base = start.model, {"path": os.path.abspath(start.source)}
-    else:
+    else:   # the merged model goes before the base comes: one model in memory at a time
+        start = replace(start, model=None)
         model, base = load_model(saved["path"]), {"path": saved["path"]}
+    lora.check_peft_can_hold(model, spec)   # its checkpoints keep the adapter in PEFT's form
     base["digest"] = lora.base_digest(model)
     if saved is not None and base["digest"] != saved["digest"]:
         raise ValueError(f"init_from='resume': the LoRA run's base {saved['path']!r} changed since "

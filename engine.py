@@ -32,6 +32,7 @@ import torch
 
 from inference.attention import PagedAttention, PagedKVCache, decode_kernel, paged_step
 from checkpoint import first_five, load_hf_checkpoint
+from scaleout.distributed import full_tensors
 from configurator import is_int, is_number, require, require_field
 from inference.decode import StaticDecode
 from inference.radix import RadixCache
@@ -508,6 +509,24 @@ class InferenceEngine:
         self._updates_pending += 1
         self._staged = self._side.submit(self._stage, tensors)
 
+    def load_weights(self, weights):
+        """update_weights one tensor at a time, for a trainer whose model is sharded:
+        weights yields (name, tensor) for every weight once (distributed.full_tensors
+        gathers each as it goes), and each is copied in as it comes, so the whole model
+        never exists twice. Names and shapes are checked as they come (a trainer's own
+        model: nothing to refuse but a bug); the version goes up once all are in."""
+        self._check_open()
+        seen = set()
+        with torch.inference_mode():
+            for name, t in weights:
+                assert name in self._params and name not in seen, name
+                assert t.shape == self._params[name].shape, (name, t.shape)
+                self._params[name].copy_(t)
+                seen.add(name)
+        assert seen == set(self._params), sorted(set(self._params) - seen)[:3]
+        self._updates_pending += 1
+        self._applied()
+
     def _stage(self, tensors):
         # on the side thread: the value check, then a copy in the engine's dtype and device
         check_values(tensors, self._params, self.dtype)
@@ -518,6 +537,10 @@ class InferenceEngine:
         # in _params order
         with torch.inference_mode():
             torch._foreach_copy_(list(self._params.values()), tensors)
+        self._applied()
+
+    def _applied(self):
+        # the pending updates are in: their versions counted, no KV of older weights served
         self._version += self._updates_pending
         self._stats["weight_updates"] += self._updates_pending
         self._updates_pending = 0
@@ -712,8 +735,8 @@ def own_copy(model, device, dtype):
     with torch.device("meta"):
         own = Transformer(model.config)
     own = own.to_empty(device=device).to(dtype)
-    theirs = model.state_dict()
-    with torch.no_grad():
-        for name, t in own.state_dict().items():
-            t.copy_(theirs[name])
+    mine = own.state_dict()
+    with torch.no_grad():   # a sharded (FSDP2) model's tensors gathered one at a time
+        for name, t in full_tensors(model.state_dict()):
+            mine[name].copy_(t)
     return own

@@ -36,10 +36,11 @@ from dataclasses import asdict, dataclass
 import torch
 import torch.nn as nn
 import torch.nn.utils.parametrize as parametrize
-import xxhash
+from torch.distributed.tensor import DTensor
 
 from configurator import require
 from model import Experts, Transformer
+from scaleout import distributed
 
 # what lora_targets may name: the attention projections, the dense MLP's three linears,
 # and 'experts' (both fused expert tensors of every MoE layer)
@@ -125,7 +126,7 @@ def add_lora(model: Transformer, spec: LoRASpec, seed=0):
     require(found, f"lora_targets={spec.targets}: no such weight in this model")
     for _, module, name in found:
         weight = getattr(module, name)
-        adapter = LoRA(weight, spec.rank, spec.scale, generator).to(weight.device)
+        adapter = LoRA(weight, spec.rank, spec.scale, generator)
         parametrize.register_parametrization(module, name, adapter)
     model.lora_spec = spec
     model.register_state_dict_post_hook(_merged_state_dict)
@@ -148,8 +149,9 @@ def _merged_state_dict(model, state, prefix, local_metadata):
     state.clear()
     for key, t in items:
         if key in merged:
-            state.__setitem__(*merged[key])
-        elif ".parametrizations." not in key:
+            name, weight = merged[key]
+            state[name] = weight
+        elif ".parametrizations." not in key:   # the adapters' A and B
             state[key] = t
 
 
@@ -175,11 +177,7 @@ def base_weights(model):
 def base_digest(model):
     """xxh64 of every base tensor's bytes, in name order: what a resumed run checks its
     base against."""
-    h = xxhash.xxh64()
-    for name, t in sorted(base_weights(model).items()):
-        h.update(name.encode())
-        h.update(t.detach().cpu().contiguous().view(-1).view(torch.uint8).numpy().tobytes())
-    return h.hexdigest()
+    return distributed.digest(sorted(base_weights(model).items()))
 
 
 # -----------------------------------------------------------------------------
@@ -193,15 +191,21 @@ def base_digest(model):
 # our A [2, 1, in] -> rows [A_0; A_1]; our B [2, out, 1] -> columns [B_0, B_1].
 
 
+def peft_stem(key):
+    """peft's key prefix of our adapted weight key ('layers.0.mlp.experts.down_proj')."""
+    path, name = key.rsplit(".", 1)
+    inner = "base_layer." if name == "gate_up_proj" else ""
+    return f"base_model.model.model.{path}.{inner}"
+
+
 def peft_tensors(model):
-    """Our adapters -> {peft key: tensor} (the saved names, no adapter name)."""
+    """Our adapters -> {peft key: tensor} (the saved names, no adapter name); a sharded
+    model's gathered, every rank taking part."""
     out = {}
     for key, adapter in adapters(model).items():
-        path, name = key.rsplit(".", 1)
-        A, B = adapter.A.detach(), adapter.B.detach()
-        stem = f"base_model.model.model.{path}."
-        if name == "gate_up_proj":
-            stem += "base_layer."
+        A, B = (t.detach().full_tensor() if isinstance(t, DTensor) else t.detach()
+                for t in (adapter.A, adapter.B))
+        stem = peft_stem(key)
         if A.dim() == 3:
             E, r = A.shape[:2]
             A, B = A.reshape(E * r, -1), B.permute(1, 2, 0).reshape(B.shape[1], r * E)
@@ -214,8 +218,7 @@ def load_peft_tensors(model, tensors):
     (names and shapes checked first, as from outside)."""
     ours = {}
     for key, adapter in adapters(model).items():
-        path, name = key.rsplit(".", 1)
-        stem = f"base_model.model.model.{path}." + ("base_layer." if name == "gate_up_proj" else "")
+        stem = peft_stem(key)
         ours[stem + "lora_A.weight"], ours[stem + "lora_B.weight"] = adapter.A, adapter.B
     missing, unknown = sorted(set(ours) - set(tensors)), sorted(set(tensors) - set(ours))
     require(not missing and not unknown, f"adapter: missing {missing[:3]}, unknown {unknown[:3]}")
@@ -230,18 +233,29 @@ def load_peft_tensors(model, tensors):
             target.copy_(t)
 
 
-def save_peft_adapter(model, path, base=None):
+def check_peft_can_hold(model, spec):
+    """The linear targets spec finds in model, once it is clear a PEFT adapter can hold
+    them: peft 0.21 maps a qwen3_moe model's gate_proj / up_proj / down_proj targets to its
+    experts, so the dense layers of a MoE model (mlp_only_layers, decoder_sparse_step)
+    cannot be adapted. Refused naming the targets to drop."""
+    found = {p.rsplit(".", 1)[-1] for p, _, name in targeted(model, spec.targets)
+             if name == "weight"}
+    dense_in_moe = found & {"gate_proj", "up_proj", "down_proj"} if model.config.num_experts \
+        else set()
+    require(not dense_in_moe, f"lora_targets={','.join(spec.targets)!r}: this MoE model's dense "
+                              f"layers' {sorted(dense_in_moe)} cannot go into a PEFT adapter "
+                              f"(peft maps them to the experts); leave them out")
+    return found
+
+
+def save_peft_adapter(model, path, base=None, tensors=None):
     """Write model's adapters as a PEFT LoRA folder (each file atomically), for
     peft.PeftModel.from_pretrained on the base checkpoint (`base`, recorded as
-    base_model_name_or_path). peft 0.21 remaps the dense MLP targets of a qwen3_moe
+    base_model_name_or_path); tensors: peft_tensors(model), when already gathered. peft 0.21 remaps the dense MLP targets of a qwen3_moe
     model to its experts, so a MoE model with adapted dense layers is refused."""
     from safetensors.torch import save_file
     spec, cfg = model.lora_spec, model.config
-    found = {p.rsplit(".", 1)[-1] for p, _, name in targeted(model, spec.targets)
-             if name == "weight"}
-    dense_in_moe = found & {"gate_proj", "up_proj", "down_proj"} if cfg.num_experts else set()
-    require(not dense_in_moe, f"a PEFT adapter of a qwen3_moe model cannot hold its dense "
-                              f"layers' {sorted(dense_in_moe)} (peft maps them to the experts)")
+    found = check_peft_can_hold(model, spec)
     experts = "experts" in spec.targets and cfg.num_experts > 0
     config = {"peft_type": "LORA", "task_type": "CAUSAL_LM", "r": spec.rank,
               "lora_alpha": spec.alpha, "lora_dropout": 0.0, "bias": "none",
@@ -251,7 +265,8 @@ def save_peft_adapter(model, path, base=None):
               "target_parameters": ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]
               if experts else None}
     os.makedirs(path, exist_ok=True)
-    tensors = {k: v.contiguous().cpu() for k, v in peft_tensors(model).items()}
+    tensors = peft_tensors(model) if tensors is None else tensors
+    tensors = {k: v.contiguous().cpu() for k, v in tensors.items()}
     save_file(tensors, os.path.join(path, ADAPTER_WEIGHTS) + ".tmp", metadata={"format": "pt"})
     os.replace(os.path.join(path, ADAPTER_WEIGHTS) + ".tmp", os.path.join(path, ADAPTER_WEIGHTS))
     with open(os.path.join(path, ADAPTER_CONFIG) + ".tmp", "w") as f:
@@ -268,3 +283,10 @@ def load_peft_adapter(model, path):
 def spec_record(spec):
     """A spec as the checkpoint's JSON holds it (and compares it on resume)."""
     return {**asdict(spec), "targets": list(spec.targets)}
+
+
+def spec_from_record(record):
+    """spec_record's inverse (None: no LoRA)."""
+    if record is None:
+        return None
+    return LoRASpec(record["rank"], record["alpha"], tuple(record["targets"]))

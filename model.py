@@ -417,13 +417,13 @@ class Experts(nn.Module):
                 ys.append(F.linear(F.silu(gate) * up, down))
         return torch.cat(ys)
 
-    def _every_expert(self, x, top_idx, top_w, gate_up, down):
+    def _every_expert(self, x, top_idx, top_w, gate_up_proj, down_proj):
         # inside a CUDA graph (inference/decode.py's decode step) nothing may wait on the
         # host, as the loop's slice sizes do: every expert runs on every token (E / k
         # times the FLOPs, for a decode step's few tokens), and each token keeps its k
         # outputs, weighted and summed as above
-        gate, up = torch.matmul(x, gate_up.transpose(1, 2)).chunk(2, dim=-1)
-        ys = torch.matmul(F.silu(gate) * up, down.transpose(1, 2))   # [E, T, H]
+        gate, up = torch.matmul(x, gate_up_proj.transpose(1, 2)).chunk(2, dim=-1)
+        ys = torch.matmul(F.silu(gate) * up, down_proj.transpose(1, 2))   # [E, T, H]
         y = ys[top_idx, torch.arange(len(x), device=x.device)[:, None]]       # [T, k, H]
         return (y * top_w[..., None]).sum(dim=1)
 
@@ -481,7 +481,7 @@ def _use_grouped_mm(x, gate_up_proj, down_proj):
     weights = (gate_up_proj, down_proj)
     if torch.is_grad_enabled() and (x.requires_grad or any(w.requires_grad for w in weights)):
         return False
-    _, hidden, width = down_proj.shape                       # [E, H, I]
+    _, hidden, width = down_proj.shape   # [E, H, I]
     return _grouped_fits(x.device, x.dtype, hidden, width)
 
 

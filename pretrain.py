@@ -33,6 +33,9 @@ seed = 1337
 device = "cpu"
 dtype = "float32"            # 'float32' | 'bfloat16' (autocast; master weights stay fp32)
 compile = False
+# torchrun: shard parameters, gradients and AdamW state per block (FSDP2) instead of DDP's
+# whole copy per rank
+fsdp = False
 # optimization
 max_iters = 300
 max_flops = 0.0             # > 0: stop once the run has spent this many FLOPs

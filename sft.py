@@ -64,6 +64,9 @@ lora_rank = 0
 lora_alpha = 16.0             # the update is scaled by lora_alpha / lora_rank
 lora_targets = "all"          # 'all', or some of q_proj,k_proj,v_proj,o_proj (attention),
                               # gate_proj,up_proj,down_proj (dense MLP), experts
+# torchrun: shard parameters, gradients and AdamW state per block (FSDP2) instead of DDP's
+# whole copy per rank
+fsdp = False
 # optimization
 max_iters = 200
 max_flops = 0.0       # > 0: stop once the run has spent this many FLOPs (compute-matched baselines)
@@ -153,8 +156,7 @@ def make_eval_fn(env, val_problems, val_batches, start, config):
         engine.shutdown()
         if config["keep_best"] and accuracy > best["accuracy"]:
             best["accuracy"] = accuracy
-            if distributed.is_main():
-                save_best(config["out_dir"], model, start)
+            save_best(config["out_dir"], model, start)   # rank 0 writes
         metrics = {"eval/accuracy": accuracy}
         if val_batches is not None:
             loss = training.evaluate_loss(model, val_batches, config["device"])

@@ -62,7 +62,7 @@ import numpy as np
 import torch
 
 import training
-from checkpoint import init_start, load_model, model_dir_of, save_best, save_checkpoint
+from checkpoint import init_start, load_model, model_dir_of, save_best
 from configurator import configure, print0, require
 from engine import EngineConfig, SamplingParams, sampled_mask
 from model import train_flops
@@ -114,6 +114,9 @@ lora_rank = 0
 lora_alpha = 16.0             # the update is scaled by lora_alpha / lora_rank
 lora_targets = "all"          # 'all', or some of q_proj,k_proj,v_proj,o_proj (attention),
                               # gate_proj,up_proj,down_proj (dense MLP), experts
+# torchrun: shard parameters, gradients and AdamW state per block (FSDP2) instead of DDP's
+# whole copy per rank (each rank's engine still holds whole weights)
+fsdp = False
 # optimization
 max_iters = 100
 learning_rate = 1e-4
@@ -437,6 +440,8 @@ def apply_corrections(batches, model, reference, autocast, config):
         return batches, {}
     # tokens corrected, sampled; expert pairs differing, compared
     out, counts = [], [0, 0, 0, 0]
+    for _ in range(len(distributed.padded(batches, lambda: None)) - len(batches)):
+        trainer_logprobs(model, training.empty_batch(config["device"]), autocast)   # FSDP2
     for b in batches:   # this rank's share of the step's micro-batches
         engine_routes = b.routes
         b = b if config["routing_replay"] else dataclasses.replace(b, routes=None)
@@ -480,7 +485,10 @@ class Colocated:
 
     def publish(self, model, it):
         t0 = time.perf_counter()
-        self.engine.update_weights(model.state_dict())
+        if distributed.is_sharded(model):   # gathered and copied in one tensor at a time
+            self.engine.load_weights(distributed.full_tensors(model.state_dict()))
+        else:
+            self.engine.update_weights(model.state_dict())
         return {"perf/update_weights_s": time.perf_counter() - t0}
 
     def eval_engine(self, model):
@@ -591,6 +599,10 @@ def check_settings(config):
     EngineConfig(device=config["device"], dtype=config["engine_dtype"],
                  block_size=config["engine_block_size"], compile=config["engine_compile"])
     sources.check_settings(config)
+    elsewhere = config["rollout_ranks"] or config["rollout_urls"]
+    require(not (config["fsdp"] and elsewhere),
+            "fsdp=True with rollout_ranks / rollout_urls: their weight sync sends whole "
+            "tensors from one rank, not shards yet; use fsdp with the colocated engine")
     training.check_loop_settings(config)
 
 
@@ -628,8 +640,7 @@ def evaluate_and_log(engine, env, run, problems, config, done, meter, best):
         evaluate.write_outcomes(config["out_dir"], outcomes)
     if config["keep_best"] and metrics["eval/accuracy"] > best["accuracy"]:
         best.update(accuracy=metrics["eval/accuracy"], iter=done)
-        if distributed.is_main():
-            save_best(config["out_dir"], run.model, run.start)
+        save_best(config["out_dir"], run.model, run.start)   # rank 0 writes
     values = ", ".join(f"{k} {v:.4f}" for k, v in metrics.items())
     print0(f"eval iter {done} ({config['eval_split']}): {values} "
            f"({time.perf_counter() - t0:.1f} s)")
@@ -711,15 +722,12 @@ def main(config):
             final = evaluate_and_log(source.eval_engine(run.model), env, run, eval_problems, config,
                                      done, meter, best)
         if training.due(config, "ckpt_interval", done, last):
-            distributed.check_in_sync(run.model)
-            if distributed.is_main():
-                save_checkpoint(config["out_dir"], run.model, run.optimizer, run.start.tokenizer,
-                                done, config, source.data_state(),
-                                extra={"weight_version": source.version, "best": best,
-                                       "meter": meter.state_dict()},
-                                generation=run.start.generation)
+            training.save(run, config, done, source.data_state(),
+                          {"weight_version": source.version, "best": best,
+                           "meter": meter.state_dict()})
     run.logger.close()
     engine.shutdown()
+    del run, source   # a sharded model and its optimizer go before the process group
     distributed.teardown()
     return final
 

@@ -24,7 +24,8 @@ import numpy as np
 import torch
 
 import lora
-from checkpoint import Start, clear_checkpoints, save_checkpoint, set_rng_state
+from checkpoint import (Start, clear_checkpoints, load_optimizer, save_checkpoint,
+                        set_rng_state)
 from configurator import is_finite_number, print0, require
 from model import Transformer, train_flops
 from scaleout import distributed
@@ -476,17 +477,16 @@ def train_step(model, optimizer, batches, lr, grad_clip=1.0, aux_loss_coef=0.0, 
     normalizer = max(weight_sum, 1.0) if normalizer is None else normalizer
     for group in optimizer.param_groups:
         group["lr"] = lr
-    # a rank with no micro-batch joins with one of zero weight (every field a
-    # loss_fn may read)
-    passes = batches or [pack_sequences([[0, 0]], [[0.0, 0.0]], log_probs=[[0.0, 0.0]],
-                                        loss_masks=[[0, 0]]).to(device)]
+    # a rank with no micro-batch joins with one of zero weight (DDP's all-reduce), and
+    # under FSDP2 each rank with as many as the rank with the most
+    passes = distributed.padded(batches, lambda: empty_batch(device)) or [empty_batch(device)]
     loss_sum, aux_sum, diff, kl, scored = 0.0, 0.0, 0.0, 0.0, 0
     for i, b in enumerate(passes):
         with distributed.no_sync(last=i == len(passes) - 1):
             with autocast or nullcontext():
                 logp, aux = batch_logprobs(model, b)
             loss = loss_fn(logp, b, normalizer)
-            aux = aux.float() * (len(batches) > 0) / max(count, 1)
+            aux = aux.float() * (i < len(batches)) / max(count, 1)
             ((loss + aux_loss_coef * aux) * distributed.world()).backward()
         loss_sum += loss.item()
         aux_sum += aux.item()
@@ -512,13 +512,20 @@ def train_step(model, optimizer, batches, lr, grad_clip=1.0, aux_loss_coef=0.0, 
     return metrics
 
 
+def empty_batch(device):
+    """A batch of zero weight with every field a loss may read: what a rank runs when it
+    has no share of the work but must join the collectives."""
+    return pack_sequences([[0, 0]], [[0.0, 0.0]], log_probs=[[0.0, 0.0]],
+                          loss_masks=[[0, 0]]).to(device)
+
+
 @torch.no_grad()
 def evaluate_loss(model, batches, device):
     """unified_loss over fixed batches, normalised over all of them together (run it under
     the autocast); under torchrun each rank scores its share of the batches and the sums
     are added up."""
     total, norm = 0.0, 0.0
-    for b in distributed.shard(batches):
+    for b in distributed.padded(distributed.shard(batches), lambda: empty_batch(device)):
         b = b.to(device)
         logp, _ = batch_logprobs(model, b)
         total += unified_loss(logp, b, normalizer=1.0).item()
@@ -669,12 +676,14 @@ def setup_run(config, start, data):
     torch.manual_seed(config["seed"])
     device_type, autocast = precision(config)
     model = start.model.to(config["device"])
-    forward = distributed.wrap(model, config["device"])   # DDP under torchrun
+    # DDP under torchrun, or the model sharded in place (fsdp)
+    forward = distributed.wrap(model, config["device"], config.get("fsdp", False),
+                               bf16=config["dtype"] == "bfloat16")
     forward = torch.compile(forward) if config["compile"] else forward
     optimizer = configure_optimizer(model, config["learning_rate"], config["weight_decay"],
                                     (config["beta1"], config["beta2"]), device_type)
     if start.meta is not None:
-        optimizer.load_state_dict(start.trainer_state["optimizer"])
+        load_optimizer(model, optimizer, start)
         data.load_state_dict(start.meta["data_state"])
         set_rng_state(start.trainer_state["rng"])
     elif distributed.is_main():
@@ -713,6 +722,9 @@ def check_loop_settings(config):
         value = config.get(name, 0)
         require(is_finite_number(value) and value >= 0, f"{name}={value!r}: expected a number >= 0")
     lora.spec_of(config)   # lora_rank, lora_alpha, lora_targets
+    fsdp = config.get("fsdp", False)
+    require(not fsdp or distributed.world() > 1,
+            "fsdp=True outside torchrun: sharding needs ranks (torchrun --nproc_per_node=N)")
 
 
 def due(config, interval, done, last):
@@ -755,16 +767,19 @@ def train(config, start, loader, eval_fn=None, spent_flops=0.0):
         if eval_fn is not None and due(config, "eval_interval", done, last):
             final = _evaluate(run, done, eval_fn, {"perf/elapsed_s": meter.seconds})
         if due(config, "ckpt_interval", done, last):
-            distributed.check_in_sync(run.model)
-            if distributed.is_main():
-                save_checkpoint(config["out_dir"], run.model, run.optimizer, run.start.tokenizer,
-                                done, config, loader.state_dict(),
-                                extra={"meter": meter.state_dict()},
-                                generation=run.start.generation)
+            save(run, config, done, loader.state_dict(), {"meter": meter.state_dict()})
         if last:
             break
     run.logger.close()
     return final
+
+
+def save(run, config, done, data_state, extra):
+    """{out_dir}/ckpt (checkpoint.save_checkpoint), written by rank 0: under DDP from its
+    parameters, checked equal to every rank's first; from a sharded model's, gathered."""
+    distributed.check_in_sync(run.model)
+    save_checkpoint(config["out_dir"], run.model, run.optimizer, run.start.tokenizer, done,
+                    config, data_state, extra=extra, generation=run.start.generation)
 
 
 def _evaluate(run, done, fn, extra):

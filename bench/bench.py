@@ -27,6 +27,9 @@ update_weights / a bare copy_). What it measures:
      finiteness checked, in-place copy, version bump, prefix cache flush) vs a bare
      copy_ of the same tensors; and the floor of any update that checks before it
      copies: one read of every byte, then the copy, on one flat buffer.
+     LoRA's hot-swap (lora.py): update_weights of a rank-8 adapted model's state_dict,
+     its merge (base + scale * B @ A of every adapted weight) included, against the plain
+     model's update.
   5. utilisation: our training step's FLOP/s (training.train_flops) over the matmul
      FLOP/s measured in this run.
   6. decode: one engine step of every sample decoding, against the time its matmuls
@@ -538,6 +541,23 @@ def bench_swap(ours):
     return t_swap, t_bare, t_floor / t_flat
 
 
+def bench_lora_swap(ours, rank=8):
+    """(LoRA's hot-swap, a plain model's) seconds: update_weights of a rank-8 LoRA copy's
+    state_dict (the merge, base + scale * B @ A of every adapted weight, included) against
+    the same call with the plain model's tensors."""
+    import copy
+    import lora
+    adapted = lora.add_lora(copy.deepcopy(ours), lora.LoRASpec(rank, 2.0 * rank, lora.TARGETS))
+    engine = InferenceEngine(EngineConfig(device=args.device, dtype=args.dtype, max_model_len=256,
+                                          num_blocks=64), model=ours)
+    swaps = args.swaps if ours.num_params() < 1e7 else 5
+    plain = ours.state_dict()
+    t_lora, t_plain, _ = timed_pair(lambda: engine.update_weights(adapted.state_dict()),
+                                    lambda: engine.update_weights(plain), swaps, args.device)
+    engine.shutdown()
+    return t_lora, t_plain
+
+
 # -----------------------------------------------------------------------------
 # 9: peers
 
@@ -648,6 +668,7 @@ if __name__ == "__main__":
         rollout = bench_compiled_rollout(ours, prompts, stop)
         eager_step = bench_decode(ours, prompts, compiled=False)
     t_swap, t_bare, swap_floor = bench_swap(ours)
+    lora_swap = bench_lora_swap(ours)
     radix, paged, turn_prompts, same_replies = bench_multiturn(ours, g, stop)
     syncs = [(ours.num_params(), *bench_weight_sync(ours))]
     big_swap = None
@@ -753,6 +774,8 @@ if __name__ == "__main__":
             t_swap / t_bare,
         ),
         ("  (floor: read every byte, then copy; one flat buffer)", "", "", swap_floor),
+        ("LoRA hot-swap ms (ours: rank 8, the merge included; ref: the plain model's)",
+         f"{lora_swap[0] * 1e3:.2f}", f"{lora_swap[1] * 1e3:.2f}", lora_swap[0] / lora_swap[1]),
         *(
             [
                 (

@@ -36,11 +36,6 @@ test_of() {   # test_of <model dir> <out_dir>: greedy test accuracy, read once
     $PY train_grpo.py "$CONFIG" --init_from="$1" --out_dir="$out" --max_iters=0 \
         --eval_split=test --n_eval_problems=0 --pass_k=8 --keep_best=False > "$out.log" 2>&1
 }
-best_val() {   # the best eval/accuracy a run logged
-    $PY -c "import json,sys; print(max(json.loads(l).get('eval/accuracy', -1)
-                                       for l in open(sys.argv[1] + '/metrics.jsonl')))" "$1"
-}
-
 # 1. choose the rank and rate on validation (seed 1337)
 CANDIDATES=("8 6e-4" "8 3e-3" "1 3e-3")
 for c in "${CANDIDATES[@]}"; do
@@ -48,20 +43,21 @@ for c in "${CANDIDATES[@]}"; do
     grpo "$OUT/choose_r${r}_lr$lr" --seed=1337 --lora_rank=$r --lora_alpha=$((2 * r)) \
         --learning_rate=$lr --min_lr=$($PY -c "print($lr / 10)")
 done
-read -r RANK LR <<< "$($PY - "$OUT" "${CANDIDATES[@]}" <<'PY'
+# each candidate's best validation accuracy into chosen.txt, then the choice
+$PY - "$OUT" "${CANDIDATES[@]}" > "$OUT/chosen.txt" <<'PY'
 import json, sys
 out, best = sys.argv[1], None
 for c in sys.argv[2:]:
     r, lr = c.split()
     rows = [json.loads(l) for l in open(f"{out}/choose_r{r}_lr{lr}/metrics.jsonl")]
     val = max(row.get("eval/accuracy", -1) for row in rows)
-    print(f"rank {r}, lr {lr}: best validation {val:.4f}", file=sys.stderr)
+    print(f"rank {r}, lr {lr}: best validation {val:.4f}")
     if best is None or val > best[0]:
         best = (val, r, lr)
-print(best[1], best[2])
+print(f"chosen {best[1]} {best[2]}")
 PY
-)" 2> "$OUT/chosen.txt"
-echo "chosen: rank $RANK, learning rate $LR" | tee -a "$OUT/chosen.txt"
+read -r _ RANK LR <<< "$(tail -1 "$OUT/chosen.txt")"
+cat "$OUT/chosen.txt"
 LORA=(--lora_rank=$RANK --lora_alpha=$((2 * RANK)) --learning_rate=$LR
       --min_lr=$($PY -c "print($LR / 10)"))
 
@@ -82,9 +78,12 @@ def acc(path):
     rows = [json.loads(l) for l in open(os.path.join(path, "metrics.jsonl"))]
     return [r for r in rows if "eval/accuracy" in r][-1]["eval/accuracy"]
 start = acc(f"{out}/test_start")
-gains = {arm: [acc(f"{out}/seed{s}/test_{arm}") - start for s in (1, 2, 3)] for arm in ("full", "lora")}
+gains = {arm: [acc(f"{out}/seed{s}/test_{arm}") - start for s in (1, 2, 3)]
+         for arm in ("full", "lora")}
 print(f"start test {start:.3f}")
 for arm, g in gains.items():
-    print(f"{arm:5s} test gain per seed {['%.3f' % x for x in g]}, mean {statistics.mean(g):.3f}")
-print(f"LoRA's mean gain / full's: {statistics.mean(gains['lora']) / statistics.mean(gains['full']):.2f}")
+    print(f"{arm:5s} test gain per seed {['%.3f' % x for x in g]}, "
+          f"mean {statistics.mean(g):.3f}")
+ratio = statistics.mean(gains["lora"]) / statistics.mean(gains["full"])
+print(f"LoRA's mean gain / full's: {ratio:.2f}")
 PY

@@ -1,24 +1,28 @@
 r"""
-What fits where: the peak memory of one GRPO step at a real model's shape, per mode, each
-in a fresh process (its VmHWM less the process's own before the model exists), against
-the formula docs/memory.md gives, and the ratios between modes.
+What fits where: the peak memory of a GRPO step at a real model's shape, per mode and per
+rank, each mode in fresh processes, against the formula below, as ratios to one process
+of full fine-tuning; and the formula's table for the Qwen3 models on common GPUs.
 
     python -m bench.memory                       # Qwen3-0.6B's shape, 8 of its 28 layers
     python -m bench.memory --layers 4 --tokens 512 --modes full lora
+    python -m bench.memory --table               # the formula for Qwen3 0.6B..8B, 24/80/141 GB
 
 A step here is what a colocated train_grpo.py iteration holds at once: the trainer's fp32
-model, the engine's own copy (fp32, a few KV blocks: the rollout's KV cache is sized
-separately), one packed batch of --tokens tokens through training.train_step (AdamW),
-then engine.update_weights(model.state_dict()). The rollout itself is left out: its
-memory is the KV pool, which EngineConfig sizes (memory_fraction) whatever the mode.
+model, the engine's own whole copy (fp32, a few KV blocks: the rollout's KV pool is sized
+apart, EngineConfig.memory_fraction), one packed batch of --tokens tokens through
+training.train_step (AdamW), then the new weights into the engine (gathered one tensor at
+a time when sharded). Two steps, the second a run's steady state (AdamW's moments exist);
+the peak is resident memory (VmHWM, reset once the model, engine and optimizer exist) over
+the process before the model. Modes: full (one process), lora (rank --rank, alpha 2 x
+rank, every linear), fsdp and lora_fsdp (2 gloo ranks under torchrun, the larger rank's).
 
-The formula (bytes), for a run's steady state (the second step: AdamW's moments exist):
-    4 P (weights) + 4 P (engine copy) + 12 T' (trained: gradient and two AdamW moments)
-    + 8 P_adapted (LoRA: the merged weights the backward keeps, and their full-size
-    gradients on the way to A and B) + activations (T tokens x layers x per-token bytes,
-    plus the head's two [rows, V] chunks)
+The formula (bytes per rank), N ranks:
+    4 P / N (weights) + 4 P (the engine's whole copy) + 12 T' / N (trained: gradient and
+    two AdamW moments) + 4 P_adapted / N (LoRA: the merged weights the backward keeps)
+    + activations (T tokens x layers x per-token bytes, plus the head's two [rows, V]
+    chunks) + one gathered block and the gathered root (FSDP2)
 with P every parameter, T' the trained ones (P in full fine-tuning, the adapters in
-LoRA), P_adapted the weights LoRA adapts.
+LoRA), P_adapted the weights LoRA adapts. docs/memory.md has the measurements.
 """
 import argparse
 import json
@@ -33,124 +37,171 @@ import torch
 QWEN3 = {"0.6B": (1024, 3072, 28, 16, 8, True), "1.7B": (2048, 6144, 28, 16, 8, True),
          "4B": (2560, 9728, 36, 32, 8, True), "8B": (4096, 12288, 36, 32, 8, False)}
 GPUS_GB = (24, 80, 141)
-# Qwen3-0.6B's config.json, but the number of layers
-QWEN3_06B = dict(vocab_size=151936, hidden_size=1024, intermediate_size=3072,
-                 num_attention_heads=16, num_key_value_heads=8, head_dim=128, num_experts=0,
-                 tie_word_embeddings=True, rope_theta=1_000_000.0, max_position_embeddings=4096)
+MODES = ("full", "lora", "fsdp", "lora_fsdp")
 GiB = 2 ** 30
 
 
-def vm_hwm():
-    """This process's peak resident memory (bytes) since it started."""
+def model_config(layers):
+    """Qwen3-0.6B's config.json, but the number of layers."""
+    from model import ModelConfig
+    return ModelConfig(vocab_size=151936, hidden_size=1024, intermediate_size=3072,
+                       num_attention_heads=16, num_key_value_heads=8, head_dim=128,
+                       num_experts=0, tie_word_embeddings=True, rope_theta=1_000_000.0,
+                       max_position_embeddings=4096, num_hidden_layers=layers)
+
+
+def status(key):
+    """A /proc/self/status size in bytes (VmRSS, VmHWM)."""
     with open("/proc/self/status") as f:
         for line in f:
-            if line.startswith("VmHWM:"):
+            if line.startswith(key + ":"):
                 return int(line.split()[1]) * 1024
-    raise RuntimeError("no VmHWM in /proc/self/status")
+    raise RuntimeError(f"no {key} in /proc/self/status")
 
 
-def one_step(mode, layers, tokens, rank):
-    """(peak bytes above the bare process, parameter counts) of one GRPO step in mode."""
+def reset_peak():
+    # Linux: writing 5 to clear_refs sets VmHWM back to the current VmRSS
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
+
+
+def build(mode, layers, tokens, rank):
+    """(model, engine, optimizer) of a mode, the model sharded over the ranks for fsdp."""
     import lora
     import training
     from engine import EngineConfig, InferenceEngine
-    from model import ModelConfig, Transformer
+    from model import Transformer
+    from scaleout import distributed
     torch.manual_seed(0)
-    before = vm_hwm()
     with torch.device("meta"):
-        model = Transformer(ModelConfig(**QWEN3_06B, num_hidden_layers=layers))
+        model = Transformer(model_config(layers))
     model = model.to_empty(device="cpu")
     with torch.no_grad():
         for p in model.parameters():
             p.normal_(0, 0.02)
-    if mode == "lora":
+    if mode.startswith("lora"):
         lora.add_lora(model, lora.LoRASpec(rank, 2.0 * rank, lora.TARGETS))
+    if mode.endswith("fsdp"):
+        distributed.setup("cpu", 600)
+        distributed.wrap(model, "cpu", fsdp=True)
     engine = InferenceEngine(EngineConfig(device="cpu", num_blocks=8, max_model_len=tokens,
                                           max_batch_size=8), model=model)
     optimizer = training.configure_optimizer(model, 1e-5, 0.0, (0.9, 0.95), "cpu")
-    g = torch.Generator().manual_seed(1)
+    return model, engine, optimizer
+
+
+def steps(model, engine, optimizer, tokens):
+    """Two GRPO-shaped steps: a packed batch of tokens with an advantage per sequence,
+    then the weights into the engine."""
+    import training
+    from scaleout import distributed
+    g = torch.Generator().manual_seed(1 + distributed.rank())
     seqs = [torch.randint(0, 151936, (tokens // 8,), generator=g).tolist() for _ in range(8)]
     adv = [[float(torch.randn(1, generator=g))] * len(s) for s in seqs]
     batch = training.pack_sequences(seqs, adv)
-    for _ in range(2):   # the second step is a run's steady state: AdamW's moments exist
+    for _ in range(2):
         training.train_step(model, optimizer, [batch], 1e-5)
-        engine.update_weights(model.state_dict())
-    trained = sum(p.numel() for p in model.parameters() if p.requires_grad)
-    adapted = 0 if mode != "lora" else sum(getattr(m, n).numel() for _, m, n in
-                                           lora.targeted(model, lora.TARGETS))
-    return vm_hwm() - before, {"params": model.num_params() if mode != "lora" else
-                               sum(t.numel() for t in lora.base_weights(model).values()),
-                               "trained": trained, "adapted": adapted}
+        if distributed.is_sharded(model):
+            engine.load_weights(distributed.full_tensors(model.state_dict()))
+        else:
+            engine.update_weights(model.state_dict())
 
 
-def activation_bytes(cfg, layers, tokens):
+def counts(model):
+    """Every parameter (the base's, under LoRA), the trained ones, the adapted ones (a
+    shard's numel() is its whole tensor's)."""
+    import lora
+    if not lora.has_adapters(model):
+        n = sum(p.numel() for p in model.parameters())
+        return {"params": n, "trained": n, "adapted": 0}
+    return {"params": sum(t.numel() for t in lora.base_weights(model).values()),
+            "trained": sum(p.numel() for p in model.parameters() if p.requires_grad),
+            "adapted": sum(getattr(m, n).numel() for _, m, n in
+                           lora.targeted(model, model.lora_spec.targets))}
+
+
+def child(mode, layers, tokens, rank):
+    """Print this process's peak (JSON) over the steps of mode."""
+    from scaleout import distributed
+    bare = status("VmRSS")
+    model, engine, optimizer = build(mode, layers, tokens, rank)
+    reset_peak()
+    steps(model, engine, optimizer, tokens)
+    peak = status("VmHWM") - bare
+    print(json.dumps({"rank": distributed.rank(), "peak": peak, **counts(model)}), flush=True)
+    del model, engine, optimizer
+    distributed.teardown()
+
+
+def measure(mode, args):
+    """A mode's steps in fresh processes (2 ranks for fsdp): its largest rank's row."""
+    ranks = 2 if mode.endswith("fsdp") else 1
+    launcher = ["-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"] \
+        if ranks == 2 else []
+    cmd = [sys.executable, *launcher, "-m", "bench.memory", "--child", mode,
+           "--layers", str(args.layers), "--tokens", str(args.tokens), "--rank", str(args.rank)]
+    threads = max(1, args.threads // ranks)
+    env = dict(os.environ, OMP_NUM_THREADS=str(threads))
+    out = subprocess.run(cmd, capture_output=True, text=True, env=env, check=True)
+    rows = [json.loads(line) for line in out.stdout.splitlines() if line.startswith("{")]
+    assert len(rows) == ranks, out.stdout[-2000:] + out.stderr[-2000:]
+    return dict(max(rows, key=lambda r: r["peak"]), ranks=ranks)
+
+
+# -----------------------------------------------------------------------------
+# the formula
+
+
+def activation_bytes(hidden, intermediate, layers, tokens, qkv=4096, attn=2048):
     """What the backward keeps per token and layer (fp32), plus the head's chunks: the
     residual stream and each norm's input and output, q/k/v and the attention's output,
     the MLP's gate, up and their product (a count of the tensors the forward saves)."""
-    H, I = cfg["hidden_size"], cfg["intermediate_size"]
-    qkv = (cfg["num_attention_heads"] + 2 * cfg["num_key_value_heads"]) * cfg["head_dim"]
-    attn = cfg["num_attention_heads"] * cfg["head_dim"]
-    per_token_layer = 4 * (6 * H + 2 * qkv + 2 * attn + 4 * I)
+    per_token_layer = 4 * (6 * hidden + 2 * qkv + 2 * attn + 4 * intermediate)
     head = 2 * 256 * 2 ** 20     # two [rows, V] fp32 chunks (model.head_logprobs)
     return tokens * layers * per_token_layer + head
 
 
-def predicted(counts, layers, tokens, cfg=QWEN3_06B):
-    """The formula's bytes for a step (see the top of this file)."""
-    P, trained, adapted = counts["params"], counts["trained"], counts["adapted"]
-    return (4 * P + 4 * P + 12 * trained + 8 * adapted
-            + activation_bytes(cfg, layers, tokens))
+def predicted(c, layers, tokens, ranks, hidden=1024, intermediate=3072, engine_bytes=4):
+    """The formula's bytes per rank (the top of this file); c: counts()."""
+    P, trained, adapted = c["params"], c["trained"], c["adapted"]
+    gathered = 0
+    if ranks > 1:   # one block's weights and the root's (embedding), whole while computed
+        block = (P - 151936 * hidden) / layers
+        gathered = 4 * (block + 151936 * hidden) * (ranks - 1) / ranks
+    return (4 * P / ranks + engine_bytes * P + 12 * trained / ranks + 4 * adapted / ranks
+            + activation_bytes(hidden, intermediate, layers, tokens) + gathered)
 
 
-def counts_of(name, rank):
-    """(every parameter, LoRA's trained ones at rank, the weights it adapts) of a Qwen3
-    model, from its shape alone."""
+def qwen3_counts(name, rank):
+    """counts() of a Qwen3 model from its shape alone, at LoRA rank."""
     H, I, L, Hq, Hkv, tied = QWEN3[name]
     D, V = 128, 151936
     linears = [(H, Hq * D), (H, Hkv * D), (H, Hkv * D), (Hq * D, H), (H, I), (H, I), (I, H)]
     adapted = L * sum(i * o for i, o in linears)
     params = V * H * (1 if tied else 2) + adapted + L * (2 * H + 2 * D) + H
-    return {"params": params, "trained": L * sum(rank * (i + o) for i, o in linears),
-            "adapted": adapted, "layers": L, "hidden": H, "intermediate": I}
+    return {"params": params, "lora": L * sum(rank * (i + o) for i, o in linears),
+            "adapted": adapted}
 
 
-def gpu_bytes(c, mode, tokens):
-    """The formula on a GPU: fp32 master weights, gradients and AdamW, the engine's copy
-    in bf16 (engine_dtype), activations under bf16 autocast (half the fp32 count)."""
-    trained = c["params"] if mode == "full" else c["trained"]
-    adapted = c["adapted"] if mode == "lora" else 0
-    cfg = dict(QWEN3_06B, hidden_size=c["hidden"], intermediate_size=c["intermediate"])
-    return (4 * c["params"] + 2 * c["params"] + 12 * trained + 8 * adapted
-            + activation_bytes(cfg, c["layers"], tokens) / 2)
-
-
-def table(rank, tokens):
-    """What fits: the formula's GiB per model and mode, and which GPUs hold it."""
-    print(f"| model | mode | GiB (formula, {tokens} tokens a micro-batch) | fits "
-          f"{' / '.join(f'{g} GB' for g in GPUS_GB)} |")
-    print("| --- | --- | --- | --- |")
-    for name in QWEN3:
-        c = counts_of(name, rank)
-        for mode in ("full", "lora"):
-            need = gpu_bytes(c, mode, tokens)
-            fits = " / ".join("yes" if need < 0.9 * g * 1e9 else "no" for g in GPUS_GB)
-            label = "full" if mode == "full" else f"LoRA r={rank}"
-            print(f"| Qwen3-{name} ({c['params'] / 1e9:.2f}B) | {label} | {need / GiB:.1f} | "
-                  f"{fits} |")
-
-
-def child(args):
-    peak, counts = one_step(args.mode, args.layers, args.tokens, args.rank)
-    print(json.dumps({"peak": peak, **counts}))
-
-
-def measure(mode, args):
-    """One mode's step in a fresh process: its peak is its own."""
-    cmd = [sys.executable, "-m", "bench.memory", "--child", mode, "--layers", str(args.layers),
-           "--tokens", str(args.tokens), "--rank", str(args.rank)]
-    env = dict(os.environ, OMP_NUM_THREADS=str(args.threads))
-    out = subprocess.run(cmd, capture_output=True, text=True, env=env, check=True)
-    return json.loads(out.stdout.strip().splitlines()[-1])
+def table(rank, tokens, ranks=8):
+    """The formula's GiB per rank for each Qwen3 model and mode, on a GPU: fp32 master
+    weights, gradients and AdamW, the engine's copy in bf16 (engine_dtype), activations
+    under bf16 autocast (half the fp32 count); FSDP2 over `ranks` GPUs."""
+    print(f"| model | full | LoRA r={rank} | FSDP2 x{ranks} | LoRA + FSDP2 x{ranks} |")
+    print("| --- | --- | --- | --- | --- |")
+    for name, (H, I, L, *_) in QWEN3.items():
+        c = qwen3_counts(name, rank)
+        cells = []
+        for lora_on, n in ((False, 1), (True, 1), (False, ranks), (True, ranks)):
+            mode = {"params": c["params"], "trained": c["lora"] if lora_on else c["params"],
+                    "adapted": c["adapted"] if lora_on else 0}
+            act = activation_bytes(H, I, L, tokens, qkv=(QWEN3[name][3] + 2 * QWEN3[name][4])
+                                   * 128, attn=QWEN3[name][3] * 128) / 2
+            need = predicted(mode, L, 0, n, H, I, engine_bytes=2) + act
+            fits = "/".join("y" if need < 0.9 * g * 1e9 else "n" for g in GPUS_GB)
+            cells.append(f"{need / GiB:.0f} ({fits})")
+        print(f"| Qwen3-{name} ({c['params'] / 1e9:.2f}B) | " + " | ".join(cells) + " |")
+    print(f"(GiB per GPU, {tokens} tokens a micro-batch; fits 24/80/141 GB: y or n at 90%)")
 
 
 def main():
@@ -159,25 +210,24 @@ def main():
     parser.add_argument("--tokens", type=int, default=1024)
     parser.add_argument("--rank", type=int, default=16)
     parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--modes", nargs="+", default=["full", "lora"], choices=["full", "lora"])
-    parser.add_argument("--child", choices=["full", "lora"])
+    parser.add_argument("--modes", nargs="+", default=list(MODES), choices=MODES)
+    parser.add_argument("--child", choices=MODES)
     parser.add_argument("--table", action="store_true", help="only the formula's table")
     args = parser.parse_args()
     if args.child:
-        args.mode = args.child
-        return child(args)
+        return child(args.child, args.layers, args.tokens, args.rank)
     if args.table:
         return table(args.rank, args.tokens)
     print(f"Qwen3-0.6B's shape, {args.layers} layers, {args.tokens} tokens a step, LoRA rank "
           f"{args.rank} on every linear")
-    print("| mode | parameters | trained | measured GiB | formula GiB | formula / measured |"
-          " vs full |")
-    print("| --- | --- | --- | --- | --- | --- | --- |")
+    print("| mode | ranks | parameters | trained | peak GiB per rank | formula GiB | "
+          "formula / measured | vs full |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- |")
     rows = {mode: measure(mode, args) for mode in args.modes}
     for mode, r in rows.items():
-        formula = predicted(r, args.layers, args.tokens)
+        formula = predicted(r, args.layers, args.tokens, r["ranks"])
         vs_full = f"{r['peak'] / rows['full']['peak']:.2f}x" if "full" in rows else ""
-        print(f"| {mode} | {r['params'] / 1e6:.1f}M | {r['trained'] / 1e6:.2f}M | "
+        print(f"| {mode} | {r['ranks']} | {r['params'] / 1e6:.1f}M | {r['trained'] / 1e6:.2f}M | "
               f"{r['peak'] / GiB:.2f} | {formula / GiB:.2f} | {formula / r['peak']:.2f} | "
               f"{vs_full} |")
 

@@ -13,14 +13,22 @@ Data parallelism on torch.distributed: one process per device, launched by torch
     samples = distributed.gather(my_samples)     # every rank's lists, joined in rank order
     roles = distributed.split_roles(k)           # the last k ranks only sample (train_grpo)
 
+    forward = distributed.wrap(model, device, fsdp=True)   # or FSDP2: sharded per block
+    for name, t in distributed.full_tensors(model.state_dict()): ...   # gathered one at a time
+
 Every rank runs the same script on the same data stream and takes the same decisions; what
-differs is the share of the work each one computes. DDP (not FSDP2): the models trained
-here fit on one device many times over, so sharding parameters would only add
-communication; DDP's bucketed gradient all-reduce overlaps the backward. A rank that dies
-makes the others' next collective fail (or time out after timeout_s), so the job ends.
+differs is the share of the work each one computes. DDP by default: each rank holds the
+whole model, and the bucketed gradient all-reduce overlaps the backward. With fsdp=True
+(the trainers' setting) each block's parameters, gradients and AdamW state are sharded
+over the ranks (torch's FSDP2, fully_shard): a rank holds 1/N of them and all-gathers a
+block's weights for its forward and backward, for models that do not fit one device.
+Under FSDP2 every forward is a collective, so every rank runs as many of them (padded()).
+A rank that dies makes the others' next collective fail (or time out after timeout_s), so
+the job ends.
 """
 
 import datetime
+import gc
 import os
 from contextlib import nullcontext
 from dataclasses import dataclass
@@ -28,6 +36,9 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 import xxhash
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel
 
 # the DDP-wrapped model of this process (no_sync reaches it through closures
@@ -36,6 +47,8 @@ _ddp = None
 # this rank's data-parallel group when split_roles gave the world two roles (None:
 # the whole world)
 _group = None
+# the FSDP2 mesh of the sharded model (None: no model is sharded)
+_mesh = None
 
 
 def setup(device, timeout_s=300):
@@ -139,12 +152,23 @@ def gather(items):
     return [x for part in out for x in part]
 
 
-def wrap(model, device):
+def wrap(model, device, fsdp=False, bf16=False):
     """DDP over the ranks (gradients summed by the step, see training.train_step), or
-    model itself on one."""
-    global _ddp
-    if world() == 1:
+    model itself on one. fsdp=True: model sharded in place by FSDP2, one unit per block
+    and the rest (embedding, final norm, head) at the root; bf16 (on CUDA): the weights
+    gathered and computed in bf16, the gradients reduced in fp32."""
+    global _ddp, _mesh
+    if world() == 1 and not (fsdp and dist.is_initialized()):   # (a group of one: sharded)
         return model
+    if fsdp:
+        kind = torch.device(device).type
+        _mesh = init_device_mesh(kind, (world(),)) if _group is None else \
+            DeviceMesh.from_group(_group, kind)
+        policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) \
+            if bf16 and kind == "cuda" else MixedPrecisionPolicy()
+        for block in model.layers:
+            fully_shard(block, mesh=_mesh, mp_policy=policy)
+        return fully_shard(model, mesh=_mesh, mp_policy=policy)
     cuda = torch.device(device).type == "cuda"
     _ddp = DistributedDataParallel(model, device_ids=[torch.device(device).index] if cuda else None,
                                    # buffers: constants
@@ -158,18 +182,54 @@ def no_sync(last):
     return _ddp.no_sync() if _ddp is not None and not last else nullcontext()
 
 
+def is_sharded(model):
+    """Whether model's parameters are FSDP2 shards (wrap(fsdp=True))."""
+    return any(isinstance(p, DTensor) for p in model.parameters())
+
+
+def full_tensors(state):
+    """(name, whole tensor) of each entry of a state_dict, one at a time: a shard
+    all-gathered over the ranks (every rank iterates in step), anything else as it is.
+    Never the whole model at once: the caller keeps or drops each."""
+    for name, t in state.items():
+        yield name, t.full_tensor() if isinstance(t, DTensor) else t
+
+
+def all_max(n):
+    """The largest of every rank's int n."""
+    if world() == 1:
+        return n
+    t = torch.tensor([n], dtype=torch.int64, device=comm_device())
+    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=_group)
+    return int(t.item())
+
+
+def padded(items, pad):
+    """items, then pad() until this rank has as many as the rank with the most, when a
+    model is sharded (FSDP2: each forward and backward is a collective every rank must
+    join); items unchanged otherwise."""
+    if _mesh is None:
+        return list(items)
+    return list(items) + [pad() for _ in range(all_max(len(items)) - len(items))]
+
+
 def check_in_sync(model):
     """Raise unless every rank holds bitwise the same parameters (called before rank 0
-    writes a checkpoint)."""
-    if world() == 1:
+    writes a checkpoint). A sharded model holds one copy: nothing to compare."""
+    if world() == 1 or is_sharded(model):
         return
-    h = xxhash.xxh64()
-    for name, p in model.state_dict().items():
-        h.update(name.encode())
-        h.update(p.detach().cpu().contiguous().view(-1).view(torch.uint8).numpy().tobytes())
-    digests = gather([h.hexdigest()])
+    digests = gather([digest(model.named_parameters())])
     if len(set(digests)) != 1:
         raise RuntimeError(f"the ranks' parameters differ (digests by rank: {digests})")
+
+
+def digest(named_tensors):
+    """xxh64 of (name, tensor) pairs, names and bytes, in the order given."""
+    h = xxhash.xxh64()
+    for name, t in named_tensors:
+        h.update(name.encode())
+        h.update(t.detach().cpu().contiguous().view(-1).view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()
 
 
 def broadcast(tensor):
@@ -186,10 +246,14 @@ def barrier():
 
 def teardown():
     """Leave the process group together: a rank that tears down while another still writes
-    its checkpoint can make gloo abort at exit."""
-    global _ddp, _group
+    its checkpoint can make gloo abort at exit. The caller drops its sharded model and
+    optimizer first (on torch 2.13 with gloo a rank can abort at exit if they outlive the
+    group); the mesh and whatever cycles still hold them go here."""
+    global _ddp, _group, _mesh
+    _ddp = _mesh = None
+    gc.collect()
     if dist.is_initialized():
         dist.barrier()
         dist.destroy_process_group()
-    _ddp = _group = None
+    _group = None
 

@@ -24,7 +24,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CONFIG = os.path.join(ROOT, "config", "qwen_small.py")
 
 # Runs a script the way torchrun would, with two test-only additions: on a rank other than
-# 0, any write under OUT_DIR fails the run (only rank 0 writes), and GRPO dumps its
+# 0, any write under OUT_DIR but its optimizer shards fails the run (only rank 0 writes), and GRPO dumps its
 # sampled groups to SAMPLES_OUT.<rank>.json. (launch gives GRPO the parity task,
 # conftest.PARITY_TASK, unless the test names another: a random policy gets reward
 # variance from it.)
@@ -42,7 +42,10 @@ def guard(event, args):
     elif event in ("os.rename", "os.replace", "os.mkdir", "os.remove", "os.rmdir", "shutil.rmtree"):
         path = args[0]
     real = path is not None and os.path.realpath(os.fsdecode(path))
-    if path is not None and (real == out_dir or real.startswith(out_dir + os.sep)):
+    # (but each rank's optimizer shards of a sharded run: checkpoint.save_checkpoint)
+    shards = os.path.join(out_dir, "ckpt.tmp", "optimizer")
+    if path is not None and (real == out_dir or real.startswith(out_dir + os.sep)) \
+            and not (real == shards or real.startswith(shards + os.sep)):
         raise PermissionError(f"rank {rank} wrote {path}: only rank 0 may write")
 
 if rank != 0:
@@ -293,3 +296,87 @@ def test_only_an_abort_after_every_rank_finished_is_forgiven(tmp_path, finish_fi
     env = dict(os.environ, OMP_NUM_THREADS="1")
     done = run_ranks([script], 2, env, timeout=120)
     assert (done.returncode == 0) == finish_first, done.stderr[-2000:]
+
+
+# -----------------------------------------------------------------------------
+# FSDP2 (fsdp=True): parameters, gradients and AdamW state sharded per block
+
+
+def max_rel_diff(a, b):
+    """The largest |a - b| over each tensor's largest |a|, over every tensor."""
+    return max(((a[n] - b[n]).abs().max() / a[n].abs().max().clamp(min=1e-12)).item()
+               for n in a)
+
+
+def test_fsdp_pretrain_on_two_ranks_steps_like_one_process(pretrained):
+    tmp, one, _ = pretrained
+    launch(tmp, "pretrain.py", tmp / "fsdp", PRETRAIN + ["--max_iters=5", "--fsdp=True"], nproc=2)
+    assert_same_run(one, tmp / "fsdp", ("train/loss", "train/aux_loss", "train/grad_norm",
+                                        "train/tokens", "eval/loss"), rel=1e-6)
+    assert max_rel_diff(weights(one), weights(tmp / "fsdp")) < 1e-6
+    # each rank's optimizer shards, through torch.distributed.checkpoint
+    shards = sorted(os.listdir(tmp / "fsdp" / "ckpt" / "optimizer"))
+    assert ".metadata" in shards and len([s for s in shards if s.endswith(".distcp")]) == 2
+
+
+def test_fsdp_checkpoints_resume_on_another_world_size(pretrained):
+    tmp, one, _ = pretrained
+    for first, then, name in ((2, 1, "two_to_one"), (1, 2, "one_to_two")):
+        out = tmp / name
+        launch(tmp, "pretrain.py", out, PRETRAIN + ["--max_iters=3", "--ckpt_interval=3"]
+               + ["--fsdp=True"] * (first == 2), nproc=first)
+        launch(tmp, "pretrain.py", out, PRETRAIN + ["--max_iters=5", "--init_from=resume"]
+               + ["--fsdp=True"] * (then == 2), nproc=then)
+        assert_same_run(one, out, ("train/loss", "train/grad_norm"), rel=1e-6,
+                        only=lambda row: "train/loss" in row)
+        assert max_rel_diff(weights(one), weights(out)) < 1e-6
+
+
+def test_fsdp_sft_on_two_ranks_steps_like_one_process(pretrained):
+    tmp, one, _ = pretrained
+    args = [f"--init_from={one}", "--max_iters=5", "--grad_accum=2", "--batch_tokens=256",
+            "--n_eval_problems=12", "--eval_interval=5", "--log_interval=1", "--demo_fraction=0.02",
+            "--keep_best=True"]
+    launch(tmp, "sft.py", tmp / "sft_one", args)
+    launch(tmp, "sft.py", tmp / "sft_fsdp", args + ["--fsdp=True"], nproc=2)
+    assert_same_run(tmp / "sft_one", tmp / "sft_fsdp",
+                    ("train/loss", "train/grad_norm", "eval/loss", "eval/accuracy"), rel=1e-6)
+    best = [checkpoint.load_hf_checkpoint(str(tmp / d / "best")).state_dict()
+            for d in ("sft_one", "sft_fsdp")]
+    assert max_rel_diff(*best) < 1e-6
+
+
+GRPO = ["--max_iters=4", "--lr_decay_iters=4", "--prompts_per_step=5", "--group_size=4", "--max_new_tokens=8",
+        "--n_eval_problems=6", "--pass_k=2", "--warmup_iters=0", "--eval_interval=4",
+        "--log_interval=1", "--batch_tokens=128", "--ckpt_interval=2", "--keep_best=True"]
+LORA = ["--lora_rank=2", "--lora_alpha=4", "--learning_rate=3e-2"]
+
+
+@pytest.mark.parametrize("lora", [False, True], ids=["full", "lora"])
+def test_fsdp_grpo_on_two_ranks_steps_like_one_process(pretrained, lora):
+    # the engines sample with the gathered weights; a step with one group leaves a rank
+    # without a micro-batch (it joins the collectives with an empty one); LoRA + FSDP2
+    tmp, one, _ = pretrained
+    args = [f"--init_from={one}", "--learning_rate=3e-3", *GRPO, *(LORA if lora else [])]
+    a, b = tmp / f"grpo_{lora}_one", tmp / f"grpo_{lora}_fsdp"
+    launch(tmp, "train_grpo.py", a, args)
+    launch(tmp, "train_grpo.py", b, args + ["--fsdp=True"], nproc=2)
+    assert_same_run(a, b, ("train/loss", "train/grad_norm", "rollout/reward_mean",
+                           "train/tokens", "eval/accuracy", "eval/pass@1"), rel=1e-6)
+    assert all(r["train/logprob_mismatch"] < 1e-5 for r in rows(b) if "train/loss" in r)
+    assert any(r["rollout/valid_groups"] == 1 for r in rows(b) if "train/loss" in r)
+    assert max_rel_diff(weights(a), weights(b)) < 1e-6
+    if lora:   # 2 -> 1: the run's last two steps again, from its 2-rank checkpoint
+        half = tmp / "grpo_lora_half"
+        launch(tmp, "train_grpo.py", half, [*args, "--fsdp=True", "--max_iters=2"], nproc=2)
+        launch(tmp, "train_grpo.py", half, [*args, "--init_from=resume"])
+        assert_same_run(a, half, ("train/loss", "rollout/reward_mean"), rel=1e-6,
+                        only=lambda row: "train/loss" in row)
+        assert max_rel_diff(weights(a), weights(half)) < 1e-6
+
+
+def test_fsdp_outside_torchrun_is_refused(pretrained):
+    tmp = pretrained[0]
+    with pytest.raises(AssertionError, match="fsdp=True outside torchrun"):
+        launch(tmp, "pretrain.py", tmp / "alone", PRETRAIN + ["--max_iters=1", "--fsdp=True"])
+    assert not os.path.exists(tmp / "alone")
