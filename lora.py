@@ -251,8 +251,8 @@ def check_peft_can_hold(model, spec):
 def save_peft_adapter(model, path, base=None, tensors=None):
     """Write model's adapters as a PEFT LoRA folder (each file atomically), for
     peft.PeftModel.from_pretrained on the base checkpoint (`base`, recorded as
-    base_model_name_or_path); tensors: peft_tensors(model), when already gathered. peft 0.21 remaps the dense MLP targets of a qwen3_moe
-    model to its experts, so a MoE model with adapted dense layers is refused."""
+    base_model_name_or_path); tensors: peft_tensors(model), when already gathered. What
+    peft cannot hold is refused (check_peft_can_hold)."""
     from safetensors.torch import save_file
     spec, cfg = model.lora_spec, model.config
     found = check_peft_can_hold(model, spec)

@@ -24,8 +24,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CONFIG = os.path.join(ROOT, "config", "qwen_small.py")
 
 # Runs a script the way torchrun would, with two test-only additions: on a rank other than
-# 0, any write under OUT_DIR but its optimizer shards fails the run (only rank 0 writes), and GRPO dumps its
-# sampled groups to SAMPLES_OUT.<rank>.json. (launch gives GRPO the parity task,
+# 0, any write under OUT_DIR but its optimizer shards fails the run (only rank 0 writes),
+# and GRPO dumps its sampled groups to SAMPLES_OUT.<rank>.json. (launch gives GRPO the parity task,
 # conftest.PARITY_TASK, unless the test names another: a random policy gets reward
 # variance from it.)
 LAUNCHER = r'''
@@ -346,7 +346,8 @@ def test_fsdp_sft_on_two_ranks_steps_like_one_process(pretrained):
     assert max_rel_diff(*best) < 1e-6
 
 
-GRPO = ["--max_iters=4", "--lr_decay_iters=4", "--prompts_per_step=5", "--group_size=4", "--max_new_tokens=8",
+GRPO = ["--max_iters=4", "--lr_decay_iters=4", "--prompts_per_step=5", "--group_size=4",
+        "--max_new_tokens=8",
         "--n_eval_problems=6", "--pass_k=2", "--warmup_iters=0", "--eval_interval=4",
         "--log_interval=1", "--batch_tokens=128", "--ckpt_interval=2", "--keep_best=True"]
 LORA = ["--lora_rank=2", "--lora_alpha=4", "--learning_rate=3e-2"]
