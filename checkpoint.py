@@ -349,14 +349,19 @@ def whole_weights(model):
 
 def save_best(out_dir, model, start):
     """{out_dir}/best: a transformers model directory (a later stage's init_from) with
-    start's tokenizer and generation config, swapped in by one rename. Every rank calls
-    it (a sharded model's weights are gathered); rank 0 writes."""
+    start's tokenizer and generation config (and a LoRA model's adapter/), swapped in by
+    one rename. Every rank calls it (a sharded model's weights are gathered); rank 0
+    writes."""
     weights = whole_weights(model)
+    adapted = lora.has_adapters(model)
+    adapter = lora.peft_tensors(model) if adapted else None   # (gathered on every rank)
     if weights is None:
         return
     best, tmp = os.path.join(out_dir, "best"), os.path.join(out_dir, "best.tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     save_hf_checkpoint(model, tmp, weights)
+    if adapted:   # the merged model, and beside it the adapter in PEFT's format
+        lora.save_peft_adapter(model, os.path.join(tmp, ADAPTER), model.lora_base["path"], adapter)
     save_tokenizer(start.tokenizer, tmp)
     save_generation_config(tmp, start.generation)
     shutil.rmtree(best, ignore_errors=True)

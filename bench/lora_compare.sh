@@ -10,7 +10,8 @@
 #            on validation by step 20; no test split had been read.)
 #   compare  seeds 1, 2, 3: full GRPO (the config's) and LoRA GRPO, each keeping its best
 #            validation model; every such model and the start scored once on the test split
-#   read     per seed, each arm's test gain over the start; LoRA's mean gain over full's
+#   read     per seed, each arm's test gain over the start; LoRA's mean gain over full's; LoRA -
+#            full with 95% intervals over seeds and over digit multisets (bench/lora_report.py)
 #
 #   bash bench/lora_compare.sh            # -> out/lora_compare/{choose_r*,seed*/{full,lora}}
 #   (needs out/qwen_small/sft/best: `bash speedrun.sh`, or pretrain.py + sft.py)
@@ -71,19 +72,5 @@ for s in 1 2 3; do
         test_of "$OUT/seed$s/$arm/best" "$OUT/seed$s/test_$arm"
     done
 done
-$PY - "$OUT" <<'PY'
-import json, os, statistics, sys
-out = sys.argv[1]
-def acc(path):
-    rows = [json.loads(l) for l in open(os.path.join(path, "metrics.jsonl"))]
-    return [r for r in rows if "eval/accuracy" in r][-1]["eval/accuracy"]
-start = acc(f"{out}/test_start")
-gains = {arm: [acc(f"{out}/seed{s}/test_{arm}") - start for s in (1, 2, 3)]
-         for arm in ("full", "lora")}
-print(f"start test {start:.3f}")
-for arm, g in gains.items():
-    print(f"{arm:5s} test gain per seed {['%.3f' % x for x in g]}, "
-          f"mean {statistics.mean(g):.3f}")
-ratio = statistics.mean(gains["lora"]) / statistics.mean(gains["full"])
-print(f"LoRA's mean gain / full's: {ratio:.2f}")
-PY
+mkdir -p docs/results/lora_compare
+$PY -m bench.lora_report "$OUT" docs/results/lora_compare/outcomes.jsonl.gz

@@ -190,8 +190,8 @@ LORA = ["--lora_rank=2", "--lora_alpha=4", "--learning_rate=3e-2"]
 
 
 def test_killed_lora_run_resumes_exactly(tmp_path, monkeypatch, tiny_base):
-    common = ["--max_iters=4", "--lr_decay_iters=4", "--ckpt_interval=2",
-              f"--init_from={tiny_base}", *LORA]
+    common = ["--max_iters=4", "--lr_decay_iters=4", "--ckpt_interval=2", "--keep_best=True",
+              "--eval_interval=2", f"--init_from={tiny_base}", *LORA]
     whole = tmp_path / "whole"
     train_grpo.main(tiny_config(whole, *common))
     real_rollout = train_grpo.rollout
@@ -228,6 +228,13 @@ def test_killed_lora_run_resumes_exactly(tmp_path, monkeypatch, tiny_base):
     assert moved and all(n.endswith(("_proj.weight", "_proj")) for n in moved)
     meta = checkpoint.read_checkpoint_meta(str(whole / "ckpt"))
     assert meta["lora"]["rank"] == 2 and "adapter/adapter_model.safetensors" in meta["files"]
+    # the best model on validation: merged, with its adapter beside it
+    best = checkpoint.load_hf_checkpoint(str(whole / "best"))
+    rebuilt = checkpoint.load_hf_checkpoint(tiny_base)
+    lora.add_lora(rebuilt, lora.LoRASpec(2, 4.0, lora.TARGETS))
+    lora.load_peft_adapter(rebuilt, str(whole / "best" / "adapter"))
+    merged = rebuilt.state_dict()
+    assert all(torch.equal(merged[n], t) for n, t in best.state_dict().items())
 
 
 def test_bad_lora_settings_are_refused_before_anything_is_written(tmp_path, tiny_base):
