@@ -440,8 +440,8 @@ def apply_corrections(batches, model, reference, autocast, config):
         return batches, {}
     # tokens corrected, sampled; expert pairs differing, compared
     out, counts = [], [0, 0, 0, 0]
-    for _ in range(len(distributed.padded(batches, lambda: None)) - len(batches)):
-        trainer_logprobs(model, training.empty_batch(config["device"]), autocast)   # FSDP2
+    for _ in range(distributed.missing(len(batches))):   # FSDP2: as many forwards as any rank
+        trainer_logprobs(model, training.empty_batch(config["device"]), autocast)
     for b in batches:   # this rank's share of the step's micro-batches
         engine_routes = b.routes
         b = b if config["routing_replay"] else dataclasses.replace(b, routes=None)

@@ -204,13 +204,16 @@ def all_max(n):
     return int(t.item())
 
 
+def missing(n):
+    """How many more forwards this rank, with n to run, must join when a model is sharded
+    (FSDP2: each forward and backward is a collective of every rank): as many as the rank
+    with the most has over n. 0 when nothing is sharded."""
+    return 0 if _mesh is None else all_max(n) - n
+
+
 def padded(items, pad):
-    """items, then pad() until this rank has as many as the rank with the most, when a
-    model is sharded (FSDP2: each forward and backward is a collective every rank must
-    join); items unchanged otherwise."""
-    if _mesh is None:
-        return list(items)
-    return list(items) + [pad() for _ in range(all_max(len(items)) - len(items))]
+    """items, then pad() for each forward this rank is missing (missing())."""
+    return list(items) + [pad() for _ in range(missing(len(items)))]
 
 
 def check_in_sync(model):

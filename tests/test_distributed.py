@@ -353,12 +353,13 @@ GRPO = ["--max_iters=4", "--lr_decay_iters=4", "--prompts_per_step=5", "--group_
 LORA = ["--lora_rank=2", "--lora_alpha=4", "--learning_rate=3e-2"]
 
 
-@pytest.mark.parametrize("lora", [False, True], ids=["full", "lora"])
+@pytest.mark.parametrize("lora", [False, True], ids=["full_corrected", "lora"])
 def test_fsdp_grpo_on_two_ranks_steps_like_one_process(pretrained, lora):
     # the engines sample with the gathered weights; a step with one group leaves a rank
-    # without a micro-batch (it joins the collectives with an empty one); LoRA + FSDP2
+    # without a micro-batch (it joins the collectives with an empty one, in the step and
+    # in the corrections' logprob pass); LoRA + FSDP2
     tmp, one, _ = pretrained
-    args = [f"--init_from={one}", "--learning_rate=3e-3", *GRPO, *(LORA if lora else [])]
+    args = [f"--init_from={one}", "--learning_rate=3e-3", *GRPO, *(LORA if lora else CORRECTED)]
     a, b = tmp / f"grpo_{lora}_one", tmp / f"grpo_{lora}_fsdp"
     launch(tmp, "train_grpo.py", a, args)
     launch(tmp, "train_grpo.py", b, args + ["--fsdp=True"], nproc=2)
