@@ -128,7 +128,11 @@ def child(mode, layers, tokens, rank):
     reset_peak()
     steps(model, engine, optimizer, tokens)
     peak = status("VmHWM") - bare
-    print(json.dumps({"rank": distributed.rank(), "peak": peak, **counts(model)}), flush=True)
+    row = json.dumps({"rank": distributed.rank(), "peak": peak, **counts(model)})
+    for r in range(distributed.world()):   # one rank at a time: lines never interleave
+        if r == distributed.rank():
+            print(row, flush=True)
+        distributed.barrier()
     del model, engine, optimizer
     distributed.teardown()
 
@@ -223,13 +227,14 @@ def main():
     print("| mode | ranks | parameters | trained | peak GiB per rank | formula GiB | "
           "formula / measured | vs full |")
     print("| --- | --- | --- | --- | --- | --- | --- | --- |")
-    rows = {mode: measure(mode, args) for mode in args.modes}
-    for mode, r in rows.items():
+    rows = {}
+    for mode in args.modes:   # each row as soon as it is measured
+        rows[mode] = r = measure(mode, args)
         formula = predicted(r, args.layers, args.tokens, r["ranks"])
         vs_full = f"{r['peak'] / rows['full']['peak']:.2f}x" if "full" in rows else ""
         print(f"| {mode} | {r['ranks']} | {r['params'] / 1e6:.1f}M | {r['trained'] / 1e6:.2f}M | "
               f"{r['peak'] / GiB:.2f} | {formula / GiB:.2f} | {formula / r['peak']:.2f} | "
-              f"{vs_full} |")
+              f"{vs_full} |", flush=True)
 
 
 if __name__ == "__main__":
