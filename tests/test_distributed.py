@@ -368,13 +368,11 @@ def test_fsdp_grpo_on_two_ranks_steps_like_one_process(pretrained, lora):
     assert all(r["train/logprob_mismatch"] < 1e-5 for r in rows(b) if "train/loss" in r)
     assert any(r["rollout/valid_groups"] == 1 for r in rows(b) if "train/loss" in r)
     assert max_rel_diff(weights(a), weights(b)) < 1e-6
-    if lora:   # 2 -> 1: the run's last two steps again, from its 2-rank checkpoint
-        half = tmp / "grpo_lora_half"
-        launch(tmp, "train_grpo.py", half, [*args, "--fsdp=True", "--max_iters=2"], nproc=2)
-        launch(tmp, "train_grpo.py", half, [*args, "--init_from=resume"])
-        assert_same_run(a, half, ("train/loss", "rollout/reward_mean"), rel=1e-6,
-                        only=lambda row: "train/loss" in row)
-        assert max_rel_diff(weights(a), weights(half)) < 1e-6
+    if lora:   # the adapter gathered from the shards is the one process's
+        from safetensors.torch import load_file
+        adapters = [load_file(os.path.join(d, "ckpt", "adapter", "adapter_model.safetensors"))
+                    for d in (a, b)]
+        assert max_rel_diff(*adapters) < 1e-6
 
 
 def test_fsdp_outside_torchrun_is_refused(pretrained):
