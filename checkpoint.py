@@ -663,8 +663,13 @@ def with_lora(config, start):
     spec, saved = lora.spec_of(config), (start.meta or {}).get("lora")
     if start.meta is not None:
         was = lora.spec_from_record(saved)
-        asked = {k: config.get(k) for k in ("lora_rank", "lora_alpha", "lora_targets")}
-        require(spec == was, f"{asked}: the run being resumed had {was or 'no LoRA'}")
+        flags = "no LoRA (lora_rank=0)" if was is None else (
+            f"--lora_rank={was.rank} --lora_alpha={was.alpha} "
+            f"--lora_targets={','.join(was.targets)}")
+        require(spec == was, f"init_from='resume' with lora_rank={config.get('lora_rank', 0)}, "
+                             f"lora_alpha={config.get('lora_alpha')}, lora_targets="
+                             f"{config.get('lora_targets')!r}: the run being resumed had {flags}; "
+                             f"resume with the same")
     if spec is None:
         return start
     require(config["init_from"] != "scratch",

@@ -120,10 +120,12 @@ def add_lora(model: Transformer, spec: LoRASpec, seed=0):
     """Freeze model and give each targeted weight an adapter, in place (A's init from
     its own generator: the run's RNG stream is untouched). Returns model."""
     require(not has_adapters(model), "add_lora: the model already has adapters")
-    model.requires_grad_(False)
-    generator = torch.Generator().manual_seed(seed)
     found = list(targeted(model, spec.targets))
-    require(found, f"lora_targets={spec.targets}: no such weight in this model")
+    present = [t for t in TARGETS if list(targeted(model, (t,)))]
+    require(found, f"lora_targets={','.join(spec.targets)!r}: no such weight in this model; "
+                   f"it has {','.join(present)}")
+    model.requires_grad_(False)   # (only once nothing is refused)
+    generator = torch.Generator().manual_seed(seed)
     for _, module, name in found:
         weight = getattr(module, name)
         adapter = LoRA(weight, spec.rank, spec.scale, generator)

@@ -724,7 +724,8 @@ def check_loop_settings(config):
     lora.spec_of(config)   # lora_rank, lora_alpha, lora_targets
     fsdp = config.get("fsdp", False)
     require(not fsdp or distributed.world() > 1,
-            "fsdp=True outside torchrun: sharding needs ranks (torchrun --nproc_per_node=N)")
+            "fsdp=True outside torchrun (or with one rank): sharding needs ranks "
+            "(torchrun --nproc_per_node=N, N >= 2)")
 
 
 def due(config, interval, done, last):

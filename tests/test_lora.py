@@ -293,3 +293,12 @@ def test_sft_with_lora_trains_the_adapters_only(tmp_path, tiny_base):
     assert all(torch.equal(merged[n], saved[n]) for n in saved)
     unchanged = [n for n, t in after.state_dict().items() if torch.equal(t, base[n])]
     assert set(unchanged) == set(base) - set(lora.adapters(rebuilt))
+
+
+def test_a_target_the_model_lacks_is_refused_naming_those_it_has(tmp_path):
+    _, path = write_hf_checkpoint(FAMILIES["qwen3_moe"], str(tmp_path / "moe"))
+    model = checkpoint.load_hf_checkpoint(path)
+    with pytest.raises(ValueError, match="'gate_proj': no such weight in this model; it has "
+                                         "q_proj,k_proj,v_proj,o_proj,experts"):
+        lora.add_lora(model, lora.LoRASpec(2, 4.0, ("gate_proj",)))
+    assert all(p.requires_grad for p in model.parameters())   # untouched
