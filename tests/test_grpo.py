@@ -219,31 +219,34 @@ CORRECTED = ["--routing_replay=True", "--mis_low=0.5", "--mis_high=2.0", "--is_l
              "--ppo_clip=0.2", "--ppo_epochs=2"]
 
 
-@pytest.mark.parametrize("corrections", [[], CORRECTED], ids=["plain", "corrected"])
-def test_killed_run_resumes_exactly(tmp_path, monkeypatch, corrections):
-    common = ["--max_iters=4", "--lr_decay_iters=4", "--ckpt_interval=2", *corrections]
-    whole = tmp_path / "whole"
-    train_grpo.main(tiny_config(whole, *common))
-
-    # the same run, killed during iteration 4 (after the checkpoint at 2 and iteration
-    # 3's log line)
+def killed_at_3_then_resumed(monkeypatch, out, settings):
+    """Run tiny_config(out, *settings), killed during iteration 4 (after the checkpoint at
+    2 and iteration 3's log line), then resumed to its end (init_from='resume')."""
     real_rollout = train_grpo.rollout
 
     class Killed(Exception):
         pass
 
-    def dies_at_3(engine, tok, sampler, c, it):
+    def dies_at_3(engine, env, sampler, c, it):
         if it == 3:
             raise Killed
-        return real_rollout(engine, tok, sampler, c, it)
+        return real_rollout(engine, env, sampler, c, it)
 
-    killed = tmp_path / "killed"
     monkeypatch.setattr(train_grpo, "rollout", dies_at_3)
     with pytest.raises(Killed):
-        train_grpo.main(tiny_config(killed, *common))
-    assert checkpoint.read_checkpoint_meta(checkpoint.find_checkpoint(str(killed)))["iter"] == 2
+        train_grpo.main(tiny_config(out, *settings))
+    assert checkpoint.read_checkpoint_meta(checkpoint.find_checkpoint(str(out)))["iter"] == 2
     monkeypatch.setattr(train_grpo, "rollout", real_rollout)
-    train_grpo.main(tiny_config(killed, *common, "--init_from=resume"))
+    train_grpo.main(tiny_config(out, *settings, "--init_from=resume"))
+
+
+@pytest.mark.parametrize("corrections", [[], CORRECTED], ids=["plain", "corrected"])
+def test_killed_run_resumes_exactly(tmp_path, monkeypatch, corrections):
+    common = ["--max_iters=4", "--lr_decay_iters=4", "--ckpt_interval=2", *corrections]
+    whole = tmp_path / "whole"
+    train_grpo.main(tiny_config(whole, *common))
+    killed = tmp_path / "killed"
+    killed_at_3_then_resumed(monkeypatch, killed, common)
 
     a, b = metrics(whole), metrics(killed)
     assert [r["iter"] for r in a] == [r["iter"] for r in b]

@@ -22,7 +22,7 @@ import checkpoint
 import lora
 import train_grpo
 from conftest import write_hf_checkpoint
-from tests.test_grpo import TINY, metrics, tiny_config
+from tests.test_grpo import TINY, killed_at_3_then_resumed, metrics, tiny_config
 from tokenizer import build_tokenizer
 
 VOCAB = 96
@@ -194,23 +194,9 @@ def test_killed_lora_run_resumes_exactly(tmp_path, monkeypatch, tiny_base):
               "--eval_interval=2", f"--init_from={tiny_base}", *LORA]
     whole = tmp_path / "whole"
     train_grpo.main(tiny_config(whole, *common))
-    real_rollout = train_grpo.rollout
-
-    class Killed(Exception):
-        pass
-
-    def dies_at_3(engine, env, sampler, c, it):
-        if it == 3:
-            raise Killed
-        return real_rollout(engine, env, sampler, c, it)
-
     killed = tmp_path / "killed"
-    monkeypatch.setattr(train_grpo, "rollout", dies_at_3)
-    with pytest.raises(Killed):
-        train_grpo.main(tiny_config(killed, *common))
-    monkeypatch.setattr(train_grpo, "rollout", real_rollout)
-    resumed = [c for c in common if not c.startswith("--init_from")] + ["--init_from=resume"]
-    train_grpo.main(tiny_config(killed, *resumed))
+    # (its --init_from=resume comes last, over the base's)
+    killed_at_3_then_resumed(monkeypatch, killed, common)
     a, b = metrics(whole), metrics(killed)
     assert [r["iter"] for r in a] == [r["iter"] for r in b]
     steps = [r for r in a if "train/loss" in r]
