@@ -7,6 +7,7 @@ logprobs, weight hot-swap.
     params = SamplingParams(temperature=1.0, max_tokens=256, stop_token_ids=frozenset({eos}))
     samples = engine.generate(prompts, params, num_samples_per_prompt=8)
     engine.update_weights(policy.state_dict())                   # after each optimizer step
+    engine.update_from(policy)      # the same, or the adapters alone with a shared LoRA base
 
 One step() = schedule (inference/scheduler.py: who runs, which block is whose) ->
 preempt -> admit -> allocate -> forward (one model call over a flat batch of every
@@ -31,8 +32,9 @@ import numpy as np
 import torch
 
 from inference.attention import PagedAttention, PagedKVCache, decode_kernel, paged_step
+import lora
 from checkpoint import first_five, load_hf_checkpoint
-from scaleout.distributed import full_tensors
+from scaleout.distributed import full_tensors, is_sharded
 from configurator import is_int, is_number, require, require_field
 from inference.decode import StaticDecode
 from inference.radix import RadixCache
@@ -189,11 +191,17 @@ class InferenceEngine:
         if model is None:
             model = load_hf_checkpoint(config.model_path, device=self.device,
                                        dtype=self.dtype)
+        elif can_share_base(model, self.device, self.dtype):
+            model = lora.sharing_base(model)   # reads the trainer's frozen base, no copy
         else:
             model = own_copy(model, self.device, self.dtype)
         self.model = model.eval().requires_grad_(False)
-        # name -> tensor sharing the parameter's storage (copy_ targets)
+        # name -> tensor sharing the parameter's storage (copy_ targets); with a shared
+        # base (LoRA), the adapters only: the base is the trainer's, never written here
         self._params = model.state_dict()
+        self.shares_base = any(lora.is_adapter_key(k) for k in self._params)
+        if self.shares_base:
+            self._params = {k: t for k, t in self._params.items() if lora.is_adapter_key(k)}
         self.max_model_len = config.max_model_len or model.config.max_position_embeddings
         num_blocks = config.num_blocks or pool_size(config, model.config, self.max_model_len,
                                                     self.device, self.dtype)
@@ -494,6 +502,11 @@ class InferenceEngine:
         older weights is ever served to a new request; running sequences keep theirs
         (each token records the version that sampled it)."""
         self._check_open()
+        if self.shares_base and hasattr(state_dict, "keys"):
+            whole = [k for k in state_dict.keys() if not lora.is_adapter_key(k)]
+            require(not whole, f"state_dict: {first_five(whole)} are base weights; this engine "
+                               f"shares its LoRA model's base: pass lora.adapter_state(model) "
+                               f"(engine.update_from(model) does)")
         tensors = check_layout(state_dict, self._params)
         if blocking:
             check_values(tensors, self._params, self.dtype)
@@ -508,6 +521,18 @@ class InferenceEngine:
             self._staged.cancel()                 # replaced before it was applied
         self._updates_pending += 1
         self._staged = self._side.submit(self._stage, tensors)
+
+    def update_from(self, model):
+        """update_weights with a trainer's model's current weights, however it holds
+        them: the adapters alone (lora.adapter_state) when this engine shares the model's
+        base, the whole weights gathered one tensor at a time when it is sharded (FSDP2),
+        else its state_dict."""
+        if self.shares_base:
+            self.update_weights(lora.adapter_state(model))
+        elif is_sharded(model):
+            self.load_weights(full_tensors(model.state_dict()))
+        else:
+            self.update_weights(model.state_dict())
 
     def load_weights(self, weights):
         """update_weights one tensor at a time, for a trainer whose model is sharded:
@@ -725,6 +750,15 @@ def attention_choice(device_type, backend, compile, head_dim, dtype=torch.float3
         raise ValueError(f"compiled flex on CUDA needs head_dim >= 16, the model has {head_dim}: "
                          f"use attention_backend='sdpa'")
     return backend, compile
+
+
+def can_share_base(model, device, dtype):
+    """Whether an engine can read a trainer's model's frozen base itself: a LoRA model,
+    whole (not sharded), on the engine's device and in its dtype."""
+    if not isinstance(model, Transformer) or not lora.has_adapters(model) or is_sharded(model):
+        return False
+    weight = model.embed_tokens.weight
+    return weight.device == device and weight.dtype == dtype
 
 
 def own_copy(model, device, dtype):

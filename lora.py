@@ -1,45 +1,48 @@
 """
-LoRA: a trainable low-rank update on every weight the forward reads, the base frozen.
+LoRA: a trainable low-rank update beside every weight the forward reads, the base frozen.
 
     import lora
     lora.add_lora(model, lora.LoRASpec(rank=8, alpha=16, targets=lora.parse_targets("all")))
     # train: only the adapters have requires_grad (no gradient or AdamW state for the base)
-    engine.update_weights(model.state_dict())   # the merged weights, under the base names
+    engine = InferenceEngine(EngineConfig(), model=model)   # shares the frozen base
+    engine.update_weights(lora.adapter_state(model))        # after a step: the adapters only
     save_hf_checkpoint(model, "out/merged")     # a plain transformers model of the merged weights
     lora.save_peft_adapter(model, "out/adapter", base="out/sft/best")
     # peft.PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(base), "out/adapter")
 
-Each targeted weight W ([out, in], or a stack of E experts [E, out, in]) is read as
-W + (alpha / rank) * B @ A, with A [.., rank, in] and B [.., out, rank], through
-torch.nn.utils.parametrize: every access of `module.weight` in model.py (the fused q/k/v
-cat of Attention, the experts' stacked tensors) gets the update, so no weight is
-silently left out, as wrapping modules would leave q, k and v out (model.py reads them
-as tensors). A starts as peft's (Kaiming-uniform) and B at zero, so a fresh adapter
-changes nothing.
+Each targeted weight W ([out, in], or a stack of E experts [E, out, in]) gets a
+model.LoRA beside it, A [.., rank, in] and B [.., out, rank], and the layer reads
+x W^T + (alpha / rank) (x A^T) B^T: model.py's Linear (q, k, v, o and the dense MLP;
+Attention runs q, k and v apart once they have adapters, where it would fuse them) and
+Experts (both fused stacks, one adapter per expert) apply it in the forward, so no
+weight is silently left out, as wrapping modules would leave q, k and v out (model.py
+reads them as tensors), and the backward keeps nothing of W's size. A starts as peft's
+(Kaiming-uniform) and B at zero, so a fresh adapter changes nothing.
 
-A LoRA model's state_dict() is its merged weights under the base names (a hook below):
-what every reader of a model's weights wants (the engine's hot-swap, the checkpoints,
-weight sync, the in-sync check), so none of them knows about LoRA. The adapters
-themselves are adapters(model); a training checkpoint keeps them in PEFT's format
-beside the merged model, and resume rebuilds base + adapters exactly from the run's
-base (its digest checked).
+A LoRA model's state_dict() is its merged weights W + scale B @ A under the base names
+(a hook below): what every reader of a model's whole weights wants (checkpoints, weight
+sync to rollout ranks and servers, the in-sync check), so none of them knows about LoRA.
+An engine on the same device and dtype shares the frozen base instead (sharing_base:
+no copy of the weights, as vLLM serves LoRA) and takes adapter_state after each step.
+The adapters themselves are adapters(model); a training checkpoint keeps them in PEFT's
+format beside the merged model, and resume rebuilds base + adapters exactly from the
+run's base (its digest checked).
 
 What it leaves out: dropout on the adapters (RL runs use none), the embedding and the
 head as targets, rsLoRA / DoRA, and several adapters at once.
 """
 
+import copy
 import json
 import math
 import os
 from dataclasses import asdict, dataclass
 
 import torch
-import torch.nn as nn
-import torch.nn.utils.parametrize as parametrize
 from torch.distributed.tensor import DTensor
 
 from configurator import require
-from model import Experts, Transformer
+from model import Experts, Linear, LoRA, Transformer
 from scaleout import distributed
 
 # what lora_targets may name: the attention projections, the dense MLP's three linears,
@@ -82,34 +85,15 @@ def spec_of(config):
 
 
 # -----------------------------------------------------------------------------
-# the adapter on one weight
-
-
-class LoRA(nn.Module):
-    """The parametrization W -> W + scale * B @ A of one [out, in] weight or one stack of
-    them [E, out, in] (an adapter per expert)."""
-
-    def __init__(self, weight, rank, scale, generator):
-        super().__init__()
-        *lead, out, inp = weight.shape
-        self.scale = scale
-        self.A = nn.Parameter(weight.new_empty(*lead, rank, inp))
-        self.B = nn.Parameter(weight.new_zeros(*lead, out, rank))
-        # peft's init: nn.Linear's Kaiming-uniform on each [rank, in] (bound 1 / sqrt(in))
-        bound = 1 / math.sqrt(inp)
-        with torch.no_grad():
-            self.A.copy_(torch.rand(self.A.shape, generator=generator) * 2 * bound - bound)
-
-    def forward(self, weight):
-        return weight + self.scale * (self.B @ self.A)
+# adapters on a model
 
 
 def targeted(model, targets):
-    """(module path, module, parameter name) of every weight the targets name:
-    nn.Linear leaves named like a target (the router, 'gate', and the head are not),
-    and both fused tensors of each Experts."""
+    """(module path, module, weight name) of every weight the targets name: model.Linear
+    layers named like a target (the router, 'gate', and the head are not), and both
+    fused tensors of each Experts."""
     for path, module in model.named_modules():
-        if isinstance(module, nn.Linear) and path.rsplit(".", 1)[-1] in targets:
+        if isinstance(module, Linear) and path.rsplit(".", 1)[-1] in targets:
             yield path, module, "weight"
         elif isinstance(module, Experts) and "experts" in targets:
             yield path, module, "gate_up_proj"
@@ -117,8 +101,9 @@ def targeted(model, targets):
 
 
 def add_lora(model: Transformer, spec: LoRASpec, seed=0):
-    """Freeze model and give each targeted weight an adapter, in place (A's init from
-    its own generator: the run's RNG stream is untouched). Returns model."""
+    """Freeze model and give each targeted weight an adapter (module.{name}_lora), in
+    place (A's init from its own generator: the run's RNG stream is untouched). Returns
+    model."""
     require(not has_adapters(model), "add_lora: the model already has adapters")
     found = list(targeted(model, spec.targets))
     present = [t for t in TARGETS if list(targeted(model, (t,)))]
@@ -128,8 +113,12 @@ def add_lora(model: Transformer, spec: LoRASpec, seed=0):
     generator = torch.Generator().manual_seed(seed)
     for _, module, name in found:
         weight = getattr(module, name)
-        adapter = LoRA(weight, spec.rank, spec.scale, generator)
-        parametrize.register_parametrization(module, name, adapter)
+        adapter = LoRA(weight.shape, spec.rank, spec.scale)
+        # peft's init: nn.Linear's Kaiming-uniform on each [rank, in] (bound 1 / sqrt(in))
+        bound = 1 / math.sqrt(weight.shape[-1])
+        with torch.no_grad():
+            adapter.A.copy_(torch.rand(adapter.A.shape, generator=generator) * 2 * bound - bound)
+        setattr(module, name + "_lora", adapter.to(weight.device, weight.dtype))
     model.lora_spec = spec
     model.register_state_dict_post_hook(_merged_state_dict)
     return model
@@ -139,41 +128,53 @@ def has_adapters(model):
     return getattr(model, "lora_spec", None) is not None
 
 
-def _merged_state_dict(model, state, prefix, local_metadata):
-    # parametrize's names (path.parametrizations.weight.original, ...0.A, ...0.B) -> the
-    # base name holding the merged weight, as the forward reads it, in the base's place
-    merged = {}
-    with torch.no_grad():
-        for path, module, name in targeted(model, model.lora_spec.targets):
-            merged[f"{prefix}{path}.parametrizations.{name}.original"] = (
-                f"{prefix}{path}.{name}", getattr(module, name).detach())
-    items = list(state.items())
-    state.clear()
-    for key, t in items:
-        if key in merged:
-            name, weight = merged[key]
-            state[name] = weight
-        elif ".parametrizations." not in key:   # the adapters' A and B
-            state[key] = t
-
-
 def adapters(model):
-    """{'{path}.{name}': LoRA} of every adapted weight, in the model's order."""
-    return {f"{path}.{name}": module.parametrizations[name][0]
+    """{'{path}.{weight name}': model.LoRA} of every adapted weight, in the model's order."""
+    return {f"{path}.{name}": getattr(module, name + "_lora")
             for path, module, name in targeted(model, model.lora_spec.targets)}
 
 
-def base_weights(model):
-    """The frozen base tensors, under the base names (the state_dict's hides them)."""
+def _merged_state_dict(model, state, prefix, local_metadata):
+    # each adapted weight W -> W + scale B @ A under its own name; the adapters' keys
+    # ('{weight key}_lora.A', '..._lora.B') dropped
+    with torch.no_grad():
+        for key, adapter in adapters(model).items():
+            state[prefix + key] = state[prefix + key] + adapter.delta().detach()
+    for key in [k for k in state if is_adapter_key(k)]:
+        del state[key]
+
+
+def is_adapter_key(key):
+    return key.endswith(("_lora.A", "_lora.B"))
+
+
+def adapter_state(model):
+    """{'{weight key}_lora.A' / '_lora.B': tensor}: what an engine sharing the base
+    (sharing_base) takes after each step, in place of the whole state_dict."""
     out = {}
-    for key, t in model.named_parameters():
-        if ".parametrizations." in key:
-            path, rest = key.split(".parametrizations.")
-            if rest.endswith(".original"):
-                out[f"{path}.{rest.removesuffix('.original')}"] = t
-        else:
-            out[key] = t
+    for key, adapter in adapters(model).items():
+        out[f"{key}_lora.A"], out[f"{key}_lora.B"] = adapter.A.detach(), adapter.B.detach()
     return out
+
+
+def sharing_base(model):
+    """An engine's model that reads model's frozen base tensors themselves (no copy) and
+    holds its own copy of the adapters (its state_dict: the base and the adapters, no
+    merge). For a LoRA model that is not sharded, on the engine's device and dtype."""
+    with torch.device("meta"):
+        view = Transformer(model.config)
+    # assign: the base's own storage, in new (frozen) Parameters
+    view.load_state_dict({k: t.detach() for k, t in base_weights(model).items()},
+                         assign=True, strict=True)
+    for key, adapter in adapters(model).items():
+        path, name = key.rsplit(".", 1)
+        setattr(view.get_submodule(path), name + "_lora", copy.deepcopy(adapter))
+    return view.requires_grad_(False)
+
+
+def base_weights(model):
+    """The frozen base tensors, under their names (the merged state_dict hides them)."""
+    return {k: t for k, t in model.named_parameters() if not is_adapter_key(k)}
 
 
 def base_digest(model):

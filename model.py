@@ -311,6 +311,57 @@ class DocumentCausalAttention:
 
 
 # -----------------------------------------------------------------------------
+# LoRA's place in the forward (lora.py adds the adapters, trains and saves them)
+
+
+class LoRA(nn.Module):
+    """A low-rank update beside a frozen weight W ([out, in], or a stack of E experts'
+    [E, out, in], one adapter each): the layer reads x W^T + scale (x A^T) B^T. It is
+    never merged into W + scale B A in the forward, so the backward keeps nothing of W's
+    size, and an engine can read the trainer's W itself (lora.sharing_base)."""
+
+    def __init__(self, shape, rank, scale):
+        super().__init__()
+        *lead, out, inp = shape
+        self.scale = scale
+        self.A = nn.Parameter(torch.empty(*lead, rank, inp))
+        self.B = nn.Parameter(torch.zeros(*lead, out, rank))
+
+    def forward(self, x):                       # one weight's: [.., in] -> [.., out]
+        return self.scale * F.linear(F.linear(x, self.A), self.B)
+
+    def delta(self):
+        """scale B @ A, the update as a weight (the merged checkpoints' W + delta)."""
+        return self.scale * (self.B @ self.A)
+
+    def per_expert(self):
+        """[(A_e, B_e, scale)] (unbind: one stack in the backward, where w[e] would write
+        an all-experts-sized zero tensor per expert)."""
+        return [(a, b, self.scale) for a, b in zip(self.A.unbind(0), self.B.unbind(0))]
+
+
+class Linear(nn.Linear):
+    """nn.Linear, with room for a LoRA adapter beside its weight (weight_lora)."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.weight_lora = None
+
+    def forward(self, x):
+        y = F.linear(x, self.weight, self.bias)
+        return y if self.weight_lora is None else y + self.weight_lora(x)
+
+
+def adapted(x, weight, adapter=None):
+    """x W^T, plus scale (x A^T) B^T for an expert's adapter (A, B, scale)."""
+    y = F.linear(x, weight)
+    if adapter is None:
+        return y
+    A, B, scale = adapter
+    return y + scale * F.linear(F.linear(x, A), B)
+
+
+# -----------------------------------------------------------------------------
 # the layers
 
 
@@ -321,10 +372,10 @@ class Attention(nn.Module):
         self.n_head, self.n_kv_head, self.head_dim = (cfg.num_attention_heads,
                                                       cfg.num_key_value_heads, cfg.head_dim)
         qkv_bias = cfg.attention_bias or cfg.qkv_bias
-        self.q_proj = nn.Linear(cfg.hidden_size, self.n_head * self.head_dim, bias=qkv_bias)
-        self.k_proj = nn.Linear(cfg.hidden_size, self.n_kv_head * self.head_dim, bias=qkv_bias)
-        self.v_proj = nn.Linear(cfg.hidden_size, self.n_kv_head * self.head_dim, bias=qkv_bias)
-        self.o_proj = nn.Linear(self.n_head * self.head_dim, cfg.hidden_size,
+        self.q_proj = Linear(cfg.hidden_size, self.n_head * self.head_dim, bias=qkv_bias)
+        self.k_proj = Linear(cfg.hidden_size, self.n_kv_head * self.head_dim, bias=qkv_bias)
+        self.v_proj = Linear(cfg.hidden_size, self.n_kv_head * self.head_dim, bias=qkv_bias)
+        self.o_proj = Linear(self.n_head * self.head_dim, cfg.hidden_size,
                                 bias=cfg.attention_bias)
         if cfg.qk_norm:
             # per head, before RoPE
@@ -338,8 +389,12 @@ class Attention(nn.Module):
         # overhead than in arithmetic)
         T, Hq, Hkv, D = x.shape[0], self.n_head, self.n_kv_head, self.head_dim
         projs = (self.q_proj, self.k_proj, self.v_proj)
-        bias = torch.cat([p.bias for p in projs]) if self.q_proj.bias is not None else None
-        qkv = F.linear(x, torch.cat([p.weight for p in projs]), bias).view(T, Hq + 2 * Hkv, D)
+        if all(p.weight_lora is None for p in projs):
+            bias = torch.cat([p.bias for p in projs]) if self.q_proj.bias is not None else None
+            qkv = F.linear(x, torch.cat([p.weight for p in projs]), bias)
+        else:   # LoRA: each with its adapter, and no [3 W] concatenation kept for the backward
+            qkv = torch.cat([p(x) for p in projs], dim=-1)
+        qkv = qkv.view(T, Hq + 2 * Hkv, D)
         # split, not slices: its backward is one cat, no zeros
         qk, v = qkv.split([Hq + Hkv, Hkv], dim=1)
         if hasattr(self, "q_norm"):
@@ -358,16 +413,17 @@ class MLP(nn.Module):
 
     def __init__(self, hidden_size, intermediate_size):
         super().__init__()
-        self.gate_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
-        self.up_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
-        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
+        self.gate_proj = Linear(hidden_size, intermediate_size, bias=False)
+        self.up_proj = Linear(hidden_size, intermediate_size, bias=False)
+        self.down_proj = Linear(intermediate_size, hidden_size, bias=False)
 
     def forward(self, x):
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
 class Experts(nn.Module):
-    """E SwiGLU experts kept fused: gate and up stacked as [E, 2I, H], down as [E, H, I]."""
+    """E SwiGLU experts kept fused: gate and up stacked as [E, 2I, H], down as [E, H, I];
+    with room for a LoRA adapter on each stack (gate_up_proj_lora, down_proj_lora)."""
 
     def __init__(self, num_experts, hidden_size, intermediate_size):
         super().__init__()
@@ -376,14 +432,13 @@ class Experts(nn.Module):
         self.down_proj = nn.Parameter(torch.empty(num_experts, hidden_size, intermediate_size))
         nn.init.normal_(self.gate_up_proj, std=0.02)
         nn.init.normal_(self.down_proj, std=0.02)
+        self.gate_up_proj_lora = self.down_proj_lora = None
 
     def forward(self, x, top_idx, top_w):
         # x [T, H]; top_idx / top_w [T, k]: token t goes to experts top_idx[t] with
         # weights top_w[t]
-        # each weight read once (a LoRA adapter, lora.py, recomputes it on every read)
-        gate_up, down = self.gate_up_proj, self.down_proj
         if x.is_cuda and torch.cuda.is_current_stream_capturing():
-            return self._every_expert(x, top_idx, top_w, gate_up, down)
+            return self._every_expert(x, top_idx, top_w)
         # sort the T*k (token, slot) pairs by expert so each expert's tokens are one
         # contiguous slice
         T, k = top_idx.shape
@@ -392,47 +447,64 @@ class Experts(nn.Module):
         xs = x.index_select(0, order // k)  # the token of each pair, expert by expert
         # tokens per expert (a bincount, whose output size torch.compile cannot
         # know in advance)
-        counts = flat.new_zeros(gate_up.shape[0])
+        counts = flat.new_zeros(self.gate_up_proj.shape[0])
         counts.index_add_(0, flat, torch.ones_like(flat))
-        if _use_grouped_mm(x, gate_up, down):
-            ys = self._grouped(xs, counts, gate_up, down)
+        if _use_grouped_mm(x, self):
+            ys = self._grouped(xs, counts)
         else:
-            ys = self._loop(xs, counts.tolist(), gate_up, down)
+            ys = self._loop(xs, counts.tolist())
         # back to (token, slot) order by gathering with the inverse permutation
         # (deterministic, unlike a scatter-add), then each token's k outputs
         # weighted and summed
         y = ys.index_select(0, order.argsort()).view(T, k, -1)
         return (y * top_w[..., None]).sum(dim=1)
 
-    def _loop(self, xs, counts, gate_up_proj, down_proj):
+    def _loop(self, xs, counts):
         # the readable path (and the one with gradients): one SwiGLU per expert over its
         # slice. split / unbind rather than xs[a:b] / w[e]: their backward is one cat /
         # stack, where each slice's backward would write a zero tensor the size of all of
         # xs (or of all experts' weights) per expert
+        E = len(counts)
+        gate_up_lora, down_lora = (lora.per_expert() if lora is not None else [None] * E
+                                   for lora in (self.gate_up_proj_lora, self.down_proj_lora))
         ys = []
-        for x, gate_up, down in zip(xs.split(counts), gate_up_proj.unbind(0),
-                                    down_proj.unbind(0)):
+        for e, (x, gate_up, down) in enumerate(zip(xs.split(counts), self.gate_up_proj.unbind(0),
+                                                   self.down_proj.unbind(0))):
             if len(x):
-                gate, up = F.linear(x, gate_up).chunk(2, dim=-1)
-                ys.append(F.linear(F.silu(gate) * up, down))
+                gate, up = adapted(x, gate_up, gate_up_lora[e]).chunk(2, dim=-1)
+                ys.append(adapted(F.silu(gate) * up, down, down_lora[e]))
         return torch.cat(ys)
 
-    def _every_expert(self, x, top_idx, top_w, gate_up_proj, down_proj):
+    def _every_expert(self, x, top_idx, top_w):
         # inside a CUDA graph (inference/decode.py's decode step) nothing may wait on the
         # host, as the loop's slice sizes do: every expert runs on every token (E / k
         # times the FLOPs, for a decode step's few tokens), and each token keeps its k
         # outputs, weighted and summed as above
-        gate, up = torch.matmul(x, gate_up_proj.transpose(1, 2)).chunk(2, dim=-1)
-        ys = torch.matmul(F.silu(gate) * up, down_proj.transpose(1, 2))   # [E, T, H]
+        def linear(x, weight, lora):     # x [T or E, T, in] -> [E, T, out]
+            y = torch.matmul(x, weight.transpose(1, 2))
+            if lora is not None:
+                low = torch.matmul(torch.matmul(x, lora.A.transpose(1, 2)), lora.B.transpose(1, 2))
+                y = y + lora.scale * low
+            return y
+        gate, up = linear(x, self.gate_up_proj, self.gate_up_proj_lora).chunk(2, dim=-1)
+        ys = linear(F.silu(gate) * up, self.down_proj, self.down_proj_lora)   # [E, T, H]
         y = ys[top_idx, torch.arange(len(x), device=x.device)[:, None]]       # [T, k, H]
         return (y * top_w[..., None]).sum(dim=1)
 
-    def _grouped(self, xs, counts, gate_up_proj, down_proj):
+    def _grouped(self, xs, counts):
         # the same two matmuls for all experts in one grouped-GEMM call each (offs = where
-        # each slice ends)
+        # each slice ends), and an adapter's two low-rank ones
         offs = counts.cumsum(0).to(torch.int32)
-        gate, up = grouped_mm(xs, gate_up_proj.transpose(1, 2), offs).chunk(2, dim=-1)
-        return grouped_mm(F.silu(gate) * up, down_proj.transpose(1, 2), offs)
+
+        def linear(x, weight, lora):
+            y = grouped_mm(x, weight.transpose(1, 2), offs)
+            if lora is not None:
+                low = grouped_mm(grouped_mm(x, lora.A.transpose(1, 2), offs),
+                                 lora.B.transpose(1, 2), offs)
+                y = y + lora.scale * low
+            return y
+        gate, up = linear(xs, self.gate_up_proj, self.gate_up_proj_lora).chunk(2, dim=-1)
+        return linear(F.silu(gate) * up, self.down_proj, self.down_proj_lora)
 
 
 # an opaque op for torch.compile, registered on the dispatcher directly:
@@ -476,13 +548,17 @@ def _grouped_fits(device, dtype, hidden, width):
             and hidden % 4 == 0 and width % 4 == 0)
 
 
-def _use_grouped_mm(x, gate_up_proj, down_proj):
-    # CPU fp32 inference with aligned widths; anything that needs gradients takes the loop
-    weights = (gate_up_proj, down_proj)
-    if torch.is_grad_enabled() and (x.requires_grad or any(w.requires_grad for w in weights)):
+def _use_grouped_mm(x, experts):
+    # CPU fp32 inference with aligned widths (an adapter's rank too); anything that needs
+    # gradients takes the loop
+    if torch.is_grad_enabled() and (x.requires_grad or any(p.requires_grad
+                                                           for p in experts.parameters())):
         return False
-    _, hidden, width = down_proj.shape   # [E, H, I]
-    return _grouped_fits(x.device, x.dtype, hidden, width)
+    ranks = [lora.A.shape[1] for lora in (experts.gate_up_proj_lora, experts.down_proj_lora)
+             if lora is not None]
+    _, hidden, width = experts.down_proj.shape   # [E, H, I]
+    return all(_grouped_fits(x.device, x.dtype, hidden, r) for r in ranks) and \
+        _grouped_fits(x.device, x.dtype, hidden, width)
 
 
 class MoE(nn.Module):

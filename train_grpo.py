@@ -42,7 +42,8 @@ One iteration (grpo_step):
   4. one optimizer step (training.train_step) on policy_loss, the shared unified_loss
      (PPO's clipped objective with ppo_clip > 0, ppo_epochs steps): a fork changes
      the objective there;
-  5. publish: engine.update_weights(model.state_dict()), in place, version += 1, prefix
+  5. publish: engine.update_from(model) (update_weights of its state_dict; a LoRA run's
+     adapters alone, its engine sharing the frozen base), in place, version += 1, prefix
      cache flushed (a version per iteration, even one without a step);
   then log, evaluate on the validation split (every eval_interval) and checkpoint (with the
   sampler's record).
@@ -485,10 +486,7 @@ class Colocated:
 
     def publish(self, model, it):
         t0 = time.perf_counter()
-        if distributed.is_sharded(model):   # gathered and copied in one tensor at a time
-            self.engine.load_weights(distributed.full_tensors(model.state_dict()))
-        else:
-            self.engine.update_weights(model.state_dict())
+        self.engine.update_from(model)
         return {"perf/update_weights_s": time.perf_counter() - t0}
 
     def eval_engine(self, model):

@@ -8,21 +8,23 @@ of full fine-tuning; and the formula's table for the Qwen3 models on common GPUs
     python -m bench.memory --table               # the formula for Qwen3 0.6B..8B, 24/80/141 GB
 
 A step here is what a colocated train_grpo.py iteration holds at once: the trainer's fp32
-model, the engine's own whole copy (fp32, a few KV blocks: the rollout's KV pool is sized
-apart, EngineConfig.memory_fraction), one packed batch of --tokens tokens through
-training.train_step (AdamW), then the new weights into the engine (gathered one tensor at
-a time when sharded). Two steps, the second a run's steady state (AdamW's moments exist);
-the peak is resident memory (VmHWM, reset once the model, engine and optimizer exist) over
-the process before the model. Modes: full (one process), lora (rank --rank, alpha 2 x
-rank, every linear), fsdp and lora_fsdp (2 gloo ranks under torchrun, the larger rank's).
+model, the engine (fp32, a few KV blocks: the rollout's KV pool is sized apart,
+EngineConfig.memory_fraction) with its own whole copy of the weights, or, for LoRA in one
+process, reading the trainer's frozen base itself (lora.sharing_base), one packed batch of
+--tokens tokens through training.train_step (AdamW), then the new weights into the engine
+(engine.update_from: the adapters alone when shared, gathered one tensor at a time when
+sharded). Two steps, the second a run's steady state (AdamW's moments exist); the peak is
+resident memory (VmHWM, reset once the model, engine and optimizer exist) over the process
+before the model. Modes: full (one process), lora (rank --rank, alpha 2 x rank, every
+linear), fsdp and lora_fsdp (2 gloo ranks under torchrun, the larger rank's).
 
 The formula (bytes per rank), N ranks:
-    4 P / N (weights) + 4 P (the engine's whole copy) + 12 T' / N (trained: gradient and
-    two AdamW moments) + 4 P_adapted / N (LoRA: the merged weights the backward keeps)
+    4 P / N (weights) + 4 P (the engine's whole copy; 0 when it shares a LoRA base)
+    + 12 T' / N (trained: gradient and two AdamW moments)
     + activations (T tokens x layers x per-token bytes, plus the head's two [rows, V]
     chunks) + one gathered block and the gathered root (FSDP2)
 with P every parameter, T' the trained ones (P in full fine-tuning, the adapters in
-LoRA), P_adapted the weights LoRA adapts. docs/memory.md has the measurements.
+LoRA). docs/memory.md has the measurements.
 """
 import argparse
 import json
@@ -101,10 +103,7 @@ def steps(model, engine, optimizer, tokens):
     batch = training.pack_sequences(seqs, adv)
     for _ in range(2):
         training.train_step(model, optimizer, [batch], 1e-5)
-        if distributed.is_sharded(model):
-            engine.load_weights(distributed.full_tensors(model.state_dict()))
-        else:
-            engine.update_weights(model.state_dict())
+        engine.update_from(model)
 
 
 def counts(model):
@@ -166,13 +165,16 @@ def activation_bytes(hidden, intermediate, layers, tokens, qkv=4096, attn=2048):
 
 
 def predicted(c, layers, tokens, ranks, hidden=1024, intermediate=3072, engine_bytes=4):
-    """The formula's bytes per rank (the top of this file); c: counts()."""
+    """The formula's bytes per rank (the top of this file); c: counts(). A LoRA model in
+    one process shares its base with the engine when their dtypes agree (engine_bytes =
+    4: the fp32 engine here), so its engine holds no copy."""
     P, trained, adapted = c["params"], c["trained"], c["adapted"]
     gathered = 0
     if ranks > 1:   # one block's weights and the root's (embedding), whole while computed
         block = (P - 151936 * hidden) / layers
         gathered = 4 * (block + 151936 * hidden) * (ranks - 1) / ranks
-    return (4 * P / ranks + engine_bytes * P + 12 * trained / ranks + 4 * adapted / ranks
+    shared = adapted and ranks == 1 and engine_bytes == 4
+    return (4 * P / ranks + (0 if shared else engine_bytes * P) + 12 * trained / ranks
             + activation_bytes(hidden, intermediate, layers, tokens) + gathered)
 
 

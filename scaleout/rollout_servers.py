@@ -160,6 +160,6 @@ class Servers:
         """The trainer's own engine (for evaluation only), brought up to the trainer's
         weights."""
         if self._evaluated != self.version:
-            self.engine.update_weights(model.state_dict())
+            self.engine.update_from(model)
             self._evaluated = self.version
         return self.engine

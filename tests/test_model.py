@@ -326,16 +326,27 @@ def test_bad_dtype_and_config_values():
 
 
 @torch.no_grad()
-def test_grouped_gemm_experts_equal_the_loop(monkeypatch):
+@pytest.mark.parametrize("adapters", [False, True], ids=["plain", "lora"])
+def test_grouped_gemm_experts_equal_the_loop(monkeypatch, adapters):
     # inference on CPU takes torch._grouped_mm; training (and GROUPED_MM=False)
-    # the per-expert loop; a CUDA graph's capture every expert on every token
+    # the per-expert loop; a CUDA graph's capture every expert on every token. With LoRA
+    # adapters (model.LoRA, one per expert) each path adds x A_e^T B_e^T: the definition
+    # reads the merged W_e + scale B_e A_e
     import model
     torch.manual_seed(0)
     experts = model.Experts(8, 32, 24)
+    gate_up, down = experts.gate_up_proj, experts.down_proj
+    if adapters:
+        for name in ("gate_up_proj", "down_proj"):
+            lora = model.LoRA(getattr(experts, name).shape, 4, 0.5)
+            lora.A.normal_(), lora.B.normal_(0, 0.1)
+            setattr(experts, name + "_lora", lora)
+        gate_up = gate_up + experts.gate_up_proj_lora.delta()
+        down = down + experts.down_proj_lora.delta()
     x = torch.randn(50, 32)
     top_w, top_idx = torch.topk(torch.randn(50, 8).softmax(-1), 2)
     top_idx[:5] = torch.tensor([0, 7])        # some experts crowded, some (maybe) empty
-    assert model._use_grouped_mm(x, experts.gate_up_proj, experts.down_proj) == model.GROUPED_MM
+    assert model._use_grouped_mm(x, experts) == model.GROUPED_MM
     fast = experts(x, top_idx, top_w)
     monkeypatch.setattr(model, "GROUPED_MM", False)
     slow = experts(x, top_idx, top_w)
@@ -343,15 +354,14 @@ def test_grouped_gemm_experts_equal_the_loop(monkeypatch):
     for t in range(50):
         for j in range(2):
             e = top_idx[t, j]
-            gate, up = (experts.gate_up_proj[e] @ x[t]).chunk(2)
-            ref[t] += top_w[t, j] * (experts.down_proj[e] @ (F.silu(gate) * up))
-    every = experts._every_expert(x, top_idx, top_w, experts.gate_up_proj, experts.down_proj)
+            g, up = (gate_up[e] @ x[t]).chunk(2)
+            ref[t] += top_w[t, j] * (down[e] @ (F.silu(g) * up))
+    every = experts._every_expert(x, top_idx, top_w)
     assert (slow - ref).abs().max().item() < 1e-5
     assert (fast - ref).abs().max().item() < 1e-5
     assert (every - ref).abs().max().item() < 1e-5
 
 
-@torch.no_grad()
 def test_grouped_gemm_path_is_the_inference_default_and_equals_the_loop(checkpoint, monkeypatch):
     # the whole model, both expert paths, against each other and transformers; and widths
     # torch's grouped GEMM cannot take (row strides not 16-byte multiples) fall back to
@@ -361,7 +371,8 @@ def test_grouped_gemm_path_is_the_inference_default_and_equals_the_loop(checkpoi
     ours = load_hf_checkpoint(path)
     x = torch.randint(0, VOCAB, (41,), generator=torch.Generator().manual_seed(3))
     moe = [layer.mlp.experts for layer in ours.layers if layer.is_moe]
-    grouped = [model._use_grouped_mm(torch.zeros(1), e.gate_up_proj, e.down_proj) for e in moe]
+    with torch.no_grad():   # inference's choice
+        grouped = [model._use_grouped_mm(torch.zeros(1), e) for e in moe]
     assert all(g == model.GROUPED_MM for g in grouped)
     fast, _ = ours(x, torch.arange(len(x)))
     monkeypatch.setattr(model, "GROUPED_MM", False)
@@ -371,7 +382,7 @@ def test_grouped_gemm_path_is_the_inference_default_and_equals_the_loop(checkpoi
     monkeypatch.setattr(model, "GROUPED_MM", hasattr(torch, "_grouped_mm"))
     torch.manual_seed(0)
     odd = model.Experts(4, 30, 6)
-    assert not model._use_grouped_mm(torch.zeros(1, 30), odd.gate_up_proj, odd.down_proj)
+    assert not model._use_grouped_mm(torch.zeros(1, 30), odd)
     h = torch.randn(9, 30)
     top_w, top_idx = torch.topk(torch.randn(9, 4).softmax(-1), 2)
     ref = torch.stack([sum(top_w[t, j] * (odd.down_proj[e] @ (F.silu(g) * u))
