@@ -239,6 +239,9 @@ class InferenceEngine:
                            preemptions=0, steps=0, forks=0, generated_tokens=0, weight_updates=0,
                            compiled_steps=0)
         self._closed = False
+        # sleep(): the freed storages and their sizes; the weights' values lost until the
+        # next update (wake_up)
+        self._asleep, self._weights_lost = [], False
 
     # ---- requests in
 
@@ -289,6 +292,9 @@ class InferenceEngine:
     def _check_request(self, params, num_samples, index, names):
         # names: what the caller calls num_samples and index
         self._check_open()
+        lost = self._weights_lost and self._staged is None
+        require(not self._asleep and not lost,
+                "the engine is asleep, or awake without weights: wake_up(), then an update")
         if not isinstance(params, SamplingParams):
             raise TypeError(f"params={params!r}: not SamplingParams")
         n, limit, (name, index_name) = num_samples, self.config.max_batch_size, names
@@ -502,6 +508,7 @@ class InferenceEngine:
         older weights is ever served to a new request; running sequences keep theirs
         (each token records the version that sampled it)."""
         self._check_open()
+        require(not self._asleep, "update_weights: the engine is asleep; wake_up() first")
         if self.shares_base and hasattr(state_dict, "keys"):
             whole = [k for k in state_dict.keys() if not lora.is_adapter_key(k)]
             require(not whole, f"state_dict: {first_five(whole)} are base weights; this engine "
@@ -541,6 +548,7 @@ class InferenceEngine:
         never exists twice. Names and shapes are checked as they come (a trainer's own
         model: nothing to refuse but a bug); the version goes up once all are in."""
         self._check_open()
+        require(not self._asleep, "load_weights: the engine is asleep; wake_up() first")
         seen = set()
         with torch.inference_mode():
             for name, t in weights:
@@ -566,10 +574,43 @@ class InferenceEngine:
 
     def _applied(self):
         # the pending updates are in: their versions counted, no KV of older weights served
+        self._weights_lost = False
         self._version += self._updates_pending
         self._stats["weight_updates"] += self._updates_pending
         self._updates_pending = 0
         self.blocks.invalidate()
+
+    # ---- sleep: a colocated trainer's step needs neither the weights nor the KV pool
+
+    def sleep(self):
+        """Free the memory of the engine's own weights and of its KV pool until
+        wake_up (vLLM's sleep mode, level 2: the values are dropped, not kept
+        elsewhere), so a colocated trainer's optimizer step has it. Between rollouts
+        only: nothing queued, running or staged. An engine sharing a LoRA base frees
+        its adapters (the base is the trainer's)."""
+        self._check_open()
+        idle = not (self.waiting or self.running or self._staged or self._asleep)
+        require(idle, "sleep: the engine is asleep, or has requests or an update pending")
+        self.blocks.invalidate()
+        pools = [self.kv_cache.k, self.kv_cache.v]
+        storages = {t.untyped_storage().data_ptr(): t.untyped_storage()
+                    for t in [*self._params.values(), *pools]}
+        for storage in storages.values():
+            self._asleep.append((storage, storage.nbytes()))
+            storage.resize_(0)
+
+    def wake_up(self):
+        """Memory back for what sleep freed (new addresses: a GPU's captured decode
+        graphs are dropped, captured again on first use). The weights' values are gone:
+        update_weights, load_weights or update_from before the next request; the KV
+        pool holds nothing that is read before it is written."""
+        self._check_open()
+        require(self._asleep, "wake_up: the engine is not asleep")
+        for storage, nbytes in self._asleep:
+            storage.resize_(nbytes)
+        self._asleep, self._weights_lost = [], True
+        if self.static is not None:
+            self.static.graphs.clear()
 
     def get_weight_version(self) -> int:
         return self._version

@@ -417,6 +417,33 @@ def test_in_process_engine_owns_its_weights(moe):
     assert all(torch.equal(t, half[k].float()) for k, t in engine.model.state_dict().items())
 
 
+def test_sleep_frees_the_weights_and_the_pool_and_an_update_brings_them_back(moe):
+    # what a colocated trainer does around its step (train_grpo.py's engine_sleep): the
+    # memory goes, the refusals say what to do, and once woken and updated the engine
+    # samples exactly as before
+    _, path = moe
+    policy = load_hf_checkpoint(path)
+    engine = InferenceEngine(EngineConfig(block_size=BLOCK, num_blocks=64, max_model_len=128),
+                             model=policy)
+    params = SamplingParams(temperature=0, max_tokens=8)
+    before = engine.generate(PROMPTS, params, 2)
+    engine.sleep()
+    held = [*engine.model.parameters(), engine.kv_cache.k, engine.kv_cache.v]
+    assert all(t.untyped_storage().nbytes() == 0 for t in held)
+    for call in (lambda: engine.generate(PROMPTS, params), lambda: engine.sleep(),
+                 lambda: engine.update_weights(policy.state_dict())):
+        with pytest.raises(ValueError, match="asleep"):
+            call()
+    engine.wake_up()
+    assert all(t.untyped_storage().nbytes() == t.numel() * t.element_size() for t in held)
+    with pytest.raises(ValueError, match="without weights"):
+        engine.generate(PROMPTS, params)
+    engine.update_from(policy)
+    after = engine.generate(PROMPTS, params, 2)
+    assert [s.logprobs for s in after] == [s.logprobs for s in before]
+    assert outputs(after) == outputs(before) and engine.get_weight_version() == 1
+
+
 def test_step_api_and_stop_tokens(moe):
     _, path = moe
     engine = engine_for(path)

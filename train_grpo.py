@@ -109,6 +109,7 @@ routing_replay = False        # MoE: ... and the trainer routes each token by th
 engine_dtype = "float32"      # the engine's copy of the weights ('bfloat16' on a GPU)
 engine_block_size = 16
 engine_compile = False        # decode steps as one graph (engine.py: tens of seconds to compile)
+engine_sleep = False          # free the engine's weights and KV pool during each step (memory.md)
 # LoRA (lora.py): 0 trains every weight; r > 0 trains a rank-r update of each targeted
 # weight, the base frozen (no gradient, no optimizer state)
 lora_rank = 0
@@ -482,10 +483,15 @@ class Colocated:
         return self.engine.get_weight_version()
 
     def groups(self, it):
-        return rollout(self.engine, self.env, self.sampler, self.config, it)
+        out = rollout(self.engine, self.env, self.sampler, self.config, it)
+        if self.config["engine_sleep"]:   # the step needs neither its weights nor its KV pool
+            self.engine.sleep()
+        return out
 
     def publish(self, model, it):
         t0 = time.perf_counter()
+        if self.config["engine_sleep"]:
+            self.engine.wake_up()
         self.engine.update_from(model)
         return {"perf/update_weights_s": time.perf_counter() - t0}
 
@@ -598,6 +604,9 @@ def check_settings(config):
                  block_size=config["engine_block_size"], compile=config["engine_compile"])
     sources.check_settings(config)
     elsewhere = config["rollout_ranks"] or config["rollout_urls"]
+    require(not (config["engine_sleep"] and elsewhere),
+            "engine_sleep=True with rollout_ranks / rollout_urls: the trainer's engine only "
+            "evaluates there; engine_sleep is the colocated engine's")
     require(not (config["fsdp"] and elsewhere),
             "fsdp=True with rollout_ranks / rollout_urls: their weight sync sends whole "
             "tensors from one rank, not shards yet; use fsdp with the colocated engine")

@@ -19,7 +19,8 @@ before the model. Modes: full (one process), lora (rank --rank, alpha 2 x rank, 
 linear), fsdp and lora_fsdp (2 gloo ranks under torchrun, the larger rank's).
 
 The formula (bytes per rank), N ranks:
-    4 P / N (weights) + 4 P (the engine's whole copy; 0 when it shares a LoRA base)
+    4 P / N (weights) + 4 P (the engine's whole copy; 0 when it shares a LoRA base or
+    sleeps through the step, --sleep)
     + 12 T' / N (trained: gradient and two AdamW moments)
     + activations (T tokens x layers x per-token bytes, plus the head's two [rows, V]
     chunks) + one gathered block and the gathered root (FSDP2)
@@ -92,9 +93,10 @@ def build(mode, layers, tokens, rank):
     return model, engine, optimizer
 
 
-def steps(model, engine, optimizer, tokens):
+def steps(model, engine, optimizer, tokens, sleep=False):
     """Two GRPO-shaped steps: a packed batch of tokens with an advantage per sequence,
-    then the weights into the engine."""
+    then the weights into the engine; sleep: the engine asleep during each step
+    (train_grpo.py's engine_sleep)."""
     import training
     from scaleout import distributed
     g = torch.Generator().manual_seed(1 + distributed.rank())
@@ -102,7 +104,11 @@ def steps(model, engine, optimizer, tokens):
     adv = [[float(torch.randn(1, generator=g))] * len(s) for s in seqs]
     batch = training.pack_sequences(seqs, adv)
     for _ in range(2):
+        if sleep:
+            engine.sleep()
         training.train_step(model, optimizer, [batch], 1e-5)
+        if sleep:
+            engine.wake_up()
         engine.update_from(model)
 
 
@@ -119,13 +125,13 @@ def counts(model):
                            lora.targeted(model, model.lora_spec.targets))}
 
 
-def child(mode, layers, tokens, rank):
+def child(mode, layers, tokens, rank, sleep):
     """Print this process's peak (JSON) over the steps of mode."""
     from scaleout import distributed
     bare = status("VmRSS")
     model, engine, optimizer = build(mode, layers, tokens, rank)
     reset_peak()
-    steps(model, engine, optimizer, tokens)
+    steps(model, engine, optimizer, tokens, sleep)
     peak = status("VmHWM") - bare
     row = json.dumps({"rank": distributed.rank(), "peak": peak, **counts(model)})
     for r in range(distributed.world()):   # one rank at a time: lines never interleave
@@ -142,7 +148,8 @@ def measure(mode, args):
     launcher = ["-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"] \
         if ranks == 2 else []
     cmd = [sys.executable, *launcher, "-m", "bench.memory", "--child", mode,
-           "--layers", str(args.layers), "--tokens", str(args.tokens), "--rank", str(args.rank)]
+           "--layers", str(args.layers), "--tokens", str(args.tokens), "--rank", str(args.rank),
+           *(["--sleep"] if args.sleep else [])]
     threads = max(1, args.threads // ranks)
     env = dict(os.environ, OMP_NUM_THREADS=str(threads))
     out = subprocess.run(cmd, capture_output=True, text=True, env=env, check=True)
@@ -164,7 +171,8 @@ def activation_bytes(hidden, intermediate, layers, tokens, qkv=4096, attn=2048):
     return tokens * layers * per_token_layer + head
 
 
-def predicted(c, layers, tokens, ranks, hidden=1024, intermediate=3072, engine_bytes=4):
+def predicted(c, layers, tokens, ranks, hidden=1024, intermediate=3072, engine_bytes=4,
+              sleep=False):
     """The formula's bytes per rank (the top of this file); c: counts(). A LoRA model in
     one process shares its base with the engine when their dtypes agree (engine_bytes =
     4: the fp32 engine here), so its engine holds no copy."""
@@ -173,9 +181,12 @@ def predicted(c, layers, tokens, ranks, hidden=1024, intermediate=3072, engine_b
     if ranks > 1:   # one block's weights and the root's (embedding), whole while computed
         block = (P - 151936 * hidden) / layers
         gathered = 4 * (block + 151936 * hidden) * (ranks - 1) / ranks
-    shared = adapted and ranks == 1 and engine_bytes == 4
-    return (4 * P / ranks + (0 if shared else engine_bytes * P) + 12 * trained / ranks
-            + activation_bytes(hidden, intermediate, layers, tokens) + gathered)
+    held = 4 * P / ranks + 12 * trained / ranks      # weights, gradients, AdamW
+    engine = 0 if adapted and ranks == 1 and engine_bytes == 4 else engine_bytes * P
+    step = activation_bytes(hidden, intermediate, layers, tokens) + gathered
+    if sleep:   # the engine's weights are back only once the step is over
+        return held + max(step, engine)
+    return held + engine + step
 
 
 def qwen3_counts(name, rank):
@@ -217,22 +228,24 @@ def main():
     parser.add_argument("--rank", type=int, default=16)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--modes", nargs="+", default=list(MODES), choices=MODES)
+    parser.add_argument("--sleep", action="store_true",
+                        help="the engine asleep during each step (engine_sleep)")
     parser.add_argument("--child", choices=MODES)
     parser.add_argument("--table", action="store_true", help="only the formula's table")
     args = parser.parse_args()
     if args.child:
-        return child(args.child, args.layers, args.tokens, args.rank)
+        return child(args.child, args.layers, args.tokens, args.rank, args.sleep)
     if args.table:
         return table(args.rank, args.tokens)
     print(f"Qwen3-0.6B's shape, {args.layers} layers, {args.tokens} tokens a step, LoRA rank "
-          f"{args.rank} on every linear")
+          f"{args.rank} on every linear" + (", the engine asleep during the step" * args.sleep))
     print("| mode | ranks | parameters | trained | peak GiB per rank | formula GiB | "
           "formula / measured | vs full |")
     print("| --- | --- | --- | --- | --- | --- | --- | --- |")
     rows = {}
     for mode in args.modes:   # each row as soon as it is measured
         rows[mode] = r = measure(mode, args)
-        formula = predicted(r, args.layers, args.tokens, r["ranks"])
+        formula = predicted(r, args.layers, args.tokens, r["ranks"], sleep=args.sleep)
         vs_full = f"{r['peak'] / rows['full']['peak']:.2f}x" if "full" in rows else ""
         print(f"| {mode} | {r['ranks']} | {r['params'] / 1e6:.1f}M | {r['trained'] / 1e6:.2f}M | "
               f"{r['peak'] / GiB:.2f} | {formula / GiB:.2f} | {formula / r['peak']:.2f} | "

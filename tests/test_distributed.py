@@ -165,18 +165,30 @@ def test_a_two_rank_checkpoint_resumes_on_one_rank_exactly(pretrained):
     )
 
 
-def test_sft_on_two_ranks_steps_like_one_process(pretrained):
+SFT = ["--max_iters=5", "--grad_accum=2", "--batch_tokens=256", "--n_eval_problems=12",
+       "--eval_interval=5", "--log_interval=1", "--demo_fraction=0.02", "--keep_best=True"]
+
+
+@pytest.fixture(scope="module")
+def sft_one(pretrained):
+    """SFT in one process from the pretrained model: what DDP and FSDP2 must equal."""
     tmp, one, _ = pretrained
-    args = [f"--init_from={one}", "--max_iters=5", "--grad_accum=2", "--batch_tokens=256",
-            "--n_eval_problems=12", "--eval_interval=5", "--log_interval=1", "--demo_fraction=0.02"]
-    launch(tmp, "sft.py", tmp / "sft1", args)
-    launch(tmp, "sft.py", tmp / "sft2", args, nproc=2)
-    assert_same_run(tmp / "sft1", tmp / "sft2",
+    launch(tmp, "sft.py", tmp / "sft_one", [f"--init_from={one}", *SFT])
+    return tmp / "sft_one"
+
+
+def test_sft_on_two_ranks_steps_like_one_process(pretrained, sft_one):
+    tmp, one, _ = pretrained
+    launch(tmp, "sft.py", tmp / "sft2", [f"--init_from={one}", *SFT], nproc=2)
+    assert_same_run(sft_one, tmp / "sft2",
                     ("train/loss", "train/grad_norm", "eval/loss", "eval/accuracy"))
 
 
-@pytest.mark.parametrize("corrections", [[], CORRECTED], ids=["plain", "corrected"])
-def test_grpo_on_two_ranks_samples_and_steps_like_one_process(tmp_path, corrections):
+def test_grpo_on_two_ranks_samples_and_steps_like_one_process(tmp_path):
+    # with the corrections (routing replay, masked IS, PPO's two epochs), which add a
+    # logprob pass the ranks pad as they pad the step (the plain path: the multi-turn
+    # test below, and FSDP2's LoRA run)
+    corrections = CORRECTED
     args = ["--init_from=scratch", f"--model={TINY}", "--max_iters=5", "--prompts_per_step=5",
             "--group_size=4", "--max_new_tokens=8", "--n_eval_problems=6", "--pass_k=2",
             "--learning_rate=3e-3", "--warmup_iters=0", "--eval_interval=5", "--log_interval=1",
@@ -320,29 +332,28 @@ def test_fsdp_pretrain_on_two_ranks_steps_like_one_process(pretrained):
 
 
 def test_fsdp_checkpoints_resume_on_another_world_size(pretrained):
+    # 3 steps on 2 FSDP2 ranks, resumed on 1 rank for a 4th, resumed on 2 ranks for the
+    # 5th: the uninterrupted one-process run's numbers and weights
     tmp, one, _ = pretrained
-    for first, then, name in ((2, 1, "two_to_one"), (1, 2, "one_to_two")):
-        out = tmp / name
-        launch(tmp, "pretrain.py", out, PRETRAIN + ["--max_iters=3", "--ckpt_interval=3"]
-               + ["--fsdp=True"] * (first == 2), nproc=first)
-        launch(tmp, "pretrain.py", out, PRETRAIN + ["--max_iters=5", "--init_from=resume"]
-               + ["--fsdp=True"] * (then == 2), nproc=then)
-        assert_same_run(one, out, ("train/loss", "train/grad_norm"), rel=1e-6,
-                        only=lambda row: "train/loss" in row)
-        assert max_rel_diff(weights(one), weights(out)) < 1e-6
+    out = tmp / "two_one_two"
+    for ranks, until in ((2, 3), (1, 4), (2, 5)):
+        resume = ["--init_from=resume"] if until > 3 else []
+        fsdp = ["--fsdp=True"] if ranks == 2 else []
+        launch(tmp, "pretrain.py", out, PRETRAIN + [f"--max_iters={until}", *resume, *fsdp],
+               nproc=ranks)
+        assert checkpoint.read_checkpoint_meta(str(out / "ckpt"))["iter"] == until
+    assert_same_run(one, out, ("train/loss", "train/grad_norm"), rel=1e-6,
+                    only=lambda row: "train/loss" in row)
+    assert max_rel_diff(weights(one), weights(out)) < 1e-6
 
 
-def test_fsdp_sft_on_two_ranks_steps_like_one_process(pretrained):
+def test_fsdp_sft_on_two_ranks_steps_like_one_process(pretrained, sft_one):
     tmp, one, _ = pretrained
-    args = [f"--init_from={one}", "--max_iters=5", "--grad_accum=2", "--batch_tokens=256",
-            "--n_eval_problems=12", "--eval_interval=5", "--log_interval=1", "--demo_fraction=0.02",
-            "--keep_best=True"]
-    launch(tmp, "sft.py", tmp / "sft_one", args)
-    launch(tmp, "sft.py", tmp / "sft_fsdp", args + ["--fsdp=True"], nproc=2)
-    assert_same_run(tmp / "sft_one", tmp / "sft_fsdp",
+    launch(tmp, "sft.py", tmp / "sft_fsdp", [f"--init_from={one}", *SFT, "--fsdp=True"], nproc=2)
+    assert_same_run(sft_one, tmp / "sft_fsdp",
                     ("train/loss", "train/grad_norm", "eval/loss", "eval/accuracy"), rel=1e-6)
-    best = [checkpoint.load_hf_checkpoint(str(tmp / d / "best")).state_dict()
-            for d in ("sft_one", "sft_fsdp")]
+    best = [checkpoint.load_hf_checkpoint(str(d / "best")).state_dict()
+            for d in (sft_one, tmp / "sft_fsdp")]
     assert max_rel_diff(*best) < 1e-6
 
 

@@ -265,6 +265,25 @@ def test_killed_run_resumes_exactly(tmp_path, monkeypatch, corrections):
     assert all(torch.allclose(wa[n], wb[n], atol=1e-6) for n in wa)
 
 
+def test_an_engine_asleep_through_each_step_changes_nothing(tmp_path):
+    # engine_sleep frees the engine's weights and KV pool for the step, and the update
+    # after it brings them back: the same run, number for number
+    runs = []
+    for sleep in (False, True):
+        out = tmp_path / f"sleep_{sleep}"
+        train_grpo.main(tiny_config(out, "--max_iters=2", "--ckpt_interval=2",
+                                    "--eval_interval=2", f"--engine_sleep={sleep}"))
+        runs.append(out)
+    a, b = (metrics(out) for out in runs)
+    assert len(a) == len(b) and any("eval/accuracy" in r for r in a)
+    for ra, rb in zip(a, b):
+        for k in ("train/loss", "rollout/reward_mean", "rollout/weight_version",
+                  "eval/accuracy", "eval/pass@1"):
+            assert ra.get(k) == rb.get(k), (ra["iter"], k)
+    wa, wb = (checkpoint.load_hf_checkpoint(str(out / "ckpt")).state_dict() for out in runs)
+    assert all(torch.equal(wa[n], wb[n]) for n in wa)
+
+
 def test_bad_settings_are_refused(tmp_path):
     with pytest.raises(ValueError, match="prompts_per_stepp"):
         tiny_config(tmp_path, "--prompts_per_stepp=3")
@@ -283,6 +302,8 @@ def test_bad_rollout_rank_settings_are_refused_before_any_work(tmp_path):
                       ("--weight_bucket_mb=0", "weight_bucket_mb=0")):
         with pytest.raises(ValueError, match=says):
             train_grpo.check_settings(tiny_config(tmp_path, bad))
+    with pytest.raises(ValueError, match="engine_sleep is the colocated engine's"):
+        train_grpo.check_settings(tiny_config(tmp_path, "--rollout_ranks=1", "--engine_sleep=True"))
     with pytest.raises(ValueError,
                        match="max_staleness=2 trains on samples of older weights: set tis_cap"):
         train_grpo.check_settings(tiny_config(tmp_path, "--rollout_ranks=1", "--max_staleness=2"))
