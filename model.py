@@ -779,13 +779,15 @@ def load_balancing_loss(router_logits, num_experts, top_k, like):
     return num_experts * torch.sum(routed * probs.float().mean(dim=0))
 
 
-def train_flops(config: ModelConfig, seqlens, pairs=None):
+def train_flops(config: ModelConfig, seqlens, pairs=None, frozen=False):
     """FLOPs of one forward+backward over packed sequences of these lengths (a forward
     alone is a third): 6 per active matmul weight per token (experts count top_k of E,
     the router and the head count, the embedding lookup doesn't) plus attention's QK^T
     and AV over the causal pairs within each sequence (or over `pairs` query-key pairs:
     a batch's sum of position_ids + 1, which also holds where completions share a
-    prompt)."""
+    prompt). frozen: the weights are LoRA's frozen base, whose backward makes the
+    activations' gradient but not the weight's: 4 per weight per token (the adapters'
+    own low-rank matmuls, rank / width of the rest, left out)."""
     H, D = config.hidden_size, config.head_dim
     per_token = config.vocab_size * H
     for i in range(config.num_hidden_layers):
@@ -799,6 +801,6 @@ def train_flops(config: ModelConfig, seqlens, pairs=None):
             per_token += 3 * H * config.intermediate_size
     pairs = sum(n * (n + 1) // 2 for n in seqlens) if pairs is None else pairs
     return (
-        6 * per_token * sum(seqlens)
+        (4 if frozen else 6) * per_token * sum(seqlens)
         + 12 * config.num_hidden_layers * config.num_attention_heads * D * pairs
     )

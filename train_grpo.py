@@ -62,6 +62,7 @@ import time
 import numpy as np
 import torch
 
+import lora
 import training
 from checkpoint import init_start, load_model, model_dir_of, save_best
 from configurator import configure, print0, require
@@ -559,12 +560,15 @@ def step_bookkeeping(metrics, clock, batches, run, reference, config):
     grpo_step's time marks."""
     flops = 0.0
     if batches:
+        frozen = lora.has_adapters(run.model)
         forward_backward = sum(train_flops(run.model.config, [b.num_tokens],
-                                           pairs=int((b.position_ids + 1).sum()))
+                                           pairs=int((b.position_ids + 1).sum()), frozen=frozen)
                                for b in batches)
+        forward = sum(train_flops(run.model.config, [b.num_tokens],
+                                  pairs=int((b.position_ids + 1).sum())) for b in batches) / 3
         # + the logprob pass (and the reference's) when one ran; ppo_epochs optimizer steps
         passes = needs_trainer_pass(config) + (reference is not None)
-        flops = forward_backward * (3 * config["ppo_epochs"] + passes) / 3
+        flops = forward_backward * config["ppo_epochs"] + forward * passes
         train_s = clock["step"] - clock["corrections"]
         metrics.update({"perf/logprob_pass_s": clock["corrections"] - clock["rollout"],
                         "perf/train_time_s": train_s,

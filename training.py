@@ -753,7 +753,8 @@ def train(config, start, loader, eval_fn=None, spent_flops=0.0):
         if run.device_type == "cuda":
             torch.cuda.synchronize()
         seconds, done = time.perf_counter() - t0, it + 1
-        flops = sum(train_flops(run.model.config, b.seqlens()) for b in batches)
+        frozen = lora.has_adapters(run.model)
+        flops = sum(train_flops(run.model.config, b.seqlens(), frozen=frozen) for b in batches)
         metrics.update(meter.add(flops, seconds))
         last = done == config["max_iters"] or 0 < config.get("max_flops", 0) <= meter.flops
         if due(config, "log_interval", done, last):

@@ -151,7 +151,12 @@ def measure(mode, args):
            "--layers", str(args.layers), "--tokens", str(args.tokens), "--rank", str(args.rank),
            *(["--sleep"] if args.sleep else [])]
     threads = max(1, args.threads // ranks)
-    env = dict(os.environ, OMP_NUM_THREADS=str(threads))
+    # glibc keeps freed heap memory once its mmap threshold has risen (to 32 MiB, after
+    # the first big free), so resident memory would count a step's freed activations
+    # again in the next: a fixed threshold maps every tensor of 64 KiB or more on its own
+    # and unmaps it when freed, and the peak is that of live tensors (a GPU's
+    # max_memory_allocated, not its allocator's reserve)
+    env = dict(os.environ, OMP_NUM_THREADS=str(threads), MALLOC_MMAP_THRESHOLD_="65536")
     out = subprocess.run(cmd, capture_output=True, text=True, env=env, check=True)
     rows = [json.loads(line) for line in out.stdout.splitlines() if line.startswith("{")]
     assert len(rows) == ranks, out.stdout[-2000:] + out.stderr[-2000:]

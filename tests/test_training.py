@@ -249,8 +249,11 @@ def test_train_flops_counts_active_matmul_weights():
         model = tiny_model(**kw)
         cfg = model.config
         norms = sum(p.numel() for n, p in model.named_parameters() if "norm" in n)
-        assert training.train_flops(cfg, [1]) == 6 * (model.num_active_params() - norms) + \
-            12 * cfg.num_hidden_layers * cfg.num_attention_heads * cfg.head_dim
+        attention = 12 * cfg.num_hidden_layers * cfg.num_attention_heads * cfg.head_dim
+        weights = model.num_active_params() - norms
+        assert training.train_flops(cfg, [1]) == 6 * weights + attention
+        # LoRA's frozen base: the backward makes no weight gradient
+        assert training.train_flops(cfg, [1], frozen=True) == 4 * weights + attention
     assert training.measure_matmul_flops("cpu") > 1e8
 
 
