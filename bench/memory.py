@@ -23,7 +23,8 @@ The formula (bytes per rank), N ranks:
     sleeps through the step, --sleep)
     + 12 T' / N (trained: gradient and two AdamW moments)
     + activations (T tokens x layers x per-token bytes, plus the head's two [rows, V]
-    chunks) + one gathered block and the gathered root (FSDP2)
+    chunks) + one gathered block and the gathered root (FSDP2), and the root's whole
+    gradient (FSDP2, the root trained)
 with P every parameter, T' the trained ones (P in full fine-tuning, the adapters in
 LoRA). docs/memory.md has the measurements.
 """
@@ -182,10 +183,12 @@ def predicted(c, layers, tokens, ranks, hidden=1024, intermediate=3072, engine_b
     one process shares its base with the engine when their dtypes agree (engine_bytes =
     4: the fp32 engine here), so its engine holds no copy."""
     P, trained, adapted = c["params"], c["trained"], c["adapted"]
-    gathered = 0
-    if ranks > 1:   # one block's weights and the root's (embedding), whole while computed
-        block = (P - 151936 * hidden) / layers
-        gathered = 4 * (block + 151936 * hidden) * (ranks - 1) / ranks
+    gathered, root = 0, 151936 * hidden
+    if ranks > 1:   # one block's weights and the root's (embedding), whole while computed,
+        block = (P - root) / layers
+        gathered = 4 * (block + root) * (ranks - 1) / ranks
+        if trained == P:   # and the root's gradient, whole until the backward's last reduce
+            gathered += 4 * root
     held = 4 * P / ranks + 12 * trained / ranks      # weights, gradients, AdamW
     engine = 0 if adapted and ranks == 1 and engine_bytes == 4 else engine_bytes * P
     step = activation_bytes(hidden, intermediate, layers, tokens) + gathered
@@ -205,10 +208,11 @@ def qwen3_counts(name, rank):
             "adapted": adapted}
 
 
-def table(rank, tokens, ranks=8):
+def table(rank, tokens, ranks=8, sleep=False):
     """The formula's GiB per rank for each Qwen3 model and mode, on a GPU: fp32 master
     weights, gradients and AdamW, the engine's copy in bf16 (engine_dtype), activations
-    under bf16 autocast (half the fp32 count); FSDP2 over `ranks` GPUs."""
+    under bf16 autocast (half the fp32 count); FSDP2 over `ranks` GPUs; sleep: the engine
+    asleep through the step."""
     print(f"| model | full | LoRA r={rank} | FSDP2 x{ranks} | LoRA + FSDP2 x{ranks} |")
     print("| --- | --- | --- | --- | --- |")
     for name, (H, I, L, *_) in QWEN3.items():
@@ -219,7 +223,7 @@ def table(rank, tokens, ranks=8):
                     "adapted": c["adapted"] if lora_on else 0}
             act = activation_bytes(H, I, L, tokens, qkv=(QWEN3[name][3] + 2 * QWEN3[name][4])
                                    * 128, attn=QWEN3[name][3] * 128) / 2
-            need = predicted(mode, L, 0, n, H, I, engine_bytes=2) + act
+            need = predicted(mode, L, 0, n, H, I, engine_bytes=2, sleep=sleep) + act
             fits = "/".join("y" if need < 0.9 * g * 1e9 else "n" for g in GPUS_GB)
             cells.append(f"{need / GiB:.0f} ({fits})")
         print(f"| Qwen3-{name} ({c['params'] / 1e9:.2f}B) | " + " | ".join(cells) + " |")
@@ -241,7 +245,7 @@ def main():
     if args.child:
         return child(args.child, args.layers, args.tokens, args.rank, args.sleep)
     if args.table:
-        return table(args.rank, args.tokens)
+        return table(args.rank, args.tokens, sleep=args.sleep)
     print(f"Qwen3-0.6B's shape, {args.layers} layers, {args.tokens} tokens a step, LoRA rank "
           f"{args.rank} on every linear" + (", the engine asleep during the step" * args.sleep))
     print("| mode | ranks | parameters | trained | peak GiB per rank | formula GiB | "
