@@ -342,7 +342,7 @@ def whole_weights(model):
     if not distributed.is_sharded(model):
         return model.state_dict() if distributed.is_main() else None
     main = distributed.is_main()
-    weights = {name: t.cpu() for name, t in distributed.full_tensors(model.state_dict())
+    weights = {name: t.cpu() for name, t in distributed.full_tensors(lora.merged_items(model))
                if main}
     return weights if main else None
 

@@ -8,6 +8,7 @@ logprobs, weight hot-swap.
     samples = engine.generate(prompts, params, num_samples_per_prompt=8)
     engine.update_weights(policy.state_dict())                   # after each optimizer step
     engine.update_from(policy)      # the same, or the adapters alone with a shared LoRA base
+    engine.sleep(); ...; engine.wake_up(); engine.update_from(policy)   # memory freed meanwhile
 
 One step() = schedule (inference/scheduler.py: who runs, which block is whose) ->
 preempt -> admit -> allocate -> forward (one model call over a flat batch of every
@@ -532,25 +533,26 @@ class InferenceEngine:
     def update_from(self, model):
         """update_weights with a trainer's model's current weights, however it holds
         them: the adapters alone (lora.adapter_state) when this engine shares the model's
-        base, the whole weights gathered one tensor at a time when it is sharded (FSDP2),
-        else its state_dict."""
+        base; the whole weights one tensor at a time when it is sharded (FSDP2, each
+        gathered) or has adapters (each merged), never all at once beside the engine's
+        own; else its state_dict."""
         if self.shares_base:
             self.update_weights(lora.adapter_state(model))
-        elif is_sharded(model):
-            self.load_weights(full_tensors(model.state_dict()))
+        elif is_sharded(model) or lora.has_adapters(model):   # (merged one at a time)
+            self.load_weights(full_tensors(lora.merged_items(model)))
         else:
             self.update_weights(model.state_dict())
 
     def load_weights(self, weights):
-        """update_weights one tensor at a time, for a trainer whose model is sharded:
-        weights yields (name, tensor) for every weight once (distributed.full_tensors
-        gathers each as it goes), and each is copied in as it comes, so the whole model
-        never exists twice. Names and shapes are checked as they come (a trainer's own
+        """update_weights one tensor at a time, for a trainer whose model is sharded or
+        adapted: weights yields (name, tensor) for every weight once (full_tensors
+        gathers each as it goes, lora.merged_items merges it), and each is copied in as
+        it comes, so the whole model never exists twice. Names and shapes are checked as they come (a trainer's own
         model: nothing to refuse but a bug); the version goes up once all are in."""
         self._check_open()
         require(not self._asleep, "load_weights: the engine is asleep; wake_up() first")
         seen = set()
-        with torch.inference_mode():
+        with torch.no_grad():   # (not inference_mode: the gathers and merges run in here)
             for name, t in weights:
                 assert name in self._params and name not in seen, name
                 assert t.shape == self._params[name].shape, (name, t.shape)
@@ -812,6 +814,6 @@ def own_copy(model, device, dtype):
     own = own.to_empty(device=device).to(dtype)
     mine = own.state_dict()
     with torch.no_grad():   # a sharded (FSDP2) model's tensors gathered one at a time
-        for name, t in full_tensors(model.state_dict()):
+        for name, t in full_tensors(lora.merged_items(model)):
             mine[name].copy_(t)
     return own

@@ -144,6 +144,19 @@ def _merged_state_dict(model, state, prefix, local_metadata):
         del state[key]
 
 
+def merged_items(model):
+    """(name, weight) of the state_dict's entries one at a time, a LoRA model's merged
+    as they come (W + scale B @ A, shard by shard when sharded): what the state_dict
+    holds, never all of the merged weights at once."""
+    if not has_adapters(model):
+        yield from model.state_dict().items()
+        return
+    by_weight = adapters(model)
+    with torch.no_grad():
+        for name, t in base_weights(model).items():
+            yield name, (t + by_weight[name].delta() if name in by_weight else t).detach()
+
+
 def is_adapter_key(key):
     return key.endswith(("_lora.A", "_lora.B"))
 

@@ -14,7 +14,7 @@ Data parallelism on torch.distributed: one process per device, launched by torch
     roles = distributed.split_roles(k)           # the last k ranks only sample (train_grpo)
 
     forward = distributed.wrap(model, device, fsdp=True)   # or FSDP2: sharded per block
-    for name, t in distributed.full_tensors(model.state_dict()): ...   # gathered one at a time
+    for name, t in distributed.full_tensors(model.state_dict().items()): ...   # one at a time
 
 Every rank runs the same script on the same data stream and takes the same decisions; what
 differs is the share of the work each one computes. DDP by default: each rank holds the
@@ -187,11 +187,11 @@ def is_sharded(model):
     return any(isinstance(p, DTensor) for p in model.parameters())
 
 
-def full_tensors(state):
-    """(name, whole tensor) of each entry of a state_dict, one at a time: a shard
-    all-gathered over the ranks (every rank iterates in step), anything else as it is.
-    Never the whole model at once: the caller keeps or drops each."""
-    for name, t in state.items():
+def full_tensors(items):
+    """(name, whole tensor) of each (name, tensor) of items (a state_dict's), one at a
+    time: a shard all-gathered over the ranks (every rank iterates in step), anything
+    else as it is. Never the whole model at once: the caller keeps or drops each."""
+    for name, t in items:
         yield name, t.full_tensor() if isinstance(t, DTensor) else t
 
 
