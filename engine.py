@@ -547,8 +547,9 @@ class InferenceEngine:
         """update_weights one tensor at a time, for a trainer whose model is sharded or
         adapted: weights yields (name, tensor) for every weight once (full_tensors
         gathers each as it goes, lora.merged_items merges it), and each is copied in as
-        it comes, so the whole model never exists twice. Names and shapes are checked as they come (a trainer's own
-        model: nothing to refuse but a bug); the version goes up once all are in."""
+        it comes, so the whole model never exists twice. Names and shapes are checked
+        as they come (a trainer's own model: nothing to refuse but a bug); the version
+        goes up once all are in."""
         self._check_open()
         require(not self._asleep, "load_weights: the engine is asleep; wake_up() first")
         seen = set()
