@@ -189,10 +189,11 @@ class InferenceEngine:
         require(given, "no model given and EngineConfig.model_path is None")
         self.config = config
         self.device, self.dtype = torch.device(config.device), as_dtype(config.dtype)
+        self.shares_base = model is not None and can_share_base(model, self.device, self.dtype)
         if model is None:
             model = load_hf_checkpoint(config.model_path, device=self.device,
                                        dtype=self.dtype)
-        elif can_share_base(model, self.device, self.dtype):
+        elif self.shares_base:
             model = lora.sharing_base(model)   # reads the trainer's frozen base, no copy
         else:
             model = own_copy(model, self.device, self.dtype)
@@ -200,7 +201,6 @@ class InferenceEngine:
         # name -> tensor sharing the parameter's storage (copy_ targets); with a shared
         # base (LoRA), the adapters only: the base is the trainer's, never written here
         self._params = model.state_dict()
-        self.shares_base = any(lora.is_adapter_key(k) for k in self._params)
         if self.shares_base:
             self._params = {k: t for k, t in self._params.items() if lora.is_adapter_key(k)}
         self.max_model_len = config.max_model_len or model.config.max_position_embeddings
@@ -326,6 +326,8 @@ class InferenceEngine:
                 self._updates_pending -= 1        # refused (or failed): nothing changed
                 raise
             self._apply_weights(tensors)
+        require(not self._asleep and not self._weights_lost,
+                "step: the engine is asleep, or awake without weights: wake_up(), then an update")
         out, self._undelivered = self._undelivered, []
         if not self.has_pending():
             return out
@@ -601,19 +603,22 @@ class InferenceEngine:
         for storage in storages.values():
             self._asleep.append((storage, storage.nbytes()))
             storage.resize_(0)
+        if self.static is not None:   # a GPU's captured graphs read the old addresses
+            self.static.graphs.clear()
 
     def wake_up(self):
-        """Memory back for what sleep freed (new addresses: a GPU's captured decode
-        graphs are dropped, captured again on first use). The weights' values are gone:
-        update_weights, load_weights or update_from before the next request; the KV
-        pool holds nothing that is read before it is written."""
+        """Memory back for what sleep freed (new addresses: a GPU's decode graphs,
+        dropped by sleep, are captured again on first use), the KV pool zeroed. The
+        weights' values are gone: update_weights, load_weights or update_from before the
+        next request or step."""
         self._check_open()
         require(self._asleep, "wake_up: the engine is not asleep")
         for storage, nbytes in self._asleep:
             storage.resize_(nbytes)
         self._asleep, self._weights_lost = [], True
-        if self.static is not None:
-            self.static.graphs.clear()
+        # paged attention reads the unwritten slots of a block (masked, but a NaN there
+        # would still spread): the pool comes back as it started, zeros
+        self.kv_cache.k.zero_(), self.kv_cache.v.zero_()
 
     def get_weight_version(self) -> int:
         return self._version
@@ -801,8 +806,9 @@ def can_share_base(model, device, dtype):
     whole (not sharded), on the engine's device and in its dtype."""
     if not isinstance(model, Transformer) or not lora.has_adapters(model) or is_sharded(model):
         return False
-    weight = model.embed_tokens.weight
-    return weight.device == device and weight.dtype == dtype
+    weight = model.embed_tokens.weight   # ('cuda' is the current GPU: any index matches)
+    same_device = weight.device.type == device.type and device.index in (None, weight.device.index)
+    return same_device and weight.dtype == dtype
 
 
 def own_copy(model, device, dtype):

@@ -436,6 +436,9 @@ def test_sleep_frees_the_weights_and_the_pool_and_an_update_brings_them_back(moe
             call()
     engine.wake_up()
     assert all(t.untyped_storage().nbytes() == t.numel() * t.element_size() for t in held)
+    assert not engine.kv_cache.k.any() and not engine.kv_cache.v.any()   # zeroed, as it began
+    with pytest.raises(ValueError, match="without weights"):
+        engine.step()
     with pytest.raises(ValueError, match="without weights"):
         engine.generate(PROMPTS, params)
     engine.update_from(policy)

@@ -19,8 +19,8 @@ before the model. Modes: full (one process), lora (rank --rank, alpha 2 x rank, 
 linear), fsdp and lora_fsdp (2 gloo ranks under torchrun, the larger rank's).
 
 The formula (bytes per rank), N ranks:
-    4 P / N (weights) + 4 P (the engine's whole copy; 0 when it shares a LoRA base or
-    sleeps through the step, --sleep)
+    4 P / N (weights) + 4 P (the engine's whole copy; 0 when it shares a LoRA base; with
+    --sleep, outside the step: the larger of the two phases counts)
     + 12 T' / N (trained: gradient and two AdamW moments)
     + activations (T tokens x layers x per-token bytes, plus the head's two [rows, V]
     chunks) + one gathered block and the gathered root (FSDP2), and the root's whole
