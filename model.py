@@ -361,6 +361,16 @@ def adapted(x, weight, adapter=None):
     return y + scale * F.linear(F.linear(x, A), B)
 
 
+def stacked_linear(matmul, x, weight, lora):
+    """matmul(x, W^T) over a stack of experts' weights [E, out, in], plus an adapter's
+    scale matmul(matmul(x, A^T), B^T): torch.matmul (every expert on every row) or a
+    grouped GEMM (each expert on its slice)."""
+    y = matmul(x, weight.transpose(1, 2))
+    if lora is None:
+        return y
+    return y + lora.scale * matmul(matmul(x, lora.A.transpose(1, 2)), lora.B.transpose(1, 2))
+
+
 # -----------------------------------------------------------------------------
 # the layers
 
@@ -480,12 +490,7 @@ class Experts(nn.Module):
         # host, as the loop's slice sizes do: every expert runs on every token (E / k
         # times the FLOPs, for a decode step's few tokens), and each token keeps its k
         # outputs, weighted and summed as above
-        def linear(x, weight, lora):     # x [T or E, T, in] -> [E, T, out]
-            y = torch.matmul(x, weight.transpose(1, 2))
-            if lora is not None:
-                low = torch.matmul(torch.matmul(x, lora.A.transpose(1, 2)), lora.B.transpose(1, 2))
-                y = y + lora.scale * low
-            return y
+        linear = functools.partial(stacked_linear, torch.matmul)   # [T or E, T, in] -> [E, T, out]
         gate, up = linear(x, self.gate_up_proj, self.gate_up_proj_lora).chunk(2, dim=-1)
         ys = linear(F.silu(gate) * up, self.down_proj, self.down_proj_lora)   # [E, T, H]
         y = ys[top_idx, torch.arange(len(x), device=x.device)[:, None]]       # [T, k, H]
@@ -495,14 +500,7 @@ class Experts(nn.Module):
         # the same two matmuls for all experts in one grouped-GEMM call each (offs = where
         # each slice ends), and an adapter's two low-rank ones
         offs = counts.cumsum(0).to(torch.int32)
-
-        def linear(x, weight, lora):
-            y = grouped_mm(x, weight.transpose(1, 2), offs)
-            if lora is not None:
-                low = grouped_mm(grouped_mm(x, lora.A.transpose(1, 2), offs),
-                                 lora.B.transpose(1, 2), offs)
-                y = y + lora.scale * low
-            return y
+        linear = functools.partial(stacked_linear, functools.partial(grouped_mm, offs=offs))
         gate, up = linear(xs, self.gate_up_proj, self.gate_up_proj_lora).chunk(2, dim=-1)
         return linear(F.silu(gate) * up, self.down_proj, self.down_proj_lora)
 

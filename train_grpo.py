@@ -560,12 +560,13 @@ def step_bookkeeping(metrics, clock, batches, run, reference, config):
     grpo_step's time marks."""
     flops = 0.0
     if batches:
-        frozen = lora.has_adapters(run.model)
-        forward_backward = sum(train_flops(run.model.config, [b.num_tokens],
-                                           pairs=int((b.position_ids + 1).sum()), frozen=frozen)
-                               for b in batches)
-        forward = sum(train_flops(run.model.config, [b.num_tokens],
-                                  pairs=int((b.position_ids + 1).sum())) for b in batches) / 3
+        sizes = [(b.num_tokens, int((b.position_ids + 1).sum())) for b in batches]
+
+        def counted(frozen):
+            return sum(train_flops(run.model.config, [n], pairs=p, frozen=frozen)
+                       for n, p in sizes)
+        forward_backward = counted(lora.has_adapters(run.model))
+        forward = counted(False) / 3
         # + the logprob pass (and the reference's) when one ran; ppo_epochs optimizer steps
         passes = needs_trainer_pass(config) + (reference is not None)
         flops = forward_backward * config["ppo_epochs"] + forward * passes
