@@ -133,8 +133,8 @@ grad_clip = 1.0
 aux_loss_coef = 0.01          # times the router's load-balancing loss
 batch_tokens = 4096           # tokens per micro-batch; a step takes as many as its samples need
 dist_timeout_s = 300          # torchrun: a collective waiting longer than this ends the job
-# evaluation (with the engine; 'test' is for the final comparison only)
-eval_split = "val"            # 'val' | 'test'
+# evaluation (with the engine; 'test' and 'confirm' are for the final comparison only)
+eval_split = "val"            # 'val' | 'test' | 'confirm' (a task's confirmatory split)
 n_eval_problems = 500         # the first n of the split (0 = all of it)
 keep_best = False             # keep the best eval/accuracy's model in {out_dir}/best
 pass_k = 8                    # samples per problem for eval/pass@1 and pass@k at T (0 = none)
@@ -595,7 +595,7 @@ def check_settings(config):
     for name, low in at_least.items():
         require(config[name] >= low, f"{name}={config[name]!r}: expected >= {low}")
     for name, allowed in (("loss_norm", ("constant", "tokens", "weights")),
-                          ("is_level", ("token", "sequence")), ("eval_split", ("val", "test"))):
+                          ("is_level", ("token", "sequence")), ("eval_split", ("val", "test", "confirm"))):
         require(config[name] in allowed, f"{name}={config[name]!r}: expected one of {allowed}")
     check_off_policy_settings(config)
     # a bad temperature / top_p / top_k, engine dtype or block size is refused by its owner
@@ -642,13 +642,13 @@ def reference_model(config, start):
 
 def evaluate_and_log(engine, env, run, problems, config, done, meter, best):
     """Evaluate, log, and with keep_best save the model to {out_dir}/best when its
-    accuracy beats best["accuracy"]. On the test split each problem's outcome
-    goes to {out_dir}/outcomes.jsonl."""
+    accuracy beats best["accuracy"]. On the test and confirm splits each problem's
+    outcome goes to {out_dir}/outcomes.jsonl."""
     t0 = time.perf_counter()
     metrics, outcomes = evaluate.evaluate(engine, env, problems, config["pass_k"],
                                           config["temperature"], config["seed"])
     run.logger.log(done, {**metrics, "perf/elapsed_s": meter.seconds})
-    if config["eval_split"] == "test" and distributed.is_main():
+    if config["eval_split"] != "val" and distributed.is_main():
         evaluate.write_outcomes(config["out_dir"], outcomes)
     if config["keep_best"] and metrics["eval/accuracy"] > best["accuracy"]:
         best.update(accuracy=metrics["eval/accuracy"], iter=done)

@@ -7,7 +7,8 @@
 # rules (heuristic: the closest pair; chain_rule: the step that leaves the smallest need), and
 # sft_all as a reference (the start's SFT with demo_fraction=1: a demonstration for every training
 # problem the task's sft_examples cover, for countdown the full space's); every arm scored once on
-# the test split; then bench/report.py.
+# the test split, then once on the confirmatory split when the task has one (countdown's: five
+# digits, which no run trains, tunes or tests on); then bench/report.py.
 # The recipe is the speedrun's (config/qwen_small.py, chosen on validation: docs/results.md), so
 # a seed's start and GRPO are what `bash speedrun.sh` makes with that seed.
 #
@@ -15,7 +16,8 @@
 #   bash bench/compare.sh 1 2    # these seeds; JOBS=1 one at a time; FORCE=1 redoes finished seeds
 #   CONFIG=config/other.py bash bench/compare.sh
 #
-# Writes out/compare/seed<S>/ (log.txt, pretrain, sft, grpo, sft_more, rft, sft_all, test_<arm>),
+# Writes out/compare/seed<S>/ (log.txt, pretrain, sft, grpo, sft_more, rft, sft_all, test_<arm>,
+# confirm_<arm>),
 # then out/compare/results.json and out/compare/val_accuracy.png (bench/report.py). Needs .venv (bash
 # speedrun.sh makes it).
 set -euo pipefail
@@ -48,18 +50,27 @@ from tasks.environment import load_task
 from tasks.evaluate import offered_rules
 name = globals().get('task', 'tasks.countdown')
 task = load_task(name)
+try:
+    task.make_problems('confirm', 1)
+    splits = 'test,confirm'
+except ValueError:
+    splits = 'test'
 print(int(grpo['group_size']), float(grpo.get('temperature', 1.0)), name,
-      len(task.make_problems('train')), *offered_rules(task))")
-read -r G T TASK N_TRAIN RULE_LIST <<< "$GT"   # (a failing python stops the script here)
+      len(task.make_problems('train')), splits, *offered_rules(task))")
+# (a failing python stops the script here)
+read -r G T TASK N_TRAIN SPLIT_LIST RULE_LIST <<< "$GT"
+IFS=, read -r -a SPLITS <<< "$SPLIT_LIST"   # the splits every arm is scored on, once
 read -r -a RULES <<< "$RULE_LIST"
 ARMS=("${RULES[@]}" "${TRAINED[@]}")
 
-PROTOCOL="edge-2"   # bump when the task, recipe or arms change: older seeds are not mixed in
+PROTOCOL="edge-3"   # bump when the task, recipe or arms change: older seeds are not mixed in
 finished() {   # finished <seed>: every arm's test evaluation is on disk, under this protocol
     local arm
     grep -qsx "$PROTOCOL" "$OUT/seed$1/protocol" || return 1
     for arm in "${ARMS[@]}"; do
-        grep -qs '"eval/accuracy"' "$OUT/seed$1/test_$arm/metrics.jsonl" || return 1
+        for split in "${SPLITS[@]}"; do
+            grep -qs '"eval/accuracy"' "$OUT/seed$1/${split}_$arm/metrics.jsonl" || return 1
+        done
     done
 }
 
@@ -104,14 +115,17 @@ run_seed() {   # run_seed <seed>: the whole pipeline of one seed
         "${baseline[@]}" --rft_samples=$G --rft_problems=$((2 * N_TRAIN)) --rft_temperature=$T
     step sft_all $PY sft.py "$CONFIG" --seed=$s --init_from=$d/pretrain --out_dir=$d/sft_all \
         --demo_fraction=1.0
-    for arm in "${RULES[@]}"; do
-        step test_$arm $PY -m tasks.evaluate $arm test $d/test_$arm --task="$TASK"
-    done
-    for arm in "${TRAINED[@]}"; do   # one evaluation on the test split for each model
-        # every arm is early-stopped on validation the same way: its best validation model is
-        # the one tested
-        step test_$arm $PY train_grpo.py "$CONFIG" --seed=$s --init_from=$d/$arm/best \
-            --out_dir=$d/test_$arm --max_iters=0 --eval_split=test --n_eval_problems=0 --pass_k=8
+    for split in "${SPLITS[@]}"; do   # test, then the confirmatory split: once each
+        for arm in "${RULES[@]}"; do
+            step ${split}_$arm $PY -m tasks.evaluate $arm $split $d/${split}_$arm --task="$TASK"
+        done
+        for arm in "${TRAINED[@]}"; do   # one evaluation for each model
+            # every arm is early-stopped on validation the same way: its best validation model
+            # is the one tested
+            step ${split}_$arm $PY train_grpo.py "$CONFIG" --seed=$s --init_from=$d/$arm/best \
+                --out_dir=$d/${split}_$arm --max_iters=0 --eval_split=$split --n_eval_problems=0 \
+                --pass_k=8
+        done
     done
 }
 
@@ -148,3 +162,6 @@ if [ ${#failed[@]} -gt 0 ]; then
 fi
 echo "bench/compare.sh: all seeds done in $((SECONDS - start)) s"
 $PY -m bench.report $OUT "${SEEDS[@]}"
+if [[ " ${SPLITS[*]} " == *" confirm "* ]]; then
+    $PY -m bench.report --confirm $OUT "${SEEDS[@]}"
+fi

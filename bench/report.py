@@ -21,6 +21,7 @@ multisets) and plots validation accuracy against wall-clock time and against FLO
 (OUT_DIR/val_accuracy.png, when matplotlib is installed).
 
     python -m bench.report out/compare 1 2 3 4 5   # the seeds to read (none: every seed<S>)
+    python -m bench.report --confirm out/compare   # the confirmatory split's (confirm_<arm>)
     python -m bench.report --run out/qwen_small/grpo out/qwen_small/grpo.png   # one run
     python -m bench.report --run RUN PNG out/qwen_small/val_heuristic ...   # + a rule
 
@@ -44,7 +45,7 @@ ARMS = ("heuristic", "chain_rule", "sft", "sft_more", "rft", "grpo", "sft_all")
 COMPARISONS = (("grpo", "heuristic"), ("grpo", "chain_rule"), ("grpo", "sft"),
                ("grpo", "sft_more"), ("grpo", "rft"), ("grpo", "sft_all"),
                ("sft_more", "sft"), ("rft", "sft"))
-SIZES = ("3digits", "4digits")
+SIZES = ("3digits", "4digits", "5digits")
 # reach bands (countdown.reach: the chance one blind attempt solves a problem), [lo, hi)
 REACH_BANDS = ((0.0, 0.02), (0.02, 0.05), (0.05, 0.1), (0.1, 0.2), (0.2, 1.01))
 BOOTSTRAP = 2000
@@ -100,26 +101,28 @@ def read_rows(path):
         return [json.loads(line) for line in f if line.strip()]
 
 
-def arms_present(out_dir, seeds):
-    """The arms with a test evaluation in some seed; each must then have one in every
-    seed."""
+def arms_present(out_dir, seeds, split="test"):
+    """The arms with an evaluation on split in some seed; each must then have one in
+    every seed."""
     def evaluated(arm, seed):
-        return os.path.isdir(os.path.join(out_dir, f"seed{seed}", f"test_{arm}"))
+        return os.path.isdir(os.path.join(out_dir, f"seed{seed}", f"{split}_{arm}"))
     present = [a for a in ARMS if any(evaluated(a, s) for s in seeds)]
     if "grpo" not in present:
-        raise FileNotFoundError(f"{out_dir}: no seed has test_grpo (run bash bench/compare.sh)")
+        raise FileNotFoundError(f"{out_dir}: no seed has {split}_grpo "
+                                "(run bash bench/compare.sh)")
     return present
 
 
-def load(out_dir, seeds):
-    """Each seed's test evaluation of each arm: {"arms": [...], "per_seed": {seed: {arm:
-    greedy accuracy}}, "pass@1": {...}, "pass@<k>": {...}, "accuracy_3digits": {...},
+def load(out_dir, seeds, split="test"):
+    """Each seed's evaluation of each arm on split ('test', or 'confirm': the
+    confirmatory split): {"split": split, "arms": [...], "per_seed": {seed: {arm: greedy
+    accuracy}}, "pass@1": {...}, "pass@<k>": {...}, "accuracy_3digits": {...},
     "accuracy_4digits": {...}}, seeds as strings. A missing or unfinished evaluation of
     a present arm is an error that names its file."""
-    results = {"arms": arms_present(out_dir, seeds), "per_seed": {}}
+    results = {"split": split, "arms": arms_present(out_dir, seeds, split), "per_seed": {}}
     for seed in map(str, seeds):
         for arm in results["arms"]:
-            path = os.path.join(out_dir, f"seed{seed}", f"test_{arm}", "metrics.jsonl")
+            path = os.path.join(out_dir, f"seed{seed}", f"{split}_{arm}", "metrics.jsonl")
             if not os.path.exists(path):
                 raise FileNotFoundError(f"{path} is missing (run bash bench/compare.sh {seed})")
             rows = read_rows(path)
@@ -133,12 +136,13 @@ def load(out_dir, seeds):
     return results
 
 
-def read_outcomes(out_dir, seeds, arm):
-    """[seed][problem] outcomes of an arm's test evaluation, problems in file order (the
-    split's), or None when a seed has no outcomes.jsonl (an evaluation older than them)."""
+def read_outcomes(out_dir, seeds, arm, split="test"):
+    """[seed][problem] outcomes of an arm's evaluation on split, problems in file order
+    (the split's), or None when a seed has no outcomes.jsonl (an evaluation older than
+    them)."""
     per_seed = []
     for seed in map(str, seeds):
-        path = os.path.join(out_dir, f"seed{seed}", f"test_{arm}", "outcomes.jsonl")
+        path = os.path.join(out_dir, f"seed{seed}", f"{split}_{arm}", "outcomes.jsonl")
         if not os.path.exists(path):
             return None
         per_seed.append(read_rows(path))
@@ -171,6 +175,7 @@ def summarize(results, out_dir=None):
     over seeds, n seeds, and, with out_dir and outcomes on disk, bootstrap95, the
     cluster bootstrap interval). None where one seed leaves a value undefined."""
     seeds, arms = list(results["per_seed"]), results.get("arms", ARMS)
+    split = results.get("split", "test")
     acc = {arm: [results["per_seed"][s][arm] for s in seeds] for arm in arms}
     summary = {arm: {"mean": float(np.mean(v)), "std": std(v)} for arm, v in acc.items()}
     paired = {}
@@ -180,17 +185,17 @@ def summarize(results, out_dir=None):
         mean, lo, hi = paired_ci(acc[a], acc[b])
         paired[f"{a}-{b}"] = {
             "mean": mean, "ci95": None if math.isnan(lo) else [lo, hi], "n": len(seeds),
-            "bootstrap95": bootstrap_pair(out_dir, seeds, a, b) if out_dir else None}
-    by_reach = reach_bands(out_dir, seeds, arms) if out_dir else None
+            "bootstrap95": bootstrap_pair(out_dir, seeds, a, b, split) if out_dir else None}
+    by_reach = reach_bands(out_dir, seeds, arms, split) if out_dir else None
     return {**results, "summary": summary, "paired": paired,
             **({"accuracy_by_reach": by_reach} if by_reach else {})}
 
 
-def reach_bands(out_dir, seeds, arms):
+def reach_bands(out_dir, seeds, arms, split="test"):
     """{"bands": [[lo, hi], ...], "problems": [count per band], arm: [mean greedy
     accuracy over seeds per band]}, from the outcomes' reach field; None when an arm's
     outcomes lack it."""
-    per_arm = {arm: read_outcomes(out_dir, seeds, arm) for arm in arms}
+    per_arm = {arm: read_outcomes(out_dir, seeds, arm, split) for arm in arms}
     if any(o is None or not o[0] or "reach" not in o[0][0] for o in per_arm.values()):
         return None
     reach = np.array([o["reach"] for o in next(iter(per_arm.values()))[0]])
@@ -203,10 +208,10 @@ def reach_bands(out_dir, seeds, arms):
     return out
 
 
-def bootstrap_pair(out_dir, seeds, a, b):
+def bootstrap_pair(out_dir, seeds, a, b, split="test"):
     """The cluster bootstrap interval of a - b over digit multisets; None
     without both outcomes."""
-    oa, ob = read_outcomes(out_dir, seeds, a), read_outcomes(out_dir, seeds, b)
+    oa, ob = read_outcomes(out_dir, seeds, a, split), read_outcomes(out_dir, seeds, b, split)
     if oa is None or ob is None:
         return None
     problems = [(tuple(o["digits"]), o["target"]) for o in oa[0]]
@@ -240,11 +245,13 @@ def verdict(ci95):
 
 
 def tables(results):
-    """The markdown tables, as text: each arm's test metrics over seeds, accuracy by
-    problem size, and the paired differences."""
+    """The markdown tables, as text: each arm's metrics on the split over seeds, accuracy
+    by problem size, and the paired differences."""
     seeds, arms = list(results["per_seed"]), results.get("arms", ARMS)
+    split = results.get("split", "test")
     metrics = [("greedy accuracy", "per_seed")] + [(k, k) for k in pass_keys(results)]
-    lines = [f"test split, mean ± std (ddof=1) over seeds {', '.join(seeds)} (per-seed values):",
+    lines = [f"{split} split, mean ± std (ddof=1) over seeds {', '.join(seeds)} "
+             "(per-seed values):",
              "", "| arm | " + " | ".join(name for name, _ in metrics) + " |",
              "|" + " --- |" * (len(metrics) + 1)]
     for arm in arms:
@@ -252,15 +259,15 @@ def tables(results):
         lines.append(f"| {arm} | " + " | ".join(cells) + " |")
     sized = [k for k in SIZES if f"accuracy_{k}" in results]
     if sized:
-        lines += ["", "greedy test accuracy by problem size, mean over seeds:", "",
+        lines += ["", f"greedy {split} accuracy by problem size, mean over seeds:", "",
                   "| arm | " + " | ".join(k.replace("digits", " digits") for k in sized) + " |",
                   "|" + " --- |" * (len(sized) + 1)]
         for arm in arms:
             values = [[results[f"accuracy_{k}"].get(s, {}).get(arm) for s in seeds] for k in sized]
             cells = ["n/a" if None in v else f"{np.mean(v):.3f}" for v in values]
             lines.append(f"| {arm} | " + " | ".join(cells) + " |")
-    lines += reach_table(results.get("accuracy_by_reach"), arms)
-    lines += ["", f"paired differences of greedy test accuracy: 95% Student-t interval over "
+    lines += reach_table(results.get("accuracy_by_reach"), arms, split)
+    lines += ["", f"paired differences of greedy {split} accuracy: 95% Student-t interval over "
               f"{len(seeds)} seeds, and a cluster bootstrap over digit multisets:", "",
               "| comparison | mean difference | 95% CI (seeds) | excludes 0? | 95% CI (bootstrap) "
               "| excludes 0? |", "| --- | --- | --- | --- | --- | --- |"]
@@ -273,8 +280,8 @@ def tables(results):
     return "\n".join(lines)
 
 
-def reach_table(by_reach, arms):
-    """The lines of the greedy test accuracy by reach band, empty bands left out (none
+def reach_table(by_reach, arms, split="test"):
+    """The lines of the greedy accuracy on split by reach band, empty bands left out (none
     without reach in the outcomes)."""
     if not by_reach:
         return []
@@ -282,7 +289,8 @@ def reach_table(by_reach, arms):
     heads = [f"reach {lo:.2f}-{min(hi, 1):.2f} ({n})"
              for (lo, hi), n in zip(by_reach["bands"], by_reach["problems"])]
     heads = [heads[i] for i in kept]
-    lines = ["", "greedy test accuracy by reach band (problems in the band), mean over seeds:", "",
+    lines = ["", f"greedy {split} accuracy by reach band (problems in the band), mean over seeds:",
+             "",
              "| arm | " + " | ".join(heads) + " |", "|" + " --- |" * (len(heads) + 1)]
     for arm in arms:
         cells = [f"{by_reach[arm][i]:.3f}" for i in kept]
@@ -476,9 +484,9 @@ def find_seeds(out_dir):
 
 
 def main(argv):
-    """bench/report.py OUT_DIR [SEED ...]: load, summarize, print the tables, write
-    results.json, plot. bench/report.py --run RUN_DIR PNG [RULE_DIR ...]: plot one
-    GRPO run (plot_run)."""
+    """bench/report.py [--confirm] OUT_DIR [SEED ...]: load, summarize, print the tables,
+    write results.json (--confirm: the confirmatory split's, results_confirm.json), plot.
+    bench/report.py --run RUN_DIR PNG [RULE_DIR ...]: plot one GRPO run (plot_run)."""
     if not argv or argv[0] in ("-h", "--help"):
         print(__doc__)
         return 0 if argv else 2
@@ -489,17 +497,20 @@ def main(argv):
         if png is not None:
             print(f"wrote {png}")
         return 0
+    split = "confirm" if argv[0] == "--confirm" else "test"
+    argv = argv[1:] if split == "confirm" else argv
     out_dir, seeds = argv[0], [str(s) for s in argv[1:]] or find_seeds(argv[0])
     try:   # (no seed<S> directory at all: no seed has test_grpo)
-        results = summarize(load(out_dir, seeds), out_dir)
+        results = summarize(load(out_dir, seeds, split), out_dir)
     except (FileNotFoundError, ValueError) as e:
         raise SystemExit(f"bench/report.py: {e}") from None
-    path = os.path.join(out_dir, "results.json")
+    path = os.path.join(out_dir, "results.json" if split == "test" else f"results_{split}.json")
     with open(path, "w") as f:
         json.dump(results, f, indent=2, allow_nan=False)
     print(tables(results))
     print(f"\nwrote {path}")
-    png = plot(out_dir, seeds, os.path.join(out_dir, "val_accuracy.png"))
+    png = None if split != "test" else plot(out_dir, seeds, os.path.join(out_dir,
+                                                                          "val_accuracy.png"))
     if png is not None:
         print(f"wrote {png}")
     return 0

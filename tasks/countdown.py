@@ -29,6 +29,10 @@ tasks/countdown_full.py is the whole space (make_problems(split, full=True)). Th
 splits are the full space's, filtered, and both tasks share one corpus and one set of
 demonstrations (over the full space's training split): the edge opens no new leak.
 
+The confirmatory split ('confirm') is five-digit problems in the edge's band: multisets
+of a size no split holds, which no run has trained on, tuned on or been tested on. A
+five-digit chain is a first step, then a four-digit chain; the model has seen none.
+
 Expressions are parsed by a small recursive-descent parser (no eval): single
 digits, + - *, parentheses, spaces. No unary minus, no multi-digit numbers (that
 would be concatenating digits).
@@ -56,6 +60,12 @@ SPLITS = {"val": 0.1, "test": 0.1}
 # least 1 time in 20 (chosen on validation: docs/results.md)
 EDGE_NUM_DIGITS = (4,)
 MIN_REACH = Fraction(1, 20)
+# the confirmatory split ('confirm'): five digits, a size no other split holds, so no run
+# trained, tuned or was tested on one of its multisets; the edge's targets and reach band;
+# the first CONFIRM_SIZE in a fixed hashed order. Fixed before any model scored it (chosen
+# on the task's logic alone, docs/results.md): changing it voids the confirmation.
+CONFIRM_NUM_DIGITS = 5
+CONFIRM_SIZE = 640
 SFT_FRACTION = 0.1  # share of the training problems that get a demonstration
 MAX_ANSWER_CHARS = 64  # a longer answer line is wrong unparsed (bounds the parser's recursion)
 # may close a completion decoded with special tokens; ignored by the reward
@@ -178,13 +188,27 @@ def _edge() -> dict:
     return {s: tuple(filter(kept, ps)) for s, ps in _space().items()}
 
 
+@functools.cache
+def _confirm() -> tuple:
+    # five-digit multisets are in no split of _space(): every one of them is unseen
+    kept = [Problem(digits, t)
+            for digits in itertools.combinations_with_replacement(DIGITS, CONFIRM_NUM_DIGITS)
+            for t in TARGETS if _reach(t, digits) >= MIN_REACH]
+    kept.sort(key=lambda p: _unit(_problem_key(p, "confirm")))
+    return tuple(kept[:CONFIRM_SIZE])
+
+
 def make_problems(split: str, n: int | None = None, full: bool = False) -> list[Problem]:
     """The first n problems (all if None) of the fixed 'train', 'val' or 'test' split,
     in a fixed shuffled order: the edge problems (EDGE_NUM_DIGITS digits, reach >=
-    MIN_REACH), or with full=True every problem of the space."""
-    if split not in ("train", "val", "test"):
-        raise ValueError(f"split must be 'train', 'val' or 'test', got {split!r}")
-    problems = _space()[split] if full else _edge()[split]
+    MIN_REACH), or with full=True every problem of the space. 'confirm' is the
+    confirmatory split (CONFIRM_NUM_DIGITS digits, reach >= MIN_REACH), the edge's only:
+    scored once per arm, after everything else (bench/compare.sh)."""
+    if split not in ("train", "val", "test", "confirm"):
+        raise ValueError(f"split must be 'train', 'val', 'test' or 'confirm', got {split!r}")
+    if split == "confirm" and full:
+        raise ValueError("the full space has no 'confirm' split: it is tasks.countdown's")
+    problems = _confirm() if split == "confirm" else _space()[split] if full else _edge()[split]
     if n is not None:
         if type(n) is not int or n < 0 or n > len(problems):
             raise ValueError(f"n must be an int in [0, {len(problems)}] for {split!r}, got {n!r}")
@@ -200,7 +224,8 @@ def describe(problem: Problem) -> dict:
 
 
 def kind(problem: Problem) -> str:
-    """Accuracy is also reported by problem size: '3digits' or '4digits'."""
+    """Accuracy is also reported by problem size: '3digits', '4digits' ('5digits':
+    the confirmatory split)."""
     return f"{len(problem.digits)}digits"
 
 
@@ -458,6 +483,14 @@ def reach(problem: Problem) -> Fraction:
     reach >= MIN_REACH.
     """
     return _reach(problem.target, tuple(sorted(problem.digits)))
+
+
+def blind_pass_at_k(problem: Problem, k: int) -> float:
+    """The exact pass@k of the blind search: the chance that at least one of k independent
+    blind attempts solves the problem, 1 - (1 - reach)^k. The curve a model's sampled
+    pass@k is read against: a policy that only narrowed toward what it already solved
+    could fall below it at large k."""
+    return float(1 - (1 - reach(problem)) ** k)
 
 
 @functools.cache

@@ -18,7 +18,9 @@ tasks/jsonl.py is a user's single-turn task over a JSONL file,
 tasks/countdown_feedback.py a multi-turn one):
 
     make_problems(split, n=None) -> list       the problems of 'train', 'val' or 'test', in a
-                                               fixed order (the first n of them); any objects
+                                               fixed order (the first n of them); any objects;
+                                               optionally 'confirm', a confirmatory split no
+                                               run tunes on (countdown's: five digits)
     prompt_messages(problem) -> list[dict]     the chat that opens an episode ({role, content})
     reward(problem, completion_text) -> float  the score of a single reply (its decoded text
                                                without the closing end-of-turn), in [0, 1]: 1 is

@@ -37,12 +37,13 @@ from model import train_flops
 
 def task_engine(model, env, problems, block_size=16, dtype="float32", device="cpu", seed=0,
                 weight_version=0, record_routes=False, compile=False):
-    """An in-process engine over a copy of model, sized for the longest episode over these
-    problems (env.max_len), for up to 1,024 sequences at a time, its KV pool capped at a
-    quarter of the memory free when it starts (a trainer's optimizer state and activations
-    come after it, on the same device) (record_routes, compile: EngineConfig's). A GRPO
-    step's 768 samples so run as one batch: fewer, fuller steps (1.35x the main job's
-    rollouts, docs/speed.md, against 256 at a time)."""
+    """An in-process engine over model's weights (its own copy, or a LoRA model's frozen
+    base shared: engine.can_share_base), sized for the longest episode over these problems
+    (env.max_len), for up to 1,024 sequences at a time, its KV pool capped at a quarter of
+    the memory free when it starts (a trainer's optimizer state and activations come after
+    it, on the same device) (record_routes, compile: EngineConfig's). A GRPO step's 768
+    samples so run as one batch: fewer, fuller steps (1.35x the main job's rollouts,
+    docs/speed.md, against 256 at a time)."""
     return InferenceEngine(EngineConfig(
         device=device, dtype=dtype, block_size=block_size, max_model_len=env.max_len(problems),
         max_batch_size=1024, memory_fraction=0.25, seed=seed, weight_version=weight_version,
@@ -158,9 +159,10 @@ if __name__ == "__main__":
         sys.exit(0)
     args = [a for a in sys.argv[1:] if not a.startswith("--task=")]
     specs = [a[len("--task="):] for a in sys.argv[1:] if a.startswith("--task=")]
-    if (len(args) != 3 or not args[0].isidentifier() or args[1] not in ("val", "test")
+    if (len(args) != 3 or not args[0].isidentifier() or args[1] not in ("val", "test", "confirm")
             or len(specs) > 1):
-        sys.exit("usage: python -m tasks.evaluate RULE val|test OUT_DIR [--task=tasks.countdown]\n"
+        sys.exit("usage: python -m tasks.evaluate RULE val|test|confirm OUT_DIR "
+                 "[--task=tasks.countdown]\n"
                  "  RULE: the task's RULE_answer (heuristic, chain_rule)")
     the_task = load_task(specs[0] if specs else "tasks.countdown")
     rule, split, out_dir = args

@@ -542,6 +542,19 @@ def test_bad_grpo_settings_are_refused(tmp_path):
         train_grpo.check_settings(tiny_config(tmp_path, "--kl_coef=0.1"))
 
 
+def test_the_confirmatory_split_is_scored_with_its_outcomes_and_other_splits_refused(tmp_path):
+    out = tmp_path / "confirm"
+    final = train_grpo.main(tiny_config(out, "--task=tasks.countdown", "--max_iters=0",
+                                        "--eval_split=confirm", "--n_eval_problems=6"))
+    with open(out / "outcomes.jsonl") as f:
+        rows = [json.loads(line) for line in f]
+    assert [(tuple(r["digits"]), r["target"]) for r in rows] == \
+        [(p.digits, p.target) for p in countdown.make_problems("confirm", 6)]
+    assert final["eval/accuracy_5digits"] == final["eval/accuracy"]
+    with pytest.raises(ValueError, match="eval_split='train'"):
+        train_grpo.check_settings(tiny_config(tmp_path, "--eval_split=train"))
+
+
 def test_keep_best_saves_the_best_validation_model_and_survives_resume(tmp_path, monkeypatch):
     out = tmp_path / "es"
     train_grpo.main(tiny_config(out, "--max_iters=4", "--eval_interval=1", "--ckpt_interval=2",

@@ -25,14 +25,14 @@ def write_rows(path, rows):
         f.writelines(json.dumps(r) + "\n" for r in rows)
 
 
-def fake_tree(root, acc=ACC):
-    """out/compare as bench/compare.sh leaves it: each seed's test_<arm> evaluation (a
+def fake_tree(root, acc=ACC, split="test"):
+    """out/compare as bench/compare.sh leaves it: each seed's <split>_<arm> evaluation (a
     stale row first, the last row counts) and each trained arm's run with validation
     evaluations against wall-clock seconds."""
     for seed, arms in acc.items():
         d = os.path.join(root, f"seed{seed}")
         for arm, a in arms.items():
-            write_rows(os.path.join(d, f"test_{arm}", "metrics.jsonl"),
+            write_rows(os.path.join(d, f"{split}_{arm}", "metrics.jsonl"),
                        [{"iter": 0, "eval/accuracy": 0.0},
                         {"iter": 0, "eval/accuracy": a, "eval/pass@1": a / 2,
                          "eval/pass@8": 1 - a}])
@@ -83,7 +83,8 @@ def test_std_is_ddof_1():
 def test_load_and_summarize_fake_tree(tmp_path):
     fake_tree(str(tmp_path))
     results = summarize(load(str(tmp_path), [1, 2, 3]))
-    assert list(results) == ["arms", "per_seed", "pass@1", "pass@8", "summary", "paired"]
+    assert list(results) == ["split", "arms", "per_seed", "pass@1", "pass@8", "summary",
+                             "paired"]
     assert results["arms"] == ["sft", "sft_more", "rft", "grpo"]   # no heuristic, sft_all: left out
     assert results["per_seed"] == ACC  # the last row of each evaluation, seeds as strings
     assert results["pass@1"]["2"]["grpo"] == 0.25 and results["pass@8"]["3"]["sft"] == 0.75
@@ -134,6 +135,19 @@ def test_main_writes_results_json_and_tables(tmp_path, capsys, monkeypatch):
     assert "| grpo - rft | +0.250 | [+0.250, +0.250] | yes, above 0 |" in out
     assert "| sft_more - sft | +0.083 |" in out and "| no |" in out
     assert "matplotlib is not installed" in out and not (tmp_path / "val_accuracy.png").exists()
+
+
+def test_main_reads_the_confirmatory_split_apart_from_the_test_split(tmp_path, capsys):
+    fake_tree(str(tmp_path))
+    flipped = {s: {arm: 1 - a for arm, a in arms.items()} for s, arms in ACC.items()}
+    fake_tree(str(tmp_path), flipped, split="confirm")
+    assert report.main(["--confirm", str(tmp_path)]) == 0
+    with open(tmp_path / "results_confirm.json") as f:
+        written = json.load(f)
+    assert written["split"] == "confirm" and written["per_seed"] == flipped
+    out = capsys.readouterr().out
+    assert "confirm split, mean ± std" in out and "paired differences of greedy confirm" in out
+    assert not (tmp_path / "results.json").exists()   # the test split's is its own file
 
 
 def write_outcomes(path, digits_targets, rewards, reach=None):

@@ -454,6 +454,52 @@ def test_split_is_fixed_and_disjoint_by_digit_multiset():
     assert make_problems("test", 0) == []
 
 
+@pytest.mark.parametrize("digits,target,k", [((1, 4, 7, 8), 83, 8), ((2, 3, 6, 8), 24, 4),
+                                             ((1, 2, 5, 9), 40, 64), ((1, 3, 5, 6, 6), 15, 16)])
+def test_blind_pass_at_k_equals_a_monte_carlo_of_k_blind_attempts(digits, target, k):
+    p, groups = Problem(digits, target), 4_000
+    rng = random.Random(f"pass@{k}:{digits}:{target}")
+    hits = sum(any(countdown._attempt(rng, target, digits)[1] for _ in range(k))
+               for _ in range(groups))
+    exact = countdown.blind_pass_at_k(p, k)
+    assert 0.05 < exact < 0.999 and countdown.blind_pass_at_k(p, 1) == float(countdown.reach(p))
+    assert abs(hits / groups - exact) < 4 * (exact * (1 - exact) / groups) ** 0.5, (hits, exact)
+
+
+CONFIRM_HEAD = [Problem((1, 3, 5, 6, 6), 15), Problem((2, 2, 3, 7, 7), 21),
+                Problem((1, 1, 3, 3, 8), 7)]
+
+
+def scored_multisets():
+    """Every digit multiset in a split a run has scored: the full space's three (train,
+    val, test: the edge's are theirs, filtered) and every committed outcomes.jsonl but the
+    confirmatory split's own."""
+    scored = {p.digits for s in ("train", "val", "test") for p in make_problems(s, full=True)}
+    results = os.path.join(os.path.dirname(__file__), "..", "docs", "results")
+    files = 0
+    for folder, _, names in os.walk(results):
+        if "outcomes.jsonl" in names and not os.path.basename(folder).startswith("confirm_"):
+            files += 1
+            with open(os.path.join(folder, "outcomes.jsonl")) as f:
+                rows = [json.loads(line) for line in f]
+            scored |= {tuple(sorted(row["digits"])) for row in rows if "digits" in row}
+    assert files >= 35   # (the committed comparisons' test evaluations)
+    return scored
+
+
+def test_the_confirmatory_split_is_fixed_and_disjoint_from_every_scored_split():
+    confirm = make_problems("confirm")
+    # fixed before any model scored it (docs/results.md): changing it voids the confirmation
+    assert len(confirm) == 640 and confirm[:3] == CONFIRM_HEAD
+    assert all(len(p.digits) == 5 and 1 <= p.target <= 99 and countdown.reach(p) >= Fraction(1, 20)
+               for p in confirm)
+    assert len(set(confirm)) == 640 and make_problems("confirm", 3) == CONFIRM_HEAD
+    assert not {p.digits for p in confirm} & scored_multisets()
+    assert all(countdown.solutions(p) for p in confirm[:50])   # solvable, as reach says
+    with pytest.raises(ValueError, match="no 'confirm' split"):
+        countdown_full.make_problems("confirm")
+
+
 @pytest.mark.parametrize("split", ["validation", "Train", "", None])
 def test_bad_split(split):
     with pytest.raises(ValueError, match="split"):
