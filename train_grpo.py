@@ -595,7 +595,8 @@ def check_settings(config):
     for name, low in at_least.items():
         require(config[name] >= low, f"{name}={config[name]!r}: expected >= {low}")
     for name, allowed in (("loss_norm", ("constant", "tokens", "weights")),
-                          ("is_level", ("token", "sequence")), ("eval_split", ("val", "test", "confirm"))):
+                          ("is_level", ("token", "sequence")),
+                          ("eval_split", ("val", "test", "confirm"))):
         require(config[name] in allowed, f"{name}={config[name]!r}: expected one of {allowed}")
     check_off_policy_settings(config)
     # a bad temperature / top_p / top_k, engine dtype or block size is refused by its owner
