@@ -276,3 +276,25 @@ def test_plot_writes_a_png(tmp_path):
     path = plot(str(tmp_path), ["1", "2", "3"], str(tmp_path / "val_accuracy.png"))
     with open(path, "rb") as f:
         assert f.read(8) == b"\x89PNG\r\n\x1a\n"
+
+
+def test_pass_at_k_is_the_share_of_k_subsets_holding_a_right_answer():
+    from itertools import combinations
+    from bench.pass_at_k import curves, pass_at_k
+    for n, c in ((6, 0), (6, 1), (6, 3), (7, 7), (8, 2)):
+        answers = [1] * c + [0] * (n - c)
+        for k in range(1, n + 1):
+            subsets = list(combinations(answers, k))
+            assert pass_at_k(n, c, k) == pytest.approx(sum(map(any, subsets)) / len(subsets))
+    # the blind search's curve of a problem is 1 - (1 - reach)^k; an arm's is averaged over
+    # problems, then over seeds
+    rows = [{"reach": 0.5, "right": 2, "n": 4}, {"reach": 0.125, "right": 0, "n": 4}]
+    table = curves({"grpo": [rows, [dict(r, right=4) for r in rows]]})
+    assert table["all"]["blind search"][:2] == [pytest.approx((0.5 + 0.125) / 2),
+                                                pytest.approx((0.75 + 1 - 0.875 ** 2) / 2)]
+    assert table["all"]["grpo"][0] == pytest.approx(((0.5 + 0) / 2 + 1) / 2)
+    assert table["all"]["k"] == [1, 2, 4]   # up to the samples drawn: 4
+    assert table["all"]["grpo"][2] == pytest.approx(((1 + 0) / 2 + 1) / 2)
+    # empty bands are left out
+    assert list(table) == ["all", "reach 0.10-0.20", "reach 0.20-1.00"]
+    assert table["reach 0.20-1.00"]["problems"] == 1 and table["all"]["problems"] == 2
