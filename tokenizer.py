@@ -217,6 +217,26 @@ def chat_prompt_ids(tok, messages, **template_kwargs) -> list[int]:
     return chat_ids(tok, messages, True, **template_kwargs)
 
 
+def chat_prompt_ids_batch(tok, conversations, **template_kwargs) -> list[list[int]]:
+    """chat_prompt_ids of each conversation, rendered in one call: the tokenizer's batch
+    path, over thousands of prompts a few times faster (the engine is sized over every
+    training prompt when a run starts). A conversation the template refuses is named by
+    rendering them one at a time."""
+    for messages in conversations:
+        _check_messages(tok, messages)
+    if not conversations:
+        return []
+    try:
+        out = tok.apply_chat_template([list(m) for m in conversations],
+                                      add_generation_prompt=True, tokenize=True,
+                                      return_dict=False, **template_kwargs)
+    except Exception:   # the one-at-a-time path raises the ValueError that names it
+        return [chat_prompt_ids(tok, m, **template_kwargs) for m in conversations]
+    if isinstance(out, Mapping):
+        out = out["input_ids"]
+    return [_ids(ids) for ids in out]
+
+
 def generation_stop_ids(tok) -> list[int]:
     """What ends a generation when no generation_config.json says (checkpoint.stop_ids_of
     reads it): the eos (<|im_end|>, a chat turn's end) and, when the vocabulary has it,

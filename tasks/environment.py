@@ -78,7 +78,7 @@ import sys
 from scaleout import distributed
 from engine import SamplingParams, TrainingSample
 from inference.sampling import mix_seed
-from tokenizer import (TurnBridge, chat_prompt_ids, completion_text, generation_stop_ids,
+from tokenizer import (TurnBridge, chat_prompt_ids_batch, completion_text, generation_stop_ids,
                        reply_parts)
 
 REQUIRED = ("make_problems", "prompt_messages", "reward")
@@ -217,8 +217,7 @@ class Environment:
         """Each problem's opening messages and their chat-template ids, made once: these
         exact ids go to the engine and into the training batch."""
         messages = [call(self.task, "prompt_messages", p, 0) for p in problems]
-        return messages, [chat_prompt_ids(self.tokenizer, m, **self.template_kwargs)
-                          for m in messages]
+        return messages, chat_prompt_ids_batch(self.tokenizer, messages, **self.template_kwargs)
 
     def max_len(self, problems):
         """The longest sequence an episode over these problems can reach: prompt + budget."""

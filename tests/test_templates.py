@@ -44,7 +44,8 @@ from engine import EngineConfig, InferenceEngine, SamplingParams, TrainingSample
 from tasks.environment import Environment
 from test_grpo import tiny_config
 from tokenizer import (TurnBridge, build_tokenizer, chat_example, chat_ids, chat_prompt_ids,
-                       check_template_kwargs, load_tokenizer, reply_parts, save_tokenizer)
+                       chat_prompt_ids_batch, check_template_kwargs, load_tokenizer, reply_parts,
+                       save_tokenizer)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -426,6 +427,23 @@ def test_a_thinking_reply_is_split_and_the_reward_sees_its_content(family):
     if name == "qwen3":
         assert e.messages[-1] == {"role": "assistant", "content": "23",
                                   "reasoning_content": "halve it"}
+
+
+def test_prompts_rendered_in_one_batch_are_the_one_at_a_time_ids(family):
+    name, _, tok = family
+    kwargs = FAMILIES[name].get("kwargs", {})
+    for extra in ({}, kwargs):   # the template's own kwargs (Qwen3's enable_thinking) too
+        one = [chat_prompt_ids(tok, c, **extra) for c in CONVERSATIONS[:3]]
+        assert chat_prompt_ids_batch(tok, CONVERSATIONS[:3], **extra) == one
+    assert chat_prompt_ids_batch(tok, []) == []
+    # a conversation the template refuses is named, as one at a time
+    strict = family_tokenizer(name)
+    strict.chat_template = ("{%- for m in messages %}{%- if loop.index0 > 0 and m.role == "
+                            "messages[loop.index0 - 1].role %}{{- raise_exception('roles must "
+                            "alternate') }}{%- endif %}{%- endfor %}" + FAMILIES[name]["template"])
+    two_users = [{"role": "user", "content": "b"}, {"role": "user", "content": "c"}]
+    with pytest.raises(ValueError, match=r"cannot render roles \['user', 'user'\].*alternate"):
+        chat_prompt_ids_batch(strict, [CONVERSATIONS[0], two_users])
 
 
 def test_a_template_that_cannot_render_a_conversation_is_refused_naming_its_failure(family):
