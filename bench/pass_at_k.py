@@ -151,7 +151,9 @@ def report(out_dir, png):
 
 if __name__ == "__main__":
     args = sys.argv[1:]
-    if args[:1] == ["sample"] and len(args) >= 4:
+    if {"-h", "--help"} & set(args):
+        print(__doc__.strip())
+    elif args[:1] == ["sample"] and len(args) >= 4:
         sample(args[1], args[2], args[3:])
     elif args[:1] == ["report"] and len(args) == 3:
         report(args[1], args[2])
