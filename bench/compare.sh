@@ -17,9 +17,8 @@
 #   CONFIG=config/other.py bash bench/compare.sh
 #
 # Writes out/compare/seed<S>/ (log.txt, pretrain, sft, grpo, sft_more, rft, sft_all, test_<arm>,
-# confirm_<arm>),
-# then out/compare/results.json and out/compare/val_accuracy.png (bench/report.py). Needs .venv (bash
-# speedrun.sh makes it).
+# confirm_<arm>), then out/compare/results.json, results_confirm.json and val_accuracy.png
+# (bench/report.py). Needs .venv (bash speedrun.sh makes it).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 CONFIG="${CONFIG:-config/qwen_small.py}"
@@ -53,7 +52,7 @@ task = load_task(name)
 try:
     task.make_problems('confirm', 1)
     splits = 'test,confirm'
-except ValueError:
+except Exception:   # a task without a confirmatory split refuses the name
     splits = 'test'
 print(int(grpo['group_size']), float(grpo.get('temperature', 1.0)), name,
       len(task.make_problems('train')), splits, *offered_rules(task))")
@@ -64,8 +63,8 @@ read -r -a RULES <<< "$RULE_LIST"
 ARMS=("${RULES[@]}" "${TRAINED[@]}")
 
 PROTOCOL="edge-3"   # bump when the task, recipe or arms change: older seeds are not mixed in
-finished() {   # finished <seed>: every arm's test evaluation is on disk, under this protocol
-    local arm
+finished() {   # finished <seed>: every arm's evaluations are on disk, under this protocol
+    local arm split
     grep -qsx "$PROTOCOL" "$OUT/seed$1/protocol" || return 1
     for arm in "${ARMS[@]}"; do
         for split in "${SPLITS[@]}"; do

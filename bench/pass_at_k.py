@@ -8,12 +8,14 @@ band. A policy that only narrowed toward what it already solved falls below the 
 at large k; one that widened stays above it.
 
     python -m bench.pass_at_k sample out/compare 1 sft grpo rft   # -> seed1/passk_<arm>/
-    python -m bench.pass_at_k report out/compare docs/results/pass_at_k.png   # every seed found
+    python -m bench.pass_at_k report out/compare docs/results/pass_at_k/pass_at_k.png
 
 Each arm's counts (one line a problem: digits, target, reach, right of n) are written to
 OUT/seed<S>/passk_<arm>/outcomes.jsonl; report reads them all and draws the plot.
 """
 
+import contextlib
+import io
 import json
 import math
 import os
@@ -25,7 +27,7 @@ from tasks import countdown, evaluate
 import train_grpo
 from checkpoint import init_start
 from configurator import configure
-from tasks.environment import Environment, load_task
+from tasks.environment import Environment
 from tokenizer import build_tokenizer
 
 # -----------------------------------------------------------------------------
@@ -51,12 +53,14 @@ def sample_counts(model_dir, problems):
     """Per problem, how many of n_samples answers at the rollouts' temperature are right,
     for the model in model_dir, under the main job's settings (config/qwen_small.py)."""
     settings = {k: v for k, v in vars(train_grpo).items() if not k.startswith("_")}
-    config = configure(settings, ["config/qwen_small.py", f"--init_from={model_dir}"],
-                       stage="grpo")
+    with contextlib.redirect_stdout(io.StringIO()):   # the config's echo, once per arm
+        config = configure(settings, ["config/qwen_small.py", f"--init_from={model_dir}",
+                                      f"--seed={SEED}"], stage="grpo")
     start = init_start(config, build_tokenizer)
-    env = Environment(load_task(config["task"]), start.tokenizer, config["max_new_tokens"],
+    env = Environment(countdown, start.tokenizer, config["max_new_tokens"],
                       stop_ids=start.stop_ids)   # single-turn, as the evaluations
-    engine = evaluate.task_engine(start.model, env, problems, seed=SEED)
+    # the evaluations' engine: the config's device, dtype and block size
+    engine = train_grpo.make_engine(start.model, env, start, problems, config)
     counts = []
     for i in range(0, len(problems), 16):   # 4,096 episodes a call: the engine's queue stays short
         chunk = problems[i:i + 16]
@@ -98,7 +102,12 @@ def curves(found):
     band's problems (and the seeds) for each k]}}, the band 'all' first, then the reach
     bands that hold a problem; k in KS up to the fewest samples of a problem."""
     rows = next(iter(found.values()))[0]
-    reach = np.array([r["reach"] for r in rows])
+    problems = [countdown.Problem(tuple(r["digits"]), r["target"]) for r in rows]
+    for seeds in found.values():   # every arm and seed on the same problems, in one order
+        for seed_rows in seeds:
+            assert [(tuple(r["digits"]), r["target"]) for r in seed_rows] == \
+                [(p.digits, p.target) for p in problems], "pass@k outcomes on other problems"
+    reach = np.array([float(countdown.reach(p)) for p in problems])
     ks = [k for k in KS if k <= min(r["n"] for seeds in found.values() for s in seeds
                                     for r in s)]
     masks = {"all": np.ones(len(rows), bool),
@@ -108,7 +117,8 @@ def curves(found):
     for band, mask in masks.items():
         if not mask.any():
             continue
-        blind = [float(np.mean(1 - (1 - reach[mask]) ** k)) for k in ks]
+        blind = [float(np.mean([countdown.blind_pass_at_k(p, k)
+                                for p, m in zip(problems, mask) if m])) for k in ks]
         out[band] = {"k": ks, "problems": int(mask.sum()), "blind search": blind}
         for arm, seeds in found.items():
             per_seed = [[np.mean([pass_at_k(r["n"], r["right"], k)

@@ -499,8 +499,10 @@ def main(argv):
         return 0
     split = "confirm" if argv[0] == "--confirm" else "test"
     argv = argv[1:] if split == "confirm" else argv
+    if not argv or not all(s.isdigit() for s in argv[1:]):
+        raise SystemExit("usage: python -m bench.report [--confirm] OUT_DIR [SEED ...]")
     out_dir, seeds = argv[0], [str(s) for s in argv[1:]] or find_seeds(argv[0])
-    try:   # (no seed<S> directory at all: no seed has test_grpo)
+    try:   # (no seed<S> directory at all: no seed has <split>_grpo)
         results = summarize(load(out_dir, seeds, split), out_dir)
     except (FileNotFoundError, ValueError) as e:
         raise SystemExit(f"bench/report.py: {e}") from None

@@ -518,23 +518,26 @@ def blind_pass_at_k(problem: Problem, k: int) -> float:
     return float(1 - (1 - reach(problem)) ** k)
 
 
-# reach counted in whole numbers (exact, and a few times faster than summing Fractions): a
-# blind step from n digits draws one of _slots(n) equally likely slots, each of its m moves
-# holding _slots(n) / m of them (m, 3 x the distinct digits left, divides it), so every
-# sequence of slots is equally likely and reach is a count of them. digits 3 5 7 target 22:
-# 18 slots, 2 for each of the 9 moves; only 22-7 leads on to a pair that makes its need:
-# 2 of 18 sequences, 1/9.
 def _reach(need: int, pool: tuple[int, ...]) -> Fraction:
+    """reach() of (need, pool), counted in whole numbers (exact, and a few times faster
+    than summing Fractions): a blind step from n digits draws one of _slots(n) equally
+    likely slots, each of its m moves holding _slots(n) / m of them, so every sequence of
+    slots is equally likely and reach is the share of them that solve. digits 3 5 7
+    target 22: 18 slots, 2 for each of the 9 moves; only 22-7 leads on to a pair that
+    makes its need: 2 of 18 sequences, 1/9."""
     sequences = math.prod(_slots(n) for n in range(3, len(pool) + 1))
     return Fraction(_solving_sequences(need, pool), sequences)
 
 
 def _slots(n: int) -> int:
-    return math.lcm(*range(3, 3 * n + 1, 3))
+    """A number every move count from n digits divides: each step offers len(STEP_OPS)
+    operators for each distinct digit left (1 to n of them)."""
+    return math.lcm(*(len(STEP_OPS) * k for k in range(1, n + 1)))
 
 
 @functools.cache
 def _solving_sequences(need: int, pool: tuple[int, ...]) -> int:
+    """How many of the equally likely slot sequences from (need, pool) solve it."""
     if len(pool) <= 2:   # the last pair makes the need or not (fewer digits: no chain)
         return int(len(pool) == 2 and _pair_equation(need, *pool) is not None)
     moves = _moves(pool)

@@ -287,14 +287,17 @@ def test_pass_at_k_is_the_share_of_k_subsets_holding_a_right_answer():
             subsets = list(combinations(answers, k))
             assert pass_at_k(n, c, k) == pytest.approx(sum(map(any, subsets)) / len(subsets))
     # the blind search's curve of a problem is 1 - (1 - reach)^k; an arm's is averaged over
-    # problems, then over seeds
-    rows = [{"reach": 0.5, "right": 2, "n": 4}, {"reach": 0.125, "right": 0, "n": 4}]
+    # problems, then over seeds. Reach 1 (3 and 5 make 15) and 1/9 (3 5 7 -> 22)
+    rows = [{"digits": [3, 5], "target": 15, "right": 2, "n": 4},
+            {"digits": [3, 5, 7], "target": 22, "right": 0, "n": 4}]
     table = curves({"grpo": [rows, [dict(r, right=4) for r in rows]]})
-    assert table["all"]["blind search"][:2] == [pytest.approx((0.5 + 0.125) / 2),
-                                                pytest.approx((0.75 + 1 - 0.875 ** 2) / 2)]
+    assert table["all"]["blind search"][:2] == [pytest.approx((1 + 1 / 9) / 2),
+                                                pytest.approx((1 + 1 - (8 / 9) ** 2) / 2)]
     assert table["all"]["grpo"][0] == pytest.approx(((0.5 + 0) / 2 + 1) / 2)
     assert table["all"]["k"] == [1, 2, 4]   # up to the samples drawn: 4
     assert table["all"]["grpo"][2] == pytest.approx(((1 + 0) / 2 + 1) / 2)
     # empty bands are left out
     assert list(table) == ["all", "reach 0.10-0.20", "reach 0.20-1.00"]
     assert table["reach 0.20-1.00"]["problems"] == 1 and table["all"]["problems"] == 2
+    with pytest.raises(AssertionError, match="other problems"):   # arms must share problems
+        curves({"grpo": [rows], "sft": [rows[::-1]]})

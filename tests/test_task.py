@@ -4,6 +4,7 @@
 import ast
 import collections
 import functools
+import hashlib
 import itertools
 import json
 import operator
@@ -379,6 +380,18 @@ def test_reach_equals_a_monte_carlo_of_the_blind_search(digits, target):
     assert abs(hits / n - exact) < 4 * (exact * (1 - exact) / n) ** 0.5 + 1e-9, (hits / n, exact)
 
 
+def test_the_fast_paths_agree_with_writing_every_expression_and_pin_reach():
+    # _reachable (the split's targets) against the keys of _values, which writes every
+    # expression over every order of the digits
+    rng = random.Random(0)
+    multisets = list(itertools.combinations_with_replacement(range(1, 10), 4))
+    for digits in rng.sample(multisets, 40) + [(3, 5, 7), (1, 1, 1)]:
+        assert countdown._reachable(digits) == set(countdown._values(digits)), digits
+    # reach summed exactly over the edge's test split (as the Fraction recursion before
+    # the whole-number count gave it)
+    assert sum(countdown.reach(p) for p in make_problems("test")) == Fraction(20641, 324)
+
+
 def test_the_edge_split_is_the_full_split_filtered_by_reach():
     for split in ("train", "val", "test"):
         full, edge = make_problems(split, full=True), make_problems(split)
@@ -472,18 +485,15 @@ CONFIRM_HEAD = [Problem((1, 3, 5, 6, 6), 15), Problem((2, 2, 3, 7, 7), 21),
 
 def scored_multisets():
     """Every digit multiset in a split a run has scored: the full space's three (train,
-    val, test: the edge's are theirs, filtered) and every committed outcomes.jsonl but the
-    confirmatory split's own."""
+    val, test: the edge's are theirs, filtered) and those of every committed
+    outcomes.jsonl left loose (a guard on a run of another split ever committed)."""
     scored = {p.digits for s in ("train", "val", "test") for p in make_problems(s, full=True)}
     results = os.path.join(os.path.dirname(__file__), "..", "docs", "results")
-    files = 0
     for folder, _, names in os.walk(results):
         if "outcomes.jsonl" in names and not os.path.basename(folder).startswith("confirm_"):
-            files += 1
             with open(os.path.join(folder, "outcomes.jsonl")) as f:
                 rows = [json.loads(line) for line in f]
             scored |= {tuple(sorted(row["digits"])) for row in rows if "digits" in row}
-    assert files >= 35   # (the committed comparisons' test evaluations)
     return scored
 
 
@@ -491,6 +501,11 @@ def test_the_confirmatory_split_is_fixed_and_disjoint_from_every_scored_split():
     confirm = make_problems("confirm")
     # fixed before any model scored it (docs/results.md): changing it voids the confirmation
     assert len(confirm) == 640 and confirm[:3] == CONFIRM_HEAD
+    digest = hashlib.blake2b(repr([(p.digits, p.target) for p in confirm]).encode(),
+                             digest_size=8).hexdigest()
+    assert digest == "84427cc84d63390c"   # every problem, in order
+    # a size no split holds: no run can have scored one of its multisets
+    assert countdown.CONFIRM_NUM_DIGITS not in countdown.NUM_DIGITS
     assert all(len(p.digits) == 5 and 1 <= p.target <= 99 and countdown.reach(p) >= Fraction(1, 20)
                for p in confirm)
     assert len(set(confirm)) == 640 and make_problems("confirm", 3) == CONFIRM_HEAD

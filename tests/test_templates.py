@@ -429,12 +429,17 @@ def test_a_thinking_reply_is_split_and_the_reward_sees_its_content(family):
                                   "reasoning_content": "halve it"}
 
 
-def test_prompts_rendered_in_one_batch_are_the_one_at_a_time_ids(family):
+def test_prompts_rendered_in_one_batch_are_the_one_at_a_time_ids(family, monkeypatch):
     name, _, tok = family
     kwargs = FAMILIES[name].get("kwargs", {})
+    calls, render = [], tok.apply_chat_template
+    monkeypatch.setattr(tok, "apply_chat_template", lambda *a, **k: calls.append(1) or
+                        render(*a, **k))
     for extra in ({}, kwargs):   # the template's own kwargs (Qwen3's enable_thinking) too
         one = [chat_prompt_ids(tok, c, **extra) for c in CONVERSATIONS[:3]]
+        calls.clear()
         assert chat_prompt_ids_batch(tok, CONVERSATIONS[:3], **extra) == one
+        assert len(calls) == 1   # one batched call, not the one-at-a-time fallback
     assert chat_prompt_ids_batch(tok, []) == []
     # a conversation the template refuses is named, as one at a time
     strict = family_tokenizer(name)
