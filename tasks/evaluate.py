@@ -6,7 +6,8 @@ through the inference engine, with the episodes of tasks/environment.py:
     engine = task_engine(model, env, problems)
     metrics, outcomes = evaluate(engine, env, problems, pass_k=8, temperature=1.0, seed=0)
     # {"eval/accuracy": mean greedy reward, "eval/accuracy_<kind>": the same by the task's
-    #  kind of problem (countdown: _4digits; countdown_full: _3digits and _4digits),
+    #  kind of problem (countdown: _4digits, its confirm split _5digits; countdown_full:
+    #  _3digits and _4digits),
     #  "eval/pass@1": mean of k sampled episodes, "eval/pass@8": any of k right (pass_k=0:
     #  none); multi-turn: "eval/success_by_turn_1".., right within that many turns}
     # outcomes: one dict per problem (the task's describe(problem), greedy reward and replies)
