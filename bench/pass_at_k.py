@@ -16,13 +16,13 @@ OUT/seed<S>/passk_<arm>/outcomes.jsonl; report reads them all and draws the plot
 
 import contextlib
 import io
-import json
 import math
 import os
 import sys
 
 import numpy as np
 
+from bench import report as compare_report
 from tasks import countdown, evaluate
 import train_grpo
 from checkpoint import init_start
@@ -35,8 +35,8 @@ from tokenizer import build_tokenizer
 n_samples = 256               # answers sampled per problem: pass@k is estimated for k <= this
 n_problems = 160              # the first P test problems (the split's fixed hashed order)
 KS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
-# reach bands of the edge's test split, [lo, hi) (bench/report.py's upper three)
-BANDS = ((0.05, 0.1), (0.1, 0.2), (0.2, 1.01))
+# reach bands, [lo, hi): bench/report.py's three that the edge's test split holds
+BANDS = compare_report.REACH_BANDS[2:]
 SEED = 0                      # the sampling seed, the same for every arm
 # -----------------------------------------------------------------------------
 
@@ -86,14 +86,13 @@ def sample(out_dir, seed, arms):
 def read_counts(out_dir):
     """{arm: [seed's rows]} of every passk_<arm>/outcomes.jsonl under out_dir/seed<S>."""
     found = {}
-    for name in sorted(os.listdir(out_dir)):
-        for arm_dir in sorted(os.listdir(os.path.join(out_dir, name))) if \
-                name.startswith("seed") else []:
-            path = os.path.join(out_dir, name, arm_dir, "outcomes.jsonl")
+    for seed in compare_report.find_seeds(out_dir):
+        seed_dir = os.path.join(out_dir, f"seed{seed}")
+        for arm_dir in sorted(os.listdir(seed_dir)):
+            path = os.path.join(seed_dir, arm_dir, "outcomes.jsonl")
             if arm_dir.startswith("passk_") and os.path.exists(path):
-                with open(path) as f:
-                    found.setdefault(arm_dir[len("passk_"):], []).append(
-                        [json.loads(line) for line in f])
+                found.setdefault(arm_dir[len("passk_"):], []).append(
+                    compare_report.read_rows(path))
     return found
 
 
@@ -141,9 +140,9 @@ def report(out_dir, png):
               f"seed(s)): pass@k for k = {', '.join(map(str, lines['k']))}")
         for name, values in curve_lines(lines):
             print(f"  {name:13s} " + " ".join(f"{v:.3f}" for v in values))
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = compare_report.pyplot()
+    if plt is None:
+        return
     fig, axes = plt.subplots(1, len(table), figsize=(4 * len(table), 3.6), sharey=True)
     for ax, (band, lines) in zip(axes, table.items()):
         for name, values in curve_lines(lines):
