@@ -54,6 +54,7 @@ step in docs/forks.md.
 """
 import dataclasses
 import functools
+import math
 import os
 import shutil
 import sys
@@ -95,6 +96,8 @@ max_episode_tokens = 0        # multi-turn: every id after the first prompt, at 
 chat_template_kwargs = dict() # to the chat template: Qwen3's dict(enable_thinking=False), ...
 share_prompt = True           # train on a group's prompt once (training.pack_groups)
 scale_rewards = False         # divide advantages by the group's std (GRPO), not only centre them
+advantage_pass_k = 1          # > 1: advantages for the group's pass@k, not its mean reward
+                              # (Chen et al. 2025; 0/1 rewards; below group_size)
 turn_baseline = False         # multi-turn: reply k against the episodes that reached reply k
 loss_norm = "constant"        # 'constant' | 'tokens' | 'weights' (docs/pipeline.md)
 kl_coef = 0.0                 # > 0: weights -= kl_coef * (log p - log p_start)
@@ -168,6 +171,30 @@ def group_advantages(rewards, group_size, scale_rewards=False, eps=1e-6):
     return adv.view(-1)
 
 
+def pass_at_k_advantages(rewards, group_size, k, scale_rewards=False, eps=1e-6):
+    """Advantages for pass@k (Chen et al. 2025, "Pass@k Training"), for 0/1 rewards laid
+    out group by group: a k-subset of a group scores 1 if any of its samples is right,
+    and a sample's advantage is the mean score of the subsets that hold it minus the
+    mean over all subsets (divided by the subsets' std with scale_rewards). In closed
+    form, n samples of which w are wrong: mean = 1 - C(w, k) / C(n, k); a right sample
+    scores 1, a wrong one 1 - C(w-1, k-1) / C(n-1, k-1). Worked example, n = 4, k = 2,
+    rewards 1, 0, 0, 0: mean 1 - 3/6 = 0.5; right +0.5, wrong 1 - 2/3 - 0.5 = -1/6.
+    A wrong sample is pushed down less when the rest of its subsets can still win, and
+    a group with fewer than k wrong samples (pass@k already 1) teaches nothing.
+    k = 1 is group_advantages."""
+    r = torch.as_tensor(rewards, dtype=torch.float32)
+    require(bool(((r == 0) | (r == 1)).all()),
+            f"advantage_pass_k={k}: needs 0/1 rewards, got {sorted(set(r.tolist()))}")
+    adv = []
+    for group in r.view(-1, group_size).tolist():
+        n, w = group_size, group.count(0.0)
+        mean = 1 - math.comb(w, k) / math.comb(n, k)
+        wrong = 1 - math.comb(w - 1, k - 1) / math.comb(n - 1, k - 1) if w else 0.0
+        std = math.sqrt(mean * (1 - mean)) + eps if scale_rewards else 1.0
+        adv += [((1.0 if x == 1 else wrong) - mean) / std for x in group]
+    return torch.tensor(adv)
+
+
 def reply_index(mask):
     """Per token of an episode, 0 where it was not sampled, else which reply it belongs
     to: mask [1, 1, 0, 0, 1, 1] -> [1, 1, 0, 0, 2, 2]."""
@@ -190,6 +217,10 @@ def token_advantages(masks, rewards, config):
     (episodes 2, 3, 4): baseline 1/3, so episode 3's second reply, the one that
     recovered, gets +2/3 and episode 2's -1/3. Reply 3 (episodes 2 and 4, both failed):
     baseline 0, advantage 0."""
+    if config["advantage_pass_k"] > 1:
+        adv = pass_at_k_advantages(rewards, config["group_size"], config["advantage_pass_k"],
+                                   config["scale_rewards"]).tolist()
+        return [[a * m for m in mask] for a, mask in zip(adv, masks)]
     if not config["turn_baseline"]:
         adv = group_advantages(rewards, config["group_size"], config["scale_rewards"]).tolist()
         return [[a * m for m in mask] for a, mask in zip(adv, masks)]
@@ -604,6 +635,11 @@ def check_settings(config):
                    top_k=config["top_k"])
     # greedy samples of a prompt are all the same
     require(config["temperature"] != 0, "temperature=0: GRPO needs sampled groups")
+    k, G = config["advantage_pass_k"], config["group_size"]
+    require(1 <= k < G, f"advantage_pass_k={k}: expected 1 <= k < group_size={G} (with k = G "
+            "a group with any right sample has pass@k 1, and nothing to learn)")
+    require(k == 1 or not config["turn_baseline"],
+            f"advantage_pass_k={k} with turn_baseline=True: one at a time")
     kl, scratch = config["kl_coef"], config["init_from"] == "scratch"
     require(not (kl and scratch), f"kl_coef={kl}: a KL to init_from='scratch' teaches nothing")
     EngineConfig(device=config["device"], dtype=config["engine_dtype"],

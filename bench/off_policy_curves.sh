@@ -1,9 +1,13 @@
 #!/usr/bin/env bash
 # Learning curves of off_policy.md: GRPO on the main task from one SFT model, the engine in fp32
-# (the reference: no mismatch) or in bf16 (the trainer stays fp32) with no correction, TIS, masked
-# IS, sequence-level IS or routing replay; three seeds each, two runs at a time on one thread each.
+# (the reference: no mismatch) or in bf16 (the trainer stays fp32), eight seeds each (enough for
+# a +-0.03 interval on their paired difference); and staleness through real rollout ranks
+# (torchrun, rank 1 sampling max_staleness steps behind rank 0's training, TIS cap 2), seed 1,
+# for the mismatch metrics a real stale run logs. Two runs at a time on one thread each (a
+# rollout-rank run is two processes: alone).
 #
 #   bash bench/off_policy_curves.sh [INIT_FROM]     # default out/qwen_small/sft/best (bash speedrun.sh)
+#   ARMS="bf16_tis bf16_replay" SEEDS="1 2 3" bash bench/off_policy_curves.sh   # other arms (below)
 #   python -m bench.off_policy_lab curves out/off_policy_curves docs/off_policy_curves.png
 #
 # 60 steps of 64 problems (a shorter run than the speedrun's 100 x 96), validation every 10 steps.
@@ -13,34 +17,53 @@ cd "$(dirname "$0")/.."
 INIT="${1:-out/qwen_small/sft/best}"
 OUT="${OUT:-out/off_policy_curves}"
 export OMP_NUM_THREADS=1 MKL_NUM_THREADS=1 WANDB_MODE="${WANDB_MODE:-offline}"
-declare -A ARMS=(
+declare -A FLAGS=(
     [fp32]="--engine_dtype=float32"
     [bf16]="--engine_dtype=bfloat16"
     [bf16_tis]="--engine_dtype=bfloat16 --tis_cap=2"
     [bf16_mis]="--engine_dtype=bfloat16 --mis_low=0.5 --mis_high=2"
     [bf16_seq_tis]="--engine_dtype=bfloat16 --tis_cap=2 --is_level=sequence"
     [bf16_replay]="--engine_dtype=bfloat16 --routing_replay=True"
+    [ranks_stale1_tis]="--rollout_ranks=1 --max_staleness=1 --tis_cap=2"
+    [ranks_stale4_tis]="--rollout_ranks=1 --max_staleness=4 --tis_cap=2"
 )
 run() {   # run <arm> <seed>
-    local d="$OUT/$1_seed$2"
+    local d="$OUT/$1_seed$2" launch=(.venv/bin/python) routes=--record_routes=True
     grep -qs '"eval/accuracy"' "$d/metrics.jsonl" && [ -d "$d/ckpt" ] && return 0
+    if [[ $1 == ranks_* ]]; then   # routes are recorded only by a colocated engine
+        launch=(.venv/bin/torchrun --standalone --nproc_per_node=2) routes=
+    fi
     # shellcheck disable=SC2086
-    .venv/bin/python train_grpo.py config/qwen_small.py --init_from="$INIT" --out_dir="$d" \
+    "${launch[@]}" train_grpo.py config/qwen_small.py --init_from="$INIT" --out_dir="$d" \
         --seed="$2" --max_iters=60 --prompts_per_step=64 --eval_interval=10 --ckpt_interval=60 \
-        --log_interval=10 --keep_best=False --record_routes=True ${ARMS[$1]} > "$d.log" 2>&1
+        --log_interval=10 --keep_best=False $routes ${FLAGS[$1]} > "$d.log" 2>&1
 }
 mkdir -p "$OUT"
 jobs=()
-for seed in 1 2 3; do
-    for arm in fp32 bf16 bf16_tis bf16_mis bf16_seq_tis bf16_replay; do
-        jobs+=("$arm $seed")
+if [ -n "${ARMS:-}" ]; then
+    for seed in ${SEEDS:-1 2 3}; do
+        for arm in $ARMS; do
+            [ -n "${FLAGS[$arm]:-}" ] || { echo "unknown arm '$arm': ${!FLAGS[*]}" >&2; exit 2; }
+            jobs+=("$arm $seed")
+        done
     done
+else
+    for seed in 1 2 3 4 5 6 7 8; do
+        jobs+=("fp32 $seed" "bf16 $seed")
+    done
+    jobs+=("ranks_stale1_tis 1" "ranks_stale4_tis 1")
+fi
+pending=()
+for job in "${jobs[@]}"; do   # two at a time; a rollout-rank run takes both cores
+    if [[ $job == ranks_* ]]; then
+        run $job || true   # a failed run is named below, with its log
+    else
+        run $job &
+        pending+=($!)
+        if [ ${#pending[@]} -eq 2 ]; then wait "${pending[@]}" || true; pending=(); fi
+    fi
 done
-for ((i = 0; i < ${#jobs[@]}; i += 2)); do
-    run ${jobs[i]} &
-    [ $((i + 1)) -lt ${#jobs[@]} ] && run ${jobs[i + 1]} &
-    wait
-done
+wait || true
 missing=0
 for job in "${jobs[@]}"; do   # a failed run shows here, with its log
     read -r arm seed <<< "$job"

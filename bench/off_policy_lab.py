@@ -1,30 +1,40 @@
 """
 The off-policy lab: what each correction (training.py) buys against a known
-mismatch, measured against the exact on-policy gradient. Our engine and trainer share
-model.py and agree to about 1e-7 in fp32, and a seeded sample is a pure function of
-(seed, position), so:
+mismatch, measured against the expected on-policy gradient, with the noise that any
+such measurement carries beside it. Our engine and trainer share model.py and agree
+to about 1e-7 in fp32, and a seeded sample is a pure function of (seed, position), so:
 
-  1. the exact gradient: rollouts of the trainer's own weights by the fp32 engine (no
-     truncation, no staleness), GRPO's loss, no correction;
-  2. a mismatch source at a strength: the same problems and the same seeds (common random
-     numbers: where the two policies agree the very same tokens are drawn), sampled by
+  1. the reference: the policy being trained, its expected on-policy gradient, estimated
+     by the mean of n_reference batches (rollouts of its own weights by the fp32 engine,
+     GRPO's loss, no correction), each on problems and seeds of its own; its noise: the
+     floor (the cosine between two independent one-batch estimates) and the cosine of
+     its two halves;
+  2. the exact gradient of each of n_batches other batches: the same, one batch;
+  3. a mismatch source at a strength: the same problems and the same seeds as (2)
+     (common random numbers: where the two policies agree the very same tokens are
+     drawn), sampled by
        bf16      the engine in bfloat16 (rounding, and for this MoE model other experts)
        stale k   the engine k optimizer steps behind the trainer (k GRPO steps taken here)
        top_p p   the fp32 engine sampling the nucleus p (the engine's logprob is the nucleus's)
-  3. the gradient from those samples under each correction: none, TIS (cap 2), masked IS
+  4. the gradient from those samples under each correction: none, TIS (cap 2), masked IS
      ([0.5, 2]), both at the sequence level (the geometric mean ratio), routing replay;
-  4. per (source, correction), over n_batches batches: the cosine of each batch's gradient
-     with the same batch's exact one (paired), the cosine and norm ratio of the mean
-     gradients, and the variance over batches (relative to the exact mean's squared norm).
+  5. per (source, correction) and batch: the cosine with the reference, minus the exact
+     batch's (what the mismatch costs) and minus the uncorrected batch's (what the
+     correction buys), each with a 95% interval over the batches; the bias ratio (the
+     mean difference from the exact gradients against its size with no bias).
 
+Run at three checkpoints of one GRPO run (bench/off_policy_lab.sh: its start, step 50,
+step 100), the report gives every row per checkpoint and over the checkpoints.
 PPO's clip is not in the table: on a step's first epoch its ratio is 1 and its
 gradient is the plain one (test_off_policy.py); what it does shows only over several
 epochs, in training.
 
+    bash bench/off_policy_lab.sh                  # the three checkpoints, then the report
     python -m bench.off_policy_lab gradients [INIT_FROM] [OUT_DIR]
-        # default out/qwen_small/sft/best (bash speedrun.sh) and out/off_policy_lab:
-        # writes table.md, results.json, gradients.png
-    bash bench/off_policy_curves.sh [INIT_FROM]               # learning curves: fp32 vs bf16 arms
+        # one checkpoint: default out/qwen_small/sft/best and out/off_policy_lab/early;
+        # writes OUT_DIR/results.json
+    python -m bench.off_policy_lab report OUT_DIR PNG   # OUT_DIR/{early,middle,late}: table.md
+    bash bench/off_policy_curves.sh [INIT_FROM]   # learning curves: fp32 vs bf16, stale ranks
     python -m bench.off_policy_lab curves out/off_policy_curves docs/off_policy_curves.png
 """
 
@@ -36,6 +46,7 @@ import sys
 import numpy as np
 import torch
 
+from bench.report import paired_ci, pyplot as report_pyplot
 from tasks import evaluate
 import train_grpo
 import training
@@ -46,8 +57,10 @@ from tokenizer import build_tokenizer
 
 # -----------------------------------------------------------------------------
 # settings
-n_batches = 4                 # batches of problems; every statistic is over these
+n_reference = 64              # on-policy batches (problems and seeds of their own): the reference
+n_batches = 16                # batches per row, problems of their own; intervals are over these
 problems_per_batch = 32       # training problems per batch, group_size samples each
+CHECKPOINTS = ("early", "middle", "late")   # the report's order of out_dir's checkpoints
 sources = [("exact", None), ("bf16", None), ("stale", 1), ("stale", 4), ("top_p", 0.9),
            ("top_p", 0.7)]
 corrections = {"none": {}, "tis": dict(tis_cap=2.0), "mis": dict(mis_low=0.5, mis_high=2.0),
@@ -117,83 +130,96 @@ def cosine(a, b):
     return float(torch.dot(a, b) / (a.norm() * b.norm()).clamp(min=1e-300))
 
 
+def on_policy_reference(trainer, env, problems, config, normalizer):
+    """trainer's expected on-policy gradient, estimated by the mean of n_reference
+    batches (problems[i], seed 20_000 + i), with what tells its noise: the floor (the
+    cosine between two independent one-batch estimates, over n_reference / 2 disjoint
+    pairs) and the cosine between the means of its two halves."""
+    plain = {**config, "record_routes": False}
+    grads = torch.stack([gradient(trainer, batches_of(trainer, env, p, plain, 20_000 + i),
+                                  plain, normalizer) for i, p in enumerate(problems)])
+    return {"mean": grads.mean(0),
+            "floor": [cosine(grads[i], grads[i + 1]) for i in range(0, len(grads) - 1, 2)],
+            "split_half": cosine(grads[0::2].mean(0), grads[1::2].mean(0))}
+
+
+def kl_of(trainer, batches):
+    """k3's KL(sampler || trainer) per sampled token of the batches."""
+    total, tokens = 0.0, 0
+    with torch.no_grad():
+        for b in batches:
+            logp, _ = training.batch_logprobs(trainer, dataclasses.replace(b, routes=None))
+            total += training.kl_k3(logp.float(), b.log_probs, b.loss_mask)
+            tokens += int(b.loss_mask.sum())
+    return total / max(tokens, 1)
+
+
 def measure(model, env, config):
-    """{source: {correction: statistics}} over n_batches batches, and the exact
-    gradients'."""
-    task = env.task
-    train = task.make_problems("train")
+    """{"sources": {source: {"kl_k3", "rows": {correction: row}}}, "references": {trainer:
+    floor and split half}}: every source and correction on n_batches batches against the
+    on-policy reference of the policy being trained."""
+    train = env.task.make_problems("train")
     normalizer = problems_per_batch * config["group_size"] * config["max_new_tokens"]
-    batch_problems = [train[b * problems_per_batch:(b + 1) * problems_per_batch]
-                      for b in range(n_batches)]
-    spare = train[n_batches * problems_per_batch:][:8 * problems_per_batch]
-    results, on_policy = {}, {}  # the exact gradients of the checkpoint itself, made once
+    chunks = [train[i * problems_per_batch:(i + 1) * problems_per_batch]
+              for i in range(len(train) // problems_per_batch)]
+    reference_problems, batch_problems = chunks[:n_reference], chunks[-n_batches:]
+    spare = train[n_reference * problems_per_batch:][:8 * problems_per_batch]
+    require_problems = n_reference + n_batches + 8 <= len(chunks)
+    assert require_problems, f"{len(train)} training problems: too few for the lab's batches"
+    out, trainers = {"sources": {}, "references": {}}, {}
     for kind, strength in sources:
         name = kind if strength is None else f"{kind} {strength}"
-        trainer, behaviour = model, model
-        if kind == "stale":
-            # the trainer is ahead; the engine samples with the older weights
-            trainer = advance(model, env, spare, config, strength, normalizer)
-        dtype, top_p = ("bfloat16" if kind == "bf16" else "float32",
-                        strength if kind == "top_p" else 1.0)
-        exact, got = [], {c: [] for c in corrections}
-        for b, problems in enumerate(batch_problems):
-            seed = 1_000 + b
-            if trainer is not model or b not in on_policy:
-                on = batches_of(trainer, env, problems, config, seed)
-                g = gradient(trainer, on, {**config, "record_routes": False}, normalizer)
-                on_policy[b] = g if trainer is model else on_policy.get(b)
-            exact.append(g if trainer is not model else on_policy[b])
-            off = batches_of(behaviour, env, problems, config, seed, dtype, top_p)
+        trainer_name = f"stale {strength}" if kind == "stale" else "checkpoint"
+        if trainer_name not in trainers:   # the policy being trained, its reference, its exact
+            trainer = model if kind != "stale" else advance(model, env, spare, config, strength,
+                                                            normalizer)
+            reference = on_policy_reference(trainer, env, reference_problems, config, normalizer)
+            plain = {**config, "record_routes": False}
+            exact = [gradient(trainer, batches_of(trainer, env, p, plain, 1_000 + b), plain,
+                              normalizer) for b, p in enumerate(batch_problems)]
+            trainers[trainer_name] = (trainer, reference, exact)
+            out["references"][trainer_name] = {k: v for k, v in reference.items() if k != "mean"}
+        trainer, reference, exact = trainers[trainer_name]
+        dtype = "bfloat16" if kind == "bf16" else "float32"
+        top_p = strength if kind == "top_p" else 1.0
+        got, kl = {c: [] for c in corrections}, []
+        for b, problems in enumerate(batch_problems):   # the same problems and seeds as exact
+            off = batches_of(model, env, problems, config, 1_000 + b, dtype, top_p)
+            kl.append(kl_of(trainer, off))
             for c, settings in corrections.items():
                 got[c].append(gradient(trainer, off, {**config, **settings}, normalizer))
-        results[name] = {c: statistics(g, exact) for c, g in got.items()}
-        print(f"{name}: " + ", ".join(f"{c} {s['cos_paired']:.4f}"
-                                      for c, s in results[name].items()), flush=True)
-    return results
+        rows = {c: row(g, exact, got["none"], reference["mean"]) for c, g in got.items()}
+        out["sources"][name] = {"trainer": trainer_name, "kl_k3": float(np.mean(kl)),
+                                "rows": rows}
+        print(f"{name}: " + ", ".join(f"{c} {np.mean(r['minus_none']):+.4f}"
+                                      for c, r in rows.items()), flush=True)
+    return out
 
 
-def statistics(grads, exact):
-    """Paired cosine (mean over batches), the mean gradients' cosine and norm ratio, and
-    the variance over batches relative to the exact mean's squared norm."""
-    g, e = torch.stack(grads), torch.stack(exact)
-    mean, exact_mean = g.mean(0), e.mean(0)
-    return {"cos_paired": float(np.mean([cosine(a, b) for a, b in zip(g, e)])),
-            "cos_mean": cosine(mean, exact_mean),
-            "norm": float(mean.norm() / exact_mean.norm()),
-            "variance": float(((g - mean) ** 2).sum(1).mean() / exact_mean.norm() ** 2),
-            "exact_variance": float(((e - exact_mean) ** 2).sum(1).mean()
-                                    / exact_mean.norm() ** 2)}
+def row(grads, exact, uncorrected, reference):
+    """One (source, correction) row, per batch (so that each has an interval over the
+    batches): the cosine with the reference ("cos_ref"); that minus the batch's exact
+    gradient's cosine with it ("minus_exact": what the mismatch costs, paired by batch)
+    and minus the uncorrected gradient's ("minus_none": what the correction buys); the
+    cosine with the batch's exact gradient ("cos_paired"). Over the batches: the bias
+    ratio, |mean(g - exact)|^2 over its expected value with no bias, tr(cov) / n (about
+    1 when the mismatch moves the gradient by less than the noise, far above 1 when it
+    biases it), and the mean gradient's norm over the exact one's."""
+    g, e = torch.stack(grads).double(), torch.stack(exact).double()
+    cos_ref = [cosine(x, reference) for x in g]
+    d = g - e
+    noise = float(((d - d.mean(0)) ** 2).sum() / (len(d) - 1) / len(d))
+    return {"cos_ref": cos_ref,
+            "minus_exact": [c - cosine(x, reference) for c, x in zip(cos_ref, e)],
+            "minus_none": [c - cosine(x, reference) for c, x in zip(cos_ref, uncorrected)],
+            "cos_paired": [cosine(x, y) for x, y in zip(g, e)],
+            "bias_ratio": float(d.mean(0).norm() ** 2 / max(noise, 1e-300)),
+            "norm": float(g.mean(0).norm() / e.mean(0).norm())}
 
 
-def write_table(results, out_dir):
-    lines = ["| source | correction | cos (paired) | cos (mean) | norm ratio | variance |",
-             "| --- | --- | --- | --- | --- | --- |"]
-    for source, by in results.items():
-        for c, s in by.items():
-            lines.append(f"| {source} | {c} | {s['cos_paired']:.4f} | {s['cos_mean']:.4f} | "
-                         f"{s['norm']:.3f} | {s['variance']:.3f} |")
-    with open(os.path.join(out_dir, "table.md"), "w") as f:
-        f.write("\n".join(lines) + "\n")
-    with open(os.path.join(out_dir, "results.json"), "w") as f:
-        json.dump(results, f, indent=1)
-    print("\n".join(lines))
-
-
-def plot_gradients(results, png):
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    names, width = list(corrections), 0.8 / len(corrections)
-    fig, ax = plt.subplots(figsize=(9, 4))
-    for i, c in enumerate(names):
-        ys = [max(1 - results[s][c]["cos_paired"], 1e-8) for s in results]
-        ax.bar(np.arange(len(results)) + i * width, ys, width, label=c)
-    ax.set_xticks(np.arange(len(results)) + 0.4 - width / 2, list(results))
-    ax.set_yscale("log")
-    ax.set_ylabel("1 - cosine with the exact gradient (paired)")
-    ax.legend(ncol=3, fontsize=8)
-    fig.tight_layout()
-    fig.savefig(png, dpi=120)
+def interval(values):
+    """(mean, lo, hi): values' mean and 95% Student-t interval."""
+    return paired_ci(values, [0.0] * len(values))
 
 
 def gradients_main(init_from, out_dir):
@@ -203,9 +229,106 @@ def gradients_main(init_from, out_dir):
     env = Environment(load_task(config["task"]), start.tokenizer, config["max_new_tokens"],
                       stop_ids=start.stop_ids)
     os.makedirs(out_dir, exist_ok=True)
-    results = measure(start.model, env, config)
-    write_table(results, out_dir)
-    plot_gradients(results, os.path.join(out_dir, "gradients.png"))
+    results = {"init_from": init_from, **measure(start.model, env, config)}
+    with open(os.path.join(out_dir, "results.json"), "w") as f:
+        json.dump(results, f, indent=1)
+    print(f"wrote {out_dir}/results.json")
+
+
+# -----------------------------------------------------------------------------
+# the report: every checkpoint's rows, with their intervals
+
+
+def cell(values):
+    mean, lo, hi = interval(values)
+    return f"{mean:+.3f} [{lo:+.3f}, {hi:+.3f}]"
+
+
+def report_main(out_dir, png):
+    """table.md from out_dir/<checkpoint>/results.json (checkpoints in CHECKPOINTS order):
+    the references' noise, then per checkpoint every row with 95% intervals over its
+    batches, then each row over the checkpoints (a t interval over their means); and the
+    figure."""
+    runs = {c: json.load(open(os.path.join(out_dir, c, "results.json")))
+            for c in CHECKPOINTS if os.path.isfile(os.path.join(out_dir, c, "results.json"))}
+    if not runs:
+        sys.exit(f"{out_dir}: no <checkpoint>/results.json ({', '.join(CHECKPOINTS)})")
+    lines = reference_table(runs)
+    for c, r in runs.items():
+        lines += ["", f"**{c}** ({r['init_from']}); 95% intervals over {n_of(r)} batches", "",
+                  "| source | k3 KL | correction | cos with the reference | minus exact | "
+                  "minus no correction | cos with the batch's exact | bias ratio | norm ratio |",
+                  "| --- " * 9 + "|"]
+        for source, by in r["sources"].items():
+            for corr, x in by["rows"].items():
+                lines.append(f"| {source} | {by['kl_k3']:.1e} | {corr} | {cell(x['cos_ref'])} | "
+                             f"{cell(x['minus_exact'])} | {cell(x['minus_none'])} | "
+                             f"{cell(x['cos_paired'])} | {x['bias_ratio']:.1f} | "
+                             f"{x['norm']:.3f} |")
+    lines += ["", "**Over the checkpoints**: each checkpoint's mean, then their mean and 95% "
+              "t interval", "", "| source | correction | minus exact | minus no correction |",
+              "| --- | --- | --- | --- |"]
+    first = next(iter(runs.values()))
+    for source, by in first["sources"].items():
+        for corr in by["rows"]:
+            cols = []
+            for stat in ("minus_exact", "minus_none"):
+                means = [float(np.mean(r["sources"][source]["rows"][corr][stat]))
+                         for r in runs.values()]
+                each = " / ".join(f"{m:+.3f}" for m in means)
+                cols.append(each + (f"; {cell(means)}" if len(means) > 1 else ""))
+            lines.append(f"| {source} | {corr} | {cols[0]} | {cols[1]} |")
+    with open(os.path.join(out_dir, "table.md"), "w") as f:
+        f.write("\n".join(lines) + "\n")
+    print("\n".join(lines))
+    plot_gradients(runs, png)
+
+
+def reference_table(runs):
+    """Per checkpoint and policy trained: the floor, the reference's split halves, and an
+    exact batch's cosine with the reference (the most any one batch can score)."""
+    lines = ["| checkpoint | trainer | floor: cos of two one-batch estimates | reference's "
+             "split halves | exact batch's cos with the reference |", "| --- " * 5 + "|"]
+    for c, r in runs.items():
+        exact = {by["trainer"]: by["rows"]["none"] for by in r["sources"].values()}
+        for trainer, ref in r["references"].items():
+            x = exact[trainer]
+            cos_exact = [a - d for a, d in zip(x["cos_ref"], x["minus_exact"])]
+            lines.append(f"| {c} | {trainer} | {cell(ref['floor'])} | "
+                         f"{ref['split_half']:.3f} | {cell(cos_exact)} |")
+    return lines
+
+
+def n_of(results):
+    return len(next(iter(results["sources"].values()))["rows"]["none"]["cos_ref"])
+
+
+def plot_gradients(runs, png):
+    """Per source, per correction: what the mismatch costs (cosine with the reference
+    minus the exact batch's), one marker per checkpoint with its interval over batches."""
+    plt = report_pyplot()
+    if plt is None:
+        return
+    first = next(iter(runs.values()))
+    names, width = list(corrections), 0.8 / len(corrections)
+    fig, ax = plt.subplots(figsize=(10, 4.5))
+    for i, corr in enumerate(names):
+        for j, r in enumerate(runs.values()):
+            x = np.arange(len(first["sources"])) + i * width + (j - 1) * width / 4
+            stats = [interval(by["rows"][corr]["minus_exact"]) for by in r["sources"].values()]
+            means = np.array([m for m, _, _ in stats])
+            err = np.array([[m - lo, hi - m] for m, lo, hi in stats]).T
+            ax.errorbar(x, means, yerr=err, fmt="os^"[j % 3], ms=3, color=f"C{i}",
+                        label=corr if j == 0 else None)
+    ax.axhline(0, color="grey", lw=0.8)
+    ax.set_xticks(np.arange(len(first["sources"])) + 0.4 - width / 2, list(first["sources"]))
+    ax.set_ylabel("cos with the reference, minus the exact batch's")
+    ax.set_title(f"checkpoints {', '.join(runs)} (o s ^); 95% intervals over batches",
+                 fontsize=9)
+    ax.legend(ncol=3, fontsize=8)
+    fig.tight_layout()
+    fig.savefig(png, dpi=120)
+    print(f"wrote {png}")
 
 
 # -----------------------------------------------------------------------------
@@ -254,29 +377,30 @@ def curves_main(out_dir, png):
 def paired_differences(runs):
     """The last validation accuracy of each arm minus fp32's and minus bf16's, paired by
     seed, with a 95% Student-t interval."""
-    from statistics import mean, stdev
-    t975 = {2: 12.706, 3: 4.303, 4: 3.182, 5: 2.776}   # t quantiles by number of seeds
     last = {arm: {s: [r["eval/accuracy"] for r in rows if "eval/accuracy" in r][-1]
                   for s, rows in seeds.items()} for arm, seeds in runs.items()}
-    print("\n| comparison | mean | 95% CI | per seed |\n| --- | --- | --- | --- |")
+    print("\n| comparison | seeds | mean | 95% CI | per seed |\n| --- | --- | --- | --- | --- |")
     for base in ("fp32", "bf16"):
         for arm in last:
-            seeds = sorted(set(last[arm]) & set(last.get(base, {})))
+            seeds = sorted(set(last[arm]) & set(last.get(base, {})), key=int)
             if arm == base or (base == "bf16" and not arm.startswith("bf16_")) or len(seeds) < 2:
                 continue
-            d = [last[arm][s] - last[base][s] for s in seeds]
-            h = t975.get(len(d), 2.0) * stdev(d) / len(d) ** 0.5
-            print(f"| {arm} - {base} | {mean(d):+.3f} | [{mean(d) - h:+.3f}, {mean(d) + h:+.3f}] "
-                  f"| {', '.join(f'{x:+.3f}' for x in d)} |")
+            a, b = [last[arm][s] for s in seeds], [last[base][s] for s in seeds]
+            mean, lo, hi = paired_ci(a, b)
+            print(f"| {arm} - {base} | {len(seeds)} | {mean:+.3f} | [{lo:+.3f}, {hi:+.3f}] | "
+                  f"{', '.join(f'{x - y:+.3f}' for x, y in zip(a, b))} |")
 
 
 if __name__ == "__main__":
     args = sys.argv[1:]
     if args[:1] == ["gradients"] and len(args) <= 3:
-        gradients_main(*(args[1:] + ["out/qwen_small/sft/best", "out/off_policy_lab"][
+        gradients_main(*(args[1:] + ["out/qwen_small/sft/best", "out/off_policy_lab/early"][
             len(args) - 1:]))
+    elif args[:1] == ["report"] and len(args) == 3:
+        report_main(args[1], args[2])
     elif args[:1] == ["curves"] and len(args) == 3:
         curves_main(args[1], args[2])
     else:
         sys.exit("usage: python -m bench.off_policy_lab gradients [INIT_FROM] [OUT_DIR]\n"
+                 "       python -m bench.off_policy_lab report OUT_DIR PNG\n"
                  "       python -m bench.off_policy_lab curves RUNS_DIR PNG")

@@ -11,14 +11,15 @@ the test split:
   rft       rejection-sampling fine-tuning, same FLOPs, early-stopped on validation
   grpo      GRPO
   sft_all   SFT on a demonstration for every training problem (a reference: a full solver's worth)
+  grpo_pass4  GRPO with pass@4 advantages (advantage_pass_k=4), the coverage arm (bench/coverage.sh)
 An arm missing from every seed is left out (older comparisons have no heuristic or
 sft_all). This script reads those evaluations (OUT_DIR/seed<S>/test_<arm>/metrics.jsonl,
 the last row, and outcomes.jsonl beside it), writes OUT_DIR/results.json, prints
 markdown tables (each arm's test metrics, mean ± std over seeds; accuracy by problem
 size and by reach band, where the outcomes carry a reach; the paired differences of
 greedy accuracy with their 95% intervals, by seed and by a cluster bootstrap over digit
-multisets) and plots validation accuracy against wall-clock time and against FLOPs spent
-(OUT_DIR/val_accuracy.png, when matplotlib is installed).
+multisets, and of pass@k by seed) and plots validation accuracy against wall-clock time
+and against FLOPs spent (OUT_DIR/val_accuracy.png, when matplotlib is installed).
 
     python -m bench.report out/compare 1 2 3 4 5   # the seeds to read (none: every seed<S>)
     python -m bench.report --confirm out/compare   # the confirmatory split's (confirm_<arm>)
@@ -41,10 +42,11 @@ import sys
 
 import numpy as np
 
-ARMS = ("heuristic", "chain_rule", "sft", "sft_more", "rft", "grpo", "sft_all")
+ARMS = ("heuristic", "chain_rule", "sft", "sft_more", "rft", "grpo", "sft_all", "grpo_pass4")
 COMPARISONS = (("grpo", "heuristic"), ("grpo", "chain_rule"), ("grpo", "sft"),
                ("grpo", "sft_more"), ("grpo", "rft"), ("grpo", "sft_all"),
-               ("sft_more", "sft"), ("rft", "sft"))
+               ("sft_more", "sft"), ("rft", "sft"),
+               ("grpo_pass4", "grpo"), ("grpo_pass4", "sft"), ("grpo_pass4", "rft"))
 SIZES = ("3digits", "4digits", "5digits")
 # reach bands (countdown.reach: the chance one blind attempt solves a problem), [lo, hi)
 REACH_BANDS = ((0.0, 0.02), (0.02, 0.05), (0.05, 0.1), (0.1, 0.2), (0.2, 1.01))
@@ -186,8 +188,17 @@ def summarize(results, out_dir=None):
         paired[f"{a}-{b}"] = {
             "mean": mean, "ci95": None if math.isnan(lo) else [lo, hi], "n": len(seeds),
             "bootstrap95": bootstrap_pair(out_dir, seeds, a, b, split) if out_dir else None}
+    paired_pass = {}   # the same comparisons of each pass@k, by seed
+    for key in pass_keys(results):
+        for a, b in COMPARISONS:
+            if a in arms and b in arms and all(a in results[key][s] and b in results[key][s]
+                                                for s in seeds):
+                mean, lo, hi = paired_ci([results[key][s][a] for s in seeds],
+                                         [results[key][s][b] for s in seeds])
+                paired_pass.setdefault(key, {})[f"{a}-{b}"] = {
+                    "mean": mean, "ci95": None if math.isnan(lo) else [lo, hi]}
     by_reach = reach_bands(out_dir, seeds, arms, split) if out_dir else None
-    return {**results, "summary": summary, "paired": paired,
+    return {**results, "summary": summary, "paired": paired, "paired_pass": paired_pass,
             **({"accuracy_by_reach": by_reach} if by_reach else {})}
 
 
@@ -277,6 +288,15 @@ def tables(results):
         bci = "n/a" if boot is None else "[{:+.3f}, {:+.3f}]".format(*boot)
         lines.append(f"| {name.replace('-', ' - ')} | {p['mean']:+.3f} | {ci} | "
                      f"{verdict(p['ci95'])} | {bci} | {verdict(boot)} |")
+    for key, by in results.get("paired_pass", {}).items():
+        lines += ["", f"paired differences of {split} {key} (at the rollouts' temperature): 95% "
+                  f"Student-t interval over {len(seeds)} seeds:", "",
+                  "| comparison | mean difference | 95% CI (seeds) | excludes 0? |",
+                  "| --- | --- | --- | --- |"]
+        for name, p in by.items():
+            ci = "n/a" if p["ci95"] is None else "[{:+.3f}, {:+.3f}]".format(*p["ci95"])
+            lines.append(f"| {name.replace('-', ' - ')} | {p['mean']:+.3f} | {ci} | "
+                         f"{verdict(p['ci95'])} |")
     return "\n".join(lines)
 
 

@@ -193,7 +193,8 @@ def test_multi_turn_logprobs_match_the_trainer_and_later_turns_reuse_the_cache(t
     # every sampled token
     groups = [(None, episodes[i].prompt, [e.sample() for e in episodes[i:i + 4]], [1.0, 0, 0, 0])
               for i in range(0, len(episodes), 4)]
-    c = {"group_size": 4, "scale_rewards": False, "turn_baseline": False, "share_prompt": True,
+    c = {"group_size": 4, "scale_rewards": False, "advantage_pass_k": 1,
+         "turn_baseline": False, "share_prompt": True,
          "batch_tokens": 4096}
     batches = train_grpo.build_batches(groups, c)
     masks = [b.loss_mask for b in batches]

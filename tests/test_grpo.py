@@ -50,6 +50,35 @@ def test_group_advantages_scaled_by_group_std():
     assert torch.equal(adv[4:], torch.zeros(4))   # a flat group stays 0 (eps keeps it finite)
 
 
+def test_pass_at_k_advantages_against_every_subset():
+    # each sample's advantage from the definition: the k-subsets of its group, each scoring
+    # 1 if any member is right; the mean over the subsets that hold the sample minus the
+    # mean over all, over the subsets' std
+    import itertools
+    from statistics import mean, pstdev
+    rewards = [1, 0, 0, 0, 0, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 0, 1, 1]
+    for k in (1, 2, 3, 5):
+        want = []
+        for g in range(3):
+            group = rewards[8 * g:8 * (g + 1)]
+            subsets = list(itertools.combinations(range(8), k))
+            score = {s: max(group[i] for i in s) for s in subsets}
+            all_mean, std = mean(score.values()), pstdev(score.values())
+            for i in range(8):
+                held = mean(score[s] for s in subsets if i in s)
+                want.append((held - all_mean) / (std + 1e-6))
+        got = train_grpo.pass_at_k_advantages(rewards, 8, k, scale_rewards=True)
+        assert torch.allclose(got, torch.tensor(want), atol=1e-5), k
+    # k = 1 is GRPO's group advantage, scaled or not; the docstring's worked example
+    for scale in (False, True):
+        assert torch.allclose(train_grpo.pass_at_k_advantages(rewards, 8, 1, scale),
+                              group_advantages(rewards, 8, scale), atol=1e-6)
+    assert torch.allclose(train_grpo.pass_at_k_advantages([1, 0, 0, 0], 4, 2),
+                          torch.tensor([0.5, -1 / 6, -1 / 6, -1 / 6]))
+    with pytest.raises(ValueError, match="0/1 rewards"):
+        train_grpo.pass_at_k_advantages([1, 0.5, 0, 0], 4, 2)
+
+
 def test_zero_variance_groups():
     flat = zero_variance_groups([1, 1, 1, 0, 0, 0, 1, 0, 0], 3)
     assert flat.tolist() == [True, True, False]
@@ -63,7 +92,7 @@ def test_turn_baseline_scores_each_reply_against_the_episodes_that_reached_it():
         return [1, 1] + [0, 0, 1, 1] * (replies - 1)
     masks = [mask(n) for n in (1, 3, 2, 3)]
     rewards = [1.0, 0.0, 1.0, 0.0]
-    c = {"group_size": 4, "scale_rewards": False, "turn_baseline": True}
+    c = {"group_size": 4, "scale_rewards": False, "advantage_pass_k": 1, "turn_baseline": True}
     got = train_grpo.token_advantages(masks, rewards, c)
     third = 1 / 3
     assert got[0] == pytest.approx([0.5, 0.5])
@@ -91,7 +120,8 @@ def test_batch_weights_are_advantage_on_completion_only():
     prompt = [1, 5, 6]
     groups = [(None, prompt, [sample((7, 2), (-0.1, -0.2)), sample((8, 9, 2), (-0.3, -0.4, -0.5))],
                [1.0, 0.0])]
-    c = {"group_size": 2, "scale_rewards": False, "turn_baseline": False, "share_prompt": False,
+    c = {"group_size": 2, "scale_rewards": False, "advantage_pass_k": 1,
+         "turn_baseline": False, "share_prompt": False,
          "batch_tokens": 64}
     (b,) = build_batches(groups, c)
     assert b.tokens.tolist() == [1, 5, 6, 7, 2, 1, 5, 6, 8, 9, 2]
@@ -396,7 +426,8 @@ def two_groups(engine_logprob=None):
 
 def test_loss_normalizers_on_hand_made_batches():
     groups = two_groups()
-    c = {"group_size": 2, "scale_rewards": False, "turn_baseline": False, "share_prompt": True,
+    c = {"group_size": 2, "scale_rewards": False, "advantage_pass_k": 1,
+         "turn_baseline": False, "share_prompt": True,
          "batch_tokens": 8, "prompts_per_step": 4, "max_new_tokens": 16, "max_turns": 1}
     batches = build_batches(groups, c)
     assert len(batches) > 1                                     # the normalizer spans micro-batches
@@ -436,7 +467,8 @@ class FixedLogits:
 
 def test_tis_is_the_papers_estimator_outside_the_normalizer():
     groups = two_groups(engine_logprob=-2.0)
-    c = {"group_size": 2, "scale_rewards": False, "turn_baseline": False, "share_prompt": True,
+    c = {"group_size": 2, "scale_rewards": False, "advantage_pass_k": 1,
+         "turn_baseline": False, "share_prompt": True,
          "batch_tokens": 64, "prompts_per_step": 2, "max_new_tokens": 4, "max_turns": 1,
          "loss_norm": "weights", "tis_cap": 2.0, "kl_coef": 0.0, **NO_CORRECTION}
     (b,) = build_batches(groups, c)
@@ -464,7 +496,8 @@ def test_the_steps_own_forward_measures_the_mismatch_and_no_logprob_pass_runs_wi
                       head_dim=16, num_experts=4)
     model = Transformer(cfg)
     groups = two_groups()
-    c = {"group_size": 2, "scale_rewards": False, "turn_baseline": False, "share_prompt": True,
+    c = {"group_size": 2, "scale_rewards": False, "advantage_pass_k": 1,
+         "turn_baseline": False, "share_prompt": True,
          "batch_tokens": 64, "prompts_per_step": 2, "max_new_tokens": 4, "max_turns": 1,
          "loss_norm": "constant", "tis_cap": 0.0, "kl_coef": 0.0, **NO_CORRECTION}
     (b,) = build_batches(groups, c)
@@ -498,7 +531,8 @@ def test_kl_coef_pulls_the_policy_back_toward_the_reference():
         for p in policy.parameters():
             p.add_(0.05 * torch.randn_like(p))
     groups = two_groups()
-    c = {"group_size": 2, "scale_rewards": False, "turn_baseline": False, "share_prompt": True,
+    c = {"group_size": 2, "scale_rewards": False, "advantage_pass_k": 1,
+         "turn_baseline": False, "share_prompt": True,
          "batch_tokens": 64, "prompts_per_step": 2, "max_new_tokens": 4, "max_turns": 1,
          "loss_norm": "tokens", "tis_cap": 0.0, "kl_coef": 1.0, **NO_CORRECTION}
     (b,) = build_batches(groups, c)
@@ -537,6 +571,9 @@ def test_bad_grpo_settings_are_refused(tmp_path):
             train_grpo.check_settings(tiny_config(tmp_path, bad, *extra))
     with pytest.raises(ValueError, match="loss_norm"):
         train_grpo.check_settings(tiny_config(tmp_path, "--loss_norm=mean"))
+    for bad in ("--advantage_pass_k=0", "--advantage_pass_k=4"):   # tiny_config: group_size=4
+        with pytest.raises(ValueError, match="advantage_pass_k"):
+            train_grpo.check_settings(tiny_config(tmp_path, bad))
     with pytest.raises(ValueError, match="kl_coef"):
         # tiny_config starts from scratch
         train_grpo.check_settings(tiny_config(tmp_path, "--kl_coef=0.1"))

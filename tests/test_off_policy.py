@@ -119,10 +119,10 @@ def rollout_batches(path, engine_dtype="float32", top_p=1.0, routes=True):
                                                           top_p=top_p), 4)
     groups = [(None, samples[4 * g].prompt_tokens, samples[4 * g:4 * g + 4], [1.0, 0.0, 0.0, 1.0])
               for g in range(2)]
-    config = {**NO_CORRECTION, "group_size": 4, "scale_rewards": False, "turn_baseline": False,
-              "share_prompt": True, "batch_tokens": 4096, "prompts_per_step": 2,
-              "max_new_tokens": 10, "max_turns": 1, "loss_norm": "constant", "tis_cap": 0.0,
-              "kl_coef": 0.0, "temperature": 1.0}
+    config = {**NO_CORRECTION, "group_size": 4, "scale_rewards": False, "advantage_pass_k": 1,
+              "turn_baseline": False, "share_prompt": True, "batch_tokens": 4096,
+              "prompts_per_step": 2, "max_new_tokens": 10, "max_turns": 1,
+              "loss_norm": "constant", "tis_cap": 0.0, "kl_coef": 0.0, "temperature": 1.0}
     return train_grpo.build_batches(groups, config), config
 
 
@@ -192,3 +192,25 @@ def test_routing_replay_makes_the_trainer_route_as_the_bf16_engine_did(moe):
             gap["replayed"] += (r.old_log_probs - b.log_probs)[b.loss_mask].abs().sum().item()
         if differs:   # bf16: routing as the engine did brings the trainer's logprobs closer
             assert gap["replayed"] < gap["own"]
+
+
+def test_the_labs_row_tells_a_bias_from_noise():
+    # bench/off_policy_lab.row on synthetic gradients: 16 batches around a true gradient
+    from bench.off_policy_lab import interval, row
+    gen = torch.Generator().manual_seed(0)
+    true = torch.randn(4000, generator=gen)
+    exact = [true + 3 * torch.randn(4000, generator=gen) for _ in range(16)]
+    reference = true + 0.3 * torch.randn(4000, generator=gen)
+    same = row(exact, exact, exact, reference)
+    assert same["minus_exact"] == [0.0] * 16 and same["norm"] == pytest.approx(1.0)
+    assert all(c == pytest.approx(1.0) for c in same["cos_paired"])
+    # independent noise on each batch (no bias): the ratio is about 1
+    noisy = [g + 0.5 * torch.randn(4000, generator=gen) for g in exact]
+    assert 0.8 < row(noisy, exact, noisy, reference)["bias_ratio"] < 1.2
+    # the same noise plus a shift against the true gradient of 20 (each batch's noise has
+    # norm about 0.5 * sqrt(4000) = 32, its mean over 16 batches 8): the ratio is far above
+    # 1, and the cosine with the reference falls on every batch
+    biased = [g - 20 * true / true.norm() for g in noisy]
+    r = row(biased, exact, noisy, reference)
+    assert r["bias_ratio"] > 3
+    assert interval(r["minus_none"])[2] < 0 and interval(r["minus_exact"])[2] < 0

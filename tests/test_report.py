@@ -84,7 +84,7 @@ def test_load_and_summarize_fake_tree(tmp_path):
     fake_tree(str(tmp_path))
     results = summarize(load(str(tmp_path), [1, 2, 3]))
     assert list(results) == ["split", "arms", "per_seed", "pass@1", "pass@8", "summary",
-                             "paired"]
+                             "paired", "paired_pass"]
     assert results["arms"] == ["sft", "sft_more", "rft", "grpo"]   # no heuristic, sft_all: left out
     assert results["per_seed"] == ACC  # the last row of each evaluation, seeds as strings
     assert results["pass@1"]["2"]["grpo"] == 0.25 and results["pass@8"]["3"]["sft"] == 0.75
@@ -98,6 +98,10 @@ def test_load_and_summarize_fake_tree(tmp_path):
     half = 4.303 * np.std([0.25, 0.375, 0.375], ddof=1) / math.sqrt(3)
     assert p["n"] == 3 and p["mean"] == pytest.approx(1 / 3)
     assert p["ci95"] == pytest.approx([1 / 3 - half, 1 / 3 + half])
+    # pass@8 is 1 - accuracy in fake_tree: its differences are the greedy ones negated
+    p8 = results["paired_pass"]["pass@8"]["grpo-sft"]
+    assert p8["mean"] == pytest.approx(-1 / 3)
+    assert p8["ci95"] == pytest.approx([-1 / 3 - half, -1 / 3 + half])
     # differences 0.25, 0.25, 0.25
     assert results["paired"]["grpo-rft"]["mean"] == pytest.approx(0.25)
     assert results["paired"]["grpo-rft"]["ci95"] == pytest.approx([0.25, 0.25])
