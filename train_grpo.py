@@ -183,6 +183,8 @@ def pass_at_k_advantages(rewards, group_size, k, scale_rewards=False, eps=1e-6):
     a group with fewer than k wrong samples (pass@k already 1) teaches nothing.
     k = 1 is group_advantages."""
     r = torch.as_tensor(rewards, dtype=torch.float32)
+    whole = r.dim() == 1 and r.numel() > 0 and r.numel() % group_size == 0
+    require(whole, f"rewards {tuple(r.shape)}: not a flat list of whole groups of {group_size}")
     require(bool(((r == 0) | (r == 1)).all()),
             f"advantage_pass_k={k}: needs 0/1 rewards, got {sorted(set(r.tolist()))}")
     adv = []
@@ -209,8 +211,9 @@ def reply_index(mask):
 def token_advantages(masks, rewards, config):
     """Each sample's advantage on each of its tokens (masks: its sampled_mask), 0 where it
     was not sampled. By default (and for one-reply episodes) the sample's group
-    advantage on every sampled token. With turn_baseline the tokens of reply k get the
-    episode's reward minus the mean reward of the group's episodes that reached reply k:
+    advantage on every sampled token (with advantage_pass_k > 1, its pass@k one). With
+    turn_baseline the tokens of reply k get the episode's reward minus the mean reward
+    of the group's episodes that reached reply k:
     a reply after feedback competes with the other replies after feedback, not with
     first answers that were right. Worked example, one group: rewards 1, 0, 1, 0 from
     episodes of 1, 3, 2 and 3 replies. Reply 1 (all four): baseline 0.5. Reply 2

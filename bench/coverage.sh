@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The coverage arm of docs/results.md (issue 64): GRPO with pass@k advantages
-# (advantage_pass_k=4, chosen on validation against a KL to the start: docs/results.md) from
+# (advantage_pass_k=4, chosen on validation over k=2 and a KL to the start: docs/results.md) from
 # each bench/compare.sh seed's start, under the same recipe otherwise; scored once on the test
 # split and once on the confirmatory split, like compare.sh's arms, and sampled for pass@k
 # (bench/pass_at_k.py). Then bench/report.py (its arm grpo_pass4) and pass_at_k's report.
@@ -17,10 +17,10 @@ PY=.venv/bin/python
 ARM=grpo_pass4
 SEEDS=("$@")
 [ ${#SEEDS[@]} -gt 0 ] || SEEDS=(1 2 3 4 5)
-for s in "${SEEDS[@]}"; do
-    [ -d "$OUT/seed$s/sft/best" ] ||
-        { echo "bench/coverage.sh: $OUT/seed$s/sft/best is missing (bash bench/compare.sh $s)" >&2
-          exit 2; }
+for s in "${SEEDS[@]}"; do   # the arms it joins must be compare.sh's of today's protocol
+    grep -qsx edge-3 "$OUT/seed$s/protocol" && [ -d "$OUT/seed$s/sft/best" ] ||
+        { echo "bench/coverage.sh: $OUT/seed$s is not a finished edge-3 seed" \
+               "(bash bench/compare.sh $s)" >&2; exit 2; }
 done
 export OMP_NUM_THREADS=1 MKL_NUM_THREADS=1 WANDB_MODE="${WANDB_MODE:-offline}"
 run_seed() {   # run_seed <seed>: train, score on test and confirm, sample for pass@k
@@ -48,6 +48,7 @@ for s in "${SEEDS[@]}"; do   # a failed seed shows here, with its log
         { echo "failed: seed $s (see $OUT/seed$s/$ARM.log)" >&2; missing=1; }
 done
 [ "$missing" = 0 ] || exit 1
+# (the report of these seeds: with fewer than compare.sh's, results.json holds only them)
 $PY -m bench.report "$OUT" "${SEEDS[@]}"
-$PY -m bench.report "$OUT" --confirm "${SEEDS[@]}"
+$PY -m bench.report --confirm "$OUT" "${SEEDS[@]}"
 echo "bench/coverage.sh: done; python -m bench.pass_at_k report $OUT PNG draws pass@k"

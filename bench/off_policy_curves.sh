@@ -6,8 +6,8 @@
 # for the mismatch metrics a real stale run logs. Two runs at a time on one thread each (a
 # rollout-rank run is two processes: alone).
 #
-#   bash bench/off_policy_curves.sh [INIT_FROM]     # default out/qwen_small/sft/best (bash speedrun.sh)
-#   ARMS="bf16_tis bf16_replay" SEEDS="1 2 3" bash bench/off_policy_curves.sh   # other arms (below)
+#   bash bench/off_policy_curves.sh [INIT_FROM]   # default out/qwen_small/sft/best (speedrun.sh)
+#   ARMS="bf16_tis bf16_replay" SEEDS="1 2 3" bash bench/off_policy_curves.sh   # arms (FLAGS below)
 #   python -m bench.off_policy_lab curves out/off_policy_curves docs/off_policy_curves.png
 #
 # 60 steps of 64 problems (a shorter run than the speedrun's 100 x 96), validation every 10 steps.
@@ -29,7 +29,7 @@ declare -A FLAGS=(
 )
 run() {   # run <arm> <seed>
     local d="$OUT/$1_seed$2" launch=(.venv/bin/python) routes=--record_routes=True
-    grep -qs '"eval/accuracy"' "$d/metrics.jsonl" && [ -d "$d/ckpt" ] && return 0
+    done_run "$1" "$2" && return 0
     if [[ $1 == ranks_* ]]; then   # routes are recorded only by a colocated engine
         launch=(.venv/bin/torchrun --standalone --nproc_per_node=2) routes=
     fi
@@ -39,23 +39,22 @@ run() {   # run <arm> <seed>
         --log_interval=10 --keep_best=False $routes ${FLAGS[$1]} > "$d.log" 2>&1
 }
 mkdir -p "$OUT"
+done_run() {   # done_run <arm> <seed>: finished, its step-60 checkpoint written
+    grep -qs '"iter": 60,' "$OUT/$1_seed$2/ckpt/checkpoint.json"
+}
 jobs=()
-if [ -n "${ARMS:-}" ]; then
-    for seed in ${SEEDS:-1 2 3}; do
-        for arm in $ARMS; do
-            [ -n "${FLAGS[$arm]:-}" ] || { echo "unknown arm '$arm': ${!FLAGS[*]}" >&2; exit 2; }
-            jobs+=("$arm $seed")
-        done
+for seed in ${SEEDS:-1 2 3 4 5 6 7 8}; do
+    for arm in ${ARMS:-fp32 bf16}; do
+        [ -n "${FLAGS[$arm]:-}" ] || { echo "unknown arm '$arm': ${!FLAGS[*]}" >&2; exit 2; }
+        jobs+=("$arm $seed")
     done
-else
-    for seed in 1 2 3 4 5 6 7 8; do
-        jobs+=("fp32 $seed" "bf16 $seed")
-    done
-    jobs+=("ranks_stale1_tis 1" "ranks_stale4_tis 1")
-fi
+done
+[ -n "${ARMS:-}" ] || jobs+=("ranks_stale1_tis 1" "ranks_stale4_tis 1")
 pending=()
-for job in "${jobs[@]}"; do   # two at a time; a rollout-rank run takes both cores
+for job in "${jobs[@]}"; do   # two at a time; a rollout-rank run takes both cores, alone
     if [[ $job == ranks_* ]]; then
+        wait "${pending[@]}" 2>/dev/null || true
+        pending=()
         run $job || true   # a failed run is named below, with its log
     else
         run $job &
@@ -67,8 +66,8 @@ wait || true
 missing=0
 for job in "${jobs[@]}"; do   # a failed run shows here, with its log
     read -r arm seed <<< "$job"
-    grep -qs '"eval/accuracy"' "$OUT/${arm}_seed$seed/metrics.jsonl" ||
-        { echo "failed: $arm seed $seed (see $OUT/${arm}_seed$seed.log)"; missing=1; }
+    done_run "$arm" "$seed" || { echo "failed: $arm seed $seed (see $OUT/${arm}_seed$seed.log)"
+                                 missing=1; }
 done
 [ "$missing" = 0 ] || exit 1
 echo "bench/off_policy_curves.sh: done, $OUT"

@@ -39,18 +39,20 @@ epochs, in training.
 """
 
 import dataclasses
+import functools
 import json
+import math
 import os
 import sys
 
 import numpy as np
 import torch
 
-from bench.report import paired_ci, pyplot as report_pyplot
+from bench.report import paired_ci, pyplot as report_pyplot, t975
 from tasks import evaluate
 import train_grpo
 import training
-from checkpoint import init_start
+from checkpoint import META, init_start, load_trainer_state, read_checkpoint_meta
 from configurator import configure
 from tasks.environment import Environment, load_task
 from tokenizer import build_tokenizer
@@ -106,22 +108,34 @@ def gradient(model, batches, config, normalizer):
     for b in batches:
         logp, _ = training.batch_logprobs(model, b)
         train_grpo.policy_loss(logp, b, normalizer, config).backward()
-    return torch.cat([p.grad.flatten() for p in model.parameters()]).clone()
+    # a parameter no token reached (an expert with none routed to it) has no gradient: 0
+    return torch.cat([torch.zeros(p.numel()) if p.grad is None else p.grad.flatten()
+                      for p in model.parameters()]).clone()
 
 
-def advance(model, env, problems, config, steps, normalizer):
-    """A copy of model after `steps` on-policy GRPO steps (AdamW at the config's learning
-    rate): the trainer that a rollout of model is `steps` behind."""
+def advance(model, env, problems, config, steps, start):
+    """A copy of model after `steps` on-policy GRPO steps taken as the run takes them
+    (prompts_per_step problems each, GRPO's normalizer, the run's AdamW, gradient
+    clipping, the learning rate of its schedule from the checkpoint's step on): the
+    trainer that a rollout of model is `steps` behind. The AdamW state is the
+    checkpoint's when it has one (a fresh one's first steps move every weight by about
+    the learning rate, as they do at a run's start)."""
     ahead = type(model)(model.config)
     ahead.load_state_dict(model.state_dict())
-    opt = torch.optim.AdamW(ahead.parameters(), lr=config["learning_rate"], betas=(0.9, 0.95),
-                            weight_decay=0.0)
+    opt = training.configure_optimizer(ahead, config["learning_rate"], config["weight_decay"],
+                                       (config["beta1"], config["beta2"]), "cpu")
+    if start.trainer_state is not None:
+        opt.load_state_dict(start.trainer_state["optimizer"])
     plain = {**config, "record_routes": False}
+    P, first = config["prompts_per_step"], start.meta.get("iter", 0) if start.meta else 0
+    normalizer = train_grpo.loss_normalizer([], config)
+    loss_fn = functools.partial(train_grpo.policy_loss, config=plain)
     for k in range(steps):
-        batches = batches_of(ahead, env, problems[k::steps], config, seed=10_000 + k)
+        batches = batches_of(ahead, env, problems[k * P:(k + 1) * P], plain, seed=10_000 + k)
         batches = [dataclasses.replace(b, routes=None) for b in batches]
-        gradient(ahead, batches, plain, normalizer)
-        opt.step()
+        training.train_step(ahead, opt, batches, training.scheduled_lr(config, first + k),
+                            config["grad_clip"], config["aux_loss_coef"], None, normalizer,
+                            loss_fn)
     return ahead
 
 
@@ -134,13 +148,17 @@ def on_policy_reference(trainer, env, problems, config, normalizer):
     """trainer's expected on-policy gradient, estimated by the mean of n_reference
     batches (problems[i], seed 20_000 + i), with what tells its noise: the floor (the
     cosine between two independent one-batch estimates, over n_reference / 2 disjoint
-    pairs) and the cosine between the means of its two halves."""
+    pairs), the cosine between the means of its two halves, and from it (Spearman-Brown)
+    the mean's own expected cosine with the true gradient: with halves at cosine h,
+    sqrt(2h / (1 + h))."""
     plain = {**config, "record_routes": False}
     grads = torch.stack([gradient(trainer, batches_of(trainer, env, p, plain, 20_000 + i),
                                   plain, normalizer) for i, p in enumerate(problems)])
+    halves = cosine(grads[0::2].mean(0), grads[1::2].mean(0))
     return {"mean": grads.mean(0),
             "floor": [cosine(grads[i], grads[i + 1]) for i in range(0, len(grads) - 1, 2)],
-            "split_half": cosine(grads[0::2].mean(0), grads[1::2].mean(0))}
+            "split_half": halves,
+            "reliability": math.sqrt(max(2 * halves / (1 + halves), 0.0))}
 
 
 def kl_of(trainer, batches):
@@ -154,44 +172,61 @@ def kl_of(trainer, batches):
     return total / max(tokens, 1)
 
 
-def measure(model, env, config):
-    """{"sources": {source: {"kl_k3", "rows": {correction: row}}}, "references": {trainer:
-    floor and split half}}: every source and correction on n_batches batches against the
-    on-policy reference of the policy being trained."""
-    train = env.task.make_problems("train")
+def lab_problems(env, config):
+    """The training problems, cut into batches: the reference's, the rows' (disjoint
+    from them, at the end) and, between, the stale trainers' steps' (prompts_per_step
+    problems a step)."""
+    train, size = env.task.make_problems("train"), problems_per_batch
+    chunks = [train[i * size:(i + 1) * size] for i in range(len(train) // size)]
+    steps = max((s for kind, s in sources if kind == "stale"), default=0)
+    spare = train[n_reference * size:][:steps * config["prompts_per_step"]]
+    if n_reference * size + len(spare) > (len(chunks) - n_batches) * size:
+        raise ValueError(f"{len(train)} training problems: too few for the lab's batches")
+    return chunks[:n_reference], chunks[-n_batches:], spare
+
+
+def trained_policy(start, env, config, kind, strength, problems):
+    """(trainer, its reference, its exact gradient of each row batch): the checkpoint
+    itself, or for 'stale k' the checkpoint k steps on."""
+    reference_problems, batch_problems, spare = problems
+    trainer = start.model if kind != "stale" else advance(start.model, env, spare, config,
+                                                          strength, start)
     normalizer = problems_per_batch * config["group_size"] * config["max_new_tokens"]
-    chunks = [train[i * problems_per_batch:(i + 1) * problems_per_batch]
-              for i in range(len(train) // problems_per_batch)]
-    reference_problems, batch_problems = chunks[:n_reference], chunks[-n_batches:]
-    spare = train[n_reference * problems_per_batch:][:8 * problems_per_batch]
-    require_problems = n_reference + n_batches + 8 <= len(chunks)
-    assert require_problems, f"{len(train)} training problems: too few for the lab's batches"
+    plain = {**config, "record_routes": False}
+    reference = on_policy_reference(trainer, env, reference_problems, config, normalizer)
+    exact = [gradient(trainer, batches_of(trainer, env, p, plain, 1_000 + b), plain, normalizer)
+             for b, p in enumerate(batch_problems)]
+    reference["exact_cos"] = [cosine(e, reference["mean"]) for e in exact]
+    return trainer, reference, exact
+
+
+def measure(start, env, config):
+    """{"sources": {source: {"trainer", "kl_k3", "rows": {correction: row}}}, "references":
+    {trainer: its reference's noise}}: every source and correction on n_batches batches
+    against the on-policy reference of the policy being trained."""
+    problems = lab_problems(env, config)
+    normalizer = problems_per_batch * config["group_size"] * config["max_new_tokens"]
     out, trainers = {"sources": {}, "references": {}}, {}
     for kind, strength in sources:
         name = kind if strength is None else f"{kind} {strength}"
-        trainer_name = f"stale {strength}" if kind == "stale" else "checkpoint"
-        if trainer_name not in trainers:   # the policy being trained, its reference, its exact
-            trainer = model if kind != "stale" else advance(model, env, spare, config, strength,
-                                                            normalizer)
-            reference = on_policy_reference(trainer, env, reference_problems, config, normalizer)
-            plain = {**config, "record_routes": False}
-            exact = [gradient(trainer, batches_of(trainer, env, p, plain, 1_000 + b), plain,
-                              normalizer) for b, p in enumerate(batch_problems)]
-            trainers[trainer_name] = (trainer, reference, exact)
-            out["references"][trainer_name] = {k: v for k, v in reference.items() if k != "mean"}
+        trainer_name = name if kind == "stale" else "checkpoint"
+        if trainer_name not in trainers:
+            trainers[trainer_name] = trained_policy(start, env, config, kind, strength, problems)
+            out["references"][trainer_name] = {
+                k: v for k, v in trainers[trainer_name][1].items() if k != "mean"}
         trainer, reference, exact = trainers[trainer_name]
         dtype = "bfloat16" if kind == "bf16" else "float32"
         top_p = strength if kind == "top_p" else 1.0
         got, kl = {c: [] for c in corrections}, []
-        for b, problems in enumerate(batch_problems):   # the same problems and seeds as exact
-            off = batches_of(model, env, problems, config, 1_000 + b, dtype, top_p)
+        for b, batch in enumerate(problems[1]):   # the same problems and seeds as exact
+            off = batches_of(start.model, env, batch, config, 1_000 + b, dtype, top_p)
             kl.append(kl_of(trainer, off))
             for c, settings in corrections.items():
                 got[c].append(gradient(trainer, off, {**config, **settings}, normalizer))
         rows = {c: row(g, exact, got["none"], reference["mean"]) for c, g in got.items()}
         out["sources"][name] = {"trainer": trainer_name, "kl_k3": float(np.mean(kl)),
                                 "rows": rows}
-        print(f"{name}: " + ", ".join(f"{c} {np.mean(r['minus_none']):+.4f}"
+        print(f"{name}: " + ", ".join(f"{c} {np.mean(r['minus_exact']):+.4f}"
                                       for c, r in rows.items()), flush=True)
     return out
 
@@ -201,20 +236,35 @@ def row(grads, exact, uncorrected, reference):
     batches): the cosine with the reference ("cos_ref"); that minus the batch's exact
     gradient's cosine with it ("minus_exact": what the mismatch costs, paired by batch)
     and minus the uncorrected gradient's ("minus_none": what the correction buys); the
-    cosine with the batch's exact gradient ("cos_paired"). Over the batches: the bias
-    ratio, |mean(g - exact)|^2 over its expected value with no bias, tr(cov) / n (about
-    1 when the mismatch moves the gradient by less than the noise, far above 1 when it
-    biases it), and the mean gradient's norm over the exact one's."""
+    cosine with the batch's exact gradient ("cos_paired"). Over the batches: the bias,
+    |E[g - exact]|^2 / |reference|^2, estimated without the noise's own share (the mean
+    of <d_i, d_j> over pairs i != j of the batches' differences d, unbiased: about 0 when
+    there is none) with a jackknife 95% interval; and the mean gradient's norm over the
+    exact one's."""
     g, e = torch.stack(grads).double(), torch.stack(exact).double()
     cos_ref = [cosine(x, reference) for x in g]
-    d = g - e
-    noise = float(((d - d.mean(0)) ** 2).sum() / (len(d) - 1) / len(d))
     return {"cos_ref": cos_ref,
             "minus_exact": [c - cosine(x, reference) for c, x in zip(cos_ref, e)],
             "minus_none": [c - cosine(x, reference) for c, x in zip(cos_ref, uncorrected)],
             "cos_paired": [cosine(x, y) for x, y in zip(g, e)],
-            "bias_ratio": float(d.mean(0).norm() ** 2 / max(noise, 1e-300)),
+            "bias": bias_squared(g - e, reference.double()),
             "norm": float(g.mean(0).norm() / e.mean(0).norm())}
+
+
+def bias_squared(d, reference):
+    """(estimate, lo, hi) of |E[d]|^2 / |reference|^2 from the rows of d, one per batch:
+    (|sum d|^2 - sum |d_i|^2) / (n (n - 1)), the mean of <d_i, d_j> over i != j (its
+    expectation is |E[d]|^2 exactly), and a jackknife 95% t interval."""
+    n, scale = len(d), float(reference.norm() ** 2)
+    total, squares = d.sum(0), (d * d).sum(1)
+    def estimate(s, sq, m):
+        return float((s.dot(s) - sq) / (m * (m - 1))) / scale
+    full = estimate(total, squares.sum(), n)
+    leave_one_out = np.array([estimate(total - d[i], squares.sum() - squares[i], n - 1)
+                              for i in range(n)])
+    half = t975(n - 1) * math.sqrt((n - 1) / n * ((leave_one_out - leave_one_out.mean()) ** 2)
+                                   .sum())
+    return full, full - half, full + half
 
 
 def interval(values):
@@ -226,10 +276,13 @@ def gradients_main(init_from, out_dir):
     torch.manual_seed(0)
     config = grpo_config(init_from)
     start = init_start(config, build_tokenizer)
+    if os.path.isfile(os.path.join(start.source, META)):   # a training checkpoint: its step
+        start = dataclasses.replace(start, meta=read_checkpoint_meta(start.source),   # and AdamW
+                                    trainer_state=load_trainer_state(start.source))
     env = Environment(load_task(config["task"]), start.tokenizer, config["max_new_tokens"],
                       stop_ids=start.stop_ids)
     os.makedirs(out_dir, exist_ok=True)
-    results = {"init_from": init_from, **measure(start.model, env, config)}
+    results = {"init_from": init_from, "iter": start.iter_num, **measure(start, env, config)}
     with open(os.path.join(out_dir, "results.json"), "w") as f:
         json.dump(results, f, indent=1)
     print(f"wrote {out_dir}/results.json")
@@ -239,45 +292,36 @@ def gradients_main(init_from, out_dir):
 # the report: every checkpoint's rows, with their intervals
 
 
-def cell(values):
-    mean, lo, hi = interval(values)
-    return f"{mean:+.3f} [{lo:+.3f}, {hi:+.3f}]"
+def ci_cell(stats, digits=3):
+    """'mean [lo, hi]' of a (mean, lo, hi), signed."""
+    mean, lo, hi = stats
+    return f"{mean:+.{digits}f} [{lo:+.{digits}f}, {hi:+.{digits}f}]"
 
 
 def report_main(out_dir, png):
     """table.md from out_dir/<checkpoint>/results.json (checkpoints in CHECKPOINTS order):
     the references' noise, then per checkpoint every row with 95% intervals over its
-    batches, then each row over the checkpoints (a t interval over their means); and the
-    figure."""
+    batches, then each row pooled over the checkpoints; and the figure."""
     runs = {c: json.load(open(os.path.join(out_dir, c, "results.json")))
             for c in CHECKPOINTS if os.path.isfile(os.path.join(out_dir, c, "results.json"))}
     if not runs:
         sys.exit(f"{out_dir}: no <checkpoint>/results.json ({', '.join(CHECKPOINTS)})")
     lines = reference_table(runs)
     for c, r in runs.items():
-        lines += ["", f"**{c}** ({r['init_from']}); 95% intervals over {n_of(r)} batches", "",
+        lines += ["", f"**{c}** ({r['init_from']}, step {r['iter']}); 95% intervals over "
+                  f"{n_of(r)} batches", "",
                   "| source | k3 KL | correction | cos with the reference | minus exact | "
-                  "minus no correction | cos with the batch's exact | bias ratio | norm ratio |",
-                  "| --- " * 9 + "|"]
+                  "minus no correction | cos with the batch's exact | bias^2 / ref^2 | "
+                  "norm ratio |", "| --- " * 9 + "|"]
         for source, by in r["sources"].items():
             for corr, x in by["rows"].items():
-                lines.append(f"| {source} | {by['kl_k3']:.1e} | {corr} | {cell(x['cos_ref'])} | "
-                             f"{cell(x['minus_exact'])} | {cell(x['minus_none'])} | "
-                             f"{cell(x['cos_paired'])} | {x['bias_ratio']:.1f} | "
-                             f"{x['norm']:.3f} |")
-    lines += ["", "**Over the checkpoints**: each checkpoint's mean, then their mean and 95% "
-              "t interval", "", "| source | correction | minus exact | minus no correction |",
-              "| --- | --- | --- | --- |"]
-    first = next(iter(runs.values()))
-    for source, by in first["sources"].items():
-        for corr in by["rows"]:
-            cols = []
-            for stat in ("minus_exact", "minus_none"):
-                means = [float(np.mean(r["sources"][source]["rows"][corr][stat]))
-                         for r in runs.values()]
-                each = " / ".join(f"{m:+.3f}" for m in means)
-                cols.append(each + (f"; {cell(means)}" if len(means) > 1 else ""))
-            lines.append(f"| {source} | {corr} | {cols[0]} | {cols[1]} |")
+                lines.append(
+                    f"| {source} | {by['kl_k3']:.1e} | {corr} | {ci_cell(interval(x['cos_ref']))} "
+                    f"| {ci_cell(interval(x['minus_exact']))} | "
+                    f"{ci_cell(interval(x['minus_none']))} | "
+                    f"{ci_cell(interval(x['cos_paired']))} | {ci_cell(x['bias'], 4)} | "
+                    f"{x['norm']:.3f} |")
+    lines += pooled_table(runs)
     with open(os.path.join(out_dir, "table.md"), "w") as f:
         f.write("\n".join(lines) + "\n")
     print("\n".join(lines))
@@ -285,17 +329,44 @@ def report_main(out_dir, png):
 
 
 def reference_table(runs):
-    """Per checkpoint and policy trained: the floor, the reference's split halves, and an
-    exact batch's cosine with the reference (the most any one batch can score)."""
+    """Per checkpoint and policy trained: the floor, the reference's split halves and its
+    estimated cosine with the true gradient, and the exact batches' cosine with the
+    reference (what an unbiased one-batch estimate scores)."""
     lines = ["| checkpoint | trainer | floor: cos of two one-batch estimates | reference's "
-             "split halves | exact batch's cos with the reference |", "| --- " * 5 + "|"]
+             "halves | reference vs truth (est.) | exact batch vs reference |",
+             "| --- " * 6 + "|"]
     for c, r in runs.items():
-        exact = {by["trainer"]: by["rows"]["none"] for by in r["sources"].values()}
         for trainer, ref in r["references"].items():
-            x = exact[trainer]
-            cos_exact = [a - d for a, d in zip(x["cos_ref"], x["minus_exact"])]
-            lines.append(f"| {c} | {trainer} | {cell(ref['floor'])} | "
-                         f"{ref['split_half']:.3f} | {cell(cos_exact)} |")
+            lines.append(f"| {c} | {trainer} | {ci_cell(interval(ref['floor']))} | "
+                         f"{ref['split_half']:.3f} | {ref['reliability']:.3f} | "
+                         f"{ci_cell(interval(ref['exact_cos']))} |")
+    return lines
+
+
+def pooled(means_and_halves):
+    """The mean of the checkpoints' means, with a 95% interval from their own intervals'
+    half widths (sqrt of the summed squares, over their number): the checkpoints are
+    three fixed points of one run, not a sample of runs."""
+    means = [m for m, _ in means_and_halves]
+    half = math.sqrt(sum(h * h for _, h in means_and_halves)) / len(means_and_halves)
+    return float(np.mean(means)), float(np.mean(means)) - half, float(np.mean(means)) + half
+
+
+def pooled_table(runs):
+    """Each row's minus-exact and minus-no-correction: every checkpoint's mean, and their
+    pool with its interval."""
+    lines = ["", f"**Pooled over the checkpoints** ({', '.join(runs)}): each one's mean, then "
+             "their mean with a 95% interval from the checkpoints' own", "",
+             "| source | correction | minus exact | minus no correction |", "| --- " * 4 + "|"]
+    first = next(iter(runs.values()))
+    for source, by in first["sources"].items():
+        for corr in by["rows"]:
+            cols = []
+            for stat in ("minus_exact", "minus_none"):
+                each = [interval(r["sources"][source]["rows"][corr][stat]) for r in runs.values()]
+                pool = pooled([(m, (hi - lo) / 2) for m, lo, hi in each])
+                cols.append(" / ".join(f"{m:+.3f}" for m, _, _ in each) + f"; {ci_cell(pool)}")
+            lines.append(f"| {source} | {corr} | {cols[0]} | {cols[1]} |")
     return lines
 
 
@@ -336,6 +407,9 @@ def plot_gradients(runs, png):
 
 
 def curves_main(out_dir, png):
+    """The arms' table (validation at the last step, mean ± std over seeds; the mismatch
+    metrics' means over every logged step, the k3 KL's median too), their paired
+    differences and the plot, from out_dir/<arm>_seed<S>/metrics.jsonl."""
     runs = {}
     for name in sorted(os.listdir(out_dir)):
         path = os.path.join(out_dir, name, "metrics.jsonl")
@@ -345,8 +419,8 @@ def curves_main(out_dir, png):
     keys = ("train/logprob_mismatch", "offpolicy/kl_k3", "offpolicy/corrected",
             "offpolicy/expert_disagreement")
     print("| arm | seeds | val accuracy, last (mean ± std) | best | " +
-          " | ".join(keys) + " |")
-    print("| --- " * (4 + len(keys)) + "|")
+          " | ".join(keys) + " | k3 KL, median |")
+    print("| --- " * (5 + len(keys)) + "|")
     curves = {}
     for arm, seeds in runs.items():
         evals = [[(r["iter"], r["eval/accuracy"]) for r in rows if "eval/accuracy" in r]
@@ -354,17 +428,20 @@ def curves_main(out_dir, png):
         steps = sorted(set.intersection(*(set(i for i, _ in e) for e in evals)))
         acc = np.array([[dict(e)[s] for s in steps] for e in evals])
         curves[arm] = (steps, acc.mean(0))
-        means = [np.mean([r[k] for rows in seeds.values() for r in rows if k in r] or [np.nan])
-                 for k in keys]
-        print(f"| {arm} | {len(evals)} | {acc[:, -1].mean():.3f} ± {acc[:, -1].std(ddof=1):.3f} "
-              f"| {acc.max(1).mean():.3f} | " + " | ".join(f"{m:.2e}" for m in means) + " |")
+        logged = {k: [r[k] for rows in seeds.values() for r in rows if k in r] for k in keys}
+        means = [f"{np.mean(v):.2e}" if v else "n/a" for v in logged.values()]
+        kl = logged["offpolicy/kl_k3"]
+        spread = f"{acc[:, -1].std(ddof=1):.3f}" if len(acc) > 1 else "n/a"
+        print(f"| {arm} | {len(evals)} | {acc[:, -1].mean():.3f} ± {spread} "
+              f"| {acc.max(1).mean():.3f} | " + " | ".join(means) +
+              f" | {f'{np.median(kl):.2e}' if kl else 'n/a'} |")
     paired_differences(runs)
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = report_pyplot()
+    if plt is None:
+        return
     fig, ax = plt.subplots(figsize=(7, 4))
     for arm, (steps, acc) in curves.items():
-        ax.plot(steps, acc, marker="o", label=arm,
+        ax.plot(steps, acc, marker="o", label=f"{arm} ({len(runs[arm])} seeds)",
                 linestyle="--" if arm == "fp32" else "-")
     ax.set_xlabel("GRPO step")
     ax.set_ylabel("validation accuracy (mean over seeds)")

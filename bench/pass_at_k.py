@@ -38,6 +38,7 @@ KS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 # reach bands, [lo, hi): bench/report.py's three that the edge's test split holds
 BANDS = compare_report.REACH_BANDS[2:]
 SEED = 0                      # the sampling seed, the same for every arm
+PAIRS = (("grpo", "sft"), ("rft", "sft"), ("grpo_pass4", "sft"), ("grpo_pass4", "grpo"))
 # -----------------------------------------------------------------------------
 
 
@@ -127,6 +128,15 @@ def curves(found):
     return out
 
 
+def paired(found, ks):
+    """Per pair in PAIRS whose arms both have counts: each k's difference of the arms'
+    pass@k over all the problems, paired by seed (mean, 95% t interval)."""
+    def per_seed(arm, k):
+        return [np.mean([pass_at_k(r["n"], r["right"], k) for r in rows]) for rows in found[arm]]
+    return {(a, b): [compare_report.paired_ci(per_seed(a, k), per_seed(b, k)) for k in ks]
+            for a, b in PAIRS if a in found and b in found}
+
+
 def curve_lines(lines):
     """A band's (name, values) curves: the blind search's, then each arm's."""
     return [(name, v) for name, v in lines.items() if name not in ("k", "problems")]
@@ -140,6 +150,13 @@ def report(out_dir, png):
               f"seed(s)): pass@k for k = {', '.join(map(str, lines['k']))}")
         for name, values in curve_lines(lines):
             print(f"  {name:13s} " + " ".join(f"{v:.3f}" for v in values))
+    ks = table["all"]["k"]
+    print(f"\npaired by seed, all {table['all']['problems']} problems: the difference of pass@k "
+          "and its 95% t interval")
+    for (a, b), stats in paired(found, ks).items():
+        print(f"  {a} - {b}")
+        for k, (mean, lo, hi) in zip(ks, stats):
+            print(f"    k = {k:3d}: {mean:+.3f} [{lo:+.3f}, {hi:+.3f}]")
     plt = compare_report.pyplot()
     if plt is None:
         return

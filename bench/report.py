@@ -11,7 +11,7 @@ the test split:
   rft       rejection-sampling fine-tuning, same FLOPs, early-stopped on validation
   grpo      GRPO
   sft_all   SFT on a demonstration for every training problem (a reference: a full solver's worth)
-  grpo_pass4  GRPO with pass@4 advantages (advantage_pass_k=4), the coverage arm (bench/coverage.sh)
+  grpo_pass4 GRPO with pass@4 advantages (advantage_pass_k=4): the coverage arm, bench/coverage.sh
 An arm missing from every seed is left out (older comparisons have no heuristic or
 sft_all). This script reads those evaluations (OUT_DIR/seed<S>/test_<arm>/metrics.jsonl,
 the last row, and outcomes.jsonl beside it), writes OUT_DIR/results.json, prints
@@ -172,34 +172,37 @@ def pass_keys(results):
 
 
 def summarize(results, out_dir=None):
-    """results plus "summary" (each arm's greedy accuracy: mean, std with ddof=1) and
+    """results plus "summary" (each arm's greedy accuracy: mean, std with ddof=1),
     "paired" (each comparison a - b of present arms: mean difference, ci95 = [lo, hi]
     over seeds, n seeds, and, with out_dir and outcomes on disk, bootstrap95, the
-    cluster bootstrap interval). None where one seed leaves a value undefined."""
+    cluster bootstrap interval) and "paired_pass" (the same by seed for each pass@k,
+    where every seed has both arms'). None where one seed leaves a value undefined."""
     seeds, arms = list(results["per_seed"]), results.get("arms", ARMS)
     split = results.get("split", "test")
     acc = {arm: [results["per_seed"][s][arm] for s in seeds] for arm in arms}
     summary = {arm: {"mean": float(np.mean(v)), "std": std(v)} for arm, v in acc.items()}
     paired = {}
     for a, b in COMPARISONS:
-        if a not in arms or b not in arms:
-            continue
-        mean, lo, hi = paired_ci(acc[a], acc[b])
-        paired[f"{a}-{b}"] = {
-            "mean": mean, "ci95": None if math.isnan(lo) else [lo, hi], "n": len(seeds),
-            "bootstrap95": bootstrap_pair(out_dir, seeds, a, b, split) if out_dir else None}
+        if a in arms and b in arms:
+            paired[f"{a}-{b}"] = {
+                **paired_entry(acc[a], acc[b]),
+                "bootstrap95": bootstrap_pair(out_dir, seeds, a, b, split) if out_dir else None}
     paired_pass = {}   # the same comparisons of each pass@k, by seed
     for key in pass_keys(results):
+        value = {s: results[key].get(s, {}) for s in seeds}
         for a, b in COMPARISONS:
-            if a in arms and b in arms and all(a in results[key][s] and b in results[key][s]
-                                                for s in seeds):
-                mean, lo, hi = paired_ci([results[key][s][a] for s in seeds],
-                                         [results[key][s][b] for s in seeds])
-                paired_pass.setdefault(key, {})[f"{a}-{b}"] = {
-                    "mean": mean, "ci95": None if math.isnan(lo) else [lo, hi]}
+            if all(a in value[s] and b in value[s] for s in seeds):
+                paired_pass.setdefault(key, {})[f"{a}-{b}"] = paired_entry(
+                    [value[s][a] for s in seeds], [value[s][b] for s in seeds])
     by_reach = reach_bands(out_dir, seeds, arms, split) if out_dir else None
     return {**results, "summary": summary, "paired": paired, "paired_pass": paired_pass,
             **({"accuracy_by_reach": by_reach} if by_reach else {})}
+
+
+def paired_entry(a, b):
+    """{"mean", "ci95" ([lo, hi], None for one seed), "n"} of a - b paired by seed."""
+    mean, lo, hi = paired_ci(a, b)
+    return {"mean": mean, "ci95": None if math.isnan(lo) else [lo, hi], "n": len(a)}
 
 
 def reach_bands(out_dir, seeds, arms, split="test"):
@@ -247,6 +250,11 @@ def cell(values):
     return f"{np.mean(values):.3f} ± {'n/a' if sd is None else f'{sd:.3f}'} ({per_seed})"
 
 
+def ci_text(ci95):
+    """'[lo, hi]' of an interval, signed; n/a for none."""
+    return "n/a" if ci95 is None else "[{:+.3f}, {:+.3f}]".format(*ci95)
+
+
 def verdict(ci95):
     """Whether a 95% interval excludes 0, and on which side."""
     if ci95 is None:
@@ -283,20 +291,17 @@ def tables(results):
               "| comparison | mean difference | 95% CI (seeds) | excludes 0? | 95% CI (bootstrap) "
               "| excludes 0? |", "| --- | --- | --- | --- | --- | --- |"]
     for name, p in results["paired"].items():
-        ci = "n/a" if p["ci95"] is None else "[{:+.3f}, {:+.3f}]".format(*p["ci95"])
         boot = p.get("bootstrap95")
-        bci = "n/a" if boot is None else "[{:+.3f}, {:+.3f}]".format(*boot)
-        lines.append(f"| {name.replace('-', ' - ')} | {p['mean']:+.3f} | {ci} | "
-                     f"{verdict(p['ci95'])} | {bci} | {verdict(boot)} |")
+        lines.append(f"| {name.replace('-', ' - ')} | {p['mean']:+.3f} | {ci_text(p['ci95'])} | "
+                     f"{verdict(p['ci95'])} | {ci_text(boot)} | {verdict(boot)} |")
     for key, by in results.get("paired_pass", {}).items():
         lines += ["", f"paired differences of {split} {key} (at the rollouts' temperature): 95% "
                   f"Student-t interval over {len(seeds)} seeds:", "",
                   "| comparison | mean difference | 95% CI (seeds) | excludes 0? |",
                   "| --- | --- | --- | --- |"]
         for name, p in by.items():
-            ci = "n/a" if p["ci95"] is None else "[{:+.3f}, {:+.3f}]".format(*p["ci95"])
-            lines.append(f"| {name.replace('-', ' - ')} | {p['mean']:+.3f} | {ci} | "
-                         f"{verdict(p['ci95'])} |")
+            lines.append(f"| {name.replace('-', ' - ')} | {p['mean']:+.3f} | "
+                         f"{ci_text(p['ci95'])} | {verdict(p['ci95'])} |")
     return "\n".join(lines)
 
 

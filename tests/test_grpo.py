@@ -571,9 +571,10 @@ def test_bad_grpo_settings_are_refused(tmp_path):
             train_grpo.check_settings(tiny_config(tmp_path, bad, *extra))
     with pytest.raises(ValueError, match="loss_norm"):
         train_grpo.check_settings(tiny_config(tmp_path, "--loss_norm=mean"))
-    for bad in ("--advantage_pass_k=0", "--advantage_pass_k=4"):   # tiny_config: group_size=4
+    for bad in (("--advantage_pass_k=0",), ("--advantage_pass_k=4",),   # group_size=4
+                ("--advantage_pass_k=2", "--turn_baseline=True")):
         with pytest.raises(ValueError, match="advantage_pass_k"):
-            train_grpo.check_settings(tiny_config(tmp_path, bad))
+            train_grpo.check_settings(tiny_config(tmp_path, *bad))
     with pytest.raises(ValueError, match="kl_coef"):
         # tiny_config starts from scratch
         train_grpo.check_settings(tiny_config(tmp_path, "--kl_coef=0.1"))

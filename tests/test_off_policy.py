@@ -204,13 +204,16 @@ def test_the_labs_row_tells_a_bias_from_noise():
     same = row(exact, exact, exact, reference)
     assert same["minus_exact"] == [0.0] * 16 and same["norm"] == pytest.approx(1.0)
     assert all(c == pytest.approx(1.0) for c in same["cos_paired"])
-    # independent noise on each batch (no bias): the ratio is about 1
+    assert same["bias"] == (0.0, 0.0, 0.0)
+    # independent noise on each batch, no bias: the estimate's interval holds 0
     noisy = [g + 0.5 * torch.randn(4000, generator=gen) for g in exact]
-    assert 0.8 < row(noisy, exact, noisy, reference)["bias_ratio"] < 1.2
-    # the same noise plus a shift against the true gradient of 20 (each batch's noise has
-    # norm about 0.5 * sqrt(4000) = 32, its mean over 16 batches 8): the ratio is far above
-    # 1, and the cosine with the reference falls on every batch
-    biased = [g - 20 * true / true.norm() for g in noisy]
-    r = row(biased, exact, noisy, reference)
-    assert r["bias_ratio"] > 3
+    _, lo, hi = row(noisy, exact, noisy, reference)["bias"]
+    assert lo < 0 < hi
+    # the same noise plus a shift of 8 against the true gradient (the mean of the 16
+    # batches' noise has norm about 0.5 * sqrt(4000) / 4 = 8): the bias^2 is estimated
+    # (64 / |reference|^2, within its interval) and the cosine falls on every batch
+    shift = -8 * true / true.norm()
+    r = row([g + shift for g in noisy], exact, noisy, reference)
+    estimate, lo, hi = r["bias"]
+    assert 0 < lo < 64 / float(reference.norm() ** 2) < hi
     assert interval(r["minus_none"])[2] < 0 and interval(r["minus_exact"])[2] < 0
