@@ -478,6 +478,17 @@ class InferenceEngine:
                               request_id=seq.request_id, sample_index=seq.sample_index,
                               top_logprobs=tuple(seq.top_logprobs), routes=routes)
 
+    def recompute_running(self) -> int:
+        """Send every running sample back to the waiting queue, its blocks freed, as
+        preemption does: it goes on by prefilling its prompt and what it has sampled again,
+        with the weights in then. After a weight update this makes a sample's later tokens
+        the new weights' own (without it they attend to keys and values the old weights
+        made). Returns how many went back."""
+        self._check_open()
+        victims = list(self.running)
+        self._preempt(victims[::-1])
+        return len(victims)
+
     def abort(self, request_id, sample_index=None) -> int:
         """Drop a request's samples (all, or the forked sample sample_index) wherever they
         are and free their blocks: they are never returned. Returns how many were

@@ -8,6 +8,7 @@ talks to it by message.
     loop.submit(..., stream=False)             # no stop strings: one Delta a sample, at its end
     loop.abort(request)                        # its client went away
     loop.call(lambda engine: engine.update_weights(state_dict))   # runs between two steps
+    loop.pause("keep"); ...; loop.resume()     # vLLM's pause modes: 'abort', 'wait', 'keep'
     loop.close()
 
 InferenceEngine is single-threaded, so exactly one thread (the owner) ever touches it.
@@ -19,6 +20,12 @@ detokenized here, where the stop strings are found: a sample whose text reaches 
 aborted in the engine at once (its blocks are freed) and finishes with reason 'stop'.
 A request that does not stream and has no stop strings hears only when each sample ends,
 with all of it: no text is decoded, and no Delta made, in the steps between.
+
+Paused (vLLM's /pause), the loop steps no more ('wait': once the running samples have
+finished; 'abort': they end at once, finish reason 'abort', with what they had), and a
+request that comes in waits for resume(); 'keep' holds the running samples where they
+are and goes on with them after resume(), their later tokens sampled by whatever weights
+are in then (each token records its version).
 
 The engine keeps the tokens of a running sample in engine.running (scheduler.Sequence:
 tokens, num_prompt, logprobs, versions); a preempted sample keeps them while it waits,
@@ -42,7 +49,7 @@ class Delta:
     top_logprobs: list  # one per new id when asked: ((id, logprob), ...), else []
     versions: list      # one per new id: the weight version that sampled it
     text: str           # new text (stop strings and what follows them cut, special tokens skipped)
-    finish_reason: str | None = None   # 'stop' | 'length' on the last Delta of a sample
+    finish_reason: str | None = None   # 'stop' | 'length' | 'abort' on a sample's last Delta
     error: str | None = None  # the engine failed: the request is over
 
 
@@ -141,6 +148,9 @@ class EngineLoop:
         self.by_request = {}
         # the most samples one step has run (continuous batching at work)
         self.peak_batch = 0
+        # paused: the mode ('abort' | 'wait' | 'keep', else None), the requests that came in
+        # since, and the pause('wait') calls waiting for the running samples to finish
+        self.mode, self.held, self.draining = None, [], []
         self.thread = threading.Thread(target=self._run, name="engine-owner", daemon=True)
         self.thread.start()
 
@@ -170,17 +180,46 @@ class EngineLoop:
             raise value
         return value
 
+    def pause(self, mode, clear_cache=True):
+        """Stop generating in mode 'abort', 'wait' or 'keep' (the module docstring);
+        returns once paused: with 'wait', once the running samples have finished. With
+        clear_cache the prefix cache is forgotten and (as vLLM's does) the kept samples
+        are sent back to be recomputed: after resume() they prefill again with the
+        weights in then, so each later token is exactly those weights' (without, they go
+        on over the keys and values the old weights made)."""
+        if mode not in ("abort", "wait", "keep"):
+            raise ValueError(f"mode={mode!r}: expected 'abort', 'wait' or 'keep'")
+        reply = queue.Queue(maxsize=1)
+        self.inbox.put(("pause", (mode, clear_cache, reply)))
+        reply.get()
+
+    def resume(self):
+        """Generate again: the held samples go on, the requests that waited start."""
+        reply = queue.Queue(maxsize=1)
+        self.inbox.put(("resume", reply))
+        reply.get()
+
+    def paused(self):
+        return self.mode is not None
+
     def close(self):
         self.inbox.put(("stop", None))
         self.thread.join(timeout=30)
 
     # ---- the owner thread
 
+    def _stepping(self):
+        return self.engine.has_pending() and self.mode != "keep"
+
     def _run(self):
         while True:
-            if not self._take_messages(block=not self.engine.has_pending()):
+            if self.draining and not self.engine.has_pending():   # paused 'wait': drained
+                for clear_cache, reply in self.draining:
+                    self._paused(clear_cache, reply)
+                self.draining = []
+            if not self._take_messages(block=not self._stepping()):
                 return
-            if self.engine.has_pending():
+            if self._stepping():
                 try:
                     self.peak_batch = max(self.peak_batch, len(self.engine.running))
                     finished = self.engine.step()
@@ -202,8 +241,14 @@ class EngineLoop:
             if kind == "stop":
                 self._fail_all("the server is shutting down")
                 return False
-            if kind == "add":
+            if kind == "add" and self.mode:   # paused: it waits for resume()
+                self.held.append(payload)
+            elif kind == "add":
                 self._add(payload)
+            elif kind == "pause":
+                self._pause(*payload)
+            elif kind == "resume":
+                self._resume(payload)
             elif kind == "abort":
                 self._drop(payload)
             elif kind == "call":
@@ -212,6 +257,46 @@ class EngineLoop:
                     reply.put((True, fn(self.engine)))
                 except Exception as e:
                     reply.put((False, e))
+
+    def _pause(self, mode, clear_cache, reply):
+        """Paused once nothing more steps: at once, or ('wait') when the running samples
+        have finished (answered then, from _run); the caches cleared at that moment."""
+        self.mode = mode
+        if mode == "abort":
+            self._abort_running()
+        if mode == "wait" and self.engine.has_pending():
+            self.draining.append((clear_cache, reply))
+        else:
+            self._paused(clear_cache, reply)
+
+    def _paused(self, clear_cache, reply):
+        if clear_cache:
+            self.engine.recompute_running()
+            self.engine.flush_cache()
+        reply.put(None)
+
+    def _resume(self, reply):
+        self.mode, held, self.held = None, self.held, []
+        for request in held:
+            self._add(request)
+        reply.put(None)
+
+    def _abort_running(self):
+        """Every running sample ends now with what it has, finish reason 'abort' (a
+        request that does not stream hears its tokens only now)."""
+        out = {}
+        for seq in self.engine.waiting + self.engine.running:
+            if seq.request_id in self.by_request and seq.num_samples == 1:
+                self._progress(out, seq.request_id, seq.sample_index, seq.tokens[seq.num_prompt:],
+                               seq.logprobs, seq.top_logprobs, seq.versions, "abort")
+        for request in {r for r, _ in self.by_request.values()}:
+            for index, sample in enumerate(request.samples):
+                if sample.finish_reason is None:   # not sampled at all yet
+                    sample.finish_reason = "abort"
+                    out.setdefault(request, []).append(Delta(index, [], [], [], [], "", "abort"))
+            self._drop(request)
+        for request, deltas in out.items():
+            request.emit(deltas)
 
     def _add(self, request):
         try:
@@ -259,6 +344,8 @@ class EngineLoop:
                                         list(versions[k:]), text, sample.finish_reason))
 
     def _drop(self, request):
+        if request in self.held:   # came in while paused, never started
+            self.held.remove(request)
         for request_id in request.request_ids:
             self.engine.abort(request_id)
         self._forget(request)

@@ -13,7 +13,8 @@ token-out POST /inference/v1/generate, POST /tokenize and /detokenize, and new w
 (off unless started with --enable_weight_updates=True): POST /update_weights_from_disk
 {"model_path": DIR}, or over a process group of the trainer's, SGLang's POST
 /init_weights_update_group then /update_weights_from_distributed per version
-(weight_sync.ServerWeights is the trainer's side). Extras on both generation
+(weight_sync.ServerWeights is the trainer's side), and vLLM's POST /pause (mode abort, wait
+or keep), /resume and GET /is_paused (scaleout/engine_loop.py). Extras on both generation
 endpoints: return_token_ids=true adds prompt_token_ids and each choice's token_ids
 (the exact ids sampled, a stop token included); each choice carries weight_version
 (the oldest weights that sampled a token of it); logprobs are log_softmax(logits / T)
@@ -441,7 +442,8 @@ async def generate_tokens(server, http, body):
     training client calls): {token_ids, sampling_params: {max_tokens, temperature,
     top_p, top_k, seed, n, stop, stop_token_ids, ignore_eos, logprobs, ...}} ->
     {request_id, prompt_token_ids, choices: [{index, token_ids, finish_reason, logprobs:
-    {content: [{token: "token_id:<id>", logprob}]}}], usage}. Advisory keys this server
+    {content: [{token: "token_id:<id>", logprob}]}, weight_versions: [{version, start,
+    end}]}], usage}. Advisory keys this server
     has no use for (skip_special_tokens, cache_salt, priority, ...) are accepted; a
     missing max_tokens means up to max_model_len."""
     prompt = body.get("token_ids")
@@ -474,8 +476,21 @@ async def generate_tokens(server, http, body):
             "choices": [{"index": ch.index, "token_ids": ch.ids, "finish_reason": ch.finish_reason,
                          "logprobs": logprobs(ch) if k is not None else None,
                          "weight_version": min(ch.versions,
-                                               default=server.engine.get_weight_version())}
+                                               default=server.engine.get_weight_version()),
+                         "weight_versions": version_spans(ch.versions)}
                         for ch in choices], "usage": usage([prompt], n, choices)}
+
+
+def version_spans(versions):
+    """vLLM's weight_versions of a choice: the runs of its tokens sampled by one version,
+    [{"version": "0", "start": 0, "end": 12}, {"version": "1", "start": 12, "end": 30}]."""
+    spans = []
+    for i, v in enumerate(versions):
+        if spans and spans[-1]["version"] == str(v):
+            spans[-1]["end"] = i + 1
+        else:
+            spans.append({"version": str(v), "start": i, "end": i + 1})
+    return spans
 
 
 async def tokenize(server, http, body):
@@ -660,6 +675,39 @@ _POST_ENDPOINTS = {   # a plain dict at the top level would count as a setting: 
 }
 
 
+def add_pause_routes(app, server):
+    """vLLM's (0.32.0) POST /pause?mode=abort|wait|keep&clear_cache=true|false -> {"status":
+    "paused"} (once paused: EngineLoop.pause), POST /resume -> {"status": "resumed"}, GET
+    /is_paused -> {"is_paused": bool}; a bad query value is vLLM's 400."""
+    def query(http, name, allowed, default):
+        value = http.query_params.get(name, default)
+        if value.lower() not in allowed:
+            raise BadRequest(f"{name}={value!r}: expected one of {sorted(set(allowed))}",
+                             f"query.{name}", 400, "Bad Request")
+        return allowed[value.lower()]
+
+    @app.post("/pause")
+    async def pause(http: Request):
+        truth = {"true": True, "1": True, "yes": True, "on": True,
+                 "false": False, "0": False, "no": False, "off": False}
+        try:
+            mode = query(http, "mode", {m: m for m in ("abort", "wait", "keep")}, "abort")
+            clear_cache = query(http, "clear_cache", truth, "true")
+        except BadRequest as e:
+            return JSONResponse(error_body(e.message, e.param, e.status, e.kind), e.status)
+        await asyncio.to_thread(server.loop.pause, mode, clear_cache)
+        return {"status": "paused"}
+
+    @app.post("/resume")
+    async def resume():
+        await asyncio.to_thread(server.loop.resume)
+        return {"status": "resumed"}
+
+    @app.get("/is_paused")
+    async def is_paused():
+        return {"is_paused": server.loop.paused()}
+
+
 async def body_of(server, http):
     """The request's JSON object, or a BadRequest naming what is wrong with it."""
     try:
@@ -707,6 +755,9 @@ def build_app(server) -> FastAPI:
     @app.get("/health")
     async def health():
         return Response(status_code=200)
+
+    if server.enable_weight_updates:   # vLLM serves these only in its dev mode
+        add_pause_routes(app, server)
 
     # the engine's counters, read on its own thread, and the largest batch it has stepped
     @app.get("/stats")

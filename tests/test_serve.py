@@ -143,6 +143,119 @@ def test_a_request_told_only_at_its_end_gets_what_a_streamed_one_gets(setup):
     assert preempted > 0 and stepwise == at_end
 
 
+def held_loop(setup, stop_at):
+    """An EngineLoop over model a running one seeded sample of 60 tokens (no stop ids),
+    its owner held inside the Delta that brings the sample to stop_at tokens until a
+    message (a pause) is queued: what the test does next happens at that exact token."""
+    from scaleout.engine_loop import EngineLoop
+    from scaleout.serve import Choice
+    engine = InferenceEngine(EngineConfig(model_path=str(setup["root"] / "a"), max_model_len=256,
+                                          num_blocks=64))
+    loop = EngineLoop(engine, setup["tok"])
+    prompt, reached, done = [1, 100, 4, 103, 5, 24], threading.Event(), threading.Event()
+    choice = Choice(0, prompt)
+
+    def emit(deltas):   # on the owner thread
+        for d in deltas:
+            choice.add(d)
+        if len(choice.ids) >= stop_at and not reached.is_set():
+            reached.set()
+            while loop.inbox.empty():   # held until the test has queued its message
+                time.sleep(0.001)
+        if choice.finish_reason:
+            done.set()
+    loop.submit([prompt], SamplingParams(temperature=1.0, max_tokens=60, seed=3), 1, [], emit)
+    assert reached.wait(60)
+    return loop, choice, done
+
+
+def pause_at(loop, mode):
+    """loop.pause(mode) from another thread: the held owner goes on to it."""
+    worker = threading.Thread(target=loop.pause, args=(mode,))
+    worker.start()
+    worker.join(60)
+    assert not worker.is_alive()
+
+
+def teacher_forced(path, prompt, ids):
+    """transformers' log p of each of ids after prompt (fp32, T = 1)."""
+    from transformers import AutoModelForCausalLM
+    hf = AutoModelForCausalLM.from_pretrained(path, torch_dtype=torch.float32).eval()
+    with torch.no_grad():
+        logits = hf(torch.tensor([prompt + ids])).logits[0, len(prompt) - 1:-1]
+    return torch.log_softmax(logits.double(), -1).gather(1, torch.tensor(ids)[:, None])[:, 0]
+
+
+def test_a_sample_kept_across_a_weight_update_has_each_token_from_its_own_version(setup):
+    # vLLM's pause(mode='keep'), PipelineRL's in-flight update: a sample running when the
+    # weights change (a -> b) waits, then goes on with b; the cache cleared, it is
+    # recomputed, so every token's logprob is exactly its recorded version's (transformers'
+    # teacher-forced logprob under a before the update, under b after); a request that
+    # comes in while paused waits for the resume
+    from scaleout.serve import Choice
+    root = setup["root"]
+    loop, choice, done = held_loop(setup, stop_at=12)
+    pause_at(loop, "keep")
+    held = len(choice.ids)
+    late, late_done = Choice(0, [1, 7]), threading.Event()
+    loop.submit([[1, 7]], SamplingParams(temperature=0.0, max_tokens=4), 1, [],
+                lambda ds: [late.add(d) for d in ds] and late.finish_reason and late_done.set())
+    time.sleep(0.3)   # paused: nothing steps
+    assert len(choice.ids) == held == 12 and not done.is_set() and not late.ids
+    assert loop.paused()
+    b = load_hf_checkpoint(str(root / "b"), device="cpu", dtype=torch.float32).state_dict()
+    assert loop.call(lambda e: (e.update_weights(b), e.get_weight_version())[1]) == 1
+    loop.resume()
+    assert done.wait(60) and late_done.wait(60) and not loop.paused()
+    loop.close()
+    assert choice.finish_reason == "length" and len(choice.ids) == 60
+    assert choice.versions == [0] * held + [1] * (60 - held)
+    want_a = teacher_forced(root / "a", choice.prompt_ids, choice.ids)
+    want_b = teacher_forced(root / "b", choice.prompt_ids, choice.ids)
+    got = torch.tensor(choice.logprobs, dtype=torch.float64)
+    assert torch.allclose(got[:held], want_a[:held], atol=1e-4)
+    assert torch.allclose(got[held:], want_b[held:], atol=1e-4)
+    assert not torch.allclose(got[held:], want_a[held:], atol=1e-3)   # the versions differ
+
+
+def test_pause_abort_ends_samples_with_what_they_have_and_wait_lets_them_finish(setup):
+    loop, choice, done = held_loop(setup, stop_at=5)
+    pause_at(loop, "abort")
+    assert done.wait(10) and choice.finish_reason == "abort" and len(choice.ids) == 5
+    loop.resume()
+    loop.close()
+    loop, choice, done = held_loop(setup, stop_at=5)
+    pause_at(loop, "wait")   # returns once the running sample has finished
+    assert done.is_set() and choice.finish_reason == "length" and len(choice.ids) == 60
+    loop.close()
+    with pytest.raises(ValueError, match="mode='later'"):
+        loop.pause("later")
+
+
+def test_pause_routes_speak_vllms_api(setup):
+    url, key = setup["server"].url, {"Authorization": f"Bearer {KEY}"}
+    assert httpx.get(url + "/is_paused", headers=key).json() == {"is_paused": False}
+    r = httpx.post(url + "/pause?mode=later", headers=key)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "query.mode", r.text
+    assert httpx.post(url + "/pause?mode=keep", headers=key).json() == {"status": "paused"}
+    assert httpx.get(url + "/is_paused", headers=key).json() == {"is_paused": True}
+    # a request sent while paused waits for the resume, then is answered
+    with httpx.Client(timeout=60) as client:
+        waiting = threading.Thread(target=lambda: setup.__setitem__("late", client.post(
+            url + "/inference/v1/generate", headers=key,
+            json={"token_ids": [1, 5, 9], "sampling_params": {"max_tokens": 4}})))
+        waiting.start()
+        time.sleep(0.5)
+        assert waiting.is_alive()
+        assert httpx.post(url + "/resume", headers=key).json() == {"status": "resumed"}
+        waiting.join(60)
+    choice = setup.pop("late").json()["choices"][0]
+    n = len(choice["token_ids"])
+    assert choice["weight_versions"] == [{"version": choice["weight_versions"][0]["version"],
+                                          "start": 0, "end": n}]
+    assert httpx.post(url + "/pause", headers={}).status_code == 401   # the key guards them
+
+
 DETOK_TEXTS = ["héllo wörld, ça va? 日本語のテキスト 🙂🚀 naïve café, fin.",
                "the quick brown fox can't jump . ok ! really ?"]
 
@@ -484,6 +597,9 @@ def test_weight_updates_refused_unless_enabled(setup):
         r = httpx.post(server.url + "/update_weights_from_disk",
                        json={"model_path": str(setup["root"] / "b")})
         assert r.status_code == 403 and "enable_weight_updates" in r.json()["error"]["message"]
+        # vLLM's RL routes exist only on a server that takes weights (vLLM: its dev mode)
+        assert httpx.post(server.url + "/pause").status_code == 404
+        assert httpx.post(server.url + "/v1/models").status_code == 405
         assert httpx.get(server.url + "/v1/models").json()["data"][0]["id"] == str(
             setup["root"] / "a"
         )
