@@ -11,10 +11,12 @@ frameworks work unchanged: GET /health, GET /v1/models (max_model_len, stop_toke
 POST /v1/completions and /v1/chat/completions (stream=true too), vLLM's token-in /
 token-out POST /inference/v1/generate, POST /tokenize and /detokenize, and new weights
 (off unless started with --enable_weight_updates=True): POST /update_weights_from_disk
-{"model_path": DIR}, or over a process group of the trainer's, SGLang's POST
-/init_weights_update_group then /update_weights_from_distributed per version
-(weight_sync.ServerWeights is the trainer's side), and vLLM's POST /pause (mode abort, wait
-or keep), /resume and GET /is_paused (scaleout/engine_loop.py). Extras on both generation
+{"model_path": DIR} (SGLang's), or vLLM's (0.32.0) RL API, over a process group of the
+trainer's (weight_sync.ServerWeights is the trainer's side): /init_weight_transfer_engine
+once, then /start_weight_update, /update_weights, /finish_weight_update per version,
+/update_weight_version, /weight_info, /get_world_size, /shutdown_weight_transfer_engine;
+and vLLM's POST /pause (mode abort, wait or keep), /resume and GET /is_paused
+(scaleout/engine_loop.py). Extras on both generation
 endpoints: return_token_ids=true adds prompt_token_ids and each choice's token_ids
 (the exact ids sampled, a stop token included); each choice carries weight_version
 (the oldest weights that sampled a token of it); logprobs are log_softmax(logits / T)
@@ -52,7 +54,8 @@ from engine import (EngineConfig, InferenceEngine, SamplingParams, check_fits, c
                     decode_graph_fits)
 from model import as_dtype
 from scaleout.engine_loop import EngineLoop
-from scaleout.weight_sync import PeerGroup, WeightSync
+from scaleout import weight_sync
+from scaleout.weight_sync import PeerGroup
 from tokenizer import check_template_kwargs, chat_ids, load_tokenizer
 
 # -----------------------------------------------------------------------------
@@ -64,7 +67,7 @@ device = "cpu"
 dtype = "float32"
 served_model_name = ""    # the name clients send as "model"; '' = model_path as given
 api_key = ""              # '' = no key; else every endpoint wants "Authorization: Bearer <api_key>"
-enable_weight_updates = False  # POST /update_weights_from_disk, /init_weights_update_group, ...
+enable_weight_updates = False  # /update_weights_from_disk and vLLM's RL routes (docs/serving.md)
 max_batch_size = 64          # sequences in one engine step
 max_num_batched_tokens = 2048
 max_model_len = 0            # prompt + completion; 0 = the model's max_position_embeddings
@@ -112,8 +115,13 @@ class Server:
         self.vocab_size, self.max_model_len = engine.model.config.vocab_size, engine.max_model_len
         self.eos_ids = frozenset(eos_ids) | {tokenizer.eos_token_id} - {None}
         self.loop = EngineLoop(engine, tokenizer)
-        # a trainer's weight-update group, its transfer
-        self.peer, self.receiving = None, None
+        # vLLM's weight transfer: (the trainer's group, its TransferInit) once initialized;
+        # the tensors of the update under way (between start and finish), else None; the
+        # versions' labels (vLLM's weight_version, a str: "default" at first)
+        self.transfer, self.update, self.labels = None, None, {0: "default"}
+
+    def label(self, version):
+        return self.labels.get(version, str(version))
 
 
 # -----------------------------------------------------------------------------
@@ -477,19 +485,20 @@ async def generate_tokens(server, http, body):
                          "logprobs": logprobs(ch) if k is not None else None,
                          "weight_version": min(ch.versions,
                                                default=server.engine.get_weight_version()),
-                         "weight_versions": version_spans(ch.versions)}
+                         "weight_versions": version_spans(ch.versions, server.label)}
                         for ch in choices], "usage": usage([prompt], n, choices)}
 
 
-def version_spans(versions):
+def version_spans(versions, label):
     """vLLM's weight_versions of a choice: the runs of its tokens sampled by one version,
-    [{"version": "0", "start": 0, "end": 12}, {"version": "1", "start": 12, "end": 30}]."""
+    by label: [{"version": "default", "start": 0, "end": 12}, {"version": "7", "start": 12,
+    "end": 30}]."""
     spans = []
     for i, v in enumerate(versions):
-        if spans and spans[-1]["version"] == str(v):
+        if spans and spans[-1]["version"] == label(v):
             spans[-1]["end"] = i + 1
         else:
-            spans.append({"version": str(v), "start": i, "end": i + 1})
+            spans.append({"version": label(v), "start": i, "end": i + 1})
     return spans
 
 
@@ -582,81 +591,115 @@ async def update_weights_from_disk(server, http, body):
     return {"success": True, "message": f"loaded {path}", "weight_version": version}
 
 
-async def init_weights_update_group(server, http, body):
-    """Join a trainer's process group (weight_sync.PeerGroup) as rank rank_offset of
-    world_size, met at master_address:master_port; returns once every rank has joined. A
-    later call (a trainer that restarted) replaces the group."""
-    check_updates_on(server)
-    address = _field(body, "master_address", (str,), "")
-    port = _field(body, "master_port", (int,), 0, lambda v: 0 < v < 65536,
-                  "must be in (0, 65536)")
-    rank = _field(body, "rank_offset", (int,), 0, lambda v: v >= 1,
-                  "must be >= 1 (0: the trainer)")
-    world = _field(body, "world_size", (int,), 0, lambda v: v > rank,
-                   "must be > rank_offset")
-    backend = _field(body, "backend", (str,), "gloo", lambda v: v in ("gloo", "nccl"),
-                     "must be 'gloo' or 'nccl'")
-    for name, value in (("master_address", address), ("master_port", port), ("rank_offset", rank),
-                        ("world_size", world)):
-        if not value:
-            raise BadRequest(f"{name} is required", name)
-    if backend == "nccl" and not server.engine.config.device.startswith("cuda"):
-        raise BadRequest("backend 'nccl' needs a server on CUDA; use 'gloo'", "backend")
-    if server.receiving is not None and not server.receiving.done():
-        raise BadRequest("a weight transfer is under way in the current group", "master_address")
-    server.peer = await asyncio.to_thread(PeerGroup, address, port, rank, world, backend)
-    return {"success": True, "message": f"rank {rank} of {world} ({backend})"}
+# -----------------------------------------------------------------------------
+# weights: vLLM's (0.32.0) RL weight-transfer API, with this project's backend (a process
+# group of the trainer's: gloo on the CPU, NCCL on CUDA; weight_sync.py has both sides)
 
 
-async def update_weights_from_distributed(server, http, body):
-    """{names, dtypes, shapes, bucket_mb}: checked against the served model (a mismatch:
-    400 naming the tensor, nothing received), then the tensors arrive by the group's
-    broadcast in buckets (weight_sync.WeightSync), are applied whole between two engine
-    steps (version += 1), and the new version goes back over the group (-1 if the engine
-    refused the values). Returns once the check has passed, so that the trainer can
-    start broadcasting. With check_only=true it only checks: a trainer with several
-    servers asks them all first, so that no server waits for bytes that a refusal
-    elsewhere stops from coming."""
-    check_updates_on(server)
-    if server.peer is None:
-        raise BadRequest("no weight-update group: call /init_weights_update_group first", None)
-    if server.receiving is not None and not server.receiving.done():
-        raise BadRequest("a weight transfer is under way: one at a time", None, 409, "conflict")
-    meta = [_field(body, k, (list,), []) for k in ("names", "shapes", "dtypes")]
-    bucket_mb = _field(body, "bucket_mb", (int, float), 64, lambda v: v > 0,
-                       "must be > 0")
+def engine_error(message):
+    """What vLLM answers when its engine refuses a weight operation: 500, its error shape."""
+    return BadRequest(message, None, 500, "InternalServerError")
+
+
+def required_body_field(body, name, kinds):
+    """body[name], vLLM's 400 (a validation error on body.<name>) when it is missing or of
+    another type."""
+    value = body.get(name)
+    if not isinstance(value, kinds):
+        raise BadRequest(f"1 validation error: body.{name} is required, a "
+                         f"{' or '.join(k.__name__ for k in kinds)}; got {value!r:.60}",
+                         f"body.{name}", 400, "Bad Request")
+    return value
+
+
+async def init_weight_transfer_engine(server, http, body):
+    """{"init_info": {master_address, master_port, rank_offset, world_size, bucket_mb}}:
+    join the trainer's group (weight_sync.PeerGroup) as rank rank_offset of world_size,
+    met at master_address:master_port; returns once every rank has joined. A later call
+    (a trainer that restarted) replaces the group."""
+    info = required_body_field(body, "init_info", (dict,))
+    if server.update is not None:
+        raise engine_error("Cannot replace the trainer connection during a weight update")
+    try:
+        transfer = weight_sync.TransferInit(**info)
+    except (TypeError, ValueError) as e:
+        raise engine_error(f"Invalid init_info for {weight_sync.BACKEND} weight transfer: "
+                           f"{e}") from None
+    backend = "nccl" if server.engine.config.device.startswith("cuda") else "gloo"
+    group = await asyncio.to_thread(PeerGroup, transfer.master_address, transfer.master_port,
+                                    transfer.rank_offset, transfer.world_size, backend)
+    server.transfer = (group, transfer)
+    return {"message": "Weight transfer initialized"}
+
+
+async def shutdown_weight_transfer_engine(server, http, body):
+    if server.update is not None:
+        raise engine_error("Cannot release a trainer connection during a weight update")
+    server.transfer = None
+    return {"message": "Weight transfer shut down"}
+
+
+async def start_weight_update(server, http, body):
+    if server.transfer is None:
+        raise engine_error("Weight transfer not initialized: POST /init_weight_transfer_engine "
+                           "first")
+    if server.update is not None:
+        raise engine_error("start_weight_update called while a weight update is already "
+                           "active. Call finish_weight_update first.")
+    server.update = {}   # the tensors received, applied by finish_weight_update
+    return {"message": "Weight update started"}
+
+
+async def update_weights(server, http, body):
+    """{"update_info": {names, dtype_names, shapes}} (or a list of one, this server being one
+    worker): every rank of the group first says whether the names, dtypes and shapes fit
+    its model (this server checks them against its own; a refusal is answered 500 here and
+    raises on the trainer, and nobody waits for bytes), then the tensors arrive by the
+    group's broadcast in buckets; answered once they all have. They are applied by
+    /finish_weight_update. A refusal ends the update (as vLLM's does)."""
+    info = required_body_field(body, "update_info", (dict, list))
+    if server.update is None:
+        raise engine_error("start_weight_update must be called before update_weights.")
+    group, transfer = server.transfer
     ours = {n: tuple(t.shape) for n, t in server.engine.model.state_dict().items()}
-    if not (len(meta[0]) == len(meta[1]) == len(meta[2]) == len(ours)
-            and set(meta[0]) == set(ours)):
-        missing = sorted(set(ours) - set(meta[0]))[:3]
-        unknown = sorted(set(meta[0]) - set(ours))[:3]
-        raise BadRequest(f"names must list every tensor of the served model once, with a shape "
-                         f"and a dtype each (missing: {missing}, unknown: {unknown})", "names")
-    for name, shape, dtype in zip(*meta):
-        if not (isinstance(shape, list) and tuple(shape) == ours[name]):
-            raise BadRequest(f"tensor {name!r} has shape {shape}, not {list(ours[name])}", "shapes")
-        if not (isinstance(dtype, str) and isinstance(getattr(torch, dtype, None), torch.dtype)
-                and getattr(torch, dtype).is_floating_point):
-            raise BadRequest(f"tensor {name!r}: {dtype!r} is not a float torch dtype", "dtypes")
-    if _field(body, "check_only", (bool,), False):
-        return {"success": True, "message": f"the {len(meta[0])} tensors fit"}
-    state = {n: torch.empty(sh, dtype=getattr(torch, d), device="meta") for n, sh, d in zip(*meta)}
-    sync = WeightSync(state, src=0, bucket_mb=bucket_mb, group=server.peer,
-                      device=torch.device(server.engine.config.device))
+    problem = weight_sync.update_problem(info, ours)
+    try:
+        tensors = await asyncio.to_thread(weight_sync.receive_update, group, transfer, info,
+                                          problem, server.engine.config.device)
+    except Exception as e:
+        server.update = None
+        raise engine_error(f"update_weights failed: {e}") from None
+    if tensors is None:
+        server.update = None
+        raise engine_error(f"Invalid update_info: {problem}" if problem else
+                           "another server of the group refused this update")
+    server.update.update(tensors)
+    return {"message": "Weights updated"}
 
-    def receive_and_apply():  # on a thread of its own: the engine keeps serving meanwhile
-        version = -1
-        try:
-            tensors, _, _ = sync.receive()
 
-            def swap(engine):
-                engine.update_weights(dict(zip(meta[0], tensors)))
-                return engine.get_weight_version()
-            version = server.loop.call(swap)
-        finally:
-            server.peer.gather_ints(version)
-    server.receiving = asyncio.create_task(asyncio.to_thread(receive_and_apply))
-    return {"success": True, "message": f"receiving {len(meta[0])} tensors"}
+async def finish_weight_update(server, http, body):
+    """Apply what /update_weights received, whole, between two engine steps (version += 1);
+    the optional {"weight_version": str} labels the new version."""
+    label = _field(body, "weight_version", (str,), None)
+    if server.update is None:
+        raise engine_error("finish_weight_update called without a matching "
+                           "start_weight_update.")
+    update, server.update = server.update, None
+    if update:
+        def swap(engine):
+            engine.update_weights(update)
+            return engine.get_weight_version()
+        version = await asyncio.to_thread(server.loop.call, swap)
+        server.labels[version] = label or str(version)
+    elif label is not None:
+        server.labels[server.engine.get_weight_version()] = label
+    return {"message": "Weight update finished"}
+
+
+async def update_weight_version(server, http, body):
+    label = required_body_field(body, "new_version", (str,))
+    server.labels[server.engine.get_weight_version()] = label
+    return {"success": True, "new_version": label}
 
 
 # -----------------------------------------------------------------------------
@@ -670,8 +713,16 @@ _POST_ENDPOINTS = {   # a plain dict at the top level would count as a setting: 
     "/tokenize": tokenize,
     "/detokenize": detokenize,
     "/update_weights_from_disk": update_weights_from_disk,
-    "/init_weights_update_group": init_weights_update_group,
-    "/update_weights_from_distributed": update_weights_from_distributed,
+}
+# vLLM's RL routes (served, as vLLM's are only in its dev mode, when taking weights): a body,
+# where one is read, may be left out
+_RL_ENDPOINTS = {
+    "/init_weight_transfer_engine": init_weight_transfer_engine,
+    "/shutdown_weight_transfer_engine": shutdown_weight_transfer_engine,
+    "/start_weight_update": start_weight_update,
+    "/update_weights": update_weights,
+    "/finish_weight_update": finish_weight_update,
+    "/update_weight_version": update_weight_version,
 }
 
 
@@ -740,10 +791,12 @@ def build_app(server) -> FastAPI:
                                            "Bearer <key>'", None, 401, "authentication_error"), 401)
         return await call_next(http)
 
-    def endpoint(path, handler):
+    def endpoint(path, handler, optional_body=False):
         async def run(http: Request):
             try:
-                out = await handler(server, http, await body_of(server, http))
+                empty = optional_body and not (await http.body()).strip()
+                body = {} if empty else await body_of(server, http)
+                out = await handler(server, http, body)
             except BadRequest as e:
                 return JSONResponse(error_body(e.message, e.param, e.status, e.kind), e.status)
             return out if isinstance(out, Response) else JSONResponse(out)
@@ -751,6 +804,8 @@ def build_app(server) -> FastAPI:
 
     for path, handler in _POST_ENDPOINTS.items():
         endpoint(path, handler)
+    for path, handler in _RL_ENDPOINTS.items() if server.enable_weight_updates else ():
+        endpoint(path, handler, optional_body=True)
 
     @app.get("/health")
     async def health():
@@ -758,6 +813,14 @@ def build_app(server) -> FastAPI:
 
     if server.enable_weight_updates:   # vLLM serves these only in its dev mode
         add_pause_routes(app, server)
+
+        @app.get("/weight_info")
+        async def weight_info():
+            return {"weight_version": server.label(server.engine.get_weight_version())}
+
+        @app.get("/get_world_size")
+        async def get_world_size():   # one worker: this process
+            return {"world_size": 1}
 
     # the engine's counters, read on its own thread, and the largest batch it has stepped
     @app.get("/stats")

@@ -22,6 +22,7 @@ is applied whole or not at all.
 
 import socket
 import time
+from dataclasses import dataclass
 from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
 from datetime import timedelta
 
@@ -194,31 +195,121 @@ def free_port():
         return s.getsockname()[1]
 
 
+# -----------------------------------------------------------------------------
+# weights to servers through vLLM's (0.32.0) RL weight-transfer API
+
+
+BACKEND = "gloo"   # what vLLM's --weight-transfer-config names this project's backend
+
+
+@dataclass(kw_only=True)
+class TransferInit:
+    """The init_info of this project's weight transfer: the trainer is rank 0 of a group
+    of world_size met at master_address:master_port, a server's first worker is rank
+    rank_offset; the bytes go in buckets of bucket_mb."""
+    master_address: str
+    master_port: int
+    rank_offset: int
+    world_size: int
+    bucket_mb: float = 64.0
+
+    def __post_init__(self):
+        checks = (("master_address", isinstance(self.master_address, str)
+                   and self.master_address),
+                  ("master_port", isinstance(self.master_port, int)
+                   and 0 < self.master_port < 65536),
+                  ("rank_offset", isinstance(self.rank_offset, int) and self.rank_offset >= 1),
+                  ("world_size", isinstance(self.world_size, int)
+                   and self.world_size > self.rank_offset),
+                  ("bucket_mb", isinstance(self.bucket_mb, (int, float)) and self.bucket_mb > 0))
+        for name, ok in checks:
+            if not ok:
+                raise ValueError(f"{name}={getattr(self, name)!r} (rank_offset >= 1, "
+                                 "world_size > rank_offset, a port in (0, 65536), bucket_mb > 0)")
+
+
+def update_manifest(info):
+    """[(name, shape, dtype)] of an update_info {names, dtype_names, shapes}, or of a list
+    holding one (vLLM indexes the list by worker; a server here is one worker)."""
+    if isinstance(info, list):
+        if len(info) != 1:
+            raise ValueError(f"a list of {len(info)} update_infos for a server of one worker")
+        info = info[0]
+    if not isinstance(info, dict):
+        raise ValueError(f"update_info must be an object, got {type(info).__name__}")
+    names, dtypes, shapes = (info.get(k) for k in ("names", "dtype_names", "shapes"))
+    if not (isinstance(names, list) and isinstance(dtypes, list) and isinstance(shapes, list)
+            and len(names) == len(dtypes) == len(shapes)):
+        raise ValueError("names, dtype_names and shapes must be lists of one length")
+    for name, dtype, shape in zip(names, dtypes, shapes):
+        ok_dtype = isinstance(dtype, str) and isinstance(getattr(torch, dtype, None),
+                                                         torch.dtype)
+        if not (isinstance(name, str) and ok_dtype and isinstance(shape, list)
+                and all(isinstance(d, int) and d >= 0 for d in shape)):
+            raise ValueError(f"tensor {name!r}: dtype {dtype!r}, shape {shape!r}")
+    return [(n, tuple(sh), d) for n, sh, d in zip(names, shapes, dtypes)]
+
+
+def update_problem(info, ours):
+    """Why update_info does not fit a model whose tensors are ours ({name: shape}): '' when
+    it does (every tensor once, shapes equal, float dtypes)."""
+    try:
+        got = update_manifest(info)
+    except ValueError as e:
+        return str(e)
+    names = [n for n, _, _ in got]
+    if len(names) != len(ours) or set(names) != set(ours):
+        missing, unknown = sorted(set(ours) - set(names))[:3], sorted(set(names) - set(ours))[:3]
+        return (f"names must list every tensor of the served model once (missing: {missing}, "
+                f"unknown: {unknown})")
+    for name, shape, dtype in got:
+        if shape != ours[name]:
+            return f"tensor {name!r} has shape {list(shape)}, not {list(ours[name])}"
+        if not getattr(torch, dtype).is_floating_point:
+            return f"tensor {name!r}: {dtype!r} is not a float dtype"
+    return ""
+
+
+def receive_update(group, transfer, info, problem, device="cpu"):
+    """A server's side of one update: every rank says over group whether the update fits
+    (problem: why this one does not, '' if it does); if all do, the tensors arrive by
+    broadcast in buckets: {name: tensor}; else None, nothing received."""
+    if not all(group.gather_ints(0 if problem else 1)):
+        return None
+    manifest = update_manifest(info)
+    state = {n: torch.empty(sh, dtype=getattr(torch, d), device="meta") for n, sh, d in manifest}
+    sync = WeightSync(state, src=0, bucket_mb=transfer.bucket_mb, group=group,
+                      device=torch.device(device))
+    tensors, _, _ = sync.receive()
+    return dict(zip(state, tensors))
+
+
 class ServerWeights:
-    """A trainer's new weights to running scaleout/serve.py processes (started with
-    --enable_weight_updates=True), over a process group of their own, in buckets:
+    """A trainer's new weights to running servers through vLLM's RL weight-transfer API
+    (scaleout/serve.py started with --enable_weight_updates=True), over a process group of
+    their own, in buckets:
 
-        push = ServerWeights(["http://127.0.0.1:8000"], model.state_dict())   # they join the group
-        versions = push.send(model.state_dict())   # after each step: every server's new version
+        push = ServerWeights(["http://127.0.0.1:8000"], model.state_dict())   # they join
+        push.send(model.state_dict(), "3")   # after each step; "3" labels the version
 
-    Each send first has every server check the manifest (names, dtypes, shapes) against
-    its model (a mismatch: ValueError naming the tensor and the server, nothing sent, no
-    server waiting; a server lost between the check and the bytes can still leave the
-    others waiting until timeout), then posts it again for each to wait for the bytes;
-    one broadcast reaches them all, each applies the version whole between two engine
-    steps, and the servers' new versions come back over the group."""
+    One send is vLLM's cycle: POST /start_weight_update to every server; then each gets POST
+    /update_weights {names, dtype_names, shapes} on a thread of its own while this rank
+    broadcasts. Before any byte, every rank says over the group whether that fits its
+    model, so a server that does not match refuses (its /update_weights answers 500) and
+    send raises ValueError naming it, the weights unchanged everywhere and nobody waiting
+    for bytes; then POST /finish_weight_update {weight_version} applies them."""
 
     def __init__(self, urls, state, bucket_mb=64, backend="gloo", master_address="127.0.0.1",
                  api_key="", timeout_s=300):
-        self.urls, self.bucket_mb, self.timeout_s = list(urls), bucket_mb, timeout_s
+        self.urls, self.timeout_s = list(urls), timeout_s
         self.headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         port, world = free_port(), len(self.urls) + 1
         # a server's POST returns once the group has formed, which needs this rank too:
         # all in threads, and a server that refuses to join fails the call at once
         pool = ThreadPoolExecutor(len(self.urls) + 1)
-        joins = [pool.submit(self.post, url, "/init_weights_update_group", {
+        joins = [pool.submit(self.post, url, "/init_weight_transfer_engine", {"init_info": {
             "master_address": master_address, "master_port": port, "rank_offset": i + 1,
-            "world_size": world, "backend": backend}) for i, url in enumerate(self.urls)]
+            "world_size": world, "bucket_mb": bucket_mb}}) for i, url in enumerate(self.urls)]
         mine = pool.submit(PeerGroup, master_address, port, 0, world, backend, timeout_s)
         wait(joins + [mine], return_when=FIRST_EXCEPTION)
         pool.shutdown(wait=False)
@@ -227,33 +318,34 @@ class ServerWeights:
         self.group = mine.result()
         self.sync = WeightSync(state, src=0, bucket_mb=bucket_mb, group=self.group)
 
-    def post(self, url, path, body):
-        """POST body to url + path; a refusal raises ValueError naming the url
-        and the reason."""
+    def post(self, url, path, body=None):
+        """POST body (none: no body) to url + path; a refusal raises ValueError naming the
+        url and the reason."""
         try:
-            r = httpx.post(url + path, json=body, headers=self.headers,
-                           timeout=self.timeout_s)
+            r = httpx.post(url + path, json=body, headers=self.headers, timeout=self.timeout_s)
         except httpx.HTTPError as e:
             raise RuntimeError(f"{url}{path}: {type(e).__name__}: {e}") from e
         if r.status_code != 200:
             raise ValueError(f"{url}{path} refused ({r.status_code}): {r.text[:300]}")
         return r.json()
 
-    def send(self, state):
-        """Broadcast state to every server; returns their new weight versions."""
+    def send(self, state, version=None):
+        """Every server's weights become state, labelled version (a str, or none)."""
         names, shapes, dtypes = zip(*manifest(state))
-        body = {"names": list(names), "shapes": [list(s) for s in shapes], "dtypes": list(dtypes),
-                "bucket_mb": self.bucket_mb}
-        # all check first: a server that waits can only be freed by bytes
+        info = {"names": list(names), "dtype_names": list(dtypes),
+                "shapes": [list(s) for s in shapes]}
         for url in self.urls:
-            self.post(url, "/update_weights_from_distributed", {**body, "check_only": True})
-        # then each waits for the bytes
+            self.post(url, "/start_weight_update")
+        with ThreadPoolExecutor(len(self.urls)) as pool:
+            posts = [pool.submit(self.post, url, "/update_weights", {"update_info": info})
+                     for url in self.urls]
+            fits = self.group.gather_ints(1)[1:]
+            if all(fits):
+                self.sync.send(state)
+            wait(posts)
+        refused = [f"{url}: {p.exception()}" for url, p in zip(self.urls, posts) if p.exception()]
+        if refused or not all(fits):
+            raise ValueError("the servers did not take the weights: " + "; ".join(refused))
         for url in self.urls:
-            self.post(url, "/update_weights_from_distributed", body)
-        self.sync.send(state)
-        versions = self.group.gather_ints(-1)[1:]
-        refused = [url for url, v in zip(self.urls, versions) if v < 0]
-        if refused:
-            raise RuntimeError(f"{', '.join(refused)} did not apply the weights (see its log)")
-        return versions
-
+            self.post(url, "/finish_weight_update",
+                      None if version is None else {"weight_version": str(version)})

@@ -747,20 +747,29 @@ def test_tokenize_and_detokenize_as_vllm_spells_them(setup):
     assert card.json()["data"][0]["stop_token_ids"] == sorted(generation_stop_ids(setup["tok"]))
 
 
+def weight_version(setup):
+    key = {"Authorization": f"Bearer {KEY}"}
+    card = httpx.get(setup["server"].url + "/v1/models", headers=key).json()["data"][0]
+    return card["weight_version"], httpx.get(setup["server"].url + "/weight_info",
+                                             headers=key).json()["weight_version"]
+
+
 def test_weights_over_a_process_group_reach_a_running_server(setup):
-    # the trainer (this process) pushes b's weights to the server over a gloo group of their
-    # own; the server then samples exactly what an engine on b samples, at the next version
+    # the trainer (this process) pushes b's weights to the server through vLLM's cycle
+    # (start, update_weights with the bytes over a gloo group of their own, finish with a
+    # version label); the server then samples exactly what an engine on b samples
     from scaleout.weight_sync import ServerWeights
     root, api, stop = setup["root"], setup["api"], generation_stop_ids(setup["tok"])
-    card = httpx.get(setup["server"].url + "/v1/models", headers={"Authorization": f"Bearer {KEY}"})
-    before = card.json()["data"][0]["weight_version"]
+    before, _ = weight_version(setup)
     b = load_hf_checkpoint(str(root / "b")).state_dict()
     push = ServerWeights([setup["server"].url], b, bucket_mb=0.01, api_key=KEY)   # 10 KiB buckets
     embed = next(k for k in b if "embed" in k)
     wide = {**b, embed: torch.zeros(105, 48)}
-    with pytest.raises(ValueError, match=f"{embed}.* has shape \\[105, 48\\]"):
+    with pytest.raises(ValueError, match=f"refused \\(500\\).*{embed}.* has shape \\[105, 48\\]"):
         push.send(wide)                                     # refused before a byte is sent
-    assert push.send(b) == [before + 1]
+    assert weight_version(setup)[0] == before               # nothing changed
+    push.send(b, "step-7")
+    assert weight_version(setup) == (before + 1, "step-7")
     r = api.completions.create(model="tiny", prompt=PROMPTS[0], max_tokens=8, temperature=0,
                                logprobs=0, extra_body=EXTRA)
     ref = InferenceEngine(EngineConfig(model_path=str(root / "b"), max_model_len=256,
@@ -769,37 +778,75 @@ def test_weights_over_a_process_group_reach_a_running_server(setup):
     assert r.choices[0].model_extra["token_ids"] == list(want.completion_tokens)
     assert r.choices[0].logprobs.token_logprobs == pytest.approx(list(want.logprobs), abs=1e-5)
     assert r.choices[0].model_extra["weight_version"] == before + 1
+    spans = post(setup, "/inference/v1/generate", {"token_ids": [1, 5], "sampling_params": {
+        "max_tokens": 3, "temperature": 0}}).json()["choices"][0]["weight_versions"]
+    assert [s["version"] for s in spans] == ["step-7"]
     a = load_hf_checkpoint(str(root / "a")).state_dict()
-    assert push.send(a) == [before + 2]                     # and back, for the tests after this one
+    push.send(a)                                            # and back, for the tests after this one
+    assert weight_version(setup) == (before + 2, str(before + 2))   # no label: the number
     # a trainer that restarts makes a new group, which replaces the old one
-    assert ServerWeights([setup["server"].url], b, api_key=KEY).send(a) == [before + 3]
-    # a server without --enable_weight_updates refuses to join
+    ServerWeights([setup["server"].url], b, api_key=KEY).send(a)
+    assert weight_version(setup)[0] == before + 3
+    # a server without --enable_weight_updates has no such routes, as vLLM outside its dev mode
     server = Served(root / "a")
     try:
-        r = httpx.post(server.url + "/init_weights_update_group", json={
-            "master_address": "127.0.0.1", "master_port": 1234, "rank_offset": 1, "world_size": 2})
-        assert r.status_code == 403 and "enable_weight_updates" in r.json()["error"]["message"]
+        r = httpx.post(server.url + "/init_weight_transfer_engine", json={"init_info": {
+            "master_address": "127.0.0.1", "master_port": 1234, "rank_offset": 1, "world_size": 2}})
+        assert r.status_code == 404
     finally:
         assert server.stop() == 0
 
 
 def test_a_server_that_refuses_the_weights_leaves_the_others_free(setup):
-    # two servers, one of another shape: it refuses the manifest while the other was only
-    # asked to check, so nothing waits for bytes; the good server joins the next trainer's
-    # group at once
+    # two servers, one of another shape: it refuses the update before any byte (every rank
+    # says whether it fits), so nothing waits for bytes; the good one takes the next push
     from scaleout.weight_sync import ServerWeights
     root = setup["root"]
     write_hf_checkpoint(_wider(), root / "wide_served")
     save_tokenizer(build_tokenizer(), root / "wide_served")
     wide = Served(root / "wide_served", f"--api_key={KEY}", "--enable_weight_updates=True")
     try:
-        card = httpx.get(setup["server"].url + "/v1/models",
-                         headers={"Authorization": f"Bearer {KEY}"})
-        before = card.json()["data"][0]["weight_version"]
+        before, _ = weight_version(setup)
         a = load_hf_checkpoint(str(root / "a")).state_dict()
         both = ServerWeights([setup["server"].url, wide.url], a, api_key=KEY)
-        with pytest.raises(ValueError, match=f"{wide.url}.* refused \\(400\\).* has shape"):
+        with pytest.raises(ValueError, match=f"{wide.url}.* refused \\(500\\).* has shape"):
             both.send(a)
-        assert ServerWeights([setup["server"].url], a, api_key=KEY).send(a) == [before + 1]
+        assert weight_version(setup)[0] == before   # the good server applied nothing either
+        ServerWeights([setup["server"].url], a, api_key=KEY).send(a)
+        assert weight_version(setup)[0] == before + 1
     finally:
         assert wide.stop() == 0
+
+
+def test_the_weight_routes_refuse_what_vllm_refuses_and_change_nothing(setup):
+    # vLLM 0.32.0's bodies and error shapes (docs/serving.md): a cycle out of order, a bad
+    # init_info (a world size that does not hold this rank), a missing body field
+    url, key = setup["server"].url, {"Authorization": f"Bearer {KEY}"}
+    before = weight_version(setup)
+
+    def call(path, body=None):
+        return httpx.post(url + path, json=body, headers=key, timeout=60)
+    r = call("/finish_weight_update")
+    assert r.status_code == 500 and r.json()["error"] == {
+        "message": "finish_weight_update called without a matching start_weight_update.",
+        "type": "InternalServerError", "param": None, "code": 500}
+    r = call("/update_weights", {"update_info": {"names": [], "dtype_names": [], "shapes": []}})
+    assert r.status_code == 500 and "start_weight_update must be called" in r.text
+    r = call("/init_weight_transfer_engine", {})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "body.init_info"
+    r = call("/init_weight_transfer_engine", {"init_info": {
+        "master_address": "127.0.0.1", "master_port": 1234, "rank_offset": 1, "world_size": 1}})
+    assert r.status_code == 500 and "Invalid init_info" in r.text and "world_size" in r.text
+    r = call("/init_weight_transfer_engine", {"init_info": {   # NCCL's init_info: not ours
+        "master_address": "127.0.0.1", "master_port": 1234, "rank_offset": 1, "world_size": 2,
+        "packed": True}})
+    assert r.status_code == 500 and "Invalid init_info" in r.text and "packed" in r.text
+    assert call("/start_weight_update").json() == {"message": "Weight update started"}
+    r = call("/start_weight_update")
+    assert r.status_code == 500 and "already active" in r.text
+    assert call("/finish_weight_update").json() == {"message": "Weight update finished"}
+    r = call("/update_weight_version", {"new_version": "v-label"})
+    assert r.json() == {"success": True, "new_version": "v-label"}
+    assert weight_version(setup) == (before[0], "v-label")   # a label, no new weights
+    call("/update_weight_version", {"new_version": before[1]})
+    assert httpx.get(url + "/get_world_size", headers=key).json() == {"world_size": 1}
