@@ -726,10 +726,20 @@ _RL_ENDPOINTS = {
 }
 
 
-def add_pause_routes(app, server):
-    """vLLM's (0.32.0) POST /pause?mode=abort|wait|keep&clear_cache=true|false -> {"status":
-    "paused"} (once paused: EngineLoop.pause), POST /resume -> {"status": "resumed"}, GET
-    /is_paused -> {"is_paused": bool}; a bad query value is vLLM's 400."""
+def add_rl_routes(app, server):
+    """vLLM's (0.32.0) RL routes that read no JSON body: POST
+    /pause?mode=abort|wait|keep&clear_cache=true|false -> {"status": "paused"} (once paused:
+    EngineLoop.pause), POST /resume -> {"status": "resumed"}, GET /is_paused ->
+    {"is_paused": bool} (a bad query value is vLLM's 400); GET /weight_info ->
+    {"weight_version": label}, GET /get_world_size -> {"world_size": 1} (this process)."""
+    @app.get("/weight_info")
+    async def weight_info():
+        return {"weight_version": server.label(server.engine.get_weight_version())}
+
+    @app.get("/get_world_size")
+    async def get_world_size():
+        return {"world_size": 1}
+
     def query(http, name, allowed, default):
         value = http.query_params.get(name, default)
         if value.lower() not in allowed:
@@ -812,15 +822,7 @@ def build_app(server) -> FastAPI:
         return Response(status_code=200)
 
     if server.enable_weight_updates:   # vLLM serves these only in its dev mode
-        add_pause_routes(app, server)
-
-        @app.get("/weight_info")
-        async def weight_info():
-            return {"weight_version": server.label(server.engine.get_weight_version())}
-
-        @app.get("/get_world_size")
-        async def get_world_size():   # one worker: this process
-            return {"world_size": 1}
+        add_rl_routes(app, server)
 
     # the engine's counters, read on its own thread, and the largest batch it has stepped
     @app.get("/stats")
