@@ -44,6 +44,8 @@ import json
 import math
 import os
 import sys
+import tarfile
+import tempfile
 
 import numpy as np
 import torch
@@ -409,7 +411,14 @@ def plot_gradients(runs, png):
 def curves_main(out_dir, png):
     """The arms' table (validation at the last step, mean ± std over seeds; the mismatch
     metrics' means over every logged step, the k3 KL's median too), their paired
-    differences and the plot, from out_dir/<arm>_seed<S>/metrics.jsonl."""
+    differences and the plot, from out_dir/<arm>_seed<S>/metrics.jsonl (out_dir may be a
+    .tar.gz of one such folder, as docs/results keeps them)."""
+    if out_dir.endswith(".tar.gz"):
+        with tempfile.TemporaryDirectory() as tmp:
+            with tarfile.open(out_dir) as tar:
+                tar.extractall(tmp, filter="data")
+            (inner,) = os.listdir(tmp)
+            return curves_main(os.path.join(tmp, inner), png)
     runs = {}
     for name in sorted(os.listdir(out_dir)):
         path = os.path.join(out_dir, name, "metrics.jsonl")
