@@ -150,7 +150,7 @@ class EngineLoop:
         self.peak_batch = 0
         # paused: the mode ('abort' | 'wait' | 'keep', else None), the requests that came in
         # since, and the pause('wait') calls waiting for the running samples to finish
-        self.mode, self.held, self.draining = None, [], []
+        self.mode, self.queued, self.draining = None, [], []
         self.thread = threading.Thread(target=self._run, name="engine-owner", daemon=True)
         self.thread.start()
 
@@ -173,38 +173,41 @@ class EngineLoop:
     def call(self, fn):
         """Run fn(engine) on the owner thread between two steps; returns its result (or
         raises its error)."""
-        reply = queue.Queue(maxsize=1)
-        self.inbox.put(("call", (fn, reply)))
-        ok, value = reply.get()
-        if not ok:
-            raise value
-        return value
+        return self._ask("call", fn)
 
     def pause(self, mode, clear_cache=True):
         """Stop generating in mode 'abort', 'wait' or 'keep' (the module docstring);
-        returns once paused: with 'wait', once the running samples have finished. With
-        clear_cache the prefix cache is forgotten and (as vLLM's does) the kept samples
-        are sent back to be recomputed: after resume() they prefill again with the
-        weights in then, so each later token is exactly those weights' (without, they go
-        on over the keys and values the old weights made)."""
+        returns once paused: with 'wait', once nothing steps any more. With clear_cache
+        the prefix cache is forgotten and (as vLLM's does) the kept samples are sent back
+        to be recomputed: after resume() they prefill again with the weights in then, so
+        each later token is exactly those weights' (without, they go on over the keys and
+        values the old weights made). A resume() before a 'wait' completes fails it."""
         if mode not in ("abort", "wait", "keep"):
             raise ValueError(f"mode={mode!r}: expected 'abort', 'wait' or 'keep'")
-        reply = queue.Queue(maxsize=1)
-        self.inbox.put(("pause", (mode, clear_cache, reply)))
-        reply.get()
+        self._ask("pause", (mode, clear_cache))
 
     def resume(self):
-        """Generate again: the held samples go on, the requests that waited start."""
-        reply = queue.Queue(maxsize=1)
-        self.inbox.put(("resume", reply))
-        reply.get()
+        """Generate again: the kept samples go on, the requests queued meanwhile start."""
+        self._ask("resume", None)
 
     def paused(self):
+        """Whether a pause was asked and not resumed (a 'wait' may still be stepping)."""
         return self.mode is not None
 
     def close(self):
         self.inbox.put(("stop", None))
         self.thread.join(timeout=30)
+
+    def _ask(self, kind, payload):
+        """Hand (kind, payload) to the owner thread and wait for its answer."""
+        if not self.thread.is_alive():
+            raise RuntimeError("the engine loop is closed")
+        reply = queue.Queue(maxsize=1)
+        self.inbox.put((kind, (payload, reply)))
+        ok, value = reply.get()
+        if not ok:
+            raise value
+        return value
 
     # ---- the owner thread
 
@@ -213,9 +216,9 @@ class EngineLoop:
 
     def _run(self):
         while True:
-            if self.draining and not self.engine.has_pending():   # paused 'wait': drained
+            if self.draining and not self._stepping():   # a 'wait' pause: nothing steps now
                 for clear_cache, reply in self.draining:
-                    self._paused(clear_cache, reply)
+                    self._answer(reply, self._finish_pause, clear_cache)
                 self.draining = []
             if not self._take_messages(block=not self._stepping()):
                 return
@@ -232,6 +235,7 @@ class EngineLoop:
     def _take_messages(self, block):
         """Handle everything queued (waiting for the first message when block); False once
         told to stop."""
+        handlers = {"call": lambda fn: fn(self.engine), "resume": self._resume}
         while True:
             try:
                 kind, payload = self.inbox.get(block=block)
@@ -239,57 +243,71 @@ class EngineLoop:
                 return True
             block = False
             if kind == "stop":
-                self._fail_all("the server is shutting down")
+                self._close()
                 return False
             if kind == "add" and self.mode:   # paused: it waits for resume()
-                self.held.append(payload)
+                self.queued.append(payload)
             elif kind == "add":
                 self._add(payload)
-            elif kind == "pause":
-                self._pause(*payload)
-            elif kind == "resume":
-                self._resume(payload)
             elif kind == "abort":
                 self._drop(payload)
-            elif kind == "call":
-                fn, reply = payload
-                try:
-                    reply.put((True, fn(self.engine)))
-                except Exception as e:
-                    reply.put((False, e))
+            elif kind == "pause":
+                self._pause(*payload)
+            else:
+                value, reply = payload
+                self._answer(reply, handlers[kind], value)
 
-    def _pause(self, mode, clear_cache, reply):
-        """Paused once nothing more steps: at once, or ('wait') when the running samples
-        have finished (answered then, from _run); the caches cleared at that moment."""
-        self.mode = mode
-        if mode == "abort":
-            self._abort_running()
-        if mode == "wait" and self.engine.has_pending():
+    @staticmethod
+    def _answer(reply, fn, value):
+        """reply (ok, result) of fn(value), or (False, its error)."""
+        try:
+            reply.put((True, fn(value)))
+        except Exception as e:
+            reply.put((False, e))
+
+    def _pause(self, mode_and_clear, reply):
+        """Paused once nothing more steps: at once, or ('wait') once the running samples
+        have finished (answered then, from _run)."""
+        self.mode, clear_cache = mode_and_clear
+        if self.mode == "wait" and self._stepping():
             self.draining.append((clear_cache, reply))
         else:
-            self._paused(clear_cache, reply)
+            self._answer(reply, self._finish_pause, clear_cache)
 
-    def _paused(self, clear_cache, reply):
+    def _finish_pause(self, clear_cache):
+        if self.mode == "abort":
+            self._abort_running()
         if clear_cache:
             self.engine.recompute_running()
             self.engine.flush_cache()
-        reply.put(None)
 
-    def _resume(self, reply):
-        self.mode, held, self.held = None, self.held, []
-        for request in held:
+    def _resume(self, _):
+        for clear_cache, reply in self.draining:
+            reply.put((False, RuntimeError("resumed before the pause had completed")))
+        self.mode, self.draining, queued, self.queued = None, [], self.queued, []
+        for request in queued:
             self._add(request)
-        reply.put(None)
+
+    def _close(self):
+        """The owner's last act: every request (queued ones too) and every pause still
+        waiting hears that the loop is shutting down."""
+        self._fail_all("the server is shutting down")
+        for request in self.queued:
+            request.emit([Delta(-1, [], [], [], [], "", None, error="the server is shutting down")])
+        for _, reply in self.draining:
+            reply.put((False, RuntimeError("the engine loop closed before the pause completed")))
+        self.queued, self.draining = [], []
 
     def _abort_running(self):
         """Every running sample ends now with what it has, finish reason 'abort' (a
-        request that does not stream hears its tokens only now)."""
+        request that does not stream hears its tokens only now); so do requests queued
+        while paused, with nothing."""
         out = {}
         for seq in self.engine.waiting + self.engine.running:
             if seq.request_id in self.by_request and seq.num_samples == 1:
                 self._progress(out, seq.request_id, seq.sample_index, seq.tokens[seq.num_prompt:],
                                seq.logprobs, seq.top_logprobs, seq.versions, "abort")
-        for request in {r for r, _ in self.by_request.values()}:
+        for request in {r for r, _ in self.by_request.values()} | set(self.queued):
             for index, sample in enumerate(request.samples):
                 if sample.finish_reason is None:   # not sampled at all yet
                     sample.finish_reason = "abort"
@@ -344,8 +362,8 @@ class EngineLoop:
                                         list(versions[k:]), text, sample.finish_reason))
 
     def _drop(self, request):
-        if request in self.held:   # came in while paused, never started
-            self.held.remove(request)
+        if request in self.queued:   # came in while paused, never started
+            self.queued.remove(request)
         for request_id in request.request_ids:
             self.engine.abort(request_id)
         self._forget(request)

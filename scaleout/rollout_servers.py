@@ -104,8 +104,8 @@ class Servers:
         self.push = ServerWeights(urls, model.state_dict(), config["weight_bucket_mb"],
                                   config["weight_backend"], config["weight_master_address"],
                                   config["rollout_api_key"])
-        # the servers serve the trainer's starting weights
-        self.push.send(model.state_dict())
+        # the servers serve the trainer's starting weights, labelled by the trainer's version
+        self.push.send(model.state_dict(), str(version))
         self.remote.version = version
         self.weights, self.rollouts = queue.Queue(), queue.Queue()
         # the sampler's record after the last rollout taken
@@ -122,7 +122,7 @@ class Servers:
                 pushed = 0.0
                 while weights_of < j - self.config["max_staleness"]:
                     t0 = time.perf_counter()
-                    self.push.send(self.weights.get())
+                    self.push.send(self.weights.get(), str(self.remote.version + 1))
                     weights_of, self.remote.version = weights_of + 1, self.remote.version + 1
                     pushed += time.perf_counter() - t0
                 groups, flops, metrics = self.rollout(self.remote, self.env, self.sampler,

@@ -97,6 +97,9 @@ class BadRequest(Exception):
         super().__init__(message)
         self.message, self.param, self.status, self.kind = message, param, status, kind
 
+    def body(self):
+        return error_body(self.message, self.param, self.status, self.kind)
+
 
 # OpenAI's error shape
 def error_body(message, param=None, status=400, kind="invalid_request_error"):
@@ -119,6 +122,9 @@ class Server:
         # the tensors of the update under way (between start and finish), else None; the
         # versions' labels (vLLM's weight_version, a str: "default" at first)
         self.transfer, self.update, self.labels = None, None, {0: "default"}
+        self.weights_lock = asyncio.Lock()
+        # the served model's tensors, {name: shape}: what an update must match
+        self.layout = {n: tuple(t.shape) for n, t in engine.model.state_dict().items()}
 
     def label(self, version):
         return self.labels.get(version, str(version))
@@ -550,7 +556,7 @@ def sse(server, http, prompts, params, n, stop, choices, body, head, chunk_choic
                 tail = dict(head, choices=[], usage=usage(prompts, n, choices))
                 yield f"data: {json.dumps(tail)}\n\n"
         except BadRequest as e:
-            yield f"data: {json.dumps(error_body(e.message, e.param, e.status, e.kind))}\n\n"
+            yield f"data: {json.dumps(e.body())}\n\n"
         yield "data: [DONE]\n\n"
 
     return StreamingResponse(events(), media_type="text/event-stream")
@@ -580,20 +586,26 @@ async def update_weights_from_disk(server, http, body):
     except (OSError, ValueError, TypeError, KeyError) as e:
         raise BadRequest(f"model_path={path!r}: {e}", "model_path") from None
 
-    def swap(engine):
-        engine.update_weights(model.state_dict())
-        return engine.get_weight_version()
-
     try:
-        version = await asyncio.to_thread(server.loop.call, swap)
+        version = await apply_state(server, model.state_dict())
     except (ValueError, TypeError) as e:
         raise BadRequest(f"model_path={path!r} does not fit: {e}", "model_path") from None
     return {"success": True, "message": f"loaded {path}", "weight_version": version}
 
 
+async def apply_state(server, state):
+    """state swapped into the engine between two steps (checked: names, shapes, finite);
+    the new version."""
+    def swap(engine):
+        engine.update_weights(state)
+        return engine.get_weight_version()
+    return await asyncio.to_thread(server.loop.call, swap)
+
+
 # -----------------------------------------------------------------------------
 # weights: vLLM's (0.32.0) RL weight-transfer API, with this project's backend (a process
-# group of the trainer's: gloo on the CPU, NCCL on CUDA; weight_sync.py has both sides)
+# group of the trainer's: gloo on the CPU, NCCL on CUDA; weight_sync.py has both sides).
+# One weight operation at a time (server.weights_lock), as vLLM's engine runs them.
 
 
 def engine_error(message):
@@ -601,104 +613,125 @@ def engine_error(message):
     return BadRequest(message, None, 500, "InternalServerError")
 
 
-def required_body_field(body, name, kinds):
-    """body[name], vLLM's 400 (a validation error on body.<name>) when it is missing or of
-    another type."""
+def required_body_field(body, name, kinds, required=True):
+    """body[name], vLLM's 400 (a validation error on body.<name>) when it is missing (and
+    required) or of another type."""
     value = body.get(name)
+    if value is None and not required:
+        return None
     if not isinstance(value, kinds):
-        raise BadRequest(f"1 validation error: body.{name} is required, a "
+        raise BadRequest(f"1 validation error: body.{name} must be a "
                          f"{' or '.join(k.__name__ for k in kinds)}; got {value!r:.60}",
                          f"body.{name}", 400, "Bad Request")
     return value
 
 
 async def init_weight_transfer_engine(server, http, body):
-    """{"init_info": {master_address, master_port, rank_offset, world_size, bucket_mb}}:
-    join the trainer's group (weight_sync.PeerGroup) as rank rank_offset of world_size,
-    met at master_address:master_port; returns once every rank has joined. A later call
-    (a trainer that restarted) replaces the group."""
+    """{"init_info": {master_address, master_port, rank_offset, world_size, backend,
+    bucket_mb}}: join the trainer's group (weight_sync.PeerGroup) as rank rank_offset of
+    world_size, met at master_address:master_port; returns once every rank has joined. A
+    later call (a trainer that restarted) replaces the group, and drops an update it had
+    started (as vLLM's does)."""
     info = required_body_field(body, "init_info", (dict,))
-    if server.update is not None:
-        raise engine_error("Cannot replace the trainer connection during a weight update")
     try:
         transfer = weight_sync.TransferInit(**info)
+        if transfer.backend == "nccl" and not server.engine.config.device.startswith("cuda"):
+            raise ValueError("backend='nccl' needs a server on CUDA; use 'gloo'")
     except (TypeError, ValueError) as e:
-        raise engine_error(f"Invalid init_info for {weight_sync.BACKEND} weight transfer: "
+        raise engine_error(f"Invalid init_info for the {weight_sync.BACKEND} weight transfer: "
                            f"{e}") from None
-    backend = "nccl" if server.engine.config.device.startswith("cuda") else "gloo"
-    group = await asyncio.to_thread(PeerGroup, transfer.master_address, transfer.master_port,
-                                    transfer.rank_offset, transfer.world_size, backend)
-    server.transfer = (group, transfer)
+    async with server.weights_lock:
+        server.transfer, server.update = None, None
+        try:
+            group = await asyncio.to_thread(PeerGroup, transfer.master_address,
+                                            transfer.master_port, transfer.rank_offset,
+                                            transfer.world_size, transfer.backend)
+        except Exception as e:   # the trainer never came: a timeout, a refused connection
+            raise engine_error(f"init_weight_transfer_engine failed: {e}") from None
+        server.transfer = (group, transfer)
     return {"message": "Weight transfer initialized"}
 
 
 async def shutdown_weight_transfer_engine(server, http, body):
-    if server.update is not None:
-        raise engine_error("Cannot release a trainer connection during a weight update")
-    server.transfer = None
+    async with server.weights_lock:
+        if server.update is not None:
+            raise engine_error("Cannot release a trainer connection during a weight update")
+        server.transfer = None
     return {"message": "Weight transfer shut down"}
 
 
 async def start_weight_update(server, http, body):
-    if server.transfer is None:
-        raise engine_error("Weight transfer not initialized: POST /init_weight_transfer_engine "
-                           "first")
-    if server.update is not None:
-        raise engine_error("start_weight_update called while a weight update is already "
-                           "active. Call finish_weight_update first.")
-    server.update = {}   # the tensors received, applied by finish_weight_update
+    async with server.weights_lock:
+        if server.transfer is None:
+            raise engine_error("Weight transfer not initialized: POST "
+                               "/init_weight_transfer_engine first")
+        if server.update is not None:
+            raise engine_error("start_weight_update called while a weight update is already "
+                               "active. Call finish_weight_update first.")
+        server.update = {}   # the tensors received, applied by finish_weight_update
     return {"message": "Weight update started"}
 
 
 async def update_weights(server, http, body):
-    """{"update_info": {names, dtype_names, shapes}} (or a list of one, this server being one
-    worker): every rank of the group first says whether the names, dtypes and shapes fit
-    its model (this server checks them against its own; a refusal is answered 500 here and
-    raises on the trainer, and nobody waits for bytes), then the tensors arrive by the
-    group's broadcast in buckets; answered once they all have. They are applied by
-    /finish_weight_update. A refusal ends the update (as vLLM's does)."""
+    """{"update_info": {names, dtype_names, shapes}} (or a list, of which this server, one
+    worker, takes the first), inside a started update: every rank of the group first says
+    whether the tensors fit (names not yet received this update, their shapes, float
+    dtypes), so that a refusal here (500) frees the trainer and the other servers at once;
+    then they arrive by the group's broadcast in buckets, are checked finite, and are kept
+    for /finish_weight_update. A refusal ends the update (as vLLM's does). Answered once the
+    tensors have all arrived. A call out of step (no update_info: vLLM's 400; no start:
+    500) is answered at once, with no word to the group: a trainer that sends one is not
+    in the protocol's step, and must initialize again."""
     info = required_body_field(body, "update_info", (dict, list))
-    if server.update is None:
-        raise engine_error("start_weight_update must be called before update_weights.")
-    group, transfer = server.transfer
-    ours = {n: tuple(t.shape) for n, t in server.engine.model.state_dict().items()}
-    problem = weight_sync.update_problem(info, ours)
-    try:
-        tensors = await asyncio.to_thread(weight_sync.receive_update, group, transfer, info,
-                                          problem, server.engine.config.device)
-    except Exception as e:
-        server.update = None
-        raise engine_error(f"update_weights failed: {e}") from None
-    if tensors is None:
-        server.update = None
-        raise engine_error(f"Invalid update_info: {problem}" if problem else
-                           "another server of the group refused this update")
-    server.update.update(tensors)
+    async with server.weights_lock:
+        if server.transfer is None or server.update is None:
+            raise engine_error("start_weight_update must be called before update_weights.")
+        group, transfer = server.transfer
+        problem = weight_sync.update_problem(info, server.layout, set(server.update))
+        try:
+            tensors = await asyncio.to_thread(weight_sync.receive_update, group, transfer, info,
+                                              problem, server.engine.config.device)
+        except Exception as e:
+            server.update = None
+            raise engine_error(f"update_weights failed: {e}") from None
+        if tensors is None:   # refused, here or by another rank: the update ends
+            server.update = None
+            raise engine_error(f"Invalid update_info: {problem}" if problem else
+                               "another rank of the group refused this update")
+        server.update.update(tensors)
     return {"message": "Weights updated"}
 
 
 async def finish_weight_update(server, http, body):
-    """Apply what /update_weights received, whole, between two engine steps (version += 1);
-    the optional {"weight_version": str} labels the new version."""
-    label = _field(body, "weight_version", (str,), None)
-    if server.update is None:
-        raise engine_error("finish_weight_update called without a matching "
-                           "start_weight_update.")
-    update, server.update = server.update, None
-    if update:
-        def swap(engine):
-            engine.update_weights(update)
-            return engine.get_weight_version()
-        version = await asyncio.to_thread(server.loop.call, swap)
-        server.labels[version] = label or str(version)
-    elif label is not None:
-        server.labels[server.engine.get_weight_version()] = label
+    """Apply what /update_weights received (every tensor of the model), whole, between two
+    engine steps (version += 1); {"weight_version": str} labels the new version, else it
+    keeps the label before it (vLLM's version changes only when told)."""
+    label = required_body_field(body, "weight_version", (str,), required=False)
+    async with server.weights_lock:
+        if server.update is None:
+            raise engine_error("finish_weight_update called without a matching "
+                               "start_weight_update.")
+        update, server.update = server.update, None
+        before = server.engine.get_weight_version()
+        if update:
+            missing = sorted(set(server.layout) - set(update))
+            if missing:
+                raise engine_error(f"finish_weight_update: {len(missing)} tensors never came, "
+                                   f"e.g. {missing[:3]}; nothing applied")
+            try:
+                version = await apply_state(server, update)
+            except (ValueError, TypeError) as e:
+                raise engine_error(f"finish_weight_update: {e}") from None
+            server.labels[version] = label or server.label(before)
+        elif label is not None:
+            server.labels[before] = label
     return {"message": "Weight update finished"}
 
 
 async def update_weight_version(server, http, body):
     label = required_body_field(body, "new_version", (str,))
-    server.labels[server.engine.get_weight_version()] = label
+    async with server.weights_lock:
+        server.labels[server.engine.get_weight_version()] = label
     return {"success": True, "new_version": label}
 
 
@@ -755,13 +788,19 @@ def add_rl_routes(app, server):
             mode = query(http, "mode", {m: m for m in ("abort", "wait", "keep")}, "abort")
             clear_cache = query(http, "clear_cache", truth, "true")
         except BadRequest as e:
-            return JSONResponse(error_body(e.message, e.param, e.status, e.kind), e.status)
-        await asyncio.to_thread(server.loop.pause, mode, clear_cache)
+            return JSONResponse(e.body(), e.status)
+        try:
+            await asyncio.to_thread(server.loop.pause, mode, clear_cache)
+        except RuntimeError as e:   # resumed before it completed; the server shutting down
+            return JSONResponse({"error": f"Failed to pause generation: {e}"}, 500)
         return {"status": "paused"}
 
     @app.post("/resume")
     async def resume():
-        await asyncio.to_thread(server.loop.resume)
+        try:
+            await asyncio.to_thread(server.loop.resume)
+        except RuntimeError as e:
+            return JSONResponse({"error": f"Failed to resume generation: {e}"}, 500)
         return {"status": "resumed"}
 
     @app.get("/is_paused")
@@ -808,7 +847,7 @@ def build_app(server) -> FastAPI:
                 body = {} if empty else await body_of(server, http)
                 out = await handler(server, http, body)
             except BadRequest as e:
-                return JSONResponse(error_body(e.message, e.param, e.status, e.kind), e.status)
+                return JSONResponse(e.body(), e.status)
             return out if isinstance(out, Response) else JSONResponse(out)
         app.post(path)(run)
 

@@ -1,7 +1,7 @@
 """
-This project's weight-transfer backend, 'gloo' (a process group of the trainer's over
-torch.distributed's gloo: the CPU has neither vLLM's NCCL nor its CUDA IPC), in vLLM's
-own trainer-side registry, so that vLLM's API drives it as it drives its own:
+This project's weight-transfer backend ('nanorl': a process group of the trainer's over
+torch.distributed's gloo, since the CPU has neither vLLM's NCCL nor its CUDA IPC) in
+vLLM's own trainer-side registry, so that vLLM's API drives it as it drives its own:
 
     from vllm.distributed.weight_transfer import (HTTPVLLMWeightSyncClient, ModuleSource,
                                                   WeightTransferTrainerFactory)
@@ -19,7 +19,7 @@ one worker is rank 1; a `vllm serve` worker side is not written yet. Needs vllm 
 0.32.0: bench/peers/install.sh); the project's own code never imports this file.
 """
 
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from typing import ClassVar
 
@@ -55,12 +55,16 @@ class GlooTrainerWeightTransferEngine(TrainerWeightTransferEngine[GlooTrainerIni
             return engine
         worker = {"master_address": init_info.master_address,
                   "master_port": init_info.master_port, "rank_offset": 1,
-                  "world_size": init_info.world_size, "bucket_mb": init_info.bucket_mb}
-        with ThreadPoolExecutor(max_workers=1) as pool:
-            joined = pool.submit(client.init_weight_transfer_engine, worker)
-            engine.group = weight_sync.PeerGroup(init_info.master_address, init_info.master_port,
-                                                 0, init_info.world_size, "gloo")
-            joined.result()
+                  "world_size": init_info.world_size, "backend": "gloo",
+                  "bucket_mb": init_info.bucket_mb}
+        pool = ThreadPoolExecutor(max_workers=2)   # a refused init fails at once
+        joined = pool.submit(client.init_weight_transfer_engine, worker)
+        mine = pool.submit(weight_sync.PeerGroup, init_info.master_address,
+                           init_info.master_port, 0, init_info.world_size, "gloo")
+        wait([joined, mine], return_when=FIRST_EXCEPTION)
+        pool.shutdown(wait=False)
+        joined.result()
+        engine.group = mine.result()
         return engine
 
     def send_weights(self):
@@ -70,10 +74,14 @@ class GlooTrainerWeightTransferEngine(TrainerWeightTransferEngine[GlooTrainerIni
         state = dict(iter(self.source))
         if not self.is_sender:
             return
-        meta = self.source.metadata()
-        info = {"names": [m.name for m in meta],
-                "dtype_names": [str(m.dtype).split(".")[-1] for m in meta],
-                "shapes": [list(m.shape) for m in meta]}
+        declared = [(m.name, tuple(m.shape), str(m.dtype).split(".")[-1])
+                    for m in self.source.metadata()]
+        if declared != weight_sync.manifest(state):   # the bytes go in the tensors' order
+            raise ValueError("the WeightSource's metadata does not match its tensors "
+                             "(names, order, shapes, dtypes)")
+        names, shapes, dtypes = zip(*declared)
+        info = {"names": list(names), "dtype_names": list(dtypes),
+                "shapes": [list(s) for s in shapes]}
         self.client.start_weight_update()
         with ThreadPoolExecutor(max_workers=1) as pool:
             received = pool.submit(self.client.update_weights, info)

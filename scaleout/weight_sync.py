@@ -23,7 +23,7 @@ is applied whole or not at all.
 import socket
 import time
 from dataclasses import dataclass
-from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
+from concurrent.futures import FIRST_COMPLETED, FIRST_EXCEPTION, ThreadPoolExecutor, wait
 from datetime import timedelta
 
 import httpx
@@ -199,18 +199,20 @@ def free_port():
 # weights to servers through vLLM's (0.32.0) RL weight-transfer API
 
 
-BACKEND = "gloo"   # what vLLM's --weight-transfer-config names this project's backend
+BACKEND = "nanorl"   # this project's backend in vLLM's registries (scaleout/vllm_gloo.py)
 
 
 @dataclass(kw_only=True)
 class TransferInit:
     """The init_info of this project's weight transfer: the trainer is rank 0 of a group
     of world_size met at master_address:master_port, a server's first worker is rank
-    rank_offset; the bytes go in buckets of bucket_mb."""
+    rank_offset; the group's backend ('gloo', or 'nccl' between CUDA devices), the bytes
+    in buckets of bucket_mb."""
     master_address: str
     master_port: int
     rank_offset: int
     world_size: int
+    backend: str = "gloo"
     bucket_mb: float = 64.0
 
     def __post_init__(self):
@@ -221,19 +223,21 @@ class TransferInit:
                   ("rank_offset", isinstance(self.rank_offset, int) and self.rank_offset >= 1),
                   ("world_size", isinstance(self.world_size, int)
                    and self.world_size > self.rank_offset),
+                  ("backend", self.backend in ("gloo", "nccl")),
                   ("bucket_mb", isinstance(self.bucket_mb, (int, float)) and self.bucket_mb > 0))
         for name, ok in checks:
             if not ok:
                 raise ValueError(f"{name}={getattr(self, name)!r} (rank_offset >= 1, "
-                                 "world_size > rank_offset, a port in (0, 65536), bucket_mb > 0)")
+                                 "world_size > rank_offset, a port in (0, 65536), backend "
+                                 "'gloo' or 'nccl', bucket_mb > 0)")
 
 
 def update_manifest(info):
     """[(name, shape, dtype)] of an update_info {names, dtype_names, shapes}, or of a list
-    holding one (vLLM indexes the list by worker; a server here is one worker)."""
+    of them (vLLM indexes the list by worker: a server here is one worker, the first)."""
     if isinstance(info, list):
-        if len(info) != 1:
-            raise ValueError(f"a list of {len(info)} update_infos for a server of one worker")
+        if not info:
+            raise ValueError("an empty list of update_infos")
         info = info[0]
     if not isinstance(info, dict):
         raise ValueError(f"update_info must be an object, got {type(info).__name__}")
@@ -250,18 +254,20 @@ def update_manifest(info):
     return [(n, tuple(sh), d) for n, sh, d in zip(names, shapes, dtypes)]
 
 
-def update_problem(info, ours):
-    """Why update_info does not fit a model whose tensors are ours ({name: shape}): '' when
-    it does (every tensor once, shapes equal, float dtypes)."""
+def update_problem(info, ours, received=()):
+    """Why update_info does not fit a model whose tensors are ours ({name: shape}), some
+    already received in this update: '' when it does (tensors of the model, each once in
+    the update, shapes equal, float dtypes; an update may come in several calls)."""
     try:
         got = update_manifest(info)
     except ValueError as e:
         return str(e)
     names = [n for n, _, _ in got]
-    if len(names) != len(ours) or set(names) != set(ours):
-        missing, unknown = sorted(set(ours) - set(names))[:3], sorted(set(names) - set(ours))[:3]
-        return (f"names must list every tensor of the served model once (missing: {missing}, "
-                f"unknown: {unknown})")
+    unknown = sorted(set(names) - set(ours))[:3]
+    again = sorted(n for n in set(names) if names.count(n) > 1 or n in received)[:3]
+    if unknown or again:
+        return (f"names must be tensors of the served model, each once per update (unknown: "
+                f"{unknown}, sent twice: {again})")
     for name, shape, dtype in got:
         if shape != ours[name]:
             return f"tensor {name!r} has shape {list(shape)}, not {list(ours[name])}"
@@ -281,6 +287,9 @@ def receive_update(group, transfer, info, problem, device="cpu"):
     sync = WeightSync(state, src=0, bucket_mb=transfer.bucket_mb, group=group,
                       device=torch.device(device))
     tensors, _, _ = sync.receive()
+    bad = [n for n, t in zip(state, tensors) if not torch.isfinite(t).all()]
+    if bad:
+        raise ValueError(f"{len(bad)} tensors are not finite, e.g. {bad[:3]}")
     return dict(zip(state, tensors))
 
 
@@ -309,7 +318,8 @@ class ServerWeights:
         pool = ThreadPoolExecutor(len(self.urls) + 1)
         joins = [pool.submit(self.post, url, "/init_weight_transfer_engine", {"init_info": {
             "master_address": master_address, "master_port": port, "rank_offset": i + 1,
-            "world_size": world, "bucket_mb": bucket_mb}}) for i, url in enumerate(self.urls)]
+            "world_size": world, "backend": backend, "bucket_mb": bucket_mb}})
+            for i, url in enumerate(self.urls)]
         mine = pool.submit(PeerGroup, master_address, port, 0, world, backend, timeout_s)
         wait(joins + [mine], return_when=FIRST_EXCEPTION)
         pool.shutdown(wait=False)
@@ -336,15 +346,28 @@ class ServerWeights:
                 "shapes": [list(s) for s in shapes]}
         for url in self.urls:
             self.post(url, "/start_weight_update")
-        with ThreadPoolExecutor(len(self.urls)) as pool:
-            posts = [pool.submit(self.post, url, "/update_weights", {"update_info": info})
-                     for url in self.urls]
-            fits = self.group.gather_ints(1)[1:]
-            if all(fits):
-                self.sync.send(state)
-            wait(posts)
+        pool = ThreadPoolExecutor(len(self.urls) + 1)
+        posts = [pool.submit(self.post, url, "/update_weights", {"update_info": info})
+                 for url in self.urls]
+        # every rank's word on the fit; a server that answers before giving it (out of the
+        # protocol's step) fails the send at once instead of after the group's timeout
+        fits = pool.submit(self.group.gather_ints, 1)
+        while not fits.done():
+            wait([fits] + posts, return_when=FIRST_COMPLETED)
+            early = [url for url, p in zip(self.urls, posts) if p.done()]
+            if early:   # a refusal after its word comes a moment after the word: wait for it
+                wait([fits], timeout=10)
+            if early and not fits.done():
+                pool.shutdown(wait=False)
+                raise RuntimeError(f"{early[0]} answered /update_weights without giving the "
+                                   "group its word: the group is out of step; make a new "
+                                   "ServerWeights")
+        if all(fits.result()):
+            self.sync.send(state)
+        wait(posts)
+        pool.shutdown(wait=False)
         refused = [f"{url}: {p.exception()}" for url, p in zip(self.urls, posts) if p.exception()]
-        if refused or not all(fits):
+        if refused:
             raise ValueError("the servers did not take the weights: " + "; ".join(refused))
         for url in self.urls:
             self.post(url, "/finish_weight_update",

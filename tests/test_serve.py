@@ -143,10 +143,11 @@ def test_a_request_told_only_at_its_end_gets_what_a_streamed_one_gets(setup):
     assert preempted > 0 and stepwise == at_end
 
 
-def held_loop(setup, stop_at):
+def held_loop(setup, stop_at, messages=1):
     """An EngineLoop over model a running one seeded sample of 60 tokens (no stop ids),
-    its owner held inside the Delta that brings the sample to stop_at tokens until a
-    message (a pause) is queued: what the test does next happens at that exact token."""
+    its owner held inside the Delta that brings the sample to stop_at tokens until that
+    many messages (pauses, ...) are queued: what the test does next happens at that exact
+    token."""
     from scaleout.engine_loop import EngineLoop
     from scaleout.serve import Choice
     engine = InferenceEngine(EngineConfig(model_path=str(setup["root"] / "a"), max_model_len=256,
@@ -160,7 +161,7 @@ def held_loop(setup, stop_at):
             choice.add(d)
         if len(choice.ids) >= stop_at and not reached.is_set():
             reached.set()
-            while loop.inbox.empty():   # held until the test has queued its message
+            while loop.inbox.qsize() < messages:   # held until the test has queued them
                 time.sleep(0.001)
         if choice.finish_reason:
             done.set()
@@ -175,6 +176,49 @@ def pause_at(loop, mode):
     worker.start()
     worker.join(60)
     assert not worker.is_alive()
+
+
+def asking(*calls):
+    """Each fn(*args) on a thread of its own, started in order (each one's message queued
+    before the next starts); returns the threads and {index: result or error text}."""
+    out, threads = {}, []
+    for i, (fn, *args) in enumerate(calls):
+        def run(i=i, fn=fn, args=args):
+            try:
+                out[i] = fn(*args)
+            except RuntimeError as e:
+                out[i] = str(e)
+        threads.append(threading.Thread(target=run))
+        threads[-1].start()
+        time.sleep(0.05)
+    return threads, out
+
+
+def test_overlapping_pauses_and_a_close_while_paused_answer_every_caller(setup):
+    # a 'keep' while a 'wait' is draining completes the wait (nothing steps any more)
+    loop, choice, done = held_loop(setup, stop_at=5, messages=2)
+    threads, out = asking((loop.pause, "wait"), (loop.pause, "keep"))
+    [t.join(30) for t in threads]
+    assert out == {0: None, 1: None} and len(choice.ids) == 5 and not done.is_set()
+    loop.resume()
+    assert done.wait(30)
+    loop.close()
+    # a resume before a 'wait' completes fails that pause
+    loop, choice, done = held_loop(setup, stop_at=5, messages=2)
+    threads, out = asking((loop.pause, "wait"), (loop.resume,))
+    [t.join(30) for t in threads]
+    assert out[0] == "resumed before the pause had completed" and out[1] is None
+    assert done.wait(30) and not loop.paused()
+    loop.close()
+    # a close while paused: the request queued meanwhile hears it, later calls raise
+    loop, choice, done = held_loop(setup, stop_at=5)
+    pause_at(loop, "keep")
+    heard = []
+    loop.submit([[1, 7]], SamplingParams(max_tokens=4), 1, [], heard.extend)
+    loop.close()
+    assert [d.error for d in heard] == ["the server is shutting down"]
+    with pytest.raises(RuntimeError, match="closed"):
+        loop.call(lambda engine: None)
 
 
 def teacher_forced(path, prompt, ids):
@@ -783,7 +827,7 @@ def test_weights_over_a_process_group_reach_a_running_server(setup):
     assert [s["version"] for s in spans] == ["step-7"]
     a = load_hf_checkpoint(str(root / "a")).state_dict()
     push.send(a)                                            # and back, for the tests after this one
-    assert weight_version(setup) == (before + 2, str(before + 2))   # no label: the number
+    assert weight_version(setup) == (before + 2, "step-7")  # unlabelled: vLLM's keeps its label
     # a trainer that restarts makes a new group, which replaces the old one
     ServerWeights([setup["server"].url], b, api_key=KEY).send(a)
     assert weight_version(setup)[0] == before + 3
@@ -837,6 +881,10 @@ def test_the_weight_routes_refuse_what_vllm_refuses_and_change_nothing(setup):
     r = call("/init_weight_transfer_engine", {"init_info": {
         "master_address": "127.0.0.1", "master_port": 1234, "rank_offset": 1, "world_size": 1}})
     assert r.status_code == 500 and "Invalid init_info" in r.text and "world_size" in r.text
+    r = call("/init_weight_transfer_engine", {"init_info": {   # NCCL on a CPU server
+        "master_address": "127.0.0.1", "master_port": 1234, "rank_offset": 1, "world_size": 2,
+        "backend": "nccl"}})
+    assert r.status_code == 500 and "needs a server on CUDA" in r.text
     r = call("/init_weight_transfer_engine", {"init_info": {   # NCCL's init_info: not ours
         "master_address": "127.0.0.1", "master_port": 1234, "rank_offset": 1, "world_size": 2,
         "packed": True}})
