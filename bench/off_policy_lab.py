@@ -302,8 +302,9 @@ def ci_cell(stats, digits=3):
 
 def report_main(out_dir, png):
     """table.md from out_dir/<checkpoint>/results.json (checkpoints in CHECKPOINTS order):
-    the references' noise, then per checkpoint every row with 95% intervals over its
-    batches, then each row pooled over the checkpoints; and the figure."""
+    the references' noise, then per checkpoint every row with its trainer's floor and 95%
+    intervals over its batches, then each row pooled over the checkpoints; and the
+    figure."""
     runs = {c: json.load(open(os.path.join(out_dir, c, "results.json")))
             for c in CHECKPOINTS if os.path.isfile(os.path.join(out_dir, c, "results.json"))}
     if not runs:
@@ -312,13 +313,15 @@ def report_main(out_dir, png):
     for c, r in runs.items():
         lines += ["", f"**{c}** ({r['init_from']}, step {r['iter']}); 95% intervals over "
                   f"{n_of(r)} batches", "",
-                  "| source | k3 KL | correction | cos with the reference | minus exact | "
+                  "| source | k3 KL | correction | floor | cos with the reference | minus exact | "
                   "minus no correction | cos with the batch's exact | bias^2 / ref^2 | "
-                  "norm ratio |", "| --- " * 9 + "|"]
+                  "norm ratio |", "| --- " * 10 + "|"]
         for source, by in r["sources"].items():
+            floor = np.mean(r["references"][by["trainer"]]["floor"])
             for corr, x in by["rows"].items():
                 lines.append(
-                    f"| {source} | {by['kl_k3']:.1e} | {corr} | {ci_cell(interval(x['cos_ref']))} "
+                    f"| {source} | {by['kl_k3']:.1e} | {corr} | {floor:+.3f} | "
+                    f"{ci_cell(interval(x['cos_ref']))} "
                     f"| {ci_cell(interval(x['minus_exact']))} | "
                     f"{ci_cell(interval(x['minus_none']))} | "
                     f"{ci_cell(interval(x['cos_paired']))} | {ci_cell(x['bias'], 4)} | "
