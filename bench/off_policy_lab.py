@@ -65,6 +65,9 @@ n_reference = 64              # on-policy batches (problems and seeds of their o
 n_batches = 16                # batches per row, problems of their own; intervals are over these
 problems_per_batch = 32       # training problems per batch, group_size samples each
 CHECKPOINTS = ("early", "middle", "late")   # the report's order of out_dir's checkpoints
+# a checkpoint is pooled when its reference's two halves agree at least this much (set after
+# the first run showed step 100's at 0.07: no gradient to measure against)
+RELIABLE = 0.5
 sources = [("exact", None), ("bf16", None), ("stale", 1), ("stale", 4), ("top_p", 0.9),
            ("top_p", 0.7)]
 corrections = {"none": {}, "tis": dict(tis_cap=2.0), "mis": dict(mis_low=0.5, mis_high=2.0),
@@ -357,11 +360,19 @@ def pooled(means_and_halves):
     return float(np.mean(means)), float(np.mean(means)) - half, float(np.mean(means)) + half
 
 
+def reliable(run):
+    """Whether a checkpoint's references hold a gradient: every one's two halves at a
+    cosine of RELIABLE or more (else every cosine with it is noise)."""
+    return all(ref["split_half"] >= RELIABLE for ref in run["references"].values())
+
+
 def pooled_table(runs):
-    """Each row's minus-exact and minus-no-correction: every checkpoint's mean, and their
-    pool with its interval."""
-    lines = ["", f"**Pooled over the checkpoints** ({', '.join(runs)}): each one's mean, then "
-             "their mean with a 95% interval from the checkpoints' own", "",
+    """Each row's minus-exact and minus-no-correction: every checkpoint's mean, and the
+    pool of the reliable ones' with its interval."""
+    kept = [c for c, r in runs.items() if reliable(r)]
+    lines = ["", f"**Pooled over the checkpoints whose reference holds a gradient** "
+             f"({', '.join(kept)}; halves at cosine >= {RELIABLE}): each checkpoint's mean, "
+             "then the pool's with a 95% interval from the checkpoints' own", "",
              "| source | correction | minus exact | minus no correction |", "| --- " * 4 + "|"]
     first = next(iter(runs.values()))
     for source, by in first["sources"].items():
@@ -369,7 +380,8 @@ def pooled_table(runs):
             cols = []
             for stat in ("minus_exact", "minus_none"):
                 each = [interval(r["sources"][source]["rows"][corr][stat]) for r in runs.values()]
-                pool = pooled([(m, (hi - lo) / 2) for m, lo, hi in each])
+                pool = pooled([(m, (hi - lo) / 2) for (m, lo, hi), c in zip(each, runs)
+                               if c in kept] or [(math.nan, math.nan)])
                 cols.append(" / ".join(f"{m:+.3f}" for m, _, _ in each) + f"; {ci_cell(pool)}")
             lines.append(f"| {source} | {corr} | {cols[0]} | {cols[1]} |")
     return lines
