@@ -32,6 +32,7 @@ sample twice. A resumed run restarts the schedule from its checkpoint's weights 
 1 its first s rollouts are fresher than the killed run's were).
 """
 
+import collections
 import time
 
 import numpy as np
@@ -145,8 +146,12 @@ def run_worker(config, roles, start, env, sampler, engine, rollout):
     # a model that does not match the trainer's is refused here, on every rank of the group
     sync.connect()
     weights_of, t_last = start.iter_num, time.perf_counter()
-    # the last rollout's sends, and its tensors, kept alive until they have left
-    works, _sent = [], None
+    # rollouts sent and not yet received: (iteration, sends, tensors kept alive until they
+    # have left). Trainer 0 takes rollout j only after publishing the weights of step j - 1,
+    # which waits for this rank at the rollout those weights are due (j - 1 + s + 1): so up
+    # to s = max_staleness rollouts may be in flight, and waiting for an earlier one than
+    # rollout it - s (it - 1 at s = 0) would wait for a trainer that waits for this rank
+    window, in_flight = max(config["max_staleness"], 1), collections.deque()
     for it in range(start.iter_num, config["max_iters"]):
         t0 = time.perf_counter()
         received = 0.0
@@ -160,8 +165,9 @@ def run_worker(config, roles, start, env, sampler, engine, rollout):
         waited = time.perf_counter() - t0
         groups, flops, metrics = rollout(engine, env, sampler, config, it)
         t1 = time.perf_counter()
-        for work in works:
-            work.wait()                       # the previous rollout has reached trainer 0
+        while in_flight and in_flight[0][0] <= it - window:
+            for work in in_flight.popleft()[1]:
+                work.wait()                   # that rollout has reached trainer 0
         waited += time.perf_counter() - t1
         now = time.perf_counter()
         metrics.update({"perf/worker_idle_frac": waited / (now - t_last),
@@ -170,9 +176,10 @@ def run_worker(config, roles, start, env, sampler, engine, rollout):
         if distributed.rank() == 0:
             # every worker holds the same groups; the first one sends them
             tensors = encode_rollout(it, sampler.last, groups, flops, metrics)
-            works, _sent = send_rollout(tensors, roles.trainers[0])
-    for work in works:
-        work.wait()
+            in_flight.append((it, *send_rollout(tensors, roles.trainers[0])))
+    for _, works, _ in in_flight:
+        for work in works:
+            work.wait()
 
 
 # -----------------------------------------------------------------------------

@@ -137,6 +137,19 @@ def test_staleness_one_overlaps_sampling_with_training(tmp_path):
     assert step < 0.9 * serial, (step, serial)
 
 
+def test_staleness_three_runs_with_rollouts_in_flight(tmp_path):
+    # the worker runs three rollouts ahead: it must not wait for one the trainer takes only
+    # after the barrier of a weight publish that waits for the worker (a deadlock once)
+    args = ARGS + ["--max_iters=7", "--eval_interval=7", "--prompts_per_step=8", "--group_size=4",
+                   "--max_new_tokens=8", "--batch_tokens=512", "--tis_cap=2", "--rollout_ranks=1",
+                   "--max_staleness=3", "--dist_timeout_s=60"]
+    td.launch(tmp_path, "train_grpo.py", tmp_path / "async3", args, nproc=2)
+    rows = steps(tmp_path / "async3")
+    assert [r["iter"] for r in rows] == list(range(1, 8))
+    # rollouts 0-3 sample with the starting weights, rollout j >= 3 with those after j - 3
+    assert [r["rollout/staleness_max"] for r in rows] == [0, 1, 2, 3, 3, 3, 3]
+
+
 def test_a_rollout_crosses_as_tensors_and_comes_back_whole():
     prompt = (5, 6, 7)
     # sample 0 is a multi-turn episode: its id 2 is the environment's (mask 0)
