@@ -26,7 +26,8 @@ Per episode it prints the reward and whether what verifiers recorded (`Trace.bra
 one token sequence per branch, `sampled_mask`, `logprobs`) is, token for token, what
 scaleout/serve.py sent back (each response's prompt_token_ids, choices[0].token_ids and
 their logprobs, captured as the renderers package parses them). With --json it prints
-one JSON line per episode instead (test_verifiers.py reads those). Exit status 1 if any
+one JSON line per episode instead (test_verifiers.py reads those), its branch included:
+scaleout/verifiers_groups.py turns those into GRPO groups. Exit status 1 if any
 episode differs or failed.
 
 The repo's countdown.py / countdown_feedback.py are imported from the repository root
@@ -353,6 +354,15 @@ async def collect(base_url, model, model_path, turns, num_tasks, max_tokens=48,
     return results
 
 
+def branch_row(trace):
+    """The trace's (first) branch as plain data, what scaleout/verifiers_groups.py takes."""
+    if trace is None or not trace.branches:
+        return None
+    b = trace.branches[0]
+    return {"token_ids": list(b.token_ids), "sampled_mask": [bool(m) for m in b.sampled_mask],
+            "logprobs": [float(x) for x in b.logprobs]}
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--base_url", default="http://127.0.0.1:8123")
@@ -373,7 +383,8 @@ def main():
     for episode, cmp in results:
         trace = episode.traces[0] if episode.traces else None
         row = dict(cmp, task=episode.task.data.name, reward=trace.reward if trace else None,
-                   replies=[m.content for m in trace.assistant_messages] if trace else [])
+                   replies=[m.content for m in trace.assistant_messages] if trace else [],
+                   branch=branch_row(trace))
         if args.json:
             print(json.dumps(row), flush=True)
         else:
