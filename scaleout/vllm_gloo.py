@@ -79,9 +79,7 @@ class GlooTrainerWeightTransferEngine(TrainerWeightTransferEngine[GlooTrainerIni
         if declared != weight_sync.manifest(state):   # the bytes go in the tensors' order
             raise ValueError("the WeightSource's metadata does not match its tensors "
                              "(names, order, shapes, dtypes)")
-        names, shapes, dtypes = zip(*declared)
-        info = {"names": list(names), "dtype_names": list(dtypes),
-                "shapes": [list(s) for s in shapes]}
+        info = weight_sync.update_info(declared)
         self.client.start_weight_update()
         with ThreadPoolExecutor(max_workers=1) as pool:
             received = pool.submit(self.client.update_weights, info)

@@ -232,6 +232,12 @@ class TransferInit:
                                  "'gloo' or 'nccl', bucket_mb > 0)")
 
 
+def update_info(tensors):
+    """vLLM's update_info of a manifest [(name, shape, dtype)]: {names, dtype_names, shapes}."""
+    names, shapes, dtypes = zip(*tensors)
+    return {"names": list(names), "dtype_names": list(dtypes), "shapes": [list(s) for s in shapes]}
+
+
 def update_manifest(info):
     """[(name, shape, dtype)] of an update_info {names, dtype_names, shapes}, or of a list
     of them (vLLM indexes the list by worker: a server here is one worker, the first)."""
@@ -341,9 +347,7 @@ class ServerWeights:
 
     def send(self, state, version=None):
         """Every server's weights become state, labelled version (a str, or none)."""
-        names, shapes, dtypes = zip(*manifest(state))
-        info = {"names": list(names), "dtype_names": list(dtypes),
-                "shapes": [list(s) for s in shapes]}
+        info = update_info(manifest(state))
         for url in self.urls:
             self.post(url, "/start_weight_update")
         pool = ThreadPoolExecutor(len(self.urls) + 1)
