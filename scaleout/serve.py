@@ -48,7 +48,8 @@ import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from checkpoint import load_config, load_hf_checkpoint, stop_ids_of
+from checkpoint import (hf_to_ours, hf_weight_shapes, load_config, load_hf_checkpoint,
+                        stop_ids_of)
 from configurator import configure, is_int
 from engine import (EngineConfig, InferenceEngine, SamplingParams, check_fits, check_prompt,
                     decode_graph_fits)
@@ -123,8 +124,9 @@ class Server:
         # versions' labels (vLLM's weight_version, a str: "default" at first)
         self.transfer, self.update, self.labels = None, None, {0: "default"}
         self.weights_lock = asyncio.Lock()
-        # the served model's tensors, {name: shape}: what an update must match
-        self.layout = {n: tuple(t.shape) for n, t in engine.model.state_dict().items()}
+        # the served model's tensors, {name: shape}, under their checkpoint names (one
+        # tensor per expert): what an update must match, as vLLM's load_weights takes them
+        self.layout = hf_weight_shapes(engine.model.config)
 
     def label(self, version):
         return self.labels.get(version, str(version))
@@ -719,7 +721,8 @@ async def finish_weight_update(server, http, body):
                 raise engine_error(f"finish_weight_update: {len(missing)} tensors never came, "
                                    f"e.g. {missing[:3]}; nothing applied")
             try:
-                version = await apply_state(server, update)
+                ours = hf_to_ours(update, server.engine.model.config)
+                version = await apply_state(server, ours)
             except (ValueError, TypeError) as e:
                 raise engine_error(f"finish_weight_update: {e}") from None
             server.labels[version] = label or server.label(before)

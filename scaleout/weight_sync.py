@@ -30,6 +30,8 @@ import httpx
 import torch
 import torch.distributed as dist
 
+from checkpoint import ours_to_hf
+
 MB = 1 << 20
 
 
@@ -301,8 +303,9 @@ def receive_update(group, transfer, info, problem, device="cpu"):
 
 class ServerWeights:
     """A trainer's new weights to running servers through vLLM's RL weight-transfer API
-    (scaleout/serve.py started with --enable_weight_updates=True), over a process group of
-    their own, in buckets:
+    (scaleout/serve.py started with --enable_weight_updates=True, or `vllm serve` with this
+    project's backend: scaleout/vllm_gloo.py), over a process group of their own, in
+    buckets:
 
         push = ServerWeights(["http://127.0.0.1:8000"], model.state_dict())   # they join
         push.send(model.state_dict(), "3")   # after each step; "3" labels the version
@@ -312,7 +315,9 @@ class ServerWeights:
     broadcasts. Before any byte, every rank says over the group whether that fits its
     model, so a server that does not match refuses (its /update_weights answers 500) and
     send raises ValueError naming it, the weights unchanged everywhere and nobody waiting
-    for bytes; then POST /finish_weight_update {weight_version} applies them."""
+    for bytes; then POST /finish_weight_update {weight_version} applies them. The tensors
+    travel under their checkpoint names (transformers', one tensor per expert), as vLLM's
+    trainers send them and its load_weights takes them."""
 
     def __init__(self, urls, state, bucket_mb=64, backend="gloo", master_address="127.0.0.1",
                  api_key="", timeout_s=300):
@@ -332,7 +337,7 @@ class ServerWeights:
         for join in joins:
             join.result()
         self.group = mine.result()
-        self.sync = WeightSync(state, src=0, bucket_mb=bucket_mb, group=self.group)
+        self.sync = WeightSync(ours_to_hf(state), src=0, bucket_mb=bucket_mb, group=self.group)
 
     def post(self, url, path, body=None):
         """POST body (none: no body) to url + path; a refusal raises ValueError naming the
@@ -346,7 +351,21 @@ class ServerWeights:
         return r.json()
 
     def send(self, state, version=None):
-        """Every server's weights become state, labelled version (a str, or none)."""
+        """Every server's weights become state (the trainer's state_dict), labelled
+        version (a str, or none). The servers are paused meanwhile, as vLLM's examples do
+        (mode=keep: a sample in flight waits and goes on under the new weights; the prefix
+        cache, made by the old ones, is cleared)."""
+        for url in self.urls:
+            self.post(url, "/pause?mode=keep")
+        try:
+            self.cycle(ours_to_hf(state), version)
+        finally:
+            for url in self.urls:
+                self.post(url, "/resume")
+
+    def cycle(self, state, version):
+        """vLLM's start, update_weights (the bytes meanwhile), finish, for tensors under
+        their checkpoint names."""
         info = update_info(manifest(state))
         for url in self.urls:
             self.post(url, "/start_weight_update")
