@@ -31,6 +31,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 
+from inference.sampling import mix_seed
 from scaleout.client import sample_from_response
 from scaleout.weight_sync import ServerWeights
 
@@ -44,6 +45,7 @@ class RemoteEngine:
         self.model = dataclasses.make_dataclass("Served", ["config"])(model_config)
         self.headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self.version = 0
+        self.owners = {}   # url -> who serves it: /v1/models' owned_by ('nano-rl' is ours)
 
     def get_weight_version(self):
         return self.version
@@ -61,8 +63,31 @@ class RemoteEngine:
             return [s for part in parts for s in part]
 
     def sample(self, url, prompts, params, n, first_index):
-        """One server's share: /v1/completions with token-id prompts, the stop ids exactly
-        the params' (ignore_eos: the server adds none of its own)."""
+        """One server's share. Ours draws prompt i of a seeded request from (seed,
+        first_index + i); vLLM draws every prompt of a request from the one seed, so on a
+        near-flat distribution the prompts' samples come out the same. To vLLM each prompt
+        therefore goes as a request of its own, seeded by its index (concurrently: vLLM
+        batches them itself)."""
+        if params.seed is None or self.owner(url) == "nano-rl":
+            return self.request(url, prompts, params, n, first_index)
+
+        def alone(i):
+            seeded = dataclasses.replace(params, seed=mix_seed(params.seed, first_index + i))
+            return self.request(url, [prompts[i]], seeded, n, first_index + i)
+        with ThreadPoolExecutor(min(len(prompts), 32)) as pool:
+            return [s for part in pool.map(alone, range(len(prompts))) for s in part]
+
+    def owner(self, url):
+        if url not in self.owners:
+            r = httpx.get(url + "/v1/models", headers=self.headers, timeout=self.timeout_s)
+            if r.status_code != 200:
+                raise RuntimeError(f"rollout server {url}: /v1/models answered {r.status_code}")
+            self.owners[url] = r.json()["data"][0].get("owned_by")
+        return self.owners[url]
+
+    def request(self, url, prompts, params, n, first_index):
+        """/v1/completions with token-id prompts, the stop ids exactly the params'
+        (ignore_eos: the server adds none of its own)."""
         body = {"prompt": [list(p) for p in prompts], "n": n, "max_tokens": params.max_tokens,
                 "temperature": params.temperature, "top_p": params.top_p, "top_k": params.top_k,
                 "seed": params.seed, "first_index": first_index,

@@ -17,10 +17,12 @@ trainer's own engine), which has the same interface:
     torchrun --standalone --nproc_per_node=2 train_grpo.py config/qwen_small.py \\
         --rollout_ranks=1 --max_staleness=1 --tis_cap=2
     python train_grpo.py config/qwen_small.py --rollout_urls=http://127.0.0.1:8000
+    python train_grpo.py config/qwen_small.py --rollout_urls=http://127.0.0.1:8000 \
+        --verifiers_cmd="/tmp/vf_venv/bin/python scaleout/verifiers_countdown.py"
 """
 
 from configurator import require
-from scaleout import distributed, rollout_ranks
+from scaleout import distributed, rollout_ranks, verifiers_groups
 from scaleout.rollout_servers import Servers
 
 SETTINGS = dict(
@@ -31,6 +33,8 @@ SETTINGS = dict(
     rollout_api_key="",                  # the servers' --api_key
     weight_master_address="127.0.0.1",   # where the servers reach the trainer's weight group
     weight_backend="gloo",               # the weight group's backend: 'gloo', or 'nccl' on cuda
+    verifiers_cmd="",                    # a verifiers environment's episodes sample instead of
+                                         # the task's: scaleout/verifiers_groups.py
 )
 
 
@@ -58,6 +62,9 @@ def check_settings(config):
     cuda = device.startswith("cuda")
     require(backend == "gloo" or cuda, f"weight_backend='nccl' needs a cuda device, not {device!r}")
     require(config["weight_master_address"], "weight_master_address='': expected a host")
+    require(not config["verifiers_cmd"] or urls,
+            f"verifiers_cmd={config['verifiers_cmd']!r}: the environment plays against servers: "
+            "set rollout_urls")
     mb = config["weight_bucket_mb"]
     require(mb > 0, f"weight_bucket_mb={mb!r}: expected a number > 0")
 
@@ -74,6 +81,8 @@ def make_source(config, roles, model, env, sampler, engine, rollout, start_iter)
     train_grpo.rollout; engine evaluates."""
     version = engine.get_weight_version()
     if config["rollout_urls"]:
+        if config["verifiers_cmd"]:   # the episodes of a verifiers environment
+            rollout = verifiers_groups.rollout
         return Servers(config, env, sampler, model, engine, version, rollout, start_iter)
     if roles is not None:
         return rollout_ranks.RolloutRanks(config, roles, model, sampler, engine, version)

@@ -203,22 +203,31 @@ class CountdownData(vf.TaskData):
         return countdown.Problem(digits=tuple(self.digits), target=self.target)
 
 
+# what an answer earns: countdown's reward, or (--reward=brevity, for a random tiny model,
+# which never solves countdown but can learn to stop) 1.0 for a reply of at most 8 characters
+REWARDS = {"countdown": countdown.reward, "brevity": lambda problem, text: float(len(text) <= 8)}
+REWARD = "countdown"
+
+
 class CountdownTask(vf.Task[CountdownData]):
     @vf.reward(weight=1.0)
     async def correct(self, trace: vf.Trace) -> float:
         """1.0 if any answer of the episode is right (countdown_feedback.episode_reward)."""
         answers = [m.content or "" for m in trace.assistant_messages]
-        return max((countdown.reward(self.data.problem, a) for a in answers), default=0.0)
+        return max((REWARDS[REWARD](self.data.problem, a) for a in answers), default=0.0)
 
 
 class CountdownConfig(vf.TasksetConfig):
     split: str = "test"
     num_tasks: int = 4
+    offset: int = 0   # the split's problems from this one on (wrapping round)
 
 
 class CountdownTaskset(vf.Taskset[CountdownTask, CountdownConfig]):
     def load(self):
-        for p in countdown.make_problems(self.config.split, self.config.num_tasks):
+        split = countdown.make_problems(self.config.split)
+        for i in range(self.config.num_tasks):
+            p = split[(self.config.offset + i) % len(split)]
             name = f"{' '.join(map(str, p.digits))}->{p.target}"
             data = CountdownData(prompt=countdown.prompt_messages(p), digits=list(p.digits),
                                  target=p.target, name=name)
@@ -260,8 +269,8 @@ class FeedbackEnv(vf.Env[FeedbackEnvConfig]):
                 segment = await chat.turn(reply)
 
 
-def make_env(turns, num_tasks, split="test"):
-    taskset = {"id": MODULE, "num_tasks": num_tasks, "split": split}
+def make_env(turns, num_tasks, split="test", offset=0):
+    taskset = {"id": MODULE, "num_tasks": num_tasks, "split": split, "offset": offset}
     if turns == 1:
         return vf.SingleAgentEnv(vf.SingleAgentEnvConfig(taskset=taskset, agent=agent_config(1)))
     return FeedbackEnv(FeedbackEnvConfig(taskset=taskset, agent=agent_config(turns), turns=turns))
@@ -328,18 +337,18 @@ def compare(trace, responses) -> dict:
 
 
 async def collect(base_url, model, model_path, turns, num_tasks, max_tokens=48,
-                  temperature=1.0):
-    """Run one episode per task, one at a time; return [(episode, comparison)]."""
+                  temperature=1.0, group_size=1, split="test", offset=0):
+    """Run group_size episodes per task, one at a time; return [(episode, comparison)]."""
     renderer = CustomRendererConfig(import_path=f"{MODULE}.ChatMLRenderer")
     client = vf.TrainClientConfig(base_url=base_url.rstrip("/") + "/v1",
                                   api_key_var="NANORL_API_KEY", renderer=renderer,
                                   renderer_model_name=model_path)
     sampling = vf.SamplingConfig(temperature=temperature, max_tokens=max_tokens)
     ctx = vf.ModelContext(model=model, client=client, sampling=sampling)
-    env = make_env(turns, num_tasks)
+    env = make_env(turns, num_tasks, split, offset)
     results = []
     async with env.serving():
-        for t in env.taskset:
+        for t in [t for t in env.taskset for _ in range(group_size)]:
             del SERVER_RESPONSES[:]
             bridges = ChatMLRenderer.bridges
             episode = await env.run_episode(t, ctx)
@@ -375,11 +384,19 @@ def main():
     ap.add_argument("--max_tokens", type=int, default=48)
     ap.add_argument("--temperature", type=float, default=1.0)
     ap.add_argument("--json", action="store_true", help="one JSON line per episode")
+    # what scaleout/verifiers_groups.py asks for when it trains on these episodes
+    ap.add_argument("--group_size", type=int, default=1, help="episodes per task")
+    ap.add_argument("--split", default="test", choices=["train", "val", "test"])
+    ap.add_argument("--offset", type=int, default=0, help="the split's first task")
+    ap.add_argument("--reward", default="countdown", choices=sorted(REWARDS))
     args = ap.parse_args()
+    global REWARD
+    REWARD = args.reward
     card = httpx.get(args.base_url.rstrip("/") + "/v1/models").json()["data"][0]
     model, model_path = card["id"], args.model_path or card["id"]
     results = asyncio.run(collect(args.base_url, model, model_path, args.turns, args.num_tasks,
-                                  args.max_tokens, args.temperature))
+                                  args.max_tokens, args.temperature, args.group_size,
+                                  args.split, args.offset))
     for episode, cmp in results:
         trace = episode.traces[0] if episode.traces else None
         row = dict(cmp, task=episode.task.data.name, reward=trace.reward if trace else None,

@@ -13,11 +13,36 @@ An episode is {"task": name, "reward": float, "branch": {"token_ids": [...],
 first sampled one; the rest is the completion, the environment's ids in it (a later
 turn's user message) with mask 0 and logprob 0, as train_grpo's own multi-turn episodes
 have them. Episodes are grouped by task in the order they come; each task's episodes
-share one prompt. The wiring of a verifiers run into train_grpo's loop is not written
-yet (issue 65).
+share one prompt.
+
+train_grpo trains on a verifiers environment through rollout() below, in place of its
+own: the servers of --rollout_urls sample, the trainer pushes its weights to them after
+each step, and each iteration runs --verifiers_cmd, a program in verifiers' venv that
+plays the environment against a server and prints its episodes as JSON lines, for each
+server's share of the step's tasks:
+
+    python -m scaleout.serve --model_path=out/qwen_small/sft/best --port=8123 \
+        --enable_weight_updates=True &
+    python train_grpo.py config/qwen_small.py --rollout_urls=http://127.0.0.1:8123 \
+        --verifiers_cmd="/tmp/vf_venv/bin/python scaleout/verifiers_countdown.py"
+
+The command is called with --base_url, --json, --split=train, --offset (its first task:
+iteration * prompts_per_step + its share's start), --num_tasks, --group_size,
+--max_tokens and --temperature; scaleout/verifiers_countdown.py is the example, and
+another environment plugs in by a program that takes the same arguments.
 """
 
+import json
+import shlex
+import subprocess
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import replace
+
+import numpy as np
+
 from engine import TrainingSample
+from tasks.evaluate import sampling_flops
 
 
 def branch_sample(branch):
@@ -59,3 +84,58 @@ def episode_groups(episodes, group_size):
             raise ValueError(f"task {task!r}: its episodes start from different prompts")
         groups.append((task, samples[0].prompt_tokens, samples, rewards))
     return groups
+
+
+# -----------------------------------------------------------------------------
+# a verifiers environment as train_grpo's rollout
+
+
+def collect(config, url, offset, num_tasks):
+    """The episodes of verifiers_cmd on one server: num_tasks tasks of the train split
+    from offset on, group_size episodes each."""
+    cmd = shlex.split(config["verifiers_cmd"]) + [
+        f"--base_url={url}", "--json", "--split=train", f"--offset={offset}",
+        f"--num_tasks={num_tasks}", f"--group_size={config['group_size']}",
+        f"--max_tokens={config['max_new_tokens']}", f"--temperature={config['temperature']}"]
+    run = subprocess.run(cmd, capture_output=True, text=True)
+    episodes = [json.loads(line) for line in run.stdout.splitlines() if line.startswith("{")]
+    failed = [e.get("why") for e in episodes if not e.get("ok")]
+    if run.returncode != 0 or failed or len(episodes) != num_tasks * config["group_size"]:
+        raise RuntimeError(f"verifiers_cmd on {url} (exit {run.returncode}, "
+                           f"{len(episodes)} episodes, failed: {failed[:2]}): "
+                           f"{run.stderr[-1500:]}")
+    return episodes
+
+
+def rollout(remote, env, sampler, config, it):
+    """train_grpo.rollout for a verifiers environment: prompts_per_step tasks (the next
+    ones of the train split, in the environment's order) split across the servers of
+    remote (rollout_servers.RemoteEngine), group_size episodes each, through
+    verifiers_cmd; the groups with reward variance kept. env and sampler are train_grpo's
+    (the environment chooses the tasks here, so the sampler records nothing)."""
+    P, G, k = config["prompts_per_step"], config["group_size"], len(remote.urls)
+    shares = [(i * P // k, (i + 1) * P // k) for i in range(k)]
+    t0 = time.perf_counter()
+    with ThreadPoolExecutor(k) as pool:
+        parts = pool.map(lambda a: collect(config, *a), [
+            (url, it * P + lo, hi - lo) for url, (lo, hi) in zip(remote.urls, shares) if hi > lo])
+        episodes = [e for part in parts for e in part]
+    gen_time = time.perf_counter() - t0
+    groups = []
+    for task, prompt, samples, rewards in episode_groups(episodes, G):
+        # sampled by the weights the servers hold (the trainer's count of versions)
+        samples = [replace(s, weight_version=remote.version,
+                           token_versions=(remote.version,) * len(s.completion_tokens))
+                   for s in samples]
+        groups.append((task, prompt, samples, rewards))
+    kept = [g for g in groups if len(set(g[3])) > 1]
+    rewards = [r for g in groups for r in g[3]]
+    sampled = [sum(s.loss_mask) for g in groups for s in g[2]]
+    metrics = {"rollout/reward_mean": float(np.mean(rewards)),
+               "rollout/zero_var_groups": len(groups) - len(kept),
+               "rollout/valid_groups": len(kept), "rollout/problems": len(groups),
+               "rollout/completion_len": float(np.mean(sampled)),
+               "rollout/tokens_per_s": sum(sampled) / gen_time, "perf/rollout_time_s": gen_time,
+               "rollout/weight_version": remote.version}
+    samples = [s for g in groups for s in g[2]]
+    return kept, sampling_flops(remote.model.config, samples, G), metrics

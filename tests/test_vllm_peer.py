@@ -19,7 +19,7 @@ import httpx
 import pytest
 import torch
 
-from checkpoint import load_hf_checkpoint
+from checkpoint import load_hf_checkpoint, ours_to_hf
 from engine import EngineConfig, InferenceEngine, SamplingParams
 from test_serve import Served, model_dir
 
@@ -87,8 +87,9 @@ print(json.dumps(out))
 def test_vllms_client_pushes_weights_that_the_server_then_samples_exactly(tmp_path):
     model_dir(tmp_path / "a", seed=1)
     model_dir(tmp_path / "b", seed=2)
-    b = load_hf_checkpoint(str(tmp_path / "b")).state_dict()
-    torch.save(b, tmp_path / "b.pt")
+    # what a trainer written for vLLM sends: the checkpoint's names (one tensor per expert)
+    b = ours_to_hf(load_hf_checkpoint(str(tmp_path / "b")).state_dict())
+    torch.save({k: v.contiguous() for k, v in b.items()}, tmp_path / "b.pt")
     server = Served(tmp_path / "a", "--enable_weight_updates=True")   # vLLM's routes: no key
     try:
         run = subprocess.run([VLLM_PYTHON, "-c", TRAINER, server.url, str(tmp_path / "b.pt")],

@@ -3,7 +3,7 @@
 # requirements.txt: their pinned dependencies clash with ours and with each other).
 #
 #   bash bench/peers/install.sh          # both
-#   bash bench/peers/install.sh vllm     # vLLM's CPU build: .peers/vllm
+#   bash bench/peers/install.sh vllm     # vLLM's CPU build + scaleout/vllm_plugin: .peers/vllm
 #   bash bench/peers/install.sh trl      # TRL's GRPOTrainer: .peers/trl
 #
 # then `python -m bench.bench` finds them (bench/bench.py --peers_dir to look elsewhere). They take about 5 GB
@@ -56,6 +56,8 @@ PY
     echo "missing: expected, they are left out on purpose (see the top of bench/peers/install.sh)"
     "$pip" install -q -r "$wheels/requirements.txt"
     rm -rf "$wheels"
+    # this project's weight-transfer backend, which vLLM finds through its plugin entry point
+    "$pip" install -q -e scaleout/vllm_plugin
     "$PEERS/vllm/bin/python" -c "import vllm; print('vllm', vllm.__version__, 'in $PEERS/vllm')"
 }
 
