@@ -323,14 +323,19 @@ class ServerWeights:
                  api_key="", timeout_s=300):
         self.urls, self.timeout_s = list(urls), timeout_s
         self.headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
-        port, world = free_port(), len(self.urls) + 1
+        # every worker of every server is a rank of the group (vLLM: one per device of its
+        # tensor, pipeline and data parallelism; ours: one), a server's first at its
+        # rank_offset: servers of 2 and 1 workers -> offsets 1 and 3, world 4
+        sizes = [self.get(url, "/get_world_size")["world_size"] for url in self.urls]
+        offsets = [1 + sum(sizes[:i]) for i in range(len(sizes))]
+        port, world = free_port(), 1 + sum(sizes)
         # a server's POST returns once the group has formed, which needs this rank too:
         # all in threads, and a server that refuses to join fails the call at once
         pool = ThreadPoolExecutor(len(self.urls) + 1)
         joins = [pool.submit(self.post, url, "/init_weight_transfer_engine", {"init_info": {
-            "master_address": master_address, "master_port": port, "rank_offset": i + 1,
+            "master_address": master_address, "master_port": port, "rank_offset": offset,
             "world_size": world, "backend": backend, "bucket_mb": bucket_mb}})
-            for i, url in enumerate(self.urls)]
+            for url, offset in zip(self.urls, offsets)]
         mine = pool.submit(PeerGroup, master_address, port, 0, world, backend, timeout_s)
         wait(joins + [mine], return_when=FIRST_EXCEPTION)
         pool.shutdown(wait=False)
@@ -339,11 +344,18 @@ class ServerWeights:
         self.group = mine.result()
         self.sync = WeightSync(ours_to_hf(state), src=0, bucket_mb=bucket_mb, group=self.group)
 
+    def get(self, url, path):
+        return self.call("GET", url, path)
+
     def post(self, url, path, body=None):
-        """POST body (none: no body) to url + path; a refusal raises ValueError naming the
-        url and the reason."""
+        return self.call("POST", url, path, body)
+
+    def call(self, method, url, path, body=None):
+        """method url + path with body (none: no body); its JSON answer. A refusal raises
+        ValueError naming the url and the reason."""
         try:
-            r = httpx.post(url + path, json=body, headers=self.headers, timeout=self.timeout_s)
+            r = httpx.request(method, url + path, json=body, headers=self.headers,
+                              timeout=self.timeout_s)
         except httpx.HTTPError as e:
             raise RuntimeError(f"{url}{path}: {type(e).__name__}: {e}") from e
         if r.status_code != 200:
