@@ -16,6 +16,8 @@ to about 1e-7 in fp32, and a seeded sample is a pure function of (seed, position
        bf16      the engine in bfloat16 (rounding, and for this MoE model other experts)
        stale k   the engine k optimizer steps behind the trainer (k GRPO steps taken here)
        top_p p   the fp32 engine sampling the nucleus p (the engine's logprob is the nucleus's)
+       vllm      a `vllm serve` process (fp32) holding the checkpoint's weights, pushed to
+                 it through vLLM's RL API (its own random numbers: not the same draws)
   4. the gradient from those samples under each correction: none, TIS (cap 2), masked IS
      ([0.5, 2]), both at the sequence level (the geometric mean ratio), routing replay;
   5. per (source, correction) and batch: the cosine with the reference, minus the exact
@@ -33,6 +35,9 @@ epochs, in training.
     python -m bench.off_policy_lab gradients [INIT_FROM] [OUT_DIR]
         # one checkpoint: default out/qwen_small/sft/best and out/off_policy_lab/early;
         # writes OUT_DIR/results.json
+    python -m bench.off_policy_lab vllm INIT_FROM OUT_DIR URL
+        # the source 'vllm' alone, sampled by the vllm serve at URL (docs/scale_out.md):
+        # writes OUT_DIR/vllm.json, which the report adds to that checkpoint's table
     python -m bench.off_policy_lab report OUT_DIR PNG   # OUT_DIR/{early,middle,late}: table.md
     bash bench/off_policy_curves.sh [INIT_FROM]   # learning curves: fp32 vs bf16, stale ranks
     python -m bench.off_policy_lab curves out/off_policy_curves docs/off_policy_curves.png
@@ -89,15 +94,17 @@ def grpo_config(init_from):
     return config
 
 
-def batches_of(model, env, problems, config, seed, dtype="float32", top_p=1.0):
+def batches_of(model, env, problems, config, seed, dtype="float32", top_p=1.0, remote=None):
     """GRPO's packed batches (flat groups dropped) of one rollout by an engine holding
-    model's weights in dtype, seeded."""
-    engine = evaluate.task_engine(model, env, problems, dtype=dtype, seed=seed,
-                                  record_routes=True)
+    model's weights in dtype, seeded; or by remote (a RemoteEngine on servers that hold
+    them)."""
+    engine = remote or evaluate.task_engine(model, env, problems, dtype=dtype, seed=seed,
+                                            record_routes=True)
     G = config["group_size"]
     episodes = env.episodes(engine, problems, G, config["temperature"],
                             seed=seed, top_p=top_p)
-    engine.shutdown()
+    if remote is None:
+        engine.shutdown()
     rewards, samples = [e.reward for e in episodes], [e.sample() for e in episodes]
     flat = train_grpo.zero_variance_groups(rewards, G).tolist()
     groups = [(p, samples[j * G].prompt_tokens, samples[j * G:(j + 1) * G],
@@ -205,10 +212,11 @@ def trained_policy(start, env, config, kind, strength, problems):
     return trainer, reference, exact
 
 
-def measure(start, env, config):
+def measure(start, env, config, sources=sources, remote=None):
     """{"sources": {source: {"trainer", "kl_k3", "rows": {correction: row}}}, "references":
     {trainer: its reference's noise}}: every source and correction on n_batches batches
-    against the on-policy reference of the policy being trained."""
+    against the on-policy reference of the policy being trained (the source 'vllm': remote
+    samples, no routes, so no routing replay)."""
     problems = lab_problems(env, config)
     normalizer = problems_per_batch * config["group_size"] * config["max_new_tokens"]
     out, trainers = {"sources": {}, "references": {}}, {}
@@ -222,11 +230,14 @@ def measure(start, env, config):
         trainer, reference, exact = trainers[trainer_name]
         dtype = "bfloat16" if kind == "bf16" else "float32"
         top_p = strength if kind == "top_p" else 1.0
-        got, kl = {c: [] for c in corrections}, []
+        here = {c: v for c, v in corrections.items() if kind != "vllm" or c != "replay"}
+        sampled_with = {**config, "record_routes": False} if kind == "vllm" else config
+        got, kl = {c: [] for c in here}, []
         for b, batch in enumerate(problems[1]):   # the same problems and seeds as exact
-            off = batches_of(start.model, env, batch, config, 1_000 + b, dtype, top_p)
+            off = batches_of(start.model, env, batch, sampled_with, 1_000 + b, dtype, top_p,
+                             remote if kind == "vllm" else None)
             kl.append(kl_of(trainer, off))
-            for c, settings in corrections.items():
+            for c, settings in here.items():
                 got[c].append(gradient(trainer, off, {**config, **settings}, normalizer))
         rows = {c: row(g, exact, got["none"], reference["mean"]) for c, g in got.items()}
         out["sources"][name] = {"trainer": trainer_name, "kl_k3": float(np.mean(kl)),
@@ -277,7 +288,9 @@ def interval(values):
     return paired_ci(values, [0.0] * len(values))
 
 
-def gradients_main(init_from, out_dir):
+def gradients_main(init_from, out_dir, vllm_url=None):
+    """Every source at one checkpoint (results.json); with vllm_url the source 'vllm' alone
+    (vllm.json), the checkpoint's weights pushed to that server first."""
     torch.manual_seed(0)
     config = grpo_config(init_from)
     start = init_start(config, build_tokenizer)
@@ -287,10 +300,19 @@ def gradients_main(init_from, out_dir):
     env = Environment(load_task(config["task"]), start.tokenizer, config["max_new_tokens"],
                       stop_ids=start.stop_ids)
     os.makedirs(out_dir, exist_ok=True)
-    results = {"init_from": init_from, "iter": start.iter_num, **measure(start, env, config)}
-    with open(os.path.join(out_dir, "results.json"), "w") as f:
+    if vllm_url is None:
+        measured, name = measure(start, env, config), "results.json"
+    else:
+        from scaleout.rollout_servers import RemoteEngine
+        from scaleout.weight_sync import ServerWeights
+        ServerWeights([vllm_url], start.model.state_dict()).send(start.model.state_dict(), "lab")
+        remote = RemoteEngine([vllm_url], start.model.config)
+        measured = measure(start, env, config, [("vllm", None)], remote)
+        name = "vllm.json"
+    results = {"init_from": init_from, "iter": start.iter_num, **measured}
+    with open(os.path.join(out_dir, name), "w") as f:
         json.dump(results, f, indent=1)
-    print(f"wrote {out_dir}/results.json")
+    print(f"wrote {out_dir}/{name}")
 
 
 # -----------------------------------------------------------------------------
@@ -313,7 +335,7 @@ def report_main(out_dir, png):
     if not runs:
         sys.exit(f"{out_dir}: no <checkpoint>/results.json ({', '.join(CHECKPOINTS)})")
     lines = reference_table(runs)
-    for c, r in runs.items():
+    for c, r in with_vllm(out_dir, runs).items():
         lines += ["", f"**{c}** ({r['init_from']}, step {r['iter']}); 95% intervals over "
                   f"{n_of(r)} batches", "",
                   "| source | k3 KL | correction | floor | cos with the reference | minus exact | "
@@ -334,6 +356,17 @@ def report_main(out_dir, png):
         f.write("\n".join(lines) + "\n")
     print("\n".join(lines))
     plot_gradients(runs, png)
+
+
+def with_vllm(out_dir, runs):
+    """runs, each checkpoint's sources with its vllm.json's (the source 'vllm') added where
+    it has one."""
+    out = {}
+    for c, r in runs.items():
+        path = os.path.join(out_dir, c, "vllm.json")
+        extra = json.load(open(path))["sources"] if os.path.isfile(path) else {}
+        out[c] = {**r, "sources": {**r["sources"], **extra}}
+    return out
 
 
 def reference_table(runs):
@@ -497,11 +530,14 @@ if __name__ == "__main__":
     if args[:1] == ["gradients"] and len(args) <= 3:
         gradients_main(*(args[1:] + ["out/qwen_small/sft/best", "out/off_policy_lab/early"][
             len(args) - 1:]))
+    elif args[:1] == ["vllm"] and len(args) == 4:
+        gradients_main(args[1], args[2], args[3])
     elif args[:1] == ["report"] and len(args) == 3:
         report_main(args[1], args[2])
     elif args[:1] == ["curves"] and len(args) == 3:
         curves_main(args[1], args[2])
     else:
         sys.exit("usage: python -m bench.off_policy_lab gradients [INIT_FROM] [OUT_DIR]\n"
+                 "       python -m bench.off_policy_lab vllm INIT_FROM OUT_DIR URL\n"
                  "       python -m bench.off_policy_lab report OUT_DIR PNG\n"
                  "       python -m bench.off_policy_lab curves RUNS_DIR PNG")

@@ -1,5 +1,6 @@
 """
-Rollouts from running scaleout/serve.py processes: train_grpo --rollout_urls.
+Rollouts from running servers, scaleout/serve.py or `vllm serve` with this project's
+weight-transfer backend (docs/scale_out.md): train_grpo --rollout_urls.
 
     python -m scaleout.serve --model_path=DIR --port=8000 --enable_weight_updates=True &   # per GPU
     # once GET :8000/health answers (it compiles its decode step first)
@@ -10,10 +11,11 @@ engine's generate(prompts, params, num_samples, first_index), so tasks/environme
 episodes (multi-turn ones too) run unchanged. A rollout's prompts are split across the
 servers in contiguous shares, sent as token ids to /v1/completions with the rollout's seed
 and each share's first_index, so each prompt draws what it would draw in one in-process
-engine.generate call: with the same weights, a run through servers samples what the
-colocated run samples. After each optimizer step the trainer pushes its weights to every
-server over a process group of their own (weight_sync.ServerWeights); the first push, at
-start, makes the servers serve the trainer's starting weights whatever they loaded.
+engine.generate call: with the same weights, a run through our servers samples what the
+colocated run samples (vLLM's rollouts go unseeded: RemoteEngine.sample). After each
+optimizer step the trainer pushes its weights to every server over a process group of
+their own (weight_sync.ServerWeights); the first push, at start, makes the servers serve
+the trainer's starting weights whatever they loaded.
 
 Bounded staleness as scaleout/rollout_ranks.py defines it (Servers): with
 max_staleness=0 rollout j is sampled with the weights after iteration j - 1, the
@@ -31,7 +33,6 @@ from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 
-from inference.sampling import mix_seed
 from scaleout.client import sample_from_response
 from scaleout.weight_sync import ServerWeights
 
@@ -64,18 +65,16 @@ class RemoteEngine:
 
     def sample(self, url, prompts, params, n, first_index):
         """One server's share. Ours draws prompt i of a seeded request from (seed,
-        first_index + i); vLLM draws every prompt of a request from the one seed, so on a
-        near-flat distribution the prompts' samples come out the same. To vLLM each prompt
-        therefore goes as a request of its own, seeded by its index (concurrently: vLLM
-        batches them itself)."""
-        if params.seed is None or self.owner(url) == "nano-rl":
-            return self.request(url, prompts, params, n, first_index)
-
-        def alone(i):
-            seeded = dataclasses.replace(params, seed=mix_seed(params.seed, first_index + i))
-            return self.request(url, [prompts[i]], seeded, n, first_index + i)
-        with ThreadPoolExecutor(min(len(prompts), 32)) as pool:
-            return [s for part in pool.map(alone, range(len(prompts))) for s in part]
+        first_index + i), so the servers sample what the colocated run samples. vLLM's
+        seeds do not serve: it draws every prompt of a request from the one seed (on a
+        near-flat distribution the prompts' samples come out the same), and on the CPU a
+        seeded request can kill its engine (vLLM 0.32.0 rewinds the request's generator
+        when it drops a partial prefill's token, which a CPU generator cannot). So to
+        vLLM a rollout goes unseeded: every draw independent, and a resumed run does not
+        redraw the killed run's samples."""
+        if self.owner(url) != "nano-rl":
+            params = dataclasses.replace(params, seed=None)
+        return self.request(url, prompts, params, n, first_index)
 
     def owner(self, url):
         if url not in self.owners:

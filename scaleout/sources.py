@@ -17,9 +17,11 @@ trainer's own engine), which has the same interface:
     torchrun --standalone --nproc_per_node=2 train_grpo.py config/qwen_small.py \\
         --rollout_ranks=1 --max_staleness=1 --tis_cap=2
     python train_grpo.py config/qwen_small.py --rollout_urls=http://127.0.0.1:8000
-    python train_grpo.py config/qwen_small.py --rollout_urls=http://127.0.0.1:8000 \
+    python train_grpo.py config/qwen_small.py --rollout_urls=http://127.0.0.1:8000 \\
         --verifiers_cmd="/tmp/vf_venv/bin/python scaleout/verifiers_countdown.py"
 """
+
+import shlex
 
 from configurator import require
 from scaleout import distributed, rollout_ranks, verifiers_groups
@@ -62,11 +64,27 @@ def check_settings(config):
     cuda = device.startswith("cuda")
     require(backend == "gloo" or cuda, f"weight_backend='nccl' needs a cuda device, not {device!r}")
     require(config["weight_master_address"], "weight_master_address='': expected a host")
-    require(not config["verifiers_cmd"] or urls,
-            f"verifiers_cmd={config['verifiers_cmd']!r}: the environment plays against servers: "
-            "set rollout_urls")
+    check_verifiers_cmd(config)
     mb = config["weight_bucket_mb"]
     require(mb > 0, f"weight_bucket_mb={mb!r}: expected a number > 0")
+
+
+def check_verifiers_cmd(config):
+    """verifiers_cmd: a command line, with servers to play against, sampling as the
+    environment's client does (no top_p, top_k)."""
+    cmd = config["verifiers_cmd"]
+    if not cmd:
+        return
+    try:
+        words = shlex.split(cmd)
+    except ValueError as e:
+        raise ValueError(f"verifiers_cmd={cmd!r}: {e}") from None
+    require(words, f"verifiers_cmd={cmd!r}: expected a command")
+    require(config["rollout_urls"], f"verifiers_cmd={cmd!r}: the environment plays against "
+            "servers: set rollout_urls")
+    require(config["top_p"] == 1.0 and config["top_k"] == 0,
+            f"top_p={config['top_p']!r}, top_k={config['top_k']!r}: verifiers' client samples "
+            "the whole distribution (1.0 and 0 with verifiers_cmd)")
 
 
 def split_roles(config):

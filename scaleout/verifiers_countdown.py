@@ -197,6 +197,7 @@ class ChatMLRenderer:
 class CountdownData(vf.TaskData):
     digits: list[int]
     target: int
+    reward: str = "countdown"   # REWARDS' key
 
     @property
     def problem(self) -> countdown.Problem:
@@ -206,7 +207,6 @@ class CountdownData(vf.TaskData):
 # what an answer earns: countdown's reward, or (--reward=brevity, for a random tiny model,
 # which never solves countdown but can learn to stop) 1.0 for a reply of at most 8 characters
 REWARDS = {"countdown": countdown.reward, "brevity": lambda problem, text: float(len(text) <= 8)}
-REWARD = "countdown"
 
 
 class CountdownTask(vf.Task[CountdownData]):
@@ -214,13 +214,15 @@ class CountdownTask(vf.Task[CountdownData]):
     async def correct(self, trace: vf.Trace) -> float:
         """1.0 if any answer of the episode is right (countdown_feedback.episode_reward)."""
         answers = [m.content or "" for m in trace.assistant_messages]
-        return max((REWARDS[REWARD](self.data.problem, a) for a in answers), default=0.0)
+        reward = REWARDS[self.data.reward]
+        return max((reward(self.data.problem, a) for a in answers), default=0.0)
 
 
 class CountdownConfig(vf.TasksetConfig):
     split: str = "test"
     num_tasks: int = 4
     offset: int = 0   # the split's problems from this one on (wrapping round)
+    reward: str = "countdown"
 
 
 class CountdownTaskset(vf.Taskset[CountdownTask, CountdownConfig]):
@@ -230,7 +232,7 @@ class CountdownTaskset(vf.Taskset[CountdownTask, CountdownConfig]):
             p = split[(self.config.offset + i) % len(split)]
             name = f"{' '.join(map(str, p.digits))}->{p.target}"
             data = CountdownData(prompt=countdown.prompt_messages(p), digits=list(p.digits),
-                                 target=p.target, name=name)
+                                 target=p.target, name=name, reward=self.config.reward)
             yield CountdownTask(data, self.config.task)
 
 
@@ -269,8 +271,9 @@ class FeedbackEnv(vf.Env[FeedbackEnvConfig]):
                 segment = await chat.turn(reply)
 
 
-def make_env(turns, num_tasks, split="test", offset=0):
-    taskset = {"id": MODULE, "num_tasks": num_tasks, "split": split, "offset": offset}
+def make_env(turns, num_tasks, split="test", offset=0, reward="countdown"):
+    taskset = {"id": MODULE, "num_tasks": num_tasks, "split": split, "offset": offset,
+               "reward": reward}
     if turns == 1:
         return vf.SingleAgentEnv(vf.SingleAgentEnvConfig(taskset=taskset, agent=agent_config(1)))
     return FeedbackEnv(FeedbackEnvConfig(taskset=taskset, agent=agent_config(turns), turns=turns))
@@ -337,7 +340,7 @@ def compare(trace, responses) -> dict:
 
 
 async def collect(base_url, model, model_path, turns, num_tasks, max_tokens=48,
-                  temperature=1.0, group_size=1, split="test", offset=0):
+                  temperature=1.0, group_size=1, split="test", offset=0, reward="countdown"):
     """Run group_size episodes per task, one at a time; return [(episode, comparison)]."""
     renderer = CustomRendererConfig(import_path=f"{MODULE}.ChatMLRenderer")
     client = vf.TrainClientConfig(base_url=base_url.rstrip("/") + "/v1",
@@ -345,7 +348,7 @@ async def collect(base_url, model, model_path, turns, num_tasks, max_tokens=48,
                                   renderer_model_name=model_path)
     sampling = vf.SamplingConfig(temperature=temperature, max_tokens=max_tokens)
     ctx = vf.ModelContext(model=model, client=client, sampling=sampling)
-    env = make_env(turns, num_tasks, split, offset)
+    env = make_env(turns, num_tasks, split, offset, reward)
     results = []
     async with env.serving():
         for t in [t for t in env.taskset for _ in range(group_size)]:
@@ -390,13 +393,13 @@ def main():
     ap.add_argument("--offset", type=int, default=0, help="the split's first task")
     ap.add_argument("--reward", default="countdown", choices=sorted(REWARDS))
     args = ap.parse_args()
-    global REWARD
-    REWARD = args.reward
-    card = httpx.get(args.base_url.rstrip("/") + "/v1/models").json()["data"][0]
+    key = os.environ.get("NANORL_API_KEY", "")   # the server's --api_key, if it has one
+    card = httpx.get(args.base_url.rstrip("/") + "/v1/models",
+                     headers={"Authorization": f"Bearer {key}"} if key else {}).json()["data"][0]
     model, model_path = card["id"], args.model_path or card["id"]
     results = asyncio.run(collect(args.base_url, model, model_path, args.turns, args.num_tasks,
                                   args.max_tokens, args.temperature, args.group_size,
-                                  args.split, args.offset))
+                                  args.split, args.offset, args.reward))
     for episode, cmp in results:
         trace = episode.traces[0] if episode.traces else None
         row = dict(cmp, task=episode.task.data.name, reward=trace.reward if trace else None,

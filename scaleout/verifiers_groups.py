@@ -21,18 +21,21 @@ each step, and each iteration runs --verifiers_cmd, a program in verifiers' venv
 plays the environment against a server and prints its episodes as JSON lines, for each
 server's share of the step's tasks:
 
-    python -m scaleout.serve --model_path=out/qwen_small/sft/best --port=8123 \
+    python -m scaleout.serve --model_path=out/qwen_small/sft/best --port=8123 \\
         --enable_weight_updates=True &
-    python train_grpo.py config/qwen_small.py --rollout_urls=http://127.0.0.1:8123 \
+    python train_grpo.py config/qwen_small.py --rollout_urls=http://127.0.0.1:8123 \\
         --verifiers_cmd="/tmp/vf_venv/bin/python scaleout/verifiers_countdown.py"
 
 The command is called with --base_url, --json, --split=train, --offset (its first task:
 iteration * prompts_per_step + its share's start), --num_tasks, --group_size,
---max_tokens and --temperature; scaleout/verifiers_countdown.py is the example, and
-another environment plugs in by a program that takes the same arguments.
+--max_tokens and --temperature (the key of --rollout_api_key in NANORL_API_KEY);
+scaleout/verifiers_countdown.py is the example, and another environment plugs in by a
+program that takes the same arguments. verifiers' client sends no seed, so these rollouts
+are unseeded, and it takes no top_p / top_k from here (refused with verifiers_cmd).
 """
 
 import json
+import os
 import shlex
 import subprocess
 import time
@@ -97,7 +100,10 @@ def collect(config, url, offset, num_tasks):
         f"--base_url={url}", "--json", "--split=train", f"--offset={offset}",
         f"--num_tasks={num_tasks}", f"--group_size={config['group_size']}",
         f"--max_tokens={config['max_new_tokens']}", f"--temperature={config['temperature']}"]
-    run = subprocess.run(cmd, capture_output=True, text=True)
+    # the server's key reaches verifiers' client by the variable it reads; an environment
+    # that hangs fails the step after an hour
+    env = dict(os.environ, NANORL_API_KEY=config["rollout_api_key"])
+    run = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=3600)
     episodes = [json.loads(line) for line in run.stdout.splitlines() if line.startswith("{")]
     failed = [e.get("why") for e in episodes if not e.get("ok")]
     if run.returncode != 0 or failed or len(episodes) != num_tasks * config["group_size"]:

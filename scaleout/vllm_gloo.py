@@ -19,8 +19,8 @@ vLLM installed.) The server's side is either scaleout/serve.py started with
 --enable_weight_updates=True, or `vllm serve` with this backend:
 
     pip install -e scaleout/vllm_plugin      # into vLLM's environment: its entry point
-    VLLM_SERVER_DEV_MODE=1 python -m vllm.entrypoints.openai.api_server --model DIR \
-        --weight-transfer-config '{"backend": "nanorl"}'
+    VLLM_SERVER_DEV_MODE=1 vllm serve DIR --dtype float32 \\
+        --logprobs-mode processed_logprobs --weight-transfer-config '{"backend": "nanorl"}'
 
 where vLLM loads scaleout/vllm_plugin (the entry point group vllm.general_plugins) in
 each of its processes, which calls register(): its workers then make
@@ -153,6 +153,9 @@ class GlooWeightTransferEngine(WeightTransferEngine):
         parallel = self.parallel_config
         rank = (parallel.data_parallel_index * parallel.world_size + parallel.rank
                 + init_info.rank_offset)
+        if rank >= init_info.world_size:
+            raise ValueError(f"world_size={init_info.world_size} does not hold this worker, "
+                             f"rank {rank} (rank_offset {init_info.rank_offset})")
         self.group = weight_sync.PeerGroup(init_info.master_address, init_info.master_port,
                                            rank, init_info.world_size, init_info.backend)
         self.transfer = init_info
@@ -161,26 +164,28 @@ class GlooWeightTransferEngine(WeightTransferEngine):
         if self.group is None:
             raise RuntimeError("Weight transfer not initialized: POST "
                                "/init_weight_transfer_engine first")
+        self.finish_weight_update()   # a reload that an error left under way
         self.received = set()
-        self.reloading = False
 
     def receive_weights(self, update_info):
         """The group's vote, then the bytes, then vLLM's layerwise reload (begun at the
-        first tensors that arrive, so a refused update leaves the model as it was)."""
+        first tensors that arrive, so an update refused at its first call leaves the model
+        as it was). A call that fails ends the reload at once (vLLM sends no finish after
+        it): the layers it did not load go back as they were."""
         from vllm.model_executor.model_loader.reload import initialize_layerwise_reload
         problem = weight_sync.update_problem(update_info, self.layout, self.received)
-        tensors = weight_sync.receive_update(self.group, self.transfer, update_info, problem,
-                                             self.device)
-        if tensors is None:
-            raise ValueError(f"Invalid update_info: {problem}" if problem else
-                             "another rank of the group refused this update")
-        if not self.reloading:
-            initialize_layerwise_reload(self.model)
-            self.reloading = True
         try:
+            tensors = weight_sync.receive_update(self.group, self.transfer, update_info,
+                                                 problem, self.device)
+            if tensors is None:
+                raise ValueError(f"Invalid update_info: {problem}" if problem else
+                                 "another rank of the group refused this update")
+            if not self.reloading:
+                initialize_layerwise_reload(self.model)
+                self.reloading = True
             self.model.load_weights(tensors.items())
         except BaseException:
-            self.finish_weight_update()   # the layers not loaded go back as they were
+            self.finish_weight_update()
             raise
         self.received.update(tensors)
 

@@ -326,7 +326,10 @@ class ServerWeights:
         # every worker of every server is a rank of the group (vLLM: one per device of its
         # tensor, pipeline and data parallelism; ours: one), a server's first at its
         # rank_offset: servers of 2 and 1 workers -> offsets 1 and 3, world 4
-        sizes = [self.get(url, "/get_world_size")["world_size"] for url in self.urls]
+        sizes = [self.get(url, "/get_world_size").get("world_size") for url in self.urls]
+        for url, size in zip(self.urls, sizes):
+            if not (isinstance(size, int) and size >= 1):
+                raise ValueError(f"{url}/get_world_size answered world_size={size!r}")
         offsets = [1 + sum(sizes[:i]) for i in range(len(sizes))]
         port, world = free_port(), 1 + sum(sizes)
         # a server's POST returns once the group has formed, which needs this rank too:
@@ -367,13 +370,21 @@ class ServerWeights:
         version (a str, or none). The servers are paused meanwhile, as vLLM's examples do
         (mode=keep: a sample in flight waits and goes on under the new weights; the prefix
         cache, made by the old ones, is cleared)."""
-        for url in self.urls:
-            self.post(url, "/pause?mode=keep")
+        paused = []
         try:
-            self.cycle(ours_to_hf(state), version)
-        finally:
             for url in self.urls:
-                self.post(url, "/resume")
+                self.post(url, "/pause?mode=keep")
+                paused.append(url)
+            self.cycle(ours_to_hf(state), version)
+        finally:   # every server paused is resumed, whatever failed
+            failed = []
+            for url in paused:
+                try:
+                    self.post(url, "/resume")
+                except (ValueError, RuntimeError) as e:
+                    failed.append(str(e))
+            if failed:
+                raise RuntimeError("servers left paused: " + "; ".join(failed))
 
     def cycle(self, state, version):
         """vLLM's start, update_weights (the bytes meanwhile), finish, for tensors under
