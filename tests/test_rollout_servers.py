@@ -134,3 +134,33 @@ def test_staleness_one_samples_the_next_rollout_while_training(colocated):
     # iteration j - 1
     assert [r["rollout/staleness_max"] for r in rows] == [0, 1, 1, 1, 1]
     assert all(r["train/logprob_mismatch"] > 1e-4 for r in rows[1:] if "train/loss" in r)
+
+
+def test_vllm_servers_get_unseeded_rollouts(monkeypatch):
+    # vLLM draws every prompt of a request from the one seed (and its CPU engine dies on a
+    # seeded partial prefill), so a server that is not ours gets the rollout unseeded;
+    # ours gets the seed, which makes its samples the colocated run's
+    from engine import SamplingParams
+    from scaleout.rollout_servers import RemoteEngine
+    sent = []
+
+    class Answer:
+        def __init__(self, body):
+            self.status_code, self.body = 200, body
+
+        def json(self):
+            return self.body
+
+    def post(url, json, headers, timeout):
+        sent.append(json)
+        return Answer({"choices": [{
+            "prompt_token_ids": [1, 2], "token_ids": [3], "finish_reason": "length",
+            "logprobs": {"token_logprobs": [-0.5]}}]})
+    monkeypatch.setattr(httpx, "post", post)
+    params = SamplingParams(temperature=1.0, max_tokens=1, seed=7)
+    for owner, seed in (("vllm", None), ("nano-rl", 7)):
+        monkeypatch.setattr(httpx, "get", lambda url, headers, timeout, owner=owner: Answer(
+            {"data": [{"id": "m", "owned_by": owner}]}))
+        remote = RemoteEngine(["http://h:1"], None)
+        assert len(remote.generate([[1, 2]], params)) == 1
+        assert sent[-1]["seed"] == seed

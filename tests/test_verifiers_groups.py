@@ -65,3 +65,14 @@ def test_bad_episodes_are_refused_naming_what_is_wrong():
                                                                              13]))
     with pytest.raises(ValueError, match="different prompts"):
         episode_groups([EPISODES[0], other], 2)
+
+
+def test_bad_verifiers_settings_are_refused_before_any_work(tmp_path):
+    from test_grpo import tiny_config
+    cmd = "--verifiers_cmd=python env.py"
+    for args, says in (((cmd,), "set rollout_urls"),
+                       (("--verifiers_cmd=python 'env.py", "--rollout_urls=http://h:1"),
+                        "No closing quotation"),
+                       ((cmd, "--rollout_urls=http://h:1", "--top_p=0.9"), "top_p=0.9")):
+        with pytest.raises(ValueError, match=says):
+            train_grpo.check_settings(tiny_config(tmp_path, *args))
