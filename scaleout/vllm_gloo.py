@@ -31,7 +31,8 @@ load_weights takes). Needs vllm (pinned 0.32.0: bench/peers/install.sh); the pro
 own code never imports this file.
 """
 
-from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
+import functools
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import ClassVar
 
@@ -62,8 +63,7 @@ class GlooTrainerWeightTransferEngine(TrainerWeightTransferEngine[GlooTrainerIni
 
     @classmethod
     def trainer_init(cls, init_info, *, client, source=None):
-        """Rendezvous: the server joins (its init call returns once the group has formed,
-        which needs this rank too, so the call runs on a side thread)."""
+        """Rendezvous: the server's workers join the group this rank hosts."""
         if source is None:
             raise ValueError("the gloo weight transfer sends a WeightSource's tensors: give one")
         engine = cls(client=client, source=source, is_sender=init_info.is_sender)
@@ -74,14 +74,9 @@ class GlooTrainerWeightTransferEngine(TrainerWeightTransferEngine[GlooTrainerIni
                   "master_port": init_info.master_port, "rank_offset": 1,
                   "world_size": init_info.world_size, "backend": "gloo",
                   "bucket_mb": init_info.bucket_mb}
-        pool = ThreadPoolExecutor(max_workers=2)   # a refused init fails at once
-        joined = pool.submit(client.init_weight_transfer_engine, worker)
-        mine = pool.submit(weight_sync.PeerGroup, init_info.master_address,
-                           init_info.master_port, 0, init_info.world_size, "gloo")
-        wait([joined, mine], return_when=FIRST_EXCEPTION)
-        pool.shutdown(wait=False)
-        joined.result()
-        engine.group = mine.result()
+        join = functools.partial(client.init_weight_transfer_engine, worker)
+        engine.group = weight_sync.form_group([join], init_info.master_address,
+                                              init_info.master_port, init_info.world_size)
         return engine
 
     def send_weights(self):

@@ -20,6 +20,7 @@ state; only when the last bucket has arrived does it hand out views of it, so a 
 is applied whole or not at all.
 """
 
+import functools
 import socket
 import time
 from dataclasses import dataclass
@@ -191,6 +192,22 @@ class PeerGroup:
         return [int(t) for t in out]
 
 
+def form_group(joins, master_address, master_port, world_size, backend="gloo", timeout_s=300):
+    """This rank as rank 0 of a PeerGroup whose other ranks the calls in joins make (each
+    a server's POST /init_weight_transfer_engine). A call returns once the group has
+    formed, which needs this rank too, so all run on threads; a refused join fails at
+    once instead of after the group's timeout."""
+    pool = ThreadPoolExecutor(len(joins) + 1)
+    calls = [pool.submit(join) for join in joins]
+    mine = pool.submit(PeerGroup, master_address, master_port, 0, world_size, backend,
+                       timeout_s)
+    wait(calls + [mine], return_when=FIRST_EXCEPTION)
+    pool.shutdown(wait=False)
+    for call in calls:
+        call.result()
+    return mine.result()
+
+
 def free_port():
     with socket.socket() as s:
         s.bind(("", 0))
@@ -332,19 +349,12 @@ class ServerWeights:
                 raise ValueError(f"{url}/get_world_size answered world_size={size!r}")
         offsets = [1 + sum(sizes[:i]) for i in range(len(sizes))]
         port, world = free_port(), 1 + sum(sizes)
-        # a server's POST returns once the group has formed, which needs this rank too:
-        # all in threads, and a server that refuses to join fails the call at once
-        pool = ThreadPoolExecutor(len(self.urls) + 1)
-        joins = [pool.submit(self.post, url, "/init_weight_transfer_engine", {"init_info": {
-            "master_address": master_address, "master_port": port, "rank_offset": offset,
-            "world_size": world, "backend": backend, "bucket_mb": bucket_mb}})
+        joins = [functools.partial(self.post, url, "/init_weight_transfer_engine", {
+            "init_info": {"master_address": master_address, "master_port": port,
+                          "rank_offset": offset, "world_size": world, "backend": backend,
+                          "bucket_mb": bucket_mb}})
             for url, offset in zip(self.urls, offsets)]
-        mine = pool.submit(PeerGroup, master_address, port, 0, world, backend, timeout_s)
-        wait(joins + [mine], return_when=FIRST_EXCEPTION)
-        pool.shutdown(wait=False)
-        for join in joins:
-            join.result()
-        self.group = mine.result()
+        self.group = form_group(joins, master_address, port, world, backend, timeout_s)
         self.sync = WeightSync(ours_to_hf(state), src=0, bucket_mb=bucket_mb, group=self.group)
 
     def get(self, url, path):

@@ -6,6 +6,8 @@ RL API, with this project's weight-transfer backend on vLLM's worker side
 - weights pushed by weight_sync.ServerWeights round-trip: vLLM then samples the greedy
   tokens of our engine on those weights, its logprobs within 1e-4 of ours; a push whose
   shapes do not fit is refused with vLLM's 500 before any byte, nothing changed;
+- a request in flight across an update, with vLLM's pause mode=keep, finishes, its tokens'
+  versions in vLLM's weight_versions spans: the old version's, then the new one's;
 - train_grpo --rollout_urls=<the vLLM server> trains: rewards and logprobs reach the
   trainer, and the logprob mismatch between vLLM's sampler and the trainer stays at the
   fp32 noise level at every step (the trainer's weights are the ones vLLM samples with).
@@ -26,7 +28,7 @@ import pytest
 import torch
 
 import train_grpo
-from checkpoint import load_hf_checkpoint
+from checkpoint import load_hf_checkpoint, ours_to_hf
 from engine import EngineConfig, InferenceEngine, SamplingParams
 from test_grpo import TINY, metrics, tiny_config
 from test_serve import free_port
@@ -49,7 +51,7 @@ pytestmark = pytest.mark.skipif(not _has_plugin(), reason=(
 # head_dim 32 and widths of 64: the smallest vLLM's CPU attention and MoE kernels take;
 # tied embeddings, as the embedded default's
 SHAPE = dict(TINY, hidden_size=64, intermediate_size=128, moe_intermediate_size=64,
-             head_dim=32, max_position_embeddings=256, tie_word_embeddings=True)
+             head_dim=32, max_position_embeddings=1024, tie_word_embeddings=True)
 MODEL = f"--model={SHAPE!r}".replace(" ", "")
 PROMPTS = [[1, 100, 4, 103, 5, 24], [1, 20, 21, 22], [1, 5, 6, 7, 8, 9, 10]]
 
@@ -57,7 +59,8 @@ PROMPTS = [[1, 100, 4, 103, 5, 24], [1, 20, 21, 22], [1, 5, 6, 7, 8, 9, 10]]
 class VllmServed:
     """`vllm serve` (its OpenAI server module: the CPU wheel's `vllm` command looks for
     the distribution 'vllm') on model_dir, in dev mode (the RL routes), the weight
-    transfer backend 'nanorl', fp32, logprobs after temperature (as ours)."""
+    transfer backend 'nanorl', fp32, logprobs after temperature (as ours), its
+    token-in / token-out /inference/v1/generate on."""
 
     def __init__(self, model_dir, log_path):
         self.url = f"http://127.0.0.1:{free_port()}"
@@ -67,7 +70,7 @@ class VllmServed:
         self.proc = subprocess.Popen(
             [VLLM_PYTHON, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir),
              "--port", self.url.rsplit(":", 1)[1], "--dtype", "float32",
-             "--max-model-len", "256", "--block-size", "32",
+             "--max-model-len", "1024", "--block-size", "32", "--enable-scale-out",
              "--logprobs-mode", "processed_logprobs",
              "--weight-transfer-config", '{"backend": "nanorl"}'],
             stdout=self.log, stderr=subprocess.STDOUT, env=env, cwd=ROOT)
@@ -141,6 +144,34 @@ def test_weights_pushed_to_vllm_round_trip(colocated):
     want = ours(tmp / "one" / "ckpt", PROMPTS)
     assert [ids for ids, _ in server.greedy(PROMPTS)] == [list(w.completion_tokens)
                                                           for w in want]
+
+
+def test_a_request_in_flight_across_an_update_finishes_under_both_versions(colocated):
+    # PipelineRL's in-flight update through vLLM: a long request is running when the
+    # trainer pauses vLLM with mode=keep, pushes new weights (start, update, finish with a
+    # label) and resumes; the request finishes, its first tokens the old version's, the
+    # rest the new one's (vLLM's weight_versions spans, by label)
+    from concurrent.futures import ThreadPoolExecutor
+    from scaleout.weight_sync import ServerWeights
+    tmp, _, server = colocated
+    other = load_hf_checkpoint(str(tmp / "other" / "ckpt")).state_dict()
+    push = ServerWeights([server.url], other)
+    push.cycle(ours_to_hf(other), "before")           # a label for the weights it samples with
+    with ThreadPoolExecutor(1) as pool:
+        running = pool.submit(httpx.post, server.url + "/inference/v1/generate", timeout=300,
+                              json={"token_ids": PROMPTS[0], "sampling_params": {
+                                  "max_tokens": 900, "temperature": 1.0, "ignore_eos": True,
+                                  "logprobs": 0}})
+        time.sleep(1.0)
+        assert httpx.post(server.url + "/pause?mode=keep", timeout=60).status_code == 200
+        mine = load_hf_checkpoint(str(tmp / "one" / "ckpt")).state_dict()
+        push.cycle(ours_to_hf(mine), "after")
+        assert httpx.post(server.url + "/resume", timeout=60).status_code == 200
+        choice = running.result().json()["choices"][0]
+    spans = choice["weight_versions"]
+    assert [s["version"] for s in spans] == ["before", "after"], spans
+    assert spans[0]["start"] == 0 and spans[0]["end"] == spans[1]["start"] > 0
+    assert spans[1]["end"] == len(choice["token_ids"]) == 900
 
 
 def test_grpo_trains_through_a_vllm_server(colocated):
