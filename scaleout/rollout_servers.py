@@ -110,6 +110,24 @@ class RemoteEngine:
         return samples
 
 
+def wait_until_up(urls, timeout_s=600):
+    """Return once every server answers GET /health (a server compiles or loads for a
+    minute or so after it starts); RuntimeError naming the first that does not within
+    timeout_s."""
+    deadline = time.monotonic() + timeout_s
+    for url in urls:
+        while True:
+            try:
+                if httpx.get(url + "/health", timeout=10).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"rollout server {url}: no answer to GET /health within "
+                                   f"{timeout_s} s; is it started, on that host and port?")
+            time.sleep(2)
+
+
 class Servers:
     """train_grpo's rollout source when scaleout/serve.py processes sample (the interface
     of train_grpo.Colocated). One thread of this process drives the servers, rollout
@@ -122,6 +140,7 @@ class Servers:
 
     def __init__(self, config, env, sampler, model, engine, version, rollout, start_iter):
         urls = [u.strip().rstrip("/") for u in config["rollout_urls"].split(",") if u.strip()]
+        wait_until_up(urls)
         self.config, self.env, self.sampler, self.rollout = config, env, sampler, rollout
         self.engine, self.version, self._evaluated = engine, version, version
         self.remote = RemoteEngine(urls, model.config, config["rollout_api_key"])

@@ -164,3 +164,12 @@ def test_vllm_servers_get_unseeded_rollouts(monkeypatch):
         remote = RemoteEngine(["http://h:1"], None)
         assert len(remote.generate([[1, 2]], params)) == 1
         assert sent[-1]["seed"] == seed
+
+
+def test_the_trainer_waits_for_a_server_that_is_not_up_and_names_it():
+    from scaleout.rollout_servers import wait_until_up
+    from test_serve import free_port
+    url = f"http://127.0.0.1:{free_port()}"   # nothing listens there
+    with pytest.raises(RuntimeError, match=f"rollout server {url}: no answer to GET /health "
+                       "within 1 s"):
+        wait_until_up([url], timeout_s=1)
