@@ -33,6 +33,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 
+import lora
 from scaleout.client import sample_from_response
 from scaleout.weight_sync import ServerWeights
 
@@ -144,11 +145,13 @@ class Servers:
         self.config, self.env, self.sampler, self.rollout = config, env, sampler, rollout
         self.engine, self.version, self._evaluated = engine, version, version
         self.remote = RemoteEngine(urls, model.config, config["rollout_api_key"])
-        self.push = ServerWeights(urls, model.state_dict(), config["weight_bucket_mb"],
+        # the servers take whole weights (a LoRA model's merged)
+        weights = dict(lora.merged_items(model))
+        self.push = ServerWeights(urls, weights, config["weight_bucket_mb"],
                                   config["weight_backend"], config["weight_master_address"],
                                   config["rollout_api_key"])
         # the servers serve the trainer's starting weights, labelled by the trainer's version
-        self.push.send(model.state_dict(), str(version))
+        self.push.send(weights, str(version))
         self.remote.version = version
         self.weights, self.rollouts = queue.Queue(), queue.Queue()
         # the sampler's record after the last rollout taken
@@ -196,7 +199,7 @@ class Servers:
         rollout is due them."""
         self.version += 1
         if it + 1 + self.config["max_staleness"] < self.config["max_iters"]:
-            self.weights.put({k: v.detach().clone() for k, v in model.state_dict().items()})
+            self.weights.put({k: v.detach().clone() for k, v in lora.merged_items(model)})
         return {}
 
     def eval_engine(self, model):

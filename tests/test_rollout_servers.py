@@ -173,3 +173,19 @@ def test_the_trainer_waits_for_a_server_that_is_not_up_and_names_it():
     with pytest.raises(RuntimeError, match=f"rollout server {url}: no answer to GET /health "
                        "within 1 s"):
         wait_until_up([url], timeout_s=1)
+
+
+def test_a_lora_trainer_pushes_its_merged_weights(colocated):
+    # the servers hold whole weights: a LoRA trainer pushes its base + its update, merged
+    # after each step (its state_dict, adapters apart, is no model a server holds), so the
+    # server's logprobs stay the trainer's
+    tmp, args = colocated
+    server = Served(tmp / "one" / "ckpt", "--enable_weight_updates=True")
+    try:
+        train_grpo.main(tiny_config(tmp / "lora", *args, "--lora_rank=4", "--learning_rate=3e-2",
+                                    f"--init_from={tmp / 'one' / 'ckpt'}",
+                                    f"--rollout_urls={server.url}"))
+    finally:
+        server.stop()
+    rows = [r for r in metrics(tmp / "lora") if "train/loss" in r]
+    assert len(rows) >= 3 and all(r["train/logprob_mismatch"] < 1e-4 for r in rows), rows
