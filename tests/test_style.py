@@ -1,16 +1,17 @@
 """The style rules a reader relies on, checked on every Python file of the project: no
-line over 100 characters (and few over 90 outside the tests), no function over 60 lines,
-and no import circle. (No quota on input checks: a check belongs wherever outside input
-arrives, and a quota was met by cutting checks and aliasing helpers.)"""
+line over 100 characters, no function over 60 lines, and no import circle. (No quota on
+input checks, nor on lines over 90: a check belongs wherever outside input arrives, and a
+line wraps where its sentence or expression breaks; quotas were met by cutting checks,
+aliasing helpers and squeezing lines.)"""
 
 import ast
 import pathlib
 
 ROOT = pathlib.Path(__file__).parent.parent
-FOLDERS = ("", "config/", "tests/", "tasks/", "inference/", "scaleout/", "bench/", "bench/peers/")
+FOLDERS = ("", "config/", "tests/", "tasks/", "inference/", "scaleout/", "scaleout/vllm_plugin/",
+           "bench/", "bench/peers/")
 FILES = sorted(p for folder in FOLDERS for p in ROOT.glob(folder + "*.py"))
 MAX_LINE, MAX_FUNCTION = 100, 60
-WIDE, MAX_WIDE_SHARE = 90, 0.08   # at most 8% of non-blank lines over 90 (tests aside)
 
 
 def test_no_line_is_over_100_characters():
@@ -25,14 +26,6 @@ def test_no_function_is_over_60_lines():
             if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef))
             and node.end_lineno - node.lineno + 1 > MAX_FUNCTION]
     assert not long, f"functions over {MAX_FUNCTION} lines: {long}"
-
-
-def test_few_lines_are_over_90_characters():
-    lines = [line for p in FILES if p.parent.name != "tests" and p.name != "conftest.py"
-             and not p.name.startswith("test_") for line in p.read_text().splitlines()
-             if line.strip()]
-    wide = sum(len(line) > WIDE for line in lines)
-    assert wide <= MAX_WIDE_SHARE * len(lines), f"{wide} of {len(lines)} lines over {WIDE}"
 
 
 def module_name(path):
