@@ -555,8 +555,10 @@ def read_checkpoint_meta(path):
 def model_dir_of(path):
     """init_from=path accepts a previous stage's out_dir (its ckpt, or ckpt.old) or a
     transformers model dir."""
-    if not isinstance(path, str) or not os.path.isdir(path):
-        raise ValueError(f"init_from={path!r}: expected scratch, resume or an existing directory")
+    require(isinstance(path, str) and os.path.isdir(path),
+            f"init_from={path!r}: expected scratch, resume or an existing directory (a "
+            "previous stage's out_dir: run that stage first, e.g. pretrain.py then sft.py "
+            "with the same config, or `bash speedrun.sh`)")
     found = find_checkpoint(path)
     if found:
         return found

@@ -46,10 +46,22 @@ import json
 import math
 import numbers
 import os
+import sys
 import types
 
 STAGES = ("pretrain", "sft", "grpo", "serve")
 SETTING_TYPES = (int, float, bool, str, type(None), list, tuple, dict)
+
+class InputError(Exception):
+    """a mistake in what came from outside (a setting, a config file, a path, a request),
+    not a bug: on a script's command line its message is printed alone (run_cli). Raised
+    as BadValue or BadType, a ValueError and a TypeError"""
+
+class BadValue(InputError, ValueError):
+    pass
+
+class BadType(InputError, TypeError):
+    pass
 
 def print0(*args):
     # only rank 0 talks in a multi-process run
@@ -77,7 +89,7 @@ def check_value(key, value, default, source):
         return value
     else:
         expected = type(default).__name__
-    raise TypeError(f"{source}: {key}={value!r} is a {type(value).__name__}, expected {expected}")
+    raise BadType(f"{source}: {key}={value!r} is a {type(value).__name__}, expected {expected}")
 
 def parse_cli_value(key, text, default):
     """the python value of the text after '--key=', before type checking"""
@@ -88,7 +100,7 @@ def parse_cli_value(key, text, default):
     except (ValueError, SyntaxError, TypeError, MemoryError, RecursionError):
         if default is None or type(default) is str:
             return text  # a bare word: the string itself
-        raise TypeError(f"--{key}={text}: not a python literal, expected {type(default).__name__}")
+        raise BadType(f"--{key}={text}: not a python literal, expected {type(default).__name__}")
     if type(default) is str and value is not None and type(value) is not str:
         return text  # names and paths like 2024 or 1e-5 stay the text that was typed
     return value
@@ -100,7 +112,7 @@ def load_config_file(path):
     """the settings a config file defines, by name: its plain top-level names, imports and
     helpers left out"""
     if not os.path.isfile(path):
-        raise ValueError(f"config file not found: {path!r}")
+        raise BadValue(f"config file not found: {path!r}")
     with open(path) as f:
         source = f.read()
     tree = ast.parse(source, filename=path)
@@ -131,7 +143,7 @@ def split_args(args):
             # the first '=' only: values may contain '='
             overrides.append(arg[2:].split("=", 1))
         else:
-            raise ValueError(f"bad argument {arg!r}: expected a config file path or --key=value")
+            raise BadValue(f"bad argument {arg!r}: expected a config file path or --key=value")
     return files, overrides
 
 def print_help(g, config):
@@ -166,7 +178,7 @@ def configure(g, args, stage):
         if key not in settings:
             close = difflib.get_close_matches(str(key), list(settings), n=1)
             hint = f" (did you mean {close[0]!r}?)" if close else ""
-            raise ValueError(f"{source}: unknown config key {key!r}{hint}")
+            raise BadValue(f"{source}: unknown config key {key!r}{hint}")
         updates[key] = check_value(key, value, settings[key], source)
         applied.append((key, updates[key], source))
 
@@ -174,7 +186,7 @@ def configure(g, args, stage):
         cfg = load_config_file(path)
         for name in STAGES:
             if name in cfg and type(cfg[name]) is not dict:
-                raise TypeError(f"{path}: stage {name!r}: a {type(cfg[name]).__name__}, not a dict")
+                raise BadType(f"{path}: stage {name!r}: a {type(cfg[name]).__name__}, not a dict")
         for key, value in cfg.items():
             if key not in STAGES:
                 put(key, value, path)
@@ -189,7 +201,7 @@ def configure(g, args, stage):
         try:
             json.dumps(value)
         except (TypeError, ValueError) as e:
-            raise TypeError(f"{key}={value!r}: not JSON-serialisable ({e})") from None
+            raise BadType(f"{key}={value!r}: not JSON-serialisable ({e})") from None
     if wants_help:   # what this command line would run with; nothing is applied
         print_help(g, config)
         raise SystemExit(0)
@@ -211,15 +223,28 @@ def configure(g, args, stage):
 #     require(is_int(n), f"n must be an int, got {n!r}", TypeError)
 
 def require(ok, message, error=ValueError):
-    """raise error(message) unless ok: one line per input rule"""
+    """raise error(message) unless ok, as an InputError (ValueError: BadValue, TypeError:
+    BadType): one line per input rule"""
     if not ok:
-        raise error(message)
+        raise INPUT_ERRORS.get(error, error)(message)
+
+INPUT_ERRORS = {ValueError: BadValue, TypeError: BadType}
 
 def require_field(obj, name, ok, expected, error=ValueError):
     """require() for a config's field: the message names the class, the field, what it
     must be and what it is"""
-    if not ok:
-        raise error(f"{type(obj).__name__}.{name} must be {expected}, got {getattr(obj, name)!r}")
+    require(ok, f"{type(obj).__name__}.{name} must be {expected}, got {getattr(obj, name)!r}",
+            error)
+
+def run_cli(main, g, stage):
+    """a script's command line: main(configure(g, sys.argv[1:], stage)). A mistake in its
+    input (an InputError: a bad setting, a missing directory) prints its message alone and
+    exits with status 2; a bug still shows its traceback"""
+    try:
+        return main(configure(g, sys.argv[1:], stage=stage))
+    except InputError as e:
+        print(f"{os.path.basename(sys.argv[0])}: error: {e}", file=sys.stderr)
+        raise SystemExit(2) from None
 
 def is_int(x):
     """an int (a numpy integer too: numbers.Integral), never a bool"""

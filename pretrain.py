@@ -13,12 +13,11 @@ closed with <|endoftext|>. The tokenizer is saved into every checkpoint, so
 {out_dir}/ckpt is a self-contained transformers directory and sft.py can start from
 --init_from={out_dir}.
 """
-import sys
 
 from scaleout import distributed
 import training
 from checkpoint import init_start
-from configurator import configure, print0
+from configurator import print0, run_cli
 from tasks.environment import load_task, offers
 from tokenizer import ENDOFTEXT as _ENDOFTEXT, build_tokenizer
 
@@ -97,4 +96,4 @@ def main(config):
 
 
 if __name__ == "__main__":
-    main(configure(globals(), sys.argv[1:], stage="pretrain"))
+    run_cli(main, globals(), "pretrain")

@@ -29,13 +29,12 @@ split is never read here.
 import json
 import os
 import shutil
-import sys
 
 import torch
 
 import training
 from checkpoint import init_start, save_best
-from configurator import configure, print0, require
+from configurator import print0, require, run_cli
 from engine import sampled_mask
 from scaleout import distributed
 from tasks import evaluate
@@ -225,4 +224,4 @@ def main(config):
 
 
 if __name__ == "__main__":
-    main(configure(globals(), sys.argv[1:], stage="sft"))
+    run_cli(main, globals(), "sft")

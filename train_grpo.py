@@ -57,7 +57,6 @@ import functools
 import math
 import os
 import shutil
-import sys
 import time
 
 import numpy as np
@@ -66,7 +65,7 @@ import torch
 import lora
 import training
 from checkpoint import init_start, load_model, model_dir_of, save_best
-from configurator import configure, print0, require
+from configurator import print0, require, run_cli
 from engine import EngineConfig, SamplingParams, sampled_mask
 from model import train_flops
 from scaleout import distributed, sources
@@ -785,5 +784,4 @@ def main(config):
 
 
 if __name__ == "__main__":
-    config = configure(globals(), sys.argv[1:], stage="grpo")
-    main(config)
+    run_cli(main, globals(), "grpo")

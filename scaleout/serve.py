@@ -39,7 +39,6 @@ import hmac
 import json
 import math
 import re
-import sys
 import time
 import uuid
 
@@ -50,7 +49,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from checkpoint import (hf_to_ours, hf_weight_shapes, load_config, load_hf_checkpoint,
                         stop_ids_of)
-from configurator import configure, is_int
+from configurator import is_int, require, run_cli
 from engine import (EngineConfig, InferenceEngine, SamplingParams, check_fits, check_prompt,
                     decode_graph_fits)
 from model import as_dtype
@@ -884,12 +883,11 @@ def build_app(server) -> FastAPI:
     return app
 
 
-def main():
-    configure(globals(), sys.argv[1:], stage="serve")
-    if not model_path:
-        raise ValueError("model_path is required: --model_path=DIR (a model directory)")
-    if not 0 <= port < 65536:
-        raise ValueError(f"port must be in [0, 65536), got {port}")
+def main(config):
+    """The server of config's settings (configure has set them as this module's globals:
+    run_cli below)."""
+    require(config["model_path"], "model_path is required: --model_path=DIR (a model directory)")
+    require(0 <= config["port"] < 65536, f"port must be in [0, 65536), got {config['port']}")
     tokenizer = load_tokenizer(model_path)
     graph = compile if compile is not None else (   # on where the decode graph runs: CPUs
         torch.device(device).type == "cpu"
@@ -915,4 +913,4 @@ def main():
 
 
 if __name__ == "__main__":
-    main()
+    run_cli(main, globals(), "serve")

@@ -36,7 +36,6 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import ClassVar
 
-import torch
 from vllm.distributed.weight_transfer import (WeightTransferEngineFactory,
                                               WeightTransferTrainerFactory)
 from vllm.distributed.weight_transfer.base import (ParamMeta, TrainerInitInfo,

@@ -3,6 +3,8 @@ import copy
 import json
 import math
 import os
+import subprocess
+import sys
 
 import pytest
 
@@ -51,12 +53,12 @@ def test_non_json_value_refused():
 def test_a_scripts_settings_are_its_lowercase_names():
     # a module constant (UPPER_CASE) that counted as a setting could be overridden from
     # the command line; constants take a '_' name. The scripts: every module that
-    # hands its globals() to configure
+    # hands its globals() to configure (run_cli does)
     import importlib, pathlib
     root = pathlib.Path(__file__).resolve().parents[1]
     files = [*root.glob("*.py"), *root.glob("*/*.py")]     # the root and its packages
     scripts = [".".join(p.relative_to(root).with_suffix("").parts) for p in files
-               if "configure(globals()" in p.read_text()
+               if "run_cli(main, globals()" in p.read_text()
                and p.parent.name != "tests" and p.name != "configurator.py"]
     assert len(scripts) >= 4, scripts     # pretrain, sft, train_grpo, scaleout.serve
     for script in scripts:
@@ -357,3 +359,20 @@ def test_real_script_end_to_end(tmp_path, cfg_file):
                          capture_output=True, text=True, env=env, check=True).stdout
     result = json.loads(out.split("RESULT ", 1)[1])
     assert result == {"lr": 1e-5, "batch_size": 4, "init_from": "out/sft"}
+
+
+def test_a_mistake_on_the_command_line_is_one_line_and_status_2(tmp_path):
+    # a user's mistake (an unknown setting, a directory no stage has written) prints its
+    # message alone, no traceback, and exits with status 2
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    for args, says in ((["--prompts_per_stepp=3"], "unknown config key 'prompts_per_stepp'"),
+                       ([f"--init_from={tmp_path / 'none'}", f"--out_dir={tmp_path / 'out'}"],
+                        "run that stage first")):
+        run = subprocess.run([sys.executable, "train_grpo.py", "config/qwen_small.py", *args],
+                             capture_output=True, text=True, cwd=root, timeout=300)
+        assert run.returncode == 2, run.stderr[-2000:]
+        lines = run.stderr.strip().splitlines()
+        assert len(lines) == 1 and says in lines[0] and "Traceback" not in run.stderr, lines
+    run = subprocess.run([sys.executable, "-m", "scaleout.serve"], capture_output=True,
+                         text=True, cwd=root, timeout=300)
+    assert run.returncode == 2 and "model_path is required" in run.stderr.strip().splitlines()[-1]
