@@ -23,7 +23,7 @@ trainer's own engine), which has the same interface:
 
 import shlex
 
-from configurator import require
+from configurator import BadValue, require
 from scaleout import distributed, rollout_ranks, verifiers_groups
 from scaleout.rollout_servers import Servers
 
@@ -77,8 +77,8 @@ def check_verifiers_cmd(config):
         return
     try:
         words = shlex.split(cmd)
-    except ValueError as e:
-        raise ValueError(f"verifiers_cmd={cmd!r}: {e}") from None
+    except ValueError as e:   # an unclosed quote: the user's mistake, one line (run_cli)
+        raise BadValue(f"verifiers_cmd={cmd!r}: {e}") from None
     require(words, f"verifiers_cmd={cmd!r}: expected a command")
     require(config["rollout_urls"], f"verifiers_cmd={cmd!r}: the environment plays against "
             "servers: set rollout_urls")
