@@ -1,10 +1,12 @@
 """
 The countdown task as a verifiers 0.4.0 environment, its episodes collected through
-scaleout/serve.py the way prime-rl trains with verifiers: the `null` harness
-(verifiers' tool-less chat program) plays the task, verifiers' interception server
-hands each of its chat requests to the training client (`vf.TrainClientConfig` ->
-`TrainClient`), which renders the conversation to token ids with a renderer and calls
-scaleout/serve.py's vLLM-style token-in / token-out `POST /inference/v1/generate`. The
+scaleout/serve.py the way prime-rl trains with verifiers: a harness plays the task
+(ChatHarness below, verifiers' tool-less `null` chat program's one request per turn run
+in this process; --harness=null runs verifiers' own program, a process per turn), 64
+episodes at a time (--concurrency), verifiers' interception server hands each of its
+chat requests to the training client (`vf.TrainClientConfig` -> `TrainClient`), which
+renders the conversation to token ids with a renderer and calls scaleout/serve.py's
+vLLM-style token-in / token-out `POST /inference/v1/generate`. The
 renderer is ChatMLRenderer below: the checkpoint's ChatML template, and a next turn is
 bridged by token ids (the previous prompt + the ids sampled + the template's ids for
 the new user turn), as client.next_turn_prompt does, so an episode is one token
@@ -25,16 +27,18 @@ episodes are 2 turns):
 Per episode it prints the reward and whether what verifiers recorded (`Trace.branches`:
 one token sequence per branch, `sampled_mask`, `logprobs`) is, token for token, what
 scaleout/serve.py sent back (each response's prompt_token_ids, choices[0].token_ids and
-their logprobs, captured as the renderers package parses them). With --json it prints
-one JSON line per episode instead (test_verifiers.py reads those), its branch included:
+their logprobs, captured as the renderers package parses them; episodes run at once, so
+each is matched to its own responses: claim()). With --json it prints one JSON line per
+episode instead (test_verifiers.py reads those), its branch included:
 scaleout/verifiers_groups.py turns those into GRPO groups. Exit status 1 if any
-episode differs or failed.
+episode differs or failed, or a response is in no episode.
 
 The repo's countdown.py / countdown_feedback.py are imported from the repository root
 (put on sys.path here), so PYTHONPATH need not be set. The
 null harness runs its chat program through `uv` (PyPI packages: openai, mcp, httpx, ...;
 fetched once into verifiers' cache), so uv must be on PATH: this file prepends its
-interpreter's bin directory, where install_verifiers.sh puts uv.
+interpreter's bin directory, where install_verifiers.sh puts uv. ChatHarness needs
+neither.
 """
 
 import argparse
@@ -65,12 +69,14 @@ import verifiers.v1 as vf  # noqa: E402
 from renderers import ParsedResponse, RenderedTokens  # noqa: E402
 from renderers.base import reject_assistant_in_extension, trim_to_turn_close  # noqa: E402
 from renderers.configs import BaseRendererConfig, CustomRendererConfig  # noqa: E402
+from verifiers.v1.dialects.chat import message_to_wire  # noqa: E402
 from verifiers.v1.runtimes import SubprocessConfig  # noqa: E402
 
 from tasks import countdown  # noqa: E402
 from tasks import countdown_feedback  # noqa: E402
 
-__all__ = ["CountdownTaskset"]   # what verifiers' taskset loader looks up
+# what verifiers' loaders look up: the taskset, and the harness for `harness.id=MODULE`
+__all__ = ["CountdownTaskset", "ChatHarness"]
 
 IM_START, IM_END, ENDOFTEXT = "<|im_start|>", "<|im_end|>", "<|endoftext|>"
 
@@ -97,7 +103,7 @@ class ChatMLRenderer:
 
     config_class = ChatMLRendererConfig
     supports_tools = False
-    bridges = 0  # how many next-turn prompts were bridged by ids (the example reports it)
+    bridged: set[tuple[int, ...]] = set()   # the next-turn prompts bridged by ids
 
     def __init__(self, tokenizer, config: ChatMLRendererConfig | None = None):
         self.tokenizer, self.config = tokenizer, config or ChatMLRendererConfig()
@@ -182,7 +188,7 @@ class ChatMLRenderer:
         newline = self._encode("\n")
         ids, index, sampled, content = self._emit(new_messages)
         n = len(previous) + len(newline)
-        ChatMLRenderer.bridges += 1
+        ChatMLRenderer.bridged.add(tuple(previous + newline + ids))
         return RenderedTokens(token_ids=previous + newline + ids, message_indices=[-1] * n + index,
                               sampled_mask=[False] * (n + len(ids)),
                               is_content=[False] * n + content,
@@ -237,12 +243,51 @@ class CountdownTaskset(vf.Taskset[CountdownTask, CountdownConfig]):
 
 
 # -----------------------------------------------------------------------------
+# the harness: verifiers' `null` chat program, run in this process
+
+
+class ChatHarnessConfig(vf.HarnessConfig):
+    id: str = MODULE
+
+
+class ChatHarness(vf.Harness[ChatHarnessConfig]):
+    """What the `null` harness's program does with a tool-less task (one chat completion
+    per segment, through the interception endpoint), as a coroutine in this process.
+    verifiers' Harness.launch allows it ("the interception is the contract, not the
+    process"); the `null` harness starts a uv program per segment, which on two cores
+    costs more than sampling the episode. --harness=null runs verifiers' own."""
+
+    APPENDS_SYSTEM_PROMPT = True
+    SUPPORTS_RESUME = True   # a next turn relaunches on the conversation, as `null` does
+    EXECUTES_CODE = False
+    NEEDS_CONTAINER = False
+
+    async def launch(self, ctx, trace, runtime, endpoint, secret, mcp_urls, data, **_):
+        system, prompt = self.resolve_prompt(data)
+        messages = [{"role": "system", "content": system}] if system else []
+        if isinstance(prompt, str):
+            messages.append({"role": "user", "content": prompt})
+        else:
+            messages += [message_to_wire(m) for m in prompt or []]
+        async with httpx.AsyncClient(timeout=httpx.Timeout(None, connect=5.0)) as client:
+            r = await client.post(endpoint.rstrip("/") + "/chat/completions",
+                                  json={"model": ctx.model, "messages": messages},
+                                  headers={"Authorization": f"Bearer {secret}"})
+        ok = r.status_code == 200
+        return vf.ProgramResult(exit_code=0 if ok else 1, stdout="",
+                                stderr="" if ok else f"{r.status_code}: {r.text}")
+
+
+# -----------------------------------------------------------------------------
 # the two environments: one answer, or an answer, the feedback, a second answer
 
 
-def agent_config(turns):
-    return vf.AgentConfig(harness={"id": "null"}, runtime=SubprocessConfig(), max_turns=turns,
-                          network_notice=False)
+HARNESSES = {"inprocess": MODULE, "null": "null"}   # --harness: ChatHarness or verifiers' own
+
+
+def agent_config(turns, harness="inprocess"):
+    return vf.AgentConfig(harness={"id": HARNESSES[harness]}, runtime=SubprocessConfig(),
+                          max_turns=turns, network_notice=False)
 
 
 class FeedbackEnvConfig(vf.EnvConfig):
@@ -271,12 +316,14 @@ class FeedbackEnv(vf.Env[FeedbackEnvConfig]):
                 segment = await chat.turn(reply)
 
 
-def make_env(turns, num_tasks, split="test", offset=0, reward="countdown"):
-    taskset = {"id": MODULE, "num_tasks": num_tasks, "split": split, "offset": offset,
-               "reward": reward}
-    if turns == 1:
-        return vf.SingleAgentEnv(vf.SingleAgentEnvConfig(taskset=taskset, agent=agent_config(1)))
-    return FeedbackEnv(FeedbackEnvConfig(taskset=taskset, agent=agent_config(turns), turns=turns))
+def make_env(args):
+    """The environment main's arguments ask for: its tasks, turns and harness."""
+    taskset = {"id": MODULE, "num_tasks": args.num_tasks, "split": args.split,
+               "offset": args.offset, "reward": args.reward}
+    agent = agent_config(args.turns, args.harness)
+    if args.turns == 1:
+        return vf.SingleAgentEnv(vf.SingleAgentEnvConfig(taskset=taskset, agent=agent))
+    return FeedbackEnv(FeedbackEnvConfig(taskset=taskset, agent=agent, turns=args.turns))
 
 
 # -----------------------------------------------------------------------------
@@ -339,31 +386,59 @@ def compare(trace, responses) -> dict:
     return out
 
 
-async def collect(base_url, model, model_path, turns, num_tasks, max_tokens=48,
-                  temperature=1.0, group_size=1, split="test", offset=0, reward="countdown"):
-    """Run group_size episodes per task, one at a time; return [(episode, comparison)]."""
+def claim(trace, pool) -> list[dict]:
+    """The responses in pool that make up trace's (one) branch, taken out of pool, in turn
+    order: those whose prompt + completion begins the branch, with the branch's logprobs
+    at their completion. Episodes run at once, so each finds its own turns among all the
+    server sent; two episodes that sampled the same tokens take either of the two."""
+    if len(trace.branches) != 1:
+        return []
+    branch = trace.branches[0]
+    mine = []
+    for r in list(pool):
+        prompt, ch = r["prompt_token_ids"], r["choices"][0]
+        done = prompt + ch["token_ids"]
+        sampled = [e["logprob"] for e in ch["logprobs"]["content"]]
+        if (branch.token_ids[:len(done)] == done
+                and branch.logprobs[len(prompt):len(done)] == sampled):
+            if all(len(m["prompt_token_ids"]) != len(prompt) for m in mine):
+                mine.append(r)
+                pool.remove(r)
+    return sorted(mine, key=lambda r: len(r["prompt_token_ids"]))
+
+
+async def collect(args, model, model_path):
+    """Run args.group_size episodes per task (main's arguments), args.concurrency at a
+    time (the server batches them); return [(episode, comparison)] in task order, and how
+    many of the server's responses are in no episode."""
     renderer = CustomRendererConfig(import_path=f"{MODULE}.ChatMLRenderer")
-    client = vf.TrainClientConfig(base_url=base_url.rstrip("/") + "/v1",
+    client = vf.TrainClientConfig(base_url=args.base_url.rstrip("/") + "/v1",
                                   api_key_var="NANORL_API_KEY", renderer=renderer,
                                   renderer_model_name=model_path)
-    sampling = vf.SamplingConfig(temperature=temperature, max_tokens=max_tokens)
+    sampling = vf.SamplingConfig(temperature=args.temperature, max_tokens=args.max_tokens)
     ctx = vf.ModelContext(model=model, client=client, sampling=sampling)
-    env = make_env(turns, num_tasks, split, offset, reward)
-    results = []
+    env = make_env(args)
+    slots = asyncio.Semaphore(args.concurrency)
+
+    async def run(t):
+        async with slots:
+            return await env.run_episode(t, ctx)
+
+    del SERVER_RESPONSES[:]
     async with env.serving():
-        for t in [t for t in env.taskset for _ in range(group_size)]:
-            del SERVER_RESPONSES[:]
-            bridges = ChatMLRenderer.bridges
-            episode = await env.run_episode(t, ctx)
-            responses, bridges = list(SERVER_RESPONSES), ChatMLRenderer.bridges - bridges
-            if not episode.ok or len(episode.traces) != 1:
-                errors = [e.message for e in episode.errors] + [
-                    e.message for tr in episode.traces for e in tr.errors]
-                results.append((episode, {"ok": False, "why": f"episode failed: {errors}"}))
-                continue
-            cmp = compare(episode.traces[0], responses)
-            results.append((episode, dict(cmp, bridged=bridges)))
-    return results
+        episodes = await asyncio.gather(
+            *(run(t) for t in env.taskset for _ in range(args.group_size)))
+    results = []
+    for episode in episodes:
+        if not episode.ok or len(episode.traces) != 1:
+            errors = [e.message for e in episode.errors] + [
+                e.message for tr in episode.traces for e in tr.errors]
+            results.append((episode, {"ok": False, "why": f"episode failed: {errors}"}))
+            continue
+        responses = claim(episode.traces[0], SERVER_RESPONSES)
+        bridged = sum(tuple(r["prompt_token_ids"]) in ChatMLRenderer.bridged for r in responses)
+        results.append((episode, dict(compare(episode.traces[0], responses), bridged=bridged)))
+    return results, len(SERVER_RESPONSES)
 
 
 def branch_row(trace):
@@ -392,14 +467,15 @@ def main():
     ap.add_argument("--split", default="test", choices=["train", "val", "test"])
     ap.add_argument("--offset", type=int, default=0, help="the split's first task")
     ap.add_argument("--reward", default="countdown", choices=sorted(REWARDS))
+    ap.add_argument("--harness", default="inprocess", choices=sorted(HARNESSES),
+                    help="inprocess: ChatHarness; null: verifiers' chat program, a process each")
+    ap.add_argument("--concurrency", type=int, default=64, help="episodes run at once")
     args = ap.parse_args()
     key = os.environ.get("NANORL_API_KEY", "")   # the server's --api_key, if it has one
     card = httpx.get(args.base_url.rstrip("/") + "/v1/models",
                      headers={"Authorization": f"Bearer {key}"} if key else {}).json()["data"][0]
     model, model_path = card["id"], args.model_path or card["id"]
-    results = asyncio.run(collect(args.base_url, model, model_path, args.turns, args.num_tasks,
-                                  args.max_tokens, args.temperature, args.group_size,
-                                  args.split, args.offset, args.reward))
+    results, unclaimed = asyncio.run(collect(args, model, model_path))
     for episode, cmp in results:
         trace = episode.traces[0] if episode.traces else None
         row = dict(cmp, task=episode.task.data.name, reward=trace.reward if trace else None,
@@ -413,7 +489,9 @@ def main():
                   f"reward={row['reward']}  "
                   f"tokens={cmp.get('num_tokens')} sampled={cmp.get('num_sampled')}  {same}  "
                   f"replies={row['replies']}")
-    sys.exit(0 if results and all(c["ok"] for _, c in results) else 1)
+    if unclaimed:
+        print(f"{unclaimed} of the server's responses are in no episode", file=sys.stderr)
+    sys.exit(0 if results and not unclaimed and all(c["ok"] for _, c in results) else 1)
 
 
 if __name__ == "__main__":

@@ -1,6 +1,7 @@
 """
 verifiers 0.4.0 collecting countdown episodes through scaleout/serve.py
-(scaleout/verifiers_countdown.py): its training client, the `null` harness and the
+(scaleout/verifiers_countdown.py): its training client, a harness (verifiers' own `null`
+chat program, or the example's in-process ChatHarness with episodes run at once) and the
 example's ChatML renderer, which bridges a next turn by token ids. What verifiers
 records per episode (Trace.branches: token ids, sampled mask, logprobs) must be, token
 for token, what the server sampled, for single-turn and 2-turn episodes.
@@ -51,19 +52,30 @@ def server(tmp_path_factory):
     served.stop()
 
 
-def episodes(server, turns, num_tasks):
+# verifiers' own chat program, a process per episode, one at a time; the in-process
+# harness, 2 episodes of each task at once (each episode then finds its own responses
+# among all the server sent: claim())
+HARNESSES = [dict(harness="null", group_size=1, concurrency=1),
+             dict(harness="inprocess", group_size=2, concurrency=4)]
+
+
+def episodes(server, turns, num_tasks, harness, group_size, concurrency):
     env = dict(os.environ, OMP_NUM_THREADS="1")
     out = subprocess.run([VF_PYTHON, EXAMPLE, f"--base_url={server.url}", f"--turns={turns}",
-                          f"--num_tasks={num_tasks}", "--max_tokens=8", "--json"],
+                          f"--num_tasks={num_tasks}", "--max_tokens=8", "--json",
+                          f"--harness={harness}", f"--group_size={group_size}",
+                          f"--concurrency={concurrency}"],
                          capture_output=True, text=True, timeout=900, env=env, cwd=ROOT)
     rows = [json.loads(line) for line in out.stdout.splitlines() if line.startswith("{")]
-    assert len(rows) == num_tasks, f"exit {out.returncode}\n{out.stdout}\n{out.stderr[-3000:]}"
+    assert len(rows) == num_tasks * group_size, (
+        f"exit {out.returncode}\n{out.stdout}\n{out.stderr[-3000:]}")
     return rows, out
 
 
 @needs_verifiers
-def test_single_turn_episodes_are_what_the_server_sampled(server):
-    rows, out = episodes(server, 1, 2)
+@pytest.mark.parametrize("how", HARNESSES, ids=lambda h: h["harness"])
+def test_single_turn_episodes_are_what_the_server_sampled(server, how):
+    rows, out = episodes(server, 1, 2, **how)
     for r in rows:
         assert r["ok"], r
         assert r["turns"] == 1 and r["branches"] == 1 and r["bridged"] == 0
@@ -72,8 +84,9 @@ def test_single_turn_episodes_are_what_the_server_sampled(server):
 
 
 @needs_verifiers
-def test_two_turn_episodes_are_one_token_sequence_bridged_by_ids(server):
-    rows, out = episodes(server, 2, 2)
+@pytest.mark.parametrize("how", HARNESSES, ids=lambda h: h["harness"])
+def test_two_turn_episodes_are_one_token_sequence_bridged_by_ids(server, how):
+    rows, out = episodes(server, 2, 2, **how)
     for r in rows:
         assert r["ok"], r
         # a random model's first answer is wrong, so the feedback turn always comes
