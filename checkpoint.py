@@ -448,8 +448,8 @@ def _fsync(path):
 
 def save_checkpoint(out_dir, model, optimizer, tokenizer, iter_num, config, data_state=None,
                     extra=None, generation=None):
-    """Write {out_dir}/ckpt atomically (see the top of this file). data_state and extra
-    must be JSON-serialisable; generation is its generation_config.json
+    """Write {out_dir}/ckpt atomically (see the top of this file). data_state must be
+    JSON-serialisable, extra a RunState; generation is its generation_config.json
     (Start.generation; default the tokenizer's stop ids). Every rank calls it; rank 0
     writes. A sharded (FSDP2) model's weights are gathered to rank 0 one tensor at a time,
     and each rank writes its optimizer shards through torch.distributed.checkpoint into
@@ -487,7 +487,8 @@ def save_checkpoint(out_dir, model, optimizer, tokenizer, iter_num, config, data
         _fsync(os.path.join(tmp, name))
         files[name] = {"size": os.path.getsize(os.path.join(tmp, name)),
                        "xxh64": file_digest(os.path.join(tmp, name))}
-    meta = {"iter": iter_num, "config": config, "data_state": data_state, "extra": extra,
+    meta = {"iter": iter_num, "config": config, "data_state": data_state,
+            "extra": None if extra is None else asdict(extra),
             "files": files}
     if adapted:
         meta["lora"] = {**lora.spec_record(model.lora_spec), **model.lora_base}
@@ -624,6 +625,15 @@ def load_trainer_state(path):
 
 
 @dataclass(frozen=True)
+class RunState:
+    """What a trainer keeps of its run in a checkpoint beyond weights, optimizer, RNG and
+    data state (checkpoint.json's "extra"), read back on resume."""
+    meter: dict | None = None     # training.Meter.state_dict(): FLOPs and seconds spent
+    weight_version: int = 0       # GRPO: the rollout engine's weight version
+    best: dict | None = None      # GRPO keep_best: {"accuracy", "iter"} of the best evaluation
+
+
+@dataclass(frozen=True)
 class Start:
     """What a run starts from: the model (fp32 master weights, on cpu), its tokenizer and
     generation config (generation_config_of: its stop ids end every stage's episodes,
@@ -640,6 +650,12 @@ class Start:
     @property
     def iter_num(self):
         return 0 if self.meta is None else self.meta["iter"]
+
+    @property
+    def run_state(self) -> RunState:
+        """The resumed run's RunState; a fresh run's is RunState()."""
+        extra = (self.meta or {}).get("extra") or {}
+        return RunState(**{f.name: extra[f.name] for f in fields(RunState) if f.name in extra})
 
     @property
     def stop_ids(self):

@@ -248,7 +248,7 @@ def run_cli(main, g, stage):
 
 def is_int(x):
     """an int (a numpy integer too: numbers.Integral), never a bool"""
-    # plain ints first: prompts check every token, and the ABC's check is 4x slower
+    # plain ints first: prompts check every token, and the ABC's check is slower
     return type(x) is int or isinstance(x, numbers.Integral) and not isinstance(x, bool)
 
 def is_number(x):

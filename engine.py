@@ -180,7 +180,7 @@ def sampled_mask(sample):
 
 class InferenceEngine:
     """Continuous batching over a paged KV cache. Single-threaded: every call runs on the
-    caller's thread. self.blocks is the block allocator (scheduler.BlockAllocator),
+    caller's thread. self.cache is the block allocator (scheduler.BlockAllocator),
     self.kv_cache the KV tensors (inference/attention.py's PagedKVCache)."""
 
     def __init__(self, config: EngineConfig, model: Transformer | None = None):
@@ -206,15 +206,15 @@ class InferenceEngine:
         self.max_model_len = config.max_model_len or model.config.max_position_embeddings
         num_blocks = config.num_blocks or pool_size(config, model.config, self.max_model_len,
                                                     self.device, self.dtype)
-        self.blocks = make_blocks(config, num_blocks)
+        self.cache = make_cache(config, num_blocks)
         # one block more than the allocator hands out: the static decode
         # step's scratch block
-        self.kv_cache = PagedKVCache(model.config, self.blocks.num_blocks + 1,
-                                     self.blocks.block_size, self.device, self.dtype,
+        self.kv_cache = PagedKVCache(model.config, self.cache.num_blocks + 1,
+                                     self.cache.block_size, self.device, self.dtype,
                                      routes=config.record_routes)
         self.scheduler_config = SchedulerConfig(config.max_batch_size,
                                                 config.max_num_batched_tokens,
-                                                self.blocks.block_size)
+                                                self.cache.block_size)
         self.backend, self.compile = attention_choice(self.device.type, config.attention_backend,
                                                       config.compile, model.config.head_dim,
                                                       self.dtype)
@@ -223,7 +223,7 @@ class InferenceEngine:
         require(ok or not static, f"compile=True on {self.device.type}: {why}; leave it off")
         self.static = StaticDecode(
             self.model, self.kv_cache, config.max_batch_size,
-            -(-self.max_model_len // self.blocks.block_size), self.blocks.num_blocks,
+            -(-self.max_model_len // self.cache.block_size), self.cache.num_blocks,
             self.backend) if static else None
         self._version = config.weight_version
         self._staged = None                       # a non-blocking update (a Future)
@@ -253,7 +253,7 @@ class InferenceEngine:
         a generate call."""
         self._check_request(params, num_samples, index, ("num_samples", "index"))
         prompt = check_prompt(prompt, self.model.config.vocab_size, self.max_model_len)
-        check_fits(prompt, params, num_samples, self.blocks, self.max_model_len, "prompt")
+        check_fits(prompt, params, num_samples, self.cache, self.max_model_len, "prompt")
         return self._add(prompt, params, num_samples, index)
 
     def generate(self, prompts, sampling_params: SamplingParams, num_samples_per_prompt: int = 1,
@@ -267,7 +267,7 @@ class InferenceEngine:
                             ("num_samples_per_prompt", "first_index"))
         checked = check_prompts(prompts, self.model.config.vocab_size, self.max_model_len)
         for i, p in enumerate(checked):
-            check_fits(p, params, num_samples_per_prompt, self.blocks, self.max_model_len,
+            check_fits(p, params, num_samples_per_prompt, self.cache, self.max_model_len,
                        f"prompts[{i}]")
         ids = {self._add(p, params, num_samples_per_prompt, index=first_index + i)
                for i, p in enumerate(checked)}
@@ -332,8 +332,8 @@ class InferenceEngine:
         if not self.has_pending():
             return out
         for seq in self.waiting[:max(self.config.max_batch_size - len(self.running), 0)]:
-            self.blocks.match_prefix(seq)
-        sched = schedule(self.waiting, self.running, self.blocks.num_free_blocks(),
+            self.cache.match_prefix(seq)
+        sched = schedule(self.waiting, self.running, self.cache.num_free_blocks(),
                          self.scheduler_config)
         self._stats["steps"] += 1
         by_uid = {s.uid: s for s in self.running}
@@ -346,7 +346,7 @@ class InferenceEngine:
             return out
         for seq, n in batch:
             # after the hits were taken: a fresh block may evict a named one
-            self.blocks.grow(seq, n)
+            self.cache.grow(seq, n)
         if self.static is not None and self.static.takes(batch):
             # one graph, sampler inside
             seqs = [seq for seq, _ in batch]
@@ -360,7 +360,7 @@ class InferenceEngine:
 
     def _preempt(self, victims):
         for seq in victims:
-            self.blocks.release(seq, cache=seq.kv_version == self._version)
+            self.cache.release(seq, cache=seq.kv_version == self._version)
         gone = {s.uid for s in victims}
         self.running = [s for s in self.running if s.uid not in gone]
         # the newest was preempted first: the oldest goes in front
@@ -371,7 +371,7 @@ class InferenceEngine:
         # schedule() admits a prefix of the waiting queue, in order
         seqs = [s for s in self.waiting[:len(uids)] if s.uid in uids]
         for seq in seqs:
-            self.blocks.take_prefix(seq)
+            self.cache.take_prefix(seq)
             seq.kv_version = self._version
             self._stats["prefix_cache_hit_tokens"] += seq.num_cached_tokens
         self.waiting = self.waiting[len(seqs):]
@@ -412,7 +412,7 @@ class InferenceEngine:
             seq.catching_up = seq.num_computed < seq.num_tokens
             # name the newly full blocks (never those of older weights)
             if seq.kv_version == self._version:
-                self.blocks.name_computed(seq, n)
+                self.cache.name_computed(seq, n)
 
     def _sample(self, logits, ready):
         if not ready:
@@ -453,7 +453,7 @@ class InferenceEngine:
             f.num_prompt, f.num_computed, f.kv_version = (seq.num_prompt, seq.num_computed,
                                                           seq.kv_version)
             f.catching_up, f.block_hashes = False, list(seq.block_hashes)
-            f.block_table, copy = self.blocks.fork_table(seq)
+            f.block_table, copy = self.cache.fork_table(seq)
             copies += [copy] if copy else []
             forks.append(f)
         if copies:
@@ -470,7 +470,7 @@ class InferenceEngine:
         seq.finish_reason = reason
         routes = None if self.kv_cache.routes is None else \
             self.kv_cache.routes_of(seq.block_table, seq.num_tokens - 1)
-        self.blocks.release(seq, cache=seq.kv_version == self._version)
+        self.cache.release(seq, cache=seq.kv_version == self._version)
         return TrainingSample(prompt_tokens=tuple(seq.tokens[:seq.num_prompt]),
                               completion_tokens=tuple(seq.tokens[seq.num_prompt:]),
                               logprobs=tuple(seq.logprobs), weight_version=min(seq.versions),
@@ -500,7 +500,7 @@ class InferenceEngine:
                                                    and s.num_samples == 1)
         gone = [s for s in self.waiting + self.running if hit(s)]
         for seq in gone:
-            self.blocks.release(seq, cache=seq.kv_version == self._version)
+            self.cache.release(seq, cache=seq.kv_version == self._version)
         self.waiting = [s for s in self.waiting if not hit(s)]
         self.running = [s for s in self.running if not hit(s)]
         self._undelivered = [s for s in self._undelivered if not hit(s)]
@@ -594,7 +594,7 @@ class InferenceEngine:
         self._version += self._updates_pending
         self._stats["weight_updates"] += self._updates_pending
         self._updates_pending = 0
-        self.blocks.invalidate()
+        self.cache.invalidate()
 
     # ---- sleep: a colocated trainer's step needs neither the weights nor the KV pool
 
@@ -607,7 +607,7 @@ class InferenceEngine:
         self._check_open()
         idle = not (self.waiting or self.running or self._staged or self._asleep)
         require(idle, "sleep: the engine is asleep, or has requests or an update pending")
-        self.blocks.invalidate()
+        self.cache.invalidate()
         pools = [self.kv_cache.k, self.kv_cache.v]
         storages = {t.untyped_storage().data_ptr(): t.untyped_storage()
                     for t in [*self._params.values(), *pools]}
@@ -639,12 +639,12 @@ class InferenceEngine:
     def flush_cache(self):
         """Forget the prefix cache (blocks in use are untouched)."""
         self._check_open()
-        self.blocks.invalidate()
+        self.cache.invalidate()
 
     def stats(self) -> dict:
-        return dict(self._stats, num_blocks=self.blocks.num_blocks,
-                    num_free_blocks=self.blocks.num_free_blocks(),
-                    cached_blocks=self.blocks.num_cached_blocks(), waiting=len(self.waiting),
+        return dict(self._stats, num_blocks=self.cache.num_blocks,
+                    num_free_blocks=self.cache.num_free_blocks(),
+                    cached_blocks=self.cache.num_cached_blocks(), waiting=len(self.waiting),
                     running=len(self.running), weight_version=self._version,
                     attention_backend=self.backend,
                     compile_seconds=self.static.compile_seconds if self.static else 0.0)
@@ -770,7 +770,7 @@ def pool_size(config, model_config, max_model_len, device, dtype):
     return max(1, min(want, int(free_bytes * config.memory_fraction) // per_block))
 
 
-def make_blocks(config, num_blocks):
+def make_cache(config, num_blocks):
     """'paged': block hashes over blocks of block_size tokens; 'radix': a radix tree
     over one-token blocks."""
     if config.cache_type == "radix":

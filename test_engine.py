@@ -109,8 +109,8 @@ def test_greedy_matches_transformers_generate(checkpoint):
         assert err < 1e-3, f"[{name}] logprob error {err}"
     stats = engine.stats()
     assert stats["prefill_tokens"] + stats["prefix_cache_hit_tokens"] == sum(map(len, PROMPTS))
-    assert engine.blocks.num_free_blocks() == engine.blocks.num_blocks
-    check_invariants(engine.blocks)
+    assert engine.cache.num_free_blocks() == engine.cache.num_blocks
+    check_invariants(engine.cache)
 
 
 @torch.no_grad()
@@ -302,8 +302,8 @@ def test_tiny_pool_preempts_and_still_matches_roomy_pool(moe):
         # sampling noise is a function of (seed, position): same draws
         assert outputs(got) == outputs(ref)
         assert tiny.stats()["preemptions"] > 0 and roomy.stats()["preemptions"] == 0
-        assert tiny.blocks.num_free_blocks() == tiny.blocks.num_blocks == 5
-        check_invariants(tiny.blocks)
+        assert tiny.cache.num_free_blocks() == tiny.cache.num_blocks == 5
+        check_invariants(tiny.cache)
         for a, b in zip(got, ref):
             assert max(abs(x - y) for x, y in zip(a.logprobs, b.logprobs)) < 1e-4
 
@@ -329,7 +329,7 @@ def test_group_prefills_once_and_second_generate_hits_cache(moe):
     st2 = engine.stats()
     assert st2["prefix_cache_hit_tokens"] == 32                       # both full prompt pages
     assert st2["prefill_tokens"] - st["prefill_tokens"] == 8
-    assert engine.blocks.num_free_blocks() == engine.blocks.num_blocks
+    assert engine.cache.num_free_blocks() == engine.cache.num_blocks
     engine.flush_cache()
     engine.generate([prompt], params, num_samples_per_prompt=4)
     assert engine.stats()["prefix_cache_hit_tokens"] == 32     # nothing more: the cache was flushed
@@ -510,7 +510,7 @@ def test_top_logprobs_match_transformers(moe):
 def test_abort_drops_samples_and_frees_their_blocks(moe):
     _, path = moe
     engine = engine_for(path)
-    free = engine.blocks.num_free_blocks()
+    free = engine.cache.num_free_blocks()
     keep = engine.add_request(PROMPTS[0], SamplingParams(temperature=0, max_tokens=8))
     group = engine.add_request(PROMPTS[3], SamplingParams(temperature=1.0, max_tokens=40),
                                num_samples=3)
@@ -524,7 +524,7 @@ def test_abort_drops_samples_and_frees_their_blocks(moe):
         done += engine.step()
     assert [s.request_id for s in done] == [keep]
     # every block is back (some still named: the prefix cache)
-    assert engine.blocks.num_free_blocks() == free
+    assert engine.cache.num_free_blocks() == free
 
 
 def test_max_model_len_ends_with_length(moe):
@@ -591,7 +591,7 @@ def test_bad_inputs_are_refused_and_change_nothing(moe):
         with pytest.raises((ValueError, TypeError), match=match):
             EngineConfig(model_path=path, **kw)
     assert outputs(engine.generate(PROMPTS[:3], params, 2)) == before
-    assert engine.blocks.num_free_blocks() == engine.blocks.num_blocks
+    assert engine.cache.num_free_blocks() == engine.cache.num_blocks
 
 
 def test_the_design_documents_usage_block_runs_as_written(moe):

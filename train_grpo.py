@@ -64,13 +64,13 @@ import torch
 
 import lora
 import training
-from checkpoint import init_start, load_model, model_dir_of, save_best
+from checkpoint import RunState, init_start, load_model, model_dir_of, save_best
 from configurator import print0, require, run_cli
 from engine import EngineConfig, SamplingParams, sampled_mask
 from model import train_flops
 from scaleout import distributed, sources
 from tasks import evaluate
-from tasks.environment import Environment, load_task, solved
+from tasks.environment import Environment, Group, load_task, solved
 from tokenizer import build_tokenizer, check_template_kwargs
 
 # -----------------------------------------------------------------------------
@@ -111,7 +111,7 @@ record_routes = False         # MoE: the engine records each token's experts (a 
 routing_replay = False        # MoE: ... and the trainer routes each token by them
 engine_dtype = "float32"      # the engine's copy of the weights ('bfloat16' on a GPU)
 engine_block_size = 16
-engine_compile = False        # decode steps as one graph (engine.py: tens of seconds to compile)
+engine_compile = False        # decode steps as one graph (engine.py; compiled once at start)
 engine_sleep = False          # free the engine's weights and KV pool during each step (memory.md)
 # LoRA (lora.py): 0 trains every weight; r > 0 trains a rank-r update of each targeted
 # weight, the base frozen (no gradient, no optimizer state)
@@ -324,8 +324,7 @@ def rollout(engine, env, sampler, config, it):
     """One rollout call: prompts_per_step problems drawn by the sampler, group_size
     episodes each, scored, and the outcome added to the sampler's record. A group whose
     rewards are all equal teaches nothing and is dropped (counted). Returns the kept
-    groups, each (problem, prompt_ids, samples, rewards), the FLOPs sampling them took
-    and the rollout metrics."""
+    groups ([Group]), the FLOPs sampling them took and the rollout metrics."""
     G = config["group_size"]
     indices = sampler.draw(config["prompts_per_step"])
     problems = [sampler.items[i] for i in indices]
@@ -341,8 +340,8 @@ def rollout(engine, env, sampler, config, it):
     successes = [sum(map(solved, rewards[j * G:(j + 1) * G])) for j in range(len(problems))]
     sampler.record(indices, successes, G)
     flat = zero_variance_groups(rewards, G).tolist()
-    kept = [(problems[j], samples[j * G].prompt_tokens, samples[j * G:(j + 1) * G],
-             rewards[j * G:(j + 1) * G]) for j in range(len(problems)) if not flat[j]]
+    kept = [Group(problems[j], samples[j * G:(j + 1) * G], rewards[j * G:(j + 1) * G])
+            for j in range(len(problems)) if not flat[j]]
     sampled = [sum(e.mask) for e in episodes]
     metrics = {"rollout/reward_mean": float(np.mean(rewards)), "rollout/zero_var_groups": sum(flat),
                "rollout/valid_groups": len(kept), "rollout/problems": len(problems),
@@ -368,20 +367,20 @@ def build_batches(groups, config):
     documents) or one sample. Whole documents are split under batch_tokens."""
     # (prompt, completions, weights, logprobs, masks), samples: per document
     docs, owners = [], []
-    for _, prompt, samples, group_rewards in groups:
-        masks = [list(sampled_mask(s)) for s in samples]
-        weights = token_advantages(masks, group_rewards, config)
+    for group in groups:
+        masks = [list(sampled_mask(s)) for s in group.samples]
+        weights = token_advantages(masks, group.rewards, config)
         rows = [(list(s.completion_tokens), w, list(s.logprobs), m)
-                for s, w, m in zip(samples, weights, masks)]
+                for s, w, m in zip(group.samples, weights, masks)]
         # share_prompt: the group is one document (or as few as fit in batch_tokens); else
         # each sample is one
         parts = [[i] for i in range(len(rows))]
         if config["share_prompt"]:
             parts = training.split_under_budget([len(c) + 1 for c, *_ in rows],
-                                                config["batch_tokens"] - len(prompt) + 1)
+                                                config["batch_tokens"] - len(group.prompt) + 1)
         for part in parts:
-            docs.append((list(prompt), *([rows[i][k] for i in part] for k in range(4))))
-            owners.append([samples[i] for i in part])
+            docs.append((list(group.prompt), *([rows[i][k] for i in part] for k in range(4))))
+            owners.append([group.samples[i] for i in part])
     sizes = [len(prompt) - 1 + sum(len(c) + 1 for c in comps) for prompt, comps, *_ in docs]
     batches = []
     for g in training.split_under_budget(sizes, config["batch_tokens"]):
@@ -474,8 +473,8 @@ def apply_corrections(batches, model, reference, autocast, config):
     Returns (batches, metrics)."""
     if not needs_trainer_pass(config):
         return batches, {}
-    # tokens corrected, sampled; expert pairs differing, compared
-    out, counts = [], [0, 0, 0, 0]
+    # tokens corrected of those sampled; expert pairs differing of those compared
+    out, counts = [], dict(corrected=0, sampled=0, differ=0, pairs=0)
     for _ in range(distributed.missing(len(batches))):   # FSDP2: as many forwards as any rank
         trainer_logprobs(model, training.empty_batch(config["device"]), autocast)
     for b in batches:   # this rank's share of the step's micro-batches
@@ -491,16 +490,18 @@ def apply_corrections(batches, model, reference, autocast, config):
             w = w - config["kl_coef"] * torch.where(mask,
                                                     lp - trainer_logprobs(reference, b, autocast),
                                                     0.0)
-        counts[:2] = counts[0] + int((changed & mask).sum()), counts[1] + int(mask.sum())
+        counts["corrected"] += int((changed & mask).sum())
+        counts["sampled"] += int(mask.sum())
         if used is not None:
             differ, pairs = training.expert_disagreement(torch.stack(used, 1), engine_routes,
                                                          mask)
-            counts[2:] = counts[2] + differ, counts[3] + pairs
+            counts["differ"] += differ
+            counts["pairs"] += pairs
         out.append(dataclasses.replace(b, token_weights=w, old_log_probs=lp))
-    corrected, sampled, differ, pairs = distributed.all_sum(counts)
-    metrics = {"offpolicy/corrected": corrected / max(sampled, 1)}
-    if pairs:
-        metrics["offpolicy/expert_disagreement"] = differ / pairs
+    total = dict(zip(counts, distributed.all_sum(counts.values())))   # over the ranks
+    metrics = {"offpolicy/corrected": total["corrected"] / max(total["sampled"], 1)}
+    if total["pairs"]:
+        metrics["offpolicy/expert_disagreement"] = total["differ"] / total["pairs"]
     return out, metrics
 
 
@@ -681,13 +682,13 @@ def reference_model(config, start):
 
 def evaluate_and_log(engine, env, run, problems, config, done, meter, best):
     """Evaluate, log, and with keep_best save the model to {out_dir}/best when its
-    accuracy beats best["accuracy"]. On the test and confirm splits each problem's
-    outcome goes to {out_dir}/outcomes.jsonl."""
+    accuracy beats best["accuracy"]. Each problem's outcome goes to
+    {out_dir}/outcomes.jsonl (the latest evaluation's)."""
     t0 = time.perf_counter()
     metrics, outcomes = evaluate.evaluate(engine, env, problems, config["pass_k"],
                                           config["temperature"], config["seed"])
     run.logger.log(done, {**metrics, "perf/elapsed_s": meter.seconds})
-    if config["eval_split"] != "val" and distributed.is_main():
+    if distributed.is_main():
         evaluate.write_outcomes(config["out_dir"], outcomes)
     if config["keep_best"] and metrics["eval/accuracy"] > best["accuracy"]:
         best.update(accuracy=metrics["eval/accuracy"], iter=done)
@@ -712,7 +713,7 @@ def log_iteration(logger, done, metrics):
 def make_engine(model, env, start, problems, config):
     """The engine that samples and evaluates, holding model's weights at the run's weight
     version, with blocks for the longest of problems' episodes."""
-    version = 0 if start.meta is None else start.meta["extra"]["weight_version"]
+    version = start.run_state.weight_version
     routes = config["record_routes"] or config["routing_replay"]
     return evaluate.task_engine(model, env, problems, config["engine_block_size"],
                                 config["engine_dtype"], config["device"], config["seed"],
@@ -723,7 +724,7 @@ def best_so_far(config, start):
     """The best evaluation so far, for keep_best: a resumed run's, or none (a fresh run
     deletes an earlier run's best model in out_dir)."""
     if start.meta is not None:
-        return start.meta["extra"].get("best")
+        return start.run_state.best
     if distributed.is_main():
         shutil.rmtree(os.path.join(config["out_dir"], "best"), ignore_errors=True)
     return {"accuracy": -1.0, "iter": None}
@@ -774,8 +775,8 @@ def main(config):
                                      done, meter, best)
         if training.due(config, "ckpt_interval", done, last):
             training.save(run, config, done, source.data_state(),
-                          {"weight_version": source.version, "best": best,
-                           "meter": meter.state_dict()})
+                          RunState(meter=meter.state_dict(), weight_version=source.version,
+                                   best=best))
     run.logger.close()
     engine.shutdown()
     del run, source   # a sharded model and its optimizer go before the process group

@@ -24,7 +24,7 @@ import numpy as np
 import torch
 
 import lora
-from checkpoint import (Start, clear_checkpoints, load_optimizer, save_checkpoint,
+from checkpoint import (RunState, Start, clear_checkpoints, load_optimizer, save_checkpoint,
                         set_rng_state)
 from configurator import is_finite_number, print0, require
 from model import Transformer, train_flops
@@ -621,8 +621,7 @@ class Meter:
     ends a run once spent (compute-matched arms)."""
 
     def __init__(self, start, flops=0.0):
-        state = ((start.meta or {}).get("extra") or {}).get("meter",
-                                                            {"flops": flops, "seconds": 0.0})
+        state = start.run_state.meter or {"flops": flops, "seconds": 0.0}
         self.flops, self.seconds = float(state["flops"]), float(state["seconds"])
 
     def add(self, flops, seconds):
@@ -769,19 +768,20 @@ def train(config, start, loader, eval_fn=None, spent_flops=0.0):
         if eval_fn is not None and due(config, "eval_interval", done, last):
             final = _evaluate(run, done, eval_fn, {"perf/elapsed_s": meter.seconds})
         if due(config, "ckpt_interval", done, last):
-            save(run, config, done, loader.state_dict(), {"meter": meter.state_dict()})
+            save(run, config, done, loader.state_dict(), RunState(meter=meter.state_dict()))
         if last:
             break
     run.logger.close()
     return final
 
 
-def save(run, config, done, data_state, extra):
-    """{out_dir}/ckpt (checkpoint.save_checkpoint), written by rank 0: under DDP from its
-    parameters, checked equal to every rank's first; from a sharded model's, gathered."""
+def save(run, config, done, data_state, state):
+    """{out_dir}/ckpt (checkpoint.save_checkpoint) with the run's RunState, written by rank
+    0: under DDP from its parameters, checked equal to every rank's first; from a sharded
+    model's, gathered."""
     distributed.check_in_sync(run.model)
     save_checkpoint(config["out_dir"], run.model, run.optimizer, run.start.tokenizer, done,
-                    config, data_state, extra=extra, generation=run.start.generation)
+                    config, data_state, extra=state, generation=run.start.generation)
 
 
 def _evaluate(run, done, fn, extra):

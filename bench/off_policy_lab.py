@@ -61,7 +61,7 @@ import train_grpo
 import training
 from checkpoint import META, init_start, load_trainer_state, read_checkpoint_meta
 from configurator import configure
-from tasks.environment import Environment, load_task
+from tasks.environment import Environment, Group, load_task
 from tokenizer import build_tokenizer
 
 # -----------------------------------------------------------------------------
@@ -107,8 +107,8 @@ def batches_of(model, env, problems, config, seed, dtype="float32", top_p=1.0, r
         engine.shutdown()
     rewards, samples = [e.reward for e in episodes], [e.sample() for e in episodes]
     flat = train_grpo.zero_variance_groups(rewards, G).tolist()
-    groups = [(p, samples[j * G].prompt_tokens, samples[j * G:(j + 1) * G],
-               rewards[j * G:(j + 1) * G]) for j, p in enumerate(problems) if not flat[j]]
+    groups = [Group(p, samples[j * G:(j + 1) * G], rewards[j * G:(j + 1) * G])
+              for j, p in enumerate(problems) if not flat[j]]
     return train_grpo.build_batches(groups, config)
 
 

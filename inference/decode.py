@@ -158,7 +158,7 @@ class StaticDecode:
             # no duck sizing: a first step whose batch equals its width would tie the two
             # sizes to one symbol, and the first step where they differ would compile again.
             # The kernels are called from C++: the Python wrapper's allocations, views
-            # and size checks were about 8% of a rollout
+            # and size checks were a measurable share of a rollout (docs/speed.md)
             with torch.fx.experimental._config.patch(use_duck_shape=False):
                 out = compile_once(decode_graph, dynamic=True, cpp_wrapper=True)(*inputs)
             if not self.compile_seconds:  # the first call compiles (once per process)

@@ -41,6 +41,7 @@ import torch.distributed as dist
 
 from scaleout import distributed
 from engine import TrainingSample, sampled_mask
+from tasks.environment import Group
 from scaleout.weight_sync import WeightSync
 
 
@@ -62,9 +63,9 @@ def encode_rollout(iteration, draw, groups, flops, metrics):
     indices, successes = draw
     data = [iteration, flops, len(indices), *indices, *successes, len(metrics),
             *metrics.values(), len(groups)]
-    for _, prompt, samples, rewards in groups:
-        data += [len(prompt), *prompt, len(samples)]
-        for s, r in zip(samples, rewards):
+    for group in groups:
+        data += [len(group.prompt), *group.prompt, len(group.samples)]
+        for s, r in zip(group.samples, group.rewards):
             data += [r, s.finish_reason == "stop", len(s.completion_tokens), *s.completion_tokens,
                      *s.logprobs, *s.token_versions, *sampled_mask(s)]
     names = np.frombuffer("\n".join(metrics).encode(), dtype=np.uint8).copy()
@@ -72,8 +73,8 @@ def encode_rollout(iteration, draw, groups, flops, metrics):
 
 
 def decode_rollout(data, names):
-    """(iteration, draw, groups, flops, metrics) from encode_rollout's tensors; a group's
-    problem is None (the trainer needs only the prompt, the samples and their rewards)."""
+    """(iteration, draw, groups, flops, metrics) from encode_rollout's tensors; a Group's
+    problem is None (the trainer needs only the samples and their rewards)."""
     values, at = data.tolist(), 0
 
     def take(n):
@@ -102,7 +103,7 @@ def decode_rollout(data, names):
                                           token_versions=tuple(int(v) for v in versions),
                                           loss_mask=() if all(mask) else tuple(map(int, mask))))
             rewards.append(reward)
-        groups.append((None, prompt, samples, rewards))
+        groups.append(Group(None, samples, rewards))
     return iteration, draw, groups, flops, metrics
 
 
@@ -210,7 +211,7 @@ class RolloutRanks:
             raise RuntimeError(f"iteration {it} received iteration {iteration}'s rollout: the "
                                f"trainer and the workers resumed from different checkpoints?")
         self.sampler.follow(*draw, self.config["group_size"])  # what a checkpoint records
-        lags = [self.version - v for _, _, samples, _ in groups for s in samples
+        lags = [self.version - v for g in groups for s in g.samples
                 for v, m in zip(s.token_versions, sampled_mask(s)) if m] or [0]
         metrics.update({"rollout/staleness_mean": float(np.mean(lags)),
                         "rollout/staleness_max": max(lags),

@@ -185,7 +185,7 @@ class Servers:
         if isinstance(out, Exception):
             raise out
         groups, flops, metrics, self.state = out
-        lags = [self.version - v for _, _, samples, _ in groups for s in samples
+        lags = [self.version - v for g in groups for s in g.samples
                 for v in s.token_versions] or [0]
         metrics.update({"rollout/staleness_max": max(lags), "perf/rollout_wait_s":
                         time.perf_counter() - t0})

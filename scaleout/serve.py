@@ -75,10 +75,9 @@ num_blocks = 0               # KV blocks; 0 = sized from memory
 block_size = 16
 # 'paged' | 'radix' (token-granular: a chat's next turn reuses all of its history)
 cache_type = "paged"
-# decode steps as one compiled graph (engine.py's compile): about 1.3x the throughput end to
-# end on a CPU (docs/serving.md), for a compile at startup (said in the log: about 30 s the
-# first time on a machine, under 10 s once torch's compile cache holds it). None: on where
-# that graph runs (the CPU in float32, experts' widths in multiples of 4), off elsewhere;
+# decode steps as one compiled graph (engine.py's compile): more throughput end to end on a
+# CPU, for a compile at startup (the log says how long; docs/serving.md has both). None: on
+# where that graph runs (the CPU in float32, experts' widths in multiples of 4), off elsewhere;
 # --compile=True / False decides
 compile = None
 seed = 0                     # seeds the sampling of requests without a seed
@@ -193,7 +192,7 @@ def read_sampling(server, body, logprobs_k, prompts):
                                 top_p=float(top_p), top_k=max(top_k, 0), seed=seed,
                                 stop_token_ids=frozenset(stop_ids) | eos, top_logprobs=logprobs_k)
         for prompt in prompts:
-            check_fits(prompt, params, n, server.engine.blocks,
+            check_fits(prompt, params, n, server.engine.cache,
                        server.max_model_len, "prompt")
     except ValueError as e:
         field = re.search(r"SamplingParams\.(\w+)", str(e))
@@ -903,7 +902,7 @@ def main(config):
     server = Server(engine, tokenizer, served_model_name or model_path, api_key,
                     enable_weight_updates, stop_ids_of(model_path, tokenizer),
                     max_logprobs)
-    print(f"serving {server.name!r} on http://{host}:{port}/v1 ({engine.blocks.num_blocks} KV "
+    print(f"serving {server.name!r} on http://{host}:{port}/v1 ({engine.cache.num_blocks} KV "
           f"blocks)", flush=True)
     # keep idle connections longer than clients pool them (httpx: 5 s), so that a
     # client never reuses one the server is closing at that moment ("disconnected

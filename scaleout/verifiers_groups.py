@@ -45,6 +45,7 @@ from dataclasses import replace
 import numpy as np
 
 from engine import TrainingSample
+from tasks.environment import Group
 from tasks.evaluate import sampling_flops
 
 
@@ -68,8 +69,8 @@ def branch_sample(branch):
 
 
 def episode_groups(episodes, group_size):
-    """[(task, prompt ids, [TrainingSample], [reward])]: the episodes grouped by task, in
-    the order the tasks first come, group_size each, one prompt each."""
+    """[Group] (its problem the task's name): the episodes grouped by task, in the order
+    the tasks first come, group_size each, one prompt each."""
     by_task = {}
     for episode in episodes:
         reward = episode.get("reward")
@@ -85,7 +86,7 @@ def episode_groups(episodes, group_size):
                              f"{group_size}")
         if len({s.prompt_tokens for s in samples}) != 1:
             raise ValueError(f"task {task!r}: its episodes start from different prompts")
-        groups.append((task, samples[0].prompt_tokens, samples, rewards))
+        groups.append(Group(task, samples, rewards))
     return groups
 
 
@@ -128,20 +129,20 @@ def rollout(remote, env, sampler, config, it):
         episodes = [e for part in parts for e in part]
     gen_time = time.perf_counter() - t0
     groups = []
-    for task, prompt, samples, rewards in episode_groups(episodes, G):
+    for g in episode_groups(episodes, G):
         # sampled by the weights the servers hold (the trainer's count of versions)
         samples = [replace(s, weight_version=remote.version,
                            token_versions=(remote.version,) * len(s.completion_tokens))
-                   for s in samples]
-        groups.append((task, prompt, samples, rewards))
-    kept = [g for g in groups if len(set(g[3])) > 1]
-    rewards = [r for g in groups for r in g[3]]
-    sampled = [sum(s.loss_mask) for g in groups for s in g[2]]
+                   for s in g.samples]
+        groups.append(replace(g, samples=samples))
+    kept = [g for g in groups if len(set(g.rewards)) > 1]
+    rewards = [r for g in groups for r in g.rewards]
+    sampled = [sum(s.loss_mask) for g in groups for s in g.samples]
     metrics = {"rollout/reward_mean": float(np.mean(rewards)),
                "rollout/zero_var_groups": len(groups) - len(kept),
                "rollout/valid_groups": len(kept), "rollout/problems": len(groups),
                "rollout/completion_len": float(np.mean(sampled)),
                "rollout/tokens_per_s": sum(sampled) / gen_time, "perf/rollout_time_s": gen_time,
                "rollout/weight_version": remote.version}
-    samples = [s for g in groups for s in g[2]]
+    samples = [s for g in groups for s in g.samples]
     return kept, sampling_flops(remote.model.config, samples, G), metrics

@@ -191,6 +191,19 @@ class Episode:
         return [m["content"] for m in self.messages if m["role"] == "assistant"]
 
 
+@dataclasses.dataclass(frozen=True)
+class Group:
+    """One problem's episodes as the trainer takes them: group_size samples of one
+    prompt and the task's reward for each (train_grpo.build_batches packs them)."""
+    problem: object   # what was drawn; None where only the ids travelled (a rollout rank)
+    samples: list     # [TrainingSample], one prompt
+    rewards: list     # [float], one per sample
+
+    @property
+    def prompt(self) -> tuple:
+        return self.samples[0].prompt_tokens
+
+
 class Environment:
     """A task with the bounds of its episodes and the tokenizer that renders them: what
     the trainers and the evaluation run episodes with."""

@@ -43,8 +43,8 @@ def task_engine(model, env, problems, block_size=16, dtype="float32", device="cp
     (env.max_len), for up to 1,024 sequences at a time, its KV pool capped at a quarter of
     the memory free when it starts (a trainer's optimizer state and activations come after
     it, on the same device) (record_routes, compile: EngineConfig's). A GRPO step's 768
-    samples so run as one batch: fewer, fuller steps (1.35x the main job's rollouts,
-    docs/speed.md, against 256 at a time)."""
+    samples so run as one batch: fewer, fuller steps (docs/speed.md measures it against
+    256 at a time)."""
     return InferenceEngine(EngineConfig(
         device=device, dtype=dtype, block_size=block_size, max_model_len=env.max_len(problems),
         max_batch_size=1024, memory_fraction=0.25, seed=seed, weight_version=weight_version,

@@ -57,7 +57,8 @@ if script.endswith("train_grpo.py"):
     seen, real = [], train_grpo.rollout
     def rollout(*a):
         groups, flops, metrics = real(*a)
-        seen.append([[list(s.completion_tokens), list(s.logprobs)] for g in groups for s in g[2]])
+        seen.append([[list(s.completion_tokens), list(s.logprobs)]
+                     for g in groups for s in g.samples])
         return groups, flops, metrics
     train_grpo.rollout = rollout
     settings = {k: v for k, v in vars(train_grpo).items() if not k.startswith("_")}

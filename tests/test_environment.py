@@ -23,7 +23,7 @@ import train_grpo
 import training
 from conftest import write_task
 from engine import TrainingSample
-from tasks.environment import Environment, load_task
+from tasks.environment import Environment, Group, load_task
 from tasks.evaluate import task_engine
 from model import ModelConfig, Transformer
 from test_grpo import metrics, tiny_config
@@ -191,7 +191,7 @@ def test_multi_turn_logprobs_match_the_trainer_and_later_turns_reuse_the_cache(t
         assert sum(e.mask) == sum(len(s.completion_tokens) for s in mine)
     # the trainer's logprobs of the packed episodes equal the engine's on
     # every sampled token
-    groups = [(None, episodes[i].prompt, [e.sample() for e in episodes[i:i + 4]], [1.0, 0, 0, 0])
+    groups = [Group(None, [e.sample() for e in episodes[i:i + 4]], [1.0, 0, 0, 0])
               for i in range(0, len(episodes), 4)]
     c = {"group_size": 4, "scale_rewards": False, "advantage_pass_k": 1,
          "turn_baseline": False, "share_prompt": True,

@@ -24,7 +24,7 @@ import training
 from configurator import configure
 from conftest import PARITY_TASK, write_task
 from engine import TrainingSample
-from tasks.environment import Environment, Episode
+from tasks.environment import Environment, Episode, Group
 from model import ModelConfig, Transformer
 from tokenizer import build_tokenizer
 from train_grpo import build_batches, group_advantages, zero_variance_groups
@@ -117,9 +117,8 @@ def test_group_advantages_bad_shapes(rewards, g):
 def test_batch_weights_are_advantage_on_completion_only():
     def sample(comp, lps):
         return TrainingSample(prompt_tokens=(1, 5, 6), completion_tokens=comp, logprobs=lps)
-    prompt = [1, 5, 6]
-    groups = [(None, prompt, [sample((7, 2), (-0.1, -0.2)), sample((8, 9, 2), (-0.3, -0.4, -0.5))],
-               [1.0, 0.0])]
+    groups = [Group(None, [sample((7, 2), (-0.1, -0.2)), sample((8, 9, 2), (-0.3, -0.4, -0.5))],
+                    [1.0, 0.0])]
     c = {"group_size": 2, "scale_rewards": False, "advantage_pass_k": 1,
          "turn_baseline": False, "share_prompt": False,
          "batch_tokens": 64}
@@ -180,7 +179,7 @@ def test_tiny_run_versions_advance_and_loss_is_finite(tmp_path, monkeypatch):
 
     def spy(engine, tok, sampler, c, it):
         groups, flops, m = real_rollout(engine, tok, sampler, c, it)
-        seen.append((it, engine.get_weight_version(), [s for g in groups for s in g[2]]))
+        seen.append((it, engine.get_weight_version(), [s for g in groups for s in g.samples]))
         return groups, flops, m
 
     monkeypatch.setattr(train_grpo, "rollout", spy)
@@ -418,10 +417,9 @@ def two_groups(engine_logprob=None):
         lps = lps if engine_logprob is None else (engine_logprob,) * len(lps)
         return TrainingSample(prompt_tokens=(1, 5, 6), completion_tokens=comp, logprobs=lps,
                               finish_reason="stop")
-    prompt = [1, 5, 6]
-    return [(None, prompt, [sample((7, 2), (-0.1, -0.2)), sample((8, 9, 2), (-0.3, -0.4, -0.5))],
-             [1.0, 0.0]),
-            (None, prompt, [sample((2,), (-0.6,)), sample((9, 2), (-0.7, -0.8))], [0.0, 1.0])]
+    return [Group(None, [sample((7, 2), (-0.1, -0.2)), sample((8, 9, 2), (-0.3, -0.4, -0.5))],
+                  [1.0, 0.0]),
+            Group(None, [sample((2,), (-0.6,)), sample((9, 2), (-0.7, -0.8))], [0.0, 1.0])]
 
 
 def test_loss_normalizers_on_hand_made_batches():

@@ -17,6 +17,7 @@ import training
 from checkpoint import load_hf_checkpoint
 from conftest import write_hf_checkpoint
 from engine import EngineConfig, InferenceEngine, SamplingParams
+from tasks.environment import Group
 from test_grpo import NO_CORRECTION
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -117,8 +118,7 @@ def rollout_batches(path, engine_dtype="float32", top_p=1.0, routes=True):
                                           dtype=engine_dtype, record_routes=routes))
     samples = engine.generate(PROMPTS[:2], SamplingParams(temperature=1.0, max_tokens=10, seed=3,
                                                           top_p=top_p), 4)
-    groups = [(None, samples[4 * g].prompt_tokens, samples[4 * g:4 * g + 4], [1.0, 0.0, 0.0, 1.0])
-              for g in range(2)]
+    groups = [Group(None, samples[4 * g:4 * g + 4], [1.0, 0.0, 0.0, 1.0]) for g in range(2)]
     config = {**NO_CORRECTION, "group_size": 4, "scale_rewards": False, "advantage_pass_k": 1,
               "turn_baseline": False, "share_prompt": True, "batch_tokens": 4096,
               "prompts_per_step": 2, "max_new_tokens": 10, "max_turns": 1,

@@ -62,8 +62,8 @@ def test_radix_greedy_matches_transformers_and_paged(checkpoint):
     paged = engine_for(path).generate(PROMPTS, params, num_samples_per_prompt=2)
     assert outputs(got) == outputs(paged) and close(got, paged)
     # the same memory, one-token blocks
-    assert radix.blocks.num_free_blocks() == radix.blocks.num_blocks == 64 * 16
-    check_invariants(radix.blocks)
+    assert radix.cache.num_free_blocks() == radix.cache.num_blocks == 64 * 16
+    check_invariants(radix.cache)
 
 
 def test_radix_seeded_sampling_equals_paged(checkpoint):
@@ -90,10 +90,10 @@ def test_radix_tiny_pool_preempts_evicts_and_still_matches_paged(moe):
                                                                         1e-4) and close(again, ref,
                                                                                         1e-4)
         st = tiny.stats()
-        assert (st["preemptions"] > 0 and tiny.blocks.num_evicted > 0
+        assert (st["preemptions"] > 0 and tiny.cache.num_evicted > 0
                 and st["prefix_cache_hit_tokens"] > 0)
-        assert tiny.blocks.num_free_blocks() == tiny.blocks.num_blocks == 80
-        check_invariants(tiny.blocks)
+        assert tiny.cache.num_free_blocks() == tiny.cache.num_blocks == 80
+        check_invariants(tiny.cache)
 
 
 # -----------------------------------------------------------------------------
@@ -177,9 +177,9 @@ def test_radix_update_weights_serves_no_stale_kv(moe, tmp_path_factory):
     assert engine.stats()["prefix_cache_hit_tokens"] == hits        # not one old token was served
     engine.generate(PROMPTS, params, 2)
     assert engine.stats()["prefix_cache_hit_tokens"] > hits         # ... though new ones are
-    assert engine.blocks.num_free_blocks() == engine.blocks.num_blocks
+    assert engine.cache.num_free_blocks() == engine.cache.num_blocks
     assert request_id == len(PROMPTS)
-    check_invariants(engine.blocks)
+    check_invariants(engine.cache)
 
 
 def test_radix_abort_and_bad_input_leave_the_cache_whole(moe):
@@ -195,13 +195,13 @@ def test_radix_abort_and_bad_input_leave_the_cache_whole(moe):
     for bad in ([VOCAB_PLUS], [], "abc"):
         with pytest.raises((ValueError, TypeError)):
             engine.add_request(bad, SamplingParams())
-    check_invariants(engine.blocks)
+    check_invariants(engine.cache)
     done = []
     while engine.has_pending():
         done += engine.step()
     assert {s.request_id for s in done} == {keep} and len(done) == 4
-    assert engine.blocks.num_free_blocks() == engine.blocks.num_blocks
-    check_invariants(engine.blocks)
+    assert engine.cache.num_free_blocks() == engine.cache.num_blocks
+    check_invariants(engine.cache)
 
 
 VOCAB_PLUS = 10 ** 6   # a token id outside any vocabulary here

@@ -17,6 +17,7 @@ import test_distributed as td
 from conftest import write_task
 from test_environment import AGAIN_TASK
 from engine import TrainingSample
+from tasks.environment import Group
 
 ARGS = ["--init_from=scratch", f"--model={td.TINY}", "--prompts_per_step=5", "--group_size=4",
         "--max_new_tokens=8",
@@ -157,13 +158,13 @@ def test_a_rollout_crosses_as_tensors_and_comes_back_whole():
                               finish_reason="stop", token_versions=(3, 3, 4), loss_mask=(1, 0, 1)),
                TrainingSample(prompt, (4,), (-2.0,), weight_version=4, finish_reason="length",
                               token_versions=(4,))]
-    groups = [("problem", prompt, samples, [1.0, 0.0])]
+    groups = [Group("problem", samples, [1.0, 0.0])]
     metrics = {"rollout/reward_mean": 0.5, "rollout/valid_groups": 1, "perf/rollout_time_s": 0.25}
     data, names = rollout_ranks.encode_rollout(7, ([12, 3, 17464], [8, 0, 5]), groups, 1.5e9,
                                                metrics)
     it, draw, back, flops, got = rollout_ranks.decode_rollout(data, names)
     assert (it, draw, flops, got) == (7, ([12, 3, 17464], [8, 0, 5]), 1.5e9, metrics)
     assert type(got["rollout/valid_groups"]) is int
-    assert back == [(None, prompt, samples, [1.0, 0.0])]
+    assert back == [Group(None, samples, [1.0, 0.0])]
     empty = rollout_ranks.encode_rollout(0, ([], []), [], 0.0, {})
     assert rollout_ranks.decode_rollout(*empty)[1:3] == (([], []), [])

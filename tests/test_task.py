@@ -11,6 +11,7 @@ import operator
 import os
 import random
 import re
+import tarfile
 from fractions import Fraction
 
 import pytest
@@ -486,14 +487,25 @@ CONFIRM_HEAD = [Problem((1, 3, 5, 6, 6), 15), Problem((2, 2, 3, 7, 7), 21),
 def scored_multisets():
     """Every digit multiset in a split a run has scored: the full space's three (train,
     val, test: the edge's are theirs, filtered) and those of every committed
-    outcomes.jsonl left loose (a guard on a run of another split ever committed)."""
+    outcomes.jsonl, loose or in a runs.tar.gz (a guard on a run of another split ever
+    committed)."""
     scored = {p.digits for s in ("train", "val", "test") for p in make_problems(s, full=True)}
+
+    def add(folder, lines):
+        if not os.path.basename(folder).startswith("confirm_"):
+            rows = [json.loads(line) for line in lines]
+            scored.update(tuple(sorted(row["digits"])) for row in rows if "digits" in row)
+
     results = os.path.join(os.path.dirname(__file__), "..", "docs", "results")
     for folder, _, names in os.walk(results):
-        if "outcomes.jsonl" in names and not os.path.basename(folder).startswith("confirm_"):
+        if "outcomes.jsonl" in names:
             with open(os.path.join(folder, "outcomes.jsonl")) as f:
-                rows = [json.loads(line) for line in f]
-            scored |= {tuple(sorted(row["digits"])) for row in rows if "digits" in row}
+                add(folder, f)
+        for name in (n for n in names if n.endswith(".tar.gz")):
+            with tarfile.open(os.path.join(folder, name)) as tar:
+                for member in tar.getmembers():
+                    if os.path.basename(member.name) == "outcomes.jsonl":
+                        add(os.path.dirname(member.name), tar.extractfile(member))
     return scored
 
 

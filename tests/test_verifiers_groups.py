@@ -32,9 +32,9 @@ CONFIG = {"group_size": 2, "scale_rewards": False, "advantage_pass_k": 1,
 
 def test_episodes_become_groups_and_batches_as_built_by_hand():
     groups = episode_groups(EPISODES, group_size=2)
-    assert [(task, prompt, rewards) for task, prompt, _, rewards in groups] == [
+    assert [(g.problem, g.prompt, g.rewards) for g in groups] == [
         ("a", (1, 2, 3), [1.0, 0.0]), ("b", (4, 5), [0.0, 0.0])]
-    two_turn = groups[0][2][1]
+    two_turn = groups[0].samples[1]
     assert two_turn.completion_tokens == (12, 7, 7, 13)
     assert two_turn.loss_mask == (1, 0, 0, 1)
     assert two_turn.logprobs == (-2.0, 0.0, 0.0, -0.75)   # the environment's ids: 0
