@@ -35,7 +35,7 @@ import torch
 import training
 from checkpoint import init_start, save_best
 from configurator import print0, require, run_cli
-from engine import sampled_mask
+from engine import EngineConfig, sampled_mask
 from scaleout import distributed
 from tasks import evaluate
 from tasks.environment import Environment, load_task, offers, solved
@@ -111,7 +111,7 @@ def rejection_samples(model, env, problems, config):
     examples made of the exact prompt and completion ids that were sampled (mask on the
     completion), and the FLOPs sampling them cost."""
     n = config["rft_samples"]
-    engine = evaluate.task_engine(model, env, problems, seed=config["seed"])
+    engine = evaluate.task_engine(model, env, problems, EngineConfig(seed=config["seed"]))
     episodes = env.episodes(engine, problems, n, config["rft_temperature"], config["seed"])
     engine.shutdown()
     samples, kept = [e.sample() for e in episodes], {}
@@ -150,7 +150,8 @@ def make_eval_fn(env, val_problems, val_batches, start, config):
 
     @torch.no_grad()
     def eval_fn(model):
-        engine = evaluate.task_engine(model, env, val_problems, seed=config["seed"])
+        engine = evaluate.task_engine(model, env, val_problems,
+                                      EngineConfig(seed=config["seed"]))
         accuracy = evaluate.greedy_accuracy(engine, env, val_problems)
         engine.shutdown()
         if config["keep_best"] and accuracy > best["accuracy"]:

@@ -710,14 +710,14 @@ def log_iteration(logger, done, metrics):
            f"rollout {metrics['rollout/tokens_per_s']:.0f} tok/s")
 
 
-def make_engine(model, env, start, problems, config):
-    """The engine that samples and evaluates, holding model's weights at the run's weight
-    version, with blocks for the longest of problems' episodes."""
-    version = start.run_state.weight_version
-    routes = config["record_routes"] or config["routing_replay"]
-    return evaluate.task_engine(model, env, problems, config["engine_block_size"],
-                                config["engine_dtype"], config["device"], config["seed"],
-                                version, routes, config["engine_compile"])
+def engine_config(config, start):
+    """The settings of the engine that samples and evaluates (tasks/evaluate.task_engine
+    sizes it for the run's problems), at the run's weight version."""
+    return EngineConfig(device=config["device"], dtype=config["engine_dtype"],
+                        block_size=config["engine_block_size"], seed=config["seed"],
+                        weight_version=start.run_state.weight_version,
+                        record_routes=config["record_routes"] or config["routing_replay"],
+                        compile=config["engine_compile"])
 
 
 def best_so_far(config, start):
@@ -747,8 +747,9 @@ def main(config):
     # a step's problems are distinct
     n, available = config["prompts_per_step"], len(sampler.items)
     require(n <= available, f"prompts_per_step={n}: more than the {available} problems")
-    engine_for = functools.partial(make_engine, env=env, start=start,
-                                   problems=sampler.items + eval_problems, config=config)
+    engine_for = functools.partial(evaluate.task_engine, env=env,
+                                   problems=sampler.items + eval_problems,
+                                   config=engine_config(config, start))
     if roles is not None and roles.is_worker:   # a rollout rank only samples
         return sources.run_worker(config, roles, start, env, sampler, engine_for, rollout)
     reference = reference_model(config, start)

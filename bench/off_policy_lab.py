@@ -61,6 +61,7 @@ import train_grpo
 import training
 from checkpoint import META, init_start, load_trainer_state, read_checkpoint_meta
 from configurator import configure
+from engine import EngineConfig
 from tasks.environment import Environment, Group, load_task
 from tokenizer import build_tokenizer
 
@@ -98,8 +99,8 @@ def batches_of(model, env, problems, config, seed, dtype="float32", top_p=1.0, r
     """GRPO's packed batches (flat groups dropped) of one rollout by an engine holding
     model's weights in dtype, seeded; or by remote (a RemoteEngine on servers that hold
     them)."""
-    engine = remote or evaluate.task_engine(model, env, problems, dtype=dtype, seed=seed,
-                                            record_routes=True)
+    engine = remote or evaluate.task_engine(
+        model, env, problems, EngineConfig(dtype=dtype, seed=seed, record_routes=True))
     G = config["group_size"]
     episodes = env.episodes(engine, problems, G, config["temperature"],
                             seed=seed, top_p=top_p)

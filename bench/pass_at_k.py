@@ -61,7 +61,8 @@ def sample_counts(model_dir, problems):
     env = Environment(countdown, start.tokenizer, config["max_new_tokens"],
                       stop_ids=start.stop_ids)   # single-turn, as the evaluations
     # the evaluations' engine: the config's device, dtype and block size
-    engine = train_grpo.make_engine(start.model, env, start, problems, config)
+    engine = evaluate.task_engine(start.model, env, problems,
+                                  train_grpo.engine_config(config, start))
     counts = []
     for i in range(0, len(problems), 16):   # 4,096 episodes a call: the engine's queue stays short
         chunk = problems[i:i + 16]

@@ -6,8 +6,8 @@ its settings join train_grpo's (SETTINGS), check_settings refuses bad ones befor
 work, and make_source returns the trainer's source, or None for train_grpo.Colocated (the
 trainer's own engine), which has the same interface:
 
-    groups(it) -> (groups, flops, metrics)   iteration it's kept groups, each (problem,
-                                             prompt_ids, samples, rewards), what sampling
+    groups(it) -> (groups, flops, metrics)   iteration it's kept groups
+                                             ([tasks.environment.Group]), what sampling
                                              them cost, the rollout metrics
     publish(model, it) -> metrics            hand model's new weights to whatever samples
     eval_engine(model) -> engine             an engine holding model's weights

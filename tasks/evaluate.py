@@ -25,6 +25,7 @@ sampled at the temperature the policy is trained at (the rollouts'), so it measu
 distribution GRPO shapes.
 """
 
+import dataclasses
 import json
 import os
 import sys
@@ -36,19 +37,17 @@ from engine import EngineConfig, InferenceEngine
 from model import train_flops
 
 
-def task_engine(model, env, problems, block_size=16, dtype="float32", device="cpu", seed=0,
-                weight_version=0, record_routes=False, compile=False):
+def task_engine(model, env, problems, config=EngineConfig()):
     """An in-process engine over model's weights (its own copy, or a LoRA model's frozen
-    base shared: engine.can_share_base), sized for the longest episode over these problems
-    (env.max_len), for up to 1,024 sequences at a time, its KV pool capped at a quarter of
-    the memory free when it starts (a trainer's optimizer state and activations come after
-    it, on the same device) (record_routes, compile: EngineConfig's). A GRPO step's 768
-    samples so run as one batch: fewer, fuller steps (docs/speed.md measures it against
-    256 at a time)."""
-    return InferenceEngine(EngineConfig(
-        device=device, dtype=dtype, block_size=block_size, max_model_len=env.max_len(problems),
-        max_batch_size=1024, memory_fraction=0.25, seed=seed, weight_version=weight_version,
-        record_routes=record_routes, compile=compile), model=model)
+    base shared: engine.can_share_base) with config's settings (device, dtype, seed, ...),
+    sized for the longest episode over these problems (env.max_len), for up to 1,024
+    sequences at a time, its KV pool capped at a quarter of the memory free when it starts
+    (a trainer's optimizer state and activations come after it, on the same device). A
+    GRPO step's 768 samples so run as one batch: fewer, fuller steps (docs/speed.md
+    measures it against 256 at a time)."""
+    return InferenceEngine(dataclasses.replace(
+        config, max_model_len=env.max_len(problems), max_batch_size=1024,
+        memory_fraction=0.25), model=model)
 
 
 def described(task, problem):
