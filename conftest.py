@@ -105,7 +105,7 @@ def write_task(directory, source=PARITY_TASK, name="parity_task.py"):
 
 
 def check_invariants(blocks):
-    """The invariants of an engine's blocks (scheduler.BlockAllocator or
+    """The invariants of an engine's cache (scheduler.BlockAllocator or
     radix.RadixCache)."""
     (radix_invariants if isinstance(blocks, RadixCache) else allocator_invariants)(blocks)
 

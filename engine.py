@@ -180,8 +180,9 @@ def sampled_mask(sample):
 
 class InferenceEngine:
     """Continuous batching over a paged KV cache. Single-threaded: every call runs on the
-    caller's thread. self.cache is the block allocator (scheduler.BlockAllocator),
-    self.kv_cache the KV tensors (inference/attention.py's PagedKVCache)."""
+    caller's thread. self.cache is the block allocator (scheduler.BlockAllocator, or
+    radix.RadixCache with cache_type='radix'), self.kv_cache the KV tensors
+    (inference/attention.py's PagedKVCache)."""
 
     def __init__(self, config: EngineConfig, model: Transformer | None = None):
         require(isinstance(config, EngineConfig), f"config={config!r}: not EngineConfig", TypeError)

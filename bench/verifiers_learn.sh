@@ -32,8 +32,11 @@ kill $server
 import json, sys
 from bench.report import paired_ci
 out = sys.argv[1]
-reward = {arm: [json.loads(line)["reward"] for line in open(f"{out}/{arm}/outcomes.jsonl")]
-          for arm in ("start", "verifiers", "colocated")}
+rows = {arm: [json.loads(line) for line in open(f"{out}/{arm}/outcomes.jsonl")]
+        for arm in ("start", "verifiers", "colocated")}
+problems = {arm: [(r["digits"], r["target"]) for r in rows[arm]] for arm in rows}
+assert problems["start"] == problems["verifiers"] == problems["colocated"], "unpaired outcomes"
+reward = {arm: [r["reward"] for r in rows[arm]] for arm in rows}
 for a, b in [("verifiers", "start"), ("colocated", "start"), ("verifiers", "colocated")]:
     mean, lo, hi = paired_ci(reward[a], reward[b])
     print(f"{a} - {b}: {mean:+.4f} [{lo:+.4f}, {hi:+.4f}] over {len(reward[a])} problems")

@@ -388,23 +388,27 @@ def compare(trace, responses) -> dict:
 
 def claim(trace, pool) -> list[dict]:
     """The responses in pool that make up trace's (one) branch, taken out of pool, in turn
-    order: those whose prompt + completion begins the branch, with the branch's logprobs
-    at their completion. Episodes run at once, so each finds its own turns among all the
-    server sent; two episodes that sampled the same tokens take either of the two."""
+    order: one per prompt length, whose prompt + completion begins the branch; of several
+    such (episodes of one task that sampled the same tokens), the one with the branch's
+    logprobs. Episodes run at once, so each finds its own turns among all the server sent;
+    compare() then checks what was taken."""
     if len(trace.branches) != 1:
         return []
     branch = trace.branches[0]
-    mine = []
-    for r in list(pool):
+    turns = {}   # prompt length -> the response taken for that turn
+    for r in pool:
         prompt, ch = r["prompt_token_ids"], r["choices"][0]
         done = prompt + ch["token_ids"]
+        if branch.token_ids[:len(done)] != done:
+            continue
         sampled = [e["logprob"] for e in ch["logprobs"]["content"]]
-        if (branch.token_ids[:len(done)] == done
-                and branch.logprobs[len(prompt):len(done)] == sampled):
-            if all(len(m["prompt_token_ids"]) != len(prompt) for m in mine):
-                mine.append(r)
-                pool.remove(r)
-    return sorted(mine, key=lambda r: len(r["prompt_token_ids"]))
+        exact = branch.logprobs[len(prompt):len(done)] == sampled
+        if exact or len(prompt) not in turns:
+            turns[len(prompt)] = r
+    mine = [turns[n] for n in sorted(turns)]
+    for r in mine:
+        pool.remove(r)
+    return mine
 
 
 async def collect(args, model, model_path):
@@ -471,6 +475,8 @@ def main():
                     help="inprocess: ChatHarness; null: verifiers' chat program, a process each")
     ap.add_argument("--concurrency", type=int, default=64, help="episodes run at once")
     args = ap.parse_args()
+    if args.concurrency < 1:
+        ap.error(f"--concurrency={args.concurrency}: expected >= 1")
     key = os.environ.get("NANORL_API_KEY", "")   # the server's --api_key, if it has one
     card = httpx.get(args.base_url.rstrip("/") + "/v1/models",
                      headers={"Authorization": f"Bearer {key}"} if key else {}).json()["data"][0]
@@ -489,8 +495,9 @@ def main():
                   f"reward={row['reward']}  "
                   f"tokens={cmp.get('num_tokens')} sampled={cmp.get('num_sampled')}  {same}  "
                   f"replies={row['replies']}")
-    if unclaimed:
-        print(f"{unclaimed} of the server's responses are in no episode", file=sys.stderr)
+    if unclaimed:   # a failed episode's, or a response no trace recorded
+        print(f"{unclaimed} of the server's responses are in no episode's trace",
+              file=sys.stderr)
     sys.exit(0 if results and not unclaimed and all(c["ok"] for _, c in results) else 1)
 
 

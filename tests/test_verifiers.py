@@ -52,7 +52,7 @@ def server(tmp_path_factory):
     served.stop()
 
 
-# verifiers' own chat program, a process per episode, one at a time; the in-process
+# verifiers' own chat program, a process per turn, one episode at a time; the in-process
 # harness, 2 episodes of each task at once (each episode then finds its own responses
 # among all the server sent: claim())
 HARNESSES = [dict(harness="null", group_size=1, concurrency=1),
