@@ -42,7 +42,8 @@ from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_optim
                                                      set_optimizer_state_dict)
 
 import lora
-from configurator import print0, require
+from checks import require
+from configurator import print0
 from scaleout import distributed
 from model import ModelConfig, Transformer, as_dtype
 from tokenizer import generation_stop_ids, load_tokenizer, save_tokenizer

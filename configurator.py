@@ -1,7 +1,7 @@
 """
 nanoGPT-style configuration: module-level defaults in each script, overridden by config
-files and --key=value. At the bottom, `require` and the type tests that every input
-edge shares.
+files and --key=value; run_cli, a script's command line (a mistake in its input, a
+checks.InputError, prints one line). The input checks every edge shares are checks.py's.
 
     # sft.py
     lr = 3e-4
@@ -43,25 +43,14 @@ import ast
 import copy
 import difflib
 import json
-import math
-import numbers
 import os
 import sys
 import types
 
+from checks import BadType, BadValue, InputError
+
 STAGES = ("pretrain", "sft", "grpo", "serve")
 SETTING_TYPES = (int, float, bool, str, type(None), list, tuple, dict)
-
-class InputError(Exception):
-    """a mistake in what came from outside (a setting, a config file, a path, a request),
-    not a bug: on a script's command line its message is printed alone (run_cli). Raised
-    as BadValue or BadType, a ValueError and a TypeError"""
-
-class BadValue(InputError, ValueError):
-    pass
-
-class BadType(InputError, TypeError):
-    pass
 
 def print0(*args):
     # only rank 0 talks in a multi-process run
@@ -214,27 +203,7 @@ def configure(g, args, stage):
 
 
 # -----------------------------------------------------------------------------
-# input checks where outside input arrives (a config, an API call, an HTTP request, a
-# checkpoint): `require` (and `require_field`, for a config's field) raise naming the bad
-# value; the type tests are those the edges share. Internal calls trust their callers
-# (an assert states an invariant):
-#
-#     require(top_p > 0, f"top_p must be in (0, 1], got {top_p!r}")
-#     require(is_int(n), f"n must be an int, got {n!r}", TypeError)
-
-def require(ok, message, error=ValueError):
-    """raise error(message) unless ok, as an InputError (ValueError: BadValue, TypeError:
-    BadType): one line per input rule"""
-    if not ok:
-        raise INPUT_ERRORS.get(error, error)(message)
-
-INPUT_ERRORS = {ValueError: BadValue, TypeError: BadType}
-
-def require_field(obj, name, ok, expected, error=ValueError):
-    """require() for a config's field: the message names the class, the field, what it
-    must be and what it is"""
-    require(ok, f"{type(obj).__name__}.{name} must be {expected}, got {getattr(obj, name)!r}",
-            error)
+# a script's command line
 
 def run_cli(main, g, stage):
     """a script's command line: main(configure(g, sys.argv[1:], stage)). A mistake in its
@@ -245,16 +214,3 @@ def run_cli(main, g, stage):
     except InputError as e:
         print(f"{os.path.basename(sys.argv[0])}: error: {e}", file=sys.stderr)
         raise SystemExit(2) from None
-
-def is_int(x):
-    """an int (a numpy integer too: numbers.Integral), never a bool"""
-    # plain ints first: prompts check every token, and the ABC's check is slower
-    return type(x) is int or isinstance(x, numbers.Integral) and not isinstance(x, bool)
-
-def is_number(x):
-    """an int or a float, never a bool (NaN and inf included: compare to refuse them)"""
-    return isinstance(x, (int, float)) and not isinstance(x, bool)
-
-def is_finite_number(x):
-    """an int or a float that is finite, never a bool"""
-    return is_number(x) and math.isfinite(x)

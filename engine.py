@@ -36,7 +36,7 @@ from inference.attention import PagedAttention, PagedKVCache, decode_kernel, pag
 import lora
 from checkpoint import first_five, load_hf_checkpoint
 from scaleout.distributed import full_tensors, is_sharded
-from configurator import is_int, is_number, require, require_field
+from checks import is_int, is_number, require, require_field
 from inference.decode import StaticDecode
 from inference.radix import RadixCache
 # schedule, sample_with_logprobs, compute_block_hash and SchedulerConfig: the low-level pure

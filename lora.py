@@ -41,7 +41,7 @@ from dataclasses import asdict, dataclass
 import torch
 from torch.distributed.tensor import DTensor
 
-from configurator import require
+from checks import require
 from model import Experts, Linear, LoRA, Transformer
 from scaleout import distributed
 

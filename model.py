@@ -34,7 +34,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
-from configurator import require, require_field
+from checks import require, require_field
 
 # -----------------------------------------------------------------------------
 # config

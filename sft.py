@@ -34,7 +34,8 @@ import torch
 
 import training
 from checkpoint import init_start, save_best
-from configurator import print0, require, run_cli
+from checks import require
+from configurator import print0, run_cli
 from engine import EngineConfig, sampled_mask
 from scaleout import distributed
 from tasks import evaluate

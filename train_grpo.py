@@ -65,7 +65,8 @@ import torch
 import lora
 import training
 from checkpoint import RunState, init_start, load_model, model_dir_of, save_best
-from configurator import print0, require, run_cli
+from checks import require
+from configurator import print0, run_cli
 from engine import EngineConfig, SamplingParams, sampled_mask
 from model import train_flops
 from scaleout import distributed, sources

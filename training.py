@@ -26,7 +26,8 @@ import torch
 import lora
 from checkpoint import (RunState, Start, clear_checkpoints, load_optimizer, save_checkpoint,
                         set_rng_state)
-from configurator import is_finite_number, print0, require
+from checks import is_finite_number, require
+from configurator import print0
 from model import Transformer, train_flops
 from scaleout import distributed
 

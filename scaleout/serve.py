@@ -49,7 +49,8 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from checkpoint import (hf_to_ours, hf_weight_shapes, load_config, load_hf_checkpoint,
                         stop_ids_of)
-from configurator import is_int, require, run_cli
+from checks import is_int, require
+from configurator import run_cli
 from engine import (EngineConfig, InferenceEngine, SamplingParams, check_fits, check_prompt,
                     decode_graph_fits)
 from model import as_dtype

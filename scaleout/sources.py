@@ -23,7 +23,7 @@ trainer's own engine), which has the same interface:
 
 import shlex
 
-from configurator import BadValue, require
+from checks import BadValue, require
 from scaleout import distributed, rollout_ranks, verifiers_groups
 from scaleout.rollout_servers import Servers
 
