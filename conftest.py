@@ -104,10 +104,10 @@ def write_task(directory, source=PARITY_TASK, name="parity_task.py"):
 # the prefix caches' invariants, checked by the tests after every operation
 
 
-def check_invariants(blocks):
+def check_invariants(cache):
     """The invariants of an engine's cache (scheduler.BlockAllocator or
     radix.RadixCache)."""
-    (radix_invariants if isinstance(blocks, RadixCache) else allocator_invariants)(blocks)
+    (radix_invariants if isinstance(cache, RadixCache) else allocator_invariants)(cache)
 
 
 def allocator_invariants(alloc):
