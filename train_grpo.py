@@ -475,14 +475,16 @@ def apply_corrections(batches, model, reference, autocast, config):
     if not needs_trainer_pass(config):
         return batches, {}
     # tokens corrected of those sampled; expert pairs differing of those compared
-    out, counts = [], dict(corrected=0, sampled=0, differ=0, pairs=0)
+    out = []
+    counts = dict(corrected=0, sampled=0, differ=0, pairs=0)
     for _ in range(distributed.missing(len(batches))):   # FSDP2: as many forwards as any rank
         trainer_logprobs(model, training.empty_batch(config["device"]), autocast)
     for b in batches:   # this rank's share of the step's micro-batches
         engine_routes = b.routes
         b = b if config["routing_replay"] else dataclasses.replace(b, routes=None)
         used = None if engine_routes is None else []
-        lp, mask, w = trainer_logprobs(model, b, autocast, used), b.loss_mask, b.token_weights
+        lp = trainer_logprobs(model, b, autocast, used)
+        mask, w = b.loss_mask, b.token_weights
         ids = training.sample_ids(b) if config["is_level"] == "sequence" else None
         factor, changed = training.is_factor(
             training.importance_ratios(lp, b.log_probs, mask, ids), config)
@@ -512,7 +514,10 @@ class Colocated:
     Rollout ranks and servers have the same interface (scaleout/sources.py)."""
 
     def __init__(self, engine, env, sampler, config):
-        self.engine, self.env, self.sampler, self.config = engine, env, sampler, config
+        self.engine = engine
+        self.env = env
+        self.sampler = sampler
+        self.config = config
 
     @property
     def version(self):
@@ -543,7 +548,8 @@ def grpo_step(source, run, reference, config, it):
     clock = {"start": time.perf_counter()}
     # 1. sample group_size episodes for each drawn problem, score them, drop the flat groups
     groups, flops, metrics = source.groups(it)
-    clock["rollout"], batches = time.perf_counter(), []
+    clock["rollout"] = time.perf_counter()
+    batches = []
     if not groups:   # every group had zero reward variance: no step, the weights stay
         print0(f"iter {it + 1}: no group with reward variance")
     else:
@@ -572,7 +578,8 @@ def optimizer_steps(policy, run, batches, normalizer, config, it):
     """ppo_epochs optimizer steps on the step's batches (one by default); the metrics of
     the last, with the first's logprob mismatch and KL (those of the weights that
     sampled) and the share of sampled tokens PPO's clip held back over all of them."""
-    stats, lr = {"clipped": 0}, training.scheduled_lr(config, it)
+    stats = {"clipped": 0}
+    lr = training.scheduled_lr(config, it)
     loss_fn = functools.partial(policy_loss, config=config, stats=stats)
     epochs = [training.train_step(policy, run.optimizer, batches, lr, config["grad_clip"],
                                   config["aux_loss_coef"], run.autocast, normalizer, loss_fn)
@@ -760,7 +767,8 @@ def main(config):
         print0(f"engine: decode step compiled in {engine.static.warm_up():.1f} s (once a process)")
     source = sources.make_source(config, roles, run.model, env, sampler, engine, rollout,
                                  start.iter_num) or Colocated(engine, env, sampler, config)
-    meter, best = training.Meter(run.start), best_so_far(config, start)
+    meter = training.Meter(run.start)
+    best = best_so_far(config, start)
     print0(f"{config['prompts_per_step']} prompts x {config['group_size']} samples per step, "
            f"{len(eval_problems)} {config['eval_split']} problems")
     final = {} if start.meta is not None else \
