@@ -54,15 +54,19 @@ class RemoteEngine:
 
     def generate(self, prompts, sampling_params, num_samples_per_prompt=1, first_index=0):
         """The samples of every prompt, in request order (prompt 0 samples 0..n-1,
-        prompt 1 ...), each server sampling a contiguous share: e.g. 5 prompts on 2
-        servers -> 0-1 and 2-4."""
+        prompt 1 ...), each server sampling a contiguous share."""
+        return self.fan_out(len(prompts), lambda url, lo, hi: self.sample(
+            url, prompts[lo:hi], sampling_params, num_samples_per_prompt, first_index + lo))
+
+    def fan_out(self, n, work):
+        """work(url, lo, hi) on every server at once, each taking a contiguous share of n
+        items (e.g. 5 on 2 servers -> 0-1 and 2-4; a server with none is skipped); the
+        lists they return, concatenated in server order."""
         k = len(self.urls)
-        shares = [(i * len(prompts) // k, (i + 1) * len(prompts) // k) for i in range(k)]
+        shares = [(url, i * n // k, (i + 1) * n // k) for i, url in enumerate(self.urls)]
         with ThreadPoolExecutor(k) as pool:
-            parts = pool.map(lambda a: self.sample(*a), [
-                (url, prompts[lo:hi], sampling_params, num_samples_per_prompt, first_index + lo)
-                for url, (lo, hi) in zip(self.urls, shares) if hi > lo])
-            return [s for part in parts for s in part]
+            parts = pool.map(lambda share: work(*share), [s for s in shares if s[2] > s[1]])
+            return [x for part in parts for x in part]
 
     def sample(self, url, prompts, params, n, first_index):
         """One server's share. Ours draws prompt i of a seeded request from (seed,

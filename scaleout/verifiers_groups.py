@@ -39,7 +39,6 @@ import os
 import shlex
 import subprocess
 import time
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 
 import numpy as np
@@ -120,13 +119,9 @@ def rollout(remote, env, sampler, config, it):
     remote (rollout_servers.RemoteEngine), group_size episodes each, through
     verifiers_cmd; the groups with reward variance kept. env and sampler are train_grpo's
     (the environment chooses the tasks here, so the sampler records nothing)."""
-    P, G, k = config["prompts_per_step"], config["group_size"], len(remote.urls)
-    shares = [(i * P // k, (i + 1) * P // k) for i in range(k)]
+    P, G = config["prompts_per_step"], config["group_size"]
     t0 = time.perf_counter()
-    with ThreadPoolExecutor(k) as pool:
-        parts = pool.map(lambda a: collect(config, *a), [
-            (url, it * P + lo, hi - lo) for url, (lo, hi) in zip(remote.urls, shares) if hi > lo])
-        episodes = [e for part in parts for e in part]
+    episodes = remote.fan_out(P, lambda url, lo, hi: collect(config, url, it * P + lo, hi - lo))
     gen_time = time.perf_counter() - t0
     groups = []
     for g in episode_groups(episodes, G):
