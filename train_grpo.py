@@ -1,56 +1,46 @@
 r"""
 GRPO, the main job: the policy samples groups of answers (or multi-turn episodes) with
 the in-process engine, the task's reward scores them, and the shared loss pushes up
-those that beat their group's mean.
+those that beat their group's mean. On-policy: every step trains on samples of the
+weights it updates, which the engine holds in this process.
 
     python train_grpo.py config/qwen_small.py
     python train_grpo.py config/qwen_small.py --max_iters=20 --out_dir=out/try
     python train_grpo.py config/qwen_small.py --init_from=resume     # continue a killed run exactly
     python train_grpo.py config/countdown_feedback.py                # a multi-turn task
-    # data-parallel, one engine each
+    python train_grpo.py config/qwen_small.py --lora_rank=16         # LoRA (lora.py)
+    # data-parallel, one engine each (--fsdp=True: parameters sharded, FSDP2)
     torchrun --standalone --nproc_per_node=2 train_grpo.py config/qwen_small.py
-    # rank 1 only samples, a step ahead of rank 0's training (scaleout/rollout_ranks.py)
-    torchrun --standalone --nproc_per_node=2 train_grpo.py config/qwen_small.py --rollout_ranks=1 \
-        --max_staleness=1 --tis_cap=2
     # only evaluate init_from, on test
     python train_grpo.py config/qwen_small.py --max_iters=0 --out_dir=out/eval_sft \
         --eval_split=test --n_eval_problems=0
 
-One iteration (grpo_step):
-  1. sample and score (rollout): draw prompts_per_step training problems with the
-     sampler (ProblemSampler: in proportion to p(1 - p), p a problem's success rate so
-     far, so rollouts go where groups can have reward variance); their chat-template ids
-     are made once and those exact ids go to the engine and into the training batch.
-     env.episodes (tasks/environment.py) runs engine.generate(prompt_ids,
-     num_samples_per_prompt=group_size): each prompt prefilled once, its G samples
-     sharing its KV blocks; a multi-turn task's episodes go on, the environment's answer
-     appended by ids, until it says they are over; every sampled token carries the
-     weight version that produced it. Rewards are the task's (setting `task`), 0 for a
-     reply that did not stop by itself. A group whose rewards are all equal teaches
-     nothing: it is dropped and counted (rollout/zero_var_groups), and the sampler's
-     record makes its problem rarer; one rollout call per step, never a refill;
-  2. advantages = reward - group mean (divided by the group std only when
-     scale_rewards=True: Dr. GRPO shows the division biases toward easy/hard
-     groups); token_weights = advantage x loss mask (1 on sampled tokens),
-     packed into PackedBatches that carry the mask; the loss normalizer is fixed
-     now (loss_norm, below);
-  3. this rank's share of the batches, with the per-token no-grad corrections folded
-     into their weights: an importance-sampling factor (tis_cap, mis_low / mis_high,
-     is_level; training.py) and the KL to the starting policy (kl_coef > 0), from a
-     logprob pass that runs only for them (or for PPO's old logprobs, or the engine's
-     experts: record_routes / routing_replay);
-  4. one optimizer step (training.train_step) on policy_loss, the shared unified_loss
-     (PPO's clipped objective with ppo_clip > 0, ppo_epochs steps): a fork changes
-     the objective there;
-  5. publish: engine.update_from(model) (update_weights of its state_dict; a LoRA run's
-     adapters alone, its engine sharing the frozen base), in place, version += 1, prefix
-     cache flushed (a version per iteration, even one without a step);
-  then log, evaluate on the validation split (every eval_interval) and checkpoint (with the
-  sampler's record).
+One iteration (grpo_step, a comment per phase), with config/qwen_small.py's numbers:
 
-The loss normalizer (loss_norm), the KL option, train/logprob_mismatch and the
-off-policy metrics are explained in docs/pipeline.md; three worked forks of this
-step in docs/forks.md.
+    problems = sampler.draw(96)                        # by p(1-p) of each one's record
+    groups = env.episodes(engine, problems, 8)         # engine.generate: 8 per prompt, T = 1
+    rewards = task.reward(problem, reply)              # exact: 1 right, 0 wrong or did not stop
+    adv = (rewards - group mean) / group std           # a group whose rewards are equal is dropped
+    weights = adv x loss mask                          # on sampled tokens only, packed per group
+    loss = -(weights * log p(tokens)).sum() / C        # policy_loss; C = 96 x 8 x 48, constant
+    optimizer step                                     # AdamW, warmup then cosine
+    engine.update_weights(model.state_dict())          # in place: the next rollout is on-policy
+    every 20 steps: greedy accuracy on validation      # the best model is kept
+
+The prompts' chat-template ids are made once, and those exact ids go to the engine and
+into the batch; a group's G samples share its prompt's KV blocks in the engine and its
+rows in the batch (training.pack_groups); a multi-turn task's episodes go on, the
+environment's answer appended by ids, until it says they are over. docs/pipeline.md
+tells the whole step (the loss normalizers, train/logprob_mismatch, the metrics).
+
+What this loop leaves out, and where it lives: sampling anywhere but here (rollout
+ranks, scaleout/serve.py servers, vLLM, a verifiers environment), samples of older
+weights (max_staleness) and the corrections they need (truncated or masked importance
+sampling, at token or sequence level), PPO's clipped objective over several epochs, a
+KL to the starting policy and MoE routing replay are train_grpo_async.py, a fork of
+this file that imports its parts.
+
+Three worked forks of this step: docs/forks.md.
 """
 import dataclasses
 import functools
@@ -64,12 +54,12 @@ import torch
 
 import lora
 import training
-from checkpoint import RunState, init_start, load_model, model_dir_of, save_best
+from checkpoint import RunState, init_start, save_best
 from checks import require
 from configurator import print0, run_cli
 from engine import EngineConfig, SamplingParams, sampled_mask
 from model import train_flops
-from scaleout import distributed, sources
+from scaleout import distributed
 from tasks import evaluate
 from tasks.environment import Environment, Group, load_task, solved
 from tokenizer import build_tokenizer, check_template_kwargs
@@ -88,8 +78,8 @@ compile = False
 prompts_per_step = 16         # problems drawn per step, a group each (flat groups dropped)
 group_size = 8                # samples per prompt (G)
 temperature = 1.0             # of the rollouts; the trainer scores softmax(logits / T) too
-top_p = 1.0                   # < 1: nucleus sampling, off-policy (the trainer scores it all)
-top_k = 0                     # > 0: top-k sampling, likewise (training.py corrects both)
+top_p = 1.0                   # < 1: nucleus sampling (off-policy: train_grpo_async.py corrects)
+top_k = 0                     # > 0: top-k sampling, likewise
 max_new_tokens = 16           # reply budget; a reply that reaches it without stopping scores 0
 max_turns = 1                 # replies per episode (> 1: the task's env_response between)
 max_episode_tokens = 0        # multi-turn: every id after the first prompt, at most
@@ -100,16 +90,6 @@ advantage_pass_k = 1          # > 1: advantages for the group's pass@k, not its 
                               # (Chen et al. 2025; 0/1 rewards; below group_size)
 turn_baseline = False         # multi-turn: reply k against the episodes that reached reply k
 loss_norm = "constant"        # 'constant' | 'tokens' | 'weights' (docs/pipeline.md)
-kl_coef = 0.0                 # > 0: weights -= kl_coef * (log p - log p_start)
-# off-policy corrections (training.py), ratio = exp(trainer - engine logprob) per token
-tis_cap = 0.0                 # > 0: weights *= min(ratio, tis_cap) (truncated IS)
-mis_low = 0.0                 # with mis_high > 0: weights *= ratio inside [mis_low, mis_high],
-mis_high = 0.0                # 0 outside (masked IS)
-is_level = "token"            # 'sequence': the ratio is the sample's geometric mean (GSPO)
-ppo_clip = 0.0                # > 0: PPO's clipped objective, ratio to the trainer before the step
-ppo_epochs = 1                # optimizer steps per rollout (> 1 with ppo_clip > 0)
-record_routes = False         # MoE: the engine records each token's experts (a metric)
-routing_replay = False        # MoE: ... and the trainer routes each token by them
 engine_dtype = "float32"      # the engine's copy of the weights ('bfloat16' on a GPU)
 engine_block_size = 16
 engine_compile = False        # decode steps as one graph (engine.py; compiled once at start)
@@ -148,8 +128,6 @@ ckpt_interval = 25
 wandb_log = False
 wandb_project = "nano-rl"
 wandb_run_name = ""
-# rollout ranks and servers (torchrun, rollout_urls) add their settings: scaleout/sources.py
-globals().update(sources.SETTINGS)
 # -----------------------------------------------------------------------------
 
 
@@ -359,56 +337,63 @@ def rollout(engine, env, sampler, config, it):
     return kept, evaluate.sampling_flops(engine.model.config, samples, G), metrics
 
 
-def build_batches(groups, config):
-    """The step's packed batches: token_weights = the sample's advantage on its sampled
-    tokens, 0 on the prompt (and on a multi-turn episode's environment tokens);
-    loss_mask = 1 on the sampled tokens; log_probs = the engine's logprob of each. A
-    document is a group whose samples share its prompt's rows (share_prompt,
-    training.pack_groups; a group longer than batch_tokens is split into several such
-    documents) or one sample. Whole documents are split under batch_tokens."""
-    # (prompt, completions, weights, logprobs, masks), samples: per document
-    docs, owners = [], []
+@dataclasses.dataclass(frozen=True)
+class Document:
+    """What training.pack_groups packs as one document: a prompt and samples that
+    continue it (one sample, or a group's samples sharing the prompt's rows), with each
+    sample's token weights and loss mask."""
+    prompt: list
+    samples: list       # [engine.TrainingSample]
+    weights: list       # per sample: a weight per completion token
+    masks: list         # per sample: 1 per sampled completion token
+
+    @property
+    def num_tokens(self):
+        # the prompt's rows but its last, then each sample's from the prompt's last token on
+        return len(self.prompt) - 1 + sum(len(s.completion_tokens) + 1 for s in self.samples)
+
+
+def documents(groups, config):
+    """The step's documents: token_weights = the sample's advantage on its sampled
+    tokens, 0 on the prompt (and on a multi-turn episode's environment tokens). With
+    share_prompt a group is one document (training.pack_groups; a group longer than
+    batch_tokens is split into several such documents), else each sample is one."""
+    docs = []
     for group in groups:
         masks = [list(sampled_mask(s)) for s in group.samples]
         weights = token_advantages(masks, group.rewards, config)
-        rows = [(list(s.completion_tokens), w, list(s.logprobs), m)
-                for s, w, m in zip(group.samples, weights, masks)]
-        # share_prompt: the group is one document (or as few as fit in batch_tokens); else
-        # each sample is one
-        parts = [[i] for i in range(len(rows))]
+        parts = [[i] for i in range(len(group.samples))]
         if config["share_prompt"]:
-            parts = training.split_under_budget([len(c) + 1 for c, *_ in rows],
+            lengths = [len(s.completion_tokens) + 1 for s in group.samples]
+            parts = training.split_under_budget(lengths,
                                                 config["batch_tokens"] - len(group.prompt) + 1)
         for part in parts:
-            docs.append((list(group.prompt), *([rows[i][k] for i in part] for k in range(4))))
-            owners.append([group.samples[i] for i in part])
-    sizes = [len(prompt) - 1 + sum(len(c) + 1 for c in comps) for prompt, comps, *_ in docs]
-    batches = []
-    for g in training.split_under_budget(sizes, config["batch_tokens"]):
-        batch = training.pack_groups(*zip(*(docs[i] for i in g)))
-        if owners[0][0].routes is not None:   # the engine recorded its experts
-            routes = [document_routes(docs[i][0], owners[i]) for i in g]
-            batch = dataclasses.replace(batch, routes=torch.cat(routes))
-        batches.append(batch)
-    return batches
+            docs.append(Document(list(group.prompt), [group.samples[i] for i in part],
+                                 [weights[i] for i in part], [masks[i] for i in part]))
+    return docs
 
 
-def document_routes(prompt, samples):
-    """The engine's experts for each row of a pack_groups document: row p of the prompt,
-    then per sample its rows from the prompt's last token on, and -1 (route yourself) on
-    its last row, whose token the engine never computed. A sample's routes cover
-    positions 0 .. P + C - 2."""
-    n, shape = len(prompt) - 1, samples[0].routes.shape[1:]
-    rows = [samples[0].routes[:n].long()]
-    for s in samples:
-        rows += [s.routes[n:].long(), torch.full((1, *shape), -1, dtype=torch.int64)]
-    return torch.cat(rows)
+def pack(docs):
+    """One PackedBatch of whole documents; log_probs = the engine's logprob of each
+    sampled token, loss_mask = 1 on them."""
+    return training.pack_groups(
+        [d.prompt for d in docs],
+        [[list(s.completion_tokens) for s in d.samples] for d in docs],
+        [d.weights for d in docs], [[list(s.logprobs) for s in d.samples] for d in docs],
+        [d.masks for d in docs])
+
+
+def build_batches(groups, config):
+    """The step's packed batches: its documents, whole, split under batch_tokens."""
+    docs = documents(groups, config)
+    split = training.split_under_budget([d.num_tokens for d in docs], config["batch_tokens"])
+    return [pack([docs[i] for i in part]) for part in split]
 
 
 def loss_normalizer(batches, config):
-    """The denominator of the step's loss, fixed before any correction is folded into the
-    weights (so TIS is the paper's estimator, its ratio outside the normalizer): see
-    loss_norm in docs/pipeline.md."""
+    """The denominator of the step's loss (loss_norm in docs/pipeline.md), fixed before any
+    correction is folded into the weights (so train_grpo_async.py's TIS is the paper's
+    estimator, its ratio outside the normalizer)."""
     if config["loss_norm"] == "constant":
         return float(config["prompts_per_step"] * config["group_size"] * config["max_new_tokens"]
                      * config["max_turns"])
@@ -417,27 +402,18 @@ def loss_normalizer(batches, config):
     return float(max(sum(b.token_weights.abs().sum().item() for b in batches), 1.0))
 
 
-def policy_loss(logp, batch, normalizer, config, stats=None):
+def policy_loss(logp, batch, normalizer, config):
     """GRPO's objective on a batch: the shared unified_loss,
     -(token_weights * log p).sum() / normalizer, with token_weights = advantage x
-    loss mask (times an IS factor and minus the KL term, when on). With ppo_clip > 0,
-    PPO's clipped objective on the same weights instead (training.ppo_loss; stats
-    counts the rows it clipped). A fork changes the objective here, reading its
-    settings from config (docs/forks.md)."""
-    if config["ppo_clip"] > 0:
-        old = logp.detach() if batch.old_log_probs is None else batch.old_log_probs
-        loss, clipped = training.ppo_loss(logp, old, batch.token_weights, batch.loss_mask,
-                                          config["ppo_clip"], normalizer)
-        if stats is not None:
-            stats["clipped"] += clipped
-        return loss
+    loss mask. A fork changes the objective here, reading its settings from config
+    (docs/forks.md)."""
     return training.unified_loss(logp, batch, normalizer)
 
 
 def tempered(model, temperature):
     """model with its logits divided by temperature: the policy the engine samples from at
-    that temperature (its logprobs are log_softmax(logits / T)), so the loss,
-    train/logprob_mismatch and TIS all score the distribution that was sampled, as TRL's
+    that temperature (its logprobs are log_softmax(logits / T)), so the loss and
+    train/logprob_mismatch score the distribution that was sampled, as TRL's
     GRPOTrainer does. T = 1 returns model itself."""
     if temperature == 1.0:
         return model
@@ -447,159 +423,48 @@ def tempered(model, temperature):
     return forward
 
 
-@torch.no_grad()
-def trainer_logprobs(model, batch, autocast, routes_out=None):
-    """log p(label) of every row under the trainer's current weights (before the step)."""
-    with autocast:
-        return training.batch_logprobs(model, batch, routes_out)[0]
-
-
-def needs_trainer_pass(config):
-    """Whether a step scores its batches with the trainer's weights before the update:
-    for an IS correction, the KL term, PPO's old logprobs or the engine's experts to
-    compare."""
-    return (config["tis_cap"] > 0 or config["mis_high"] > 0 or config["kl_coef"] > 0
-            or config["ppo_clip"] > 0 or config["record_routes"] or config["routing_replay"])
-
-
-def apply_corrections(batches, model, reference, autocast, config):
-    """The per-token no-grad factors folded into the weights (the loss contract), from a
-    logprob pass of the trainer's current weights (training.py has the formulas): an
-    IS factor (tis_cap: truncated, mis_high: masked; is_level='sequence': of the
-    sample's geometric mean ratio) multiplies the advantage; with kl_coef > 0, kl_coef *
-    (trainer - reference logprob) is subtracted; with ppo_clip > 0 the pass's logprobs
-    are PPO's old ones. With the engine's experts recorded, the pass routes by them
-    (routing_replay) or by its own router, and counts where the two differ. Without any
-    of these there is no pass: on-policy, the step's own forward measures the mismatch.
-    Returns (batches, metrics)."""
-    if not needs_trainer_pass(config):
-        return batches, {}
-    # tokens corrected of those sampled; expert pairs differing of those compared
-    out = []
-    counts = dict(corrected=0, sampled=0, differ=0, pairs=0)
-    for _ in range(distributed.missing(len(batches))):   # FSDP2: as many forwards as any rank
-        trainer_logprobs(model, training.empty_batch(config["device"]), autocast)
-    for b in batches:   # this rank's share of the step's micro-batches
-        engine_routes = b.routes
-        b = b if config["routing_replay"] else dataclasses.replace(b, routes=None)
-        used = None if engine_routes is None else []
-        lp = trainer_logprobs(model, b, autocast, used)
-        mask, w = b.loss_mask, b.token_weights
-        ids = training.sample_ids(b) if config["is_level"] == "sequence" else None
-        factor, changed = training.is_factor(
-            training.importance_ratios(lp, b.log_probs, mask, ids), config)
-        w = w * factor
-        if config["kl_coef"] > 0:
-            w = w - config["kl_coef"] * torch.where(mask,
-                                                    lp - trainer_logprobs(reference, b, autocast),
-                                                    0.0)
-        counts["corrected"] += int((changed & mask).sum())
-        counts["sampled"] += int(mask.sum())
-        if used is not None:
-            differ, pairs = training.expert_disagreement(torch.stack(used, 1), engine_routes,
-                                                         mask)
-            counts["differ"] += differ
-            counts["pairs"] += pairs
-        out.append(dataclasses.replace(b, token_weights=w, old_log_probs=lp))
-    total = dict(zip(counts, distributed.all_sum(counts.values())))   # over the ranks
-    metrics = {"offpolicy/corrected": total["corrected"] / max(total["sampled"], 1)}
-    if total["pairs"]:
-        metrics["offpolicy/expert_disagreement"] = total["differ"] / total["pairs"]
-    return out, metrics
-
-
-class Colocated:
-    """Where a step's groups come from and its new weights go, in one process: its engine
-    samples with the trainer's current weights, swapped in place after each step.
-    Rollout ranks and servers have the same interface (scaleout/sources.py)."""
-
-    def __init__(self, engine, env, sampler, config):
-        self.engine = engine
-        self.env = env
-        self.sampler = sampler
-        self.config = config
-
-    @property
-    def version(self):
-        return self.engine.get_weight_version()
-
-    def groups(self, it):
-        out = rollout(self.engine, self.env, self.sampler, self.config, it)
-        if self.config["engine_sleep"]:   # the step needs neither its weights nor its KV pool
-            self.engine.sleep()
-        return out
-
-    def publish(self, model, it):
-        t0 = time.perf_counter()
-        if self.config["engine_sleep"]:
-            self.engine.wake_up()
-        self.engine.update_from(model)
-        return {"perf/update_weights_s": time.perf_counter() - t0}
-
-    def eval_engine(self, model):
-        return self.engine
-
-    def data_state(self):
-        return self.sampler.state_dict()
-
-
-def grpo_step(source, run, reference, config, it):
+def grpo_step(engine, env, sampler, run, config, it):
     """One GRPO iteration, top to bottom. Returns its metrics and the FLOPs it spent."""
     clock = {"start": time.perf_counter()}
     # 1. sample group_size episodes for each drawn problem, score them, drop the flat groups
-    groups, flops, metrics = source.groups(it)
+    groups, flops, metrics = rollout(engine, env, sampler, config, it)
+    if config["engine_sleep"]:   # the step needs neither the engine's weights nor its KV pool
+        engine.sleep()
     clock["rollout"] = time.perf_counter()
     batches = []
     if not groups:   # every group had zero reward variance: no step, the weights stay
         print0(f"iter {it + 1}: no group with reward variance")
     else:
-        policy = tempered(run.forward, config["temperature"])
         # 2. advantages x loss mask as token weights, packed; the normalizer, fixed first
         batches = build_batches(groups, config)
         normalizer = loss_normalizer(batches, config)
-        # 3. this rank's share, with TIS / the KL folded into its weights (when on)
+        # 3. this rank's share
         mine = [b.to(config["device"]) for b in distributed.shard(batches)]
-        ref = None if reference is None else tempered(reference, config["temperature"])
-        mine, corrected = apply_corrections(mine, policy, ref, run.autocast, config)
-        metrics.update(corrected)
-        clock["corrections"] = time.perf_counter()
-        # 4. one optimizer step on policy_loss (ppo_epochs of them on the same batches)
-        metrics.update(optimizer_steps(policy, run, mine, normalizer, config, it))
+        clock["batches"] = time.perf_counter()
+        # 4. one optimizer step on policy_loss, of the distribution the engine sampled
+        policy = tempered(run.forward, config["temperature"])
+        loss_fn = functools.partial(policy_loss, config=config)
+        metrics.update(training.train_step(policy, run.optimizer, mine,
+                                           training.scheduled_lr(config, it), config["grad_clip"],
+                                           config["aux_loss_coef"], run.autocast, normalizer,
+                                           loss_fn))
         metrics["train/normalizer"] = normalizer
         clock["step"] = time.perf_counter()
-    # 5. publish the new weights (Colocated: in place, so the next rollout is on-policy)
-    metrics.update(source.publish(run.model, it))
+    # 5. publish the new weights in place, so the next rollout is on-policy
+    t0 = time.perf_counter()
+    if config["engine_sleep"]:
+        engine.wake_up()
+    engine.update_from(run.model)
+    metrics["perf/update_weights_s"] = time.perf_counter() - t0
     clock["end"] = time.perf_counter()
-    flops += step_bookkeeping(metrics, clock, batches, run, reference, config)
+    flops += step_bookkeeping(metrics, clock, batches, run)
     return metrics, flops
 
 
-def optimizer_steps(policy, run, batches, normalizer, config, it):
-    """ppo_epochs optimizer steps on the step's batches (one by default); the metrics of
-    the last, with the first's logprob mismatch and KL (those of the weights that
-    sampled) and the share of sampled tokens PPO's clip held back over all of them."""
-    stats = {"clipped": 0}
-    lr = training.scheduled_lr(config, it)
-    loss_fn = functools.partial(policy_loss, config=config, stats=stats)
-    epochs = [training.train_step(policy, run.optimizer, batches, lr, config["grad_clip"],
-                                  config["aux_loss_coef"], run.autocast, normalizer, loss_fn)
-              for _ in range(config["ppo_epochs"])]
-    metrics = dict(epochs[-1])
-    for name in ("train/logprob_mismatch", "offpolicy/kl_k3"):
-        if name in epochs[0]:
-            metrics[name] = epochs[0][name]
-    if config["ppo_clip"] > 0:
-        clipped, sampled = distributed.all_sum(
-            [stats["clipped"], sum(int(b.loss_mask.sum()) for b in batches)])
-        metrics["offpolicy/ppo_clipped"] = clipped / max(sampled * config["ppo_epochs"], 1)
-    return metrics
-
-
-def step_bookkeeping(metrics, clock, batches, run, reference, config):
-    """The FLOPs of the step's training (the optimizer steps and any logprob pass); adds
-    its timings, throughput and MFU (of the optimizer step alone), and with rollout
-    ranks the share of the step the trainer waited on them, to metrics. clock:
-    grpo_step's time marks."""
+def step_bookkeeping(metrics, clock, batches, run, passes=0, epochs=1):
+    """The FLOPs of the step's training (epochs optimizer steps, and passes forward-only
+    logprob passes: train_grpo_async.py's); adds its timings, throughput and MFU (of the
+    optimizer step alone) to metrics. clock: the step's time marks."""
     flops = 0.0
     if batches:
         sizes = [(b.num_tokens, int((b.position_ids + 1).sum())) for b in batches]
@@ -608,19 +473,12 @@ def step_bookkeeping(metrics, clock, batches, run, reference, config):
             return sum(train_flops(run.model.config, [n], pairs=p, frozen=frozen)
                        for n, p in sizes)
         forward_backward = counted(lora.has_adapters(run.model))
-        forward = counted(False) / 3
-        # + the logprob pass (and the reference's) when one ran; ppo_epochs optimizer steps
-        passes = needs_trainer_pass(config) + (reference is not None)
-        flops = forward_backward * config["ppo_epochs"] + forward * passes
-        train_s = clock["step"] - clock["corrections"]
-        metrics.update({"perf/logprob_pass_s": clock["corrections"] - clock["rollout"],
-                        "perf/train_time_s": train_s,
+        flops = forward_backward * epochs + counted(False) / 3 * passes
+        train_s = clock["step"] - clock["batches"]
+        metrics.update({"perf/train_time_s": train_s,
                         "perf/tokens_per_sec": metrics["train/tokens"] / train_s,
                         "perf/mfu": forward_backward / train_s / run.peak_flops})
     metrics["perf/step_time_s"] = clock["end"] - clock["start"]
-    if "perf/rollout_wait_s" in metrics:
-        waited = metrics["perf/rollout_wait_s"] + metrics.get("perf/weight_sync_wait_s", 0.0)
-        metrics["perf/trainer_idle_frac"] = waited / metrics["perf/step_time_s"]
     return flops
 
 
@@ -632,15 +490,12 @@ def check_settings(config):
     """GRPO's settings, then the loop's, each refused with a ValueError naming it before
     any work (the configurator has checked every setting's type against its default)."""
     at_least = dict(prompts_per_step=1, group_size=2, max_new_tokens=1, max_turns=1,
-                    max_episode_tokens=0, pass_k=0, n_eval_problems=0, ppo_epochs=1,
-                    tis_cap=0, mis_low=0, mis_high=0, kl_coef=0, ppo_clip=0)
+                    max_episode_tokens=0, pass_k=0, n_eval_problems=0)
     for name, low in at_least.items():
         require(config[name] >= low, f"{name}={config[name]!r}: expected >= {low}")
     for name, allowed in (("loss_norm", ("constant", "tokens", "weights")),
-                          ("is_level", ("token", "sequence")),
                           ("eval_split", ("val", "test", "confirm"))):
         require(config[name] in allowed, f"{name}={config[name]!r}: expected one of {allowed}")
-    check_off_policy_settings(config)
     # a bad temperature / top_p / top_k, engine dtype or block size is refused by its owner
     SamplingParams(temperature=config["temperature"], top_p=config["top_p"],
                    top_k=config["top_k"])
@@ -651,49 +506,46 @@ def check_settings(config):
             "a group with any right sample has pass@k 1, and nothing to learn)")
     require(k == 1 or not config["turn_baseline"],
             f"advantage_pass_k={k} with turn_baseline=True: one at a time")
-    kl, scratch = config["kl_coef"], config["init_from"] == "scratch"
-    require(not (kl and scratch), f"kl_coef={kl}: a KL to init_from='scratch' teaches nothing")
     EngineConfig(device=config["device"], dtype=config["engine_dtype"],
                  block_size=config["engine_block_size"], compile=config["engine_compile"])
-    sources.check_settings(config)
-    elsewhere = config["rollout_ranks"] or config["rollout_urls"]
-    require(not (config["engine_sleep"] and elsewhere),
-            "engine_sleep=True with rollout_ranks / rollout_urls: the trainer's engine only "
-            "evaluates there; engine_sleep is the colocated engine's")
-    require(not (config["fsdp"] and elsewhere),
-            "fsdp=True with rollout_ranks / rollout_urls: their weight sync sends whole "
-            "tensors from one rank, not shards yet; use fsdp with the colocated engine")
     training.check_loop_settings(config)
 
 
-def check_off_policy_settings(config):
-    """The corrections' settings (training.py): one IS correction at a time, and
-    what needs what."""
-    tis, lo, hi = config["tis_cap"], config["mis_low"], config["mis_high"]
-    clip, epochs, level = config["ppo_clip"], config["ppo_epochs"], config["is_level"]
-    require(not (tis and hi), f"tis_cap={tis}, mis_high={hi}: truncated and masked IS, set one")
-    require(hi == 0 or lo < 1 < hi, f"mis_low={lo}, mis_high={hi}: the range must hold 1")
-    require(level == "token" or tis > 0 or hi > 0, f"is_level={level!r}: set tis_cap or mis_high")
-    require(clip < 1, f"ppo_clip={clip}: expected in [0, 1)")
-    # a later epoch trains off-policy on the same rollout
-    require(epochs == 1 or clip > 0, f"ppo_epochs={epochs} needs ppo_clip > 0 (e.g. 0.2)")
+@dataclasses.dataclass(frozen=True)
+class Problems:
+    """What a run samples and evaluates: the task's environment (episodes, rewards), the
+    training problems' sampler and the evaluation split's first n_eval_problems."""
+    env: Environment
+    sampler: ProblemSampler
+    eval: list
+
+    def engine(self, model, config):
+        """An engine of model's weights (engine.EngineConfig config), sized for every
+        problem's episodes (tasks/evaluate.task_engine)."""
+        return evaluate.task_engine(model, self.env, self.sampler.items + self.eval, config)
 
 
-def reference_model(config, start):
-    """The starting policy, frozen, for the KL term (None when kl_coef = 0). A resumed run
-    reloads the model its first run started from."""
-    if config["kl_coef"] == 0:
-        return None
-    source = config["init_from"] if start.meta is None else start.meta["config"]["init_from"]
-    return load_model(model_dir_of(source)).to(config["device"]).eval().requires_grad_(False)
+def load_problems(the_task, start, config):
+    """The run's Problems, made without touching out_dir: a prompts_per_step larger than
+    the training split is refused before any state changes."""
+    env = Environment(the_task, start.tokenizer, config["max_new_tokens"], config["max_turns"],
+                      config["max_episode_tokens"], start.stop_ids,
+                      check_template_kwargs(start.tokenizer, config["chat_template_kwargs"]))
+    eval_problems = the_task.make_problems(config["eval_split"],
+                                           config["n_eval_problems"] or None)
+    sampler = ProblemSampler(the_task.make_problems("train"), config["seed"])
+    # a step's problems are distinct
+    n, available = config["prompts_per_step"], len(sampler.items)
+    require(n <= available, f"prompts_per_step={n}: more than the {available} problems")
+    return Problems(env, sampler, eval_problems)
 
 
-def evaluate_and_log(engine, env, run, problems, config, done, meter, best):
+def evaluate_and_log(engine, problems, run, config, done, meter, best):
     """Evaluate, log, and with keep_best save the model to {out_dir}/best when its
     accuracy beats best["accuracy"]. Each problem's outcome goes to
     {out_dir}/outcomes.jsonl (the latest evaluation's)."""
     t0 = time.perf_counter()
-    metrics, outcomes = evaluate.evaluate(engine, env, problems, config["pass_k"],
+    metrics, outcomes = evaluate.evaluate(engine, problems.env, problems.eval, config["pass_k"],
                                           config["temperature"], config["seed"])
     run.logger.log(done, {**metrics, "perf/elapsed_s": meter.seconds})
     if distributed.is_main():
@@ -724,7 +576,6 @@ def engine_config(config, start):
     return EngineConfig(device=config["device"], dtype=config["engine_dtype"],
                         block_size=config["engine_block_size"], seed=config["seed"],
                         weight_version=start.run_state.weight_version,
-                        record_routes=config["record_routes"] or config["routing_replay"],
                         compile=config["engine_compile"])
 
 
@@ -741,55 +592,35 @@ def best_so_far(config, start):
 def main(config):
     config["device"] = distributed.setup(config["device"], config["dist_timeout_s"])
     check_settings(config)
-    # with rollout ranks: which ranks sample, which train
-    roles = sources.split_roles(config)
     the_task = load_task(config["task"])
     start = init_start(config, build_tokenizer)
-    env = Environment(the_task, start.tokenizer, config["max_new_tokens"], config["max_turns"],
-                      config["max_episode_tokens"], start.stop_ids,
-                      check_template_kwargs(start.tokenizer, config["chat_template_kwargs"]))
-    eval_problems = the_task.make_problems(config["eval_split"],
-                                           config["n_eval_problems"] or None)
-    # made without touching out_dir: the check below refuses before any state changes
-    sampler = ProblemSampler(the_task.make_problems("train"), config["seed"])
-    # a step's problems are distinct
-    n, available = config["prompts_per_step"], len(sampler.items)
-    require(n <= available, f"prompts_per_step={n}: more than the {available} problems")
-    engine_for = functools.partial(evaluate.task_engine, env=env,
-                                   problems=sampler.items + eval_problems,
-                                   config=engine_config(config, start))
-    if roles is not None and roles.is_worker:   # a rollout rank only samples
-        return sources.run_worker(config, roles, start, env, sampler, engine_for, rollout)
-    reference = reference_model(config, start)
-    run = training.setup_run(config, start, sampler)
-    engine = engine_for(run.model)
+    problems = load_problems(the_task, start, config)
+    run = training.setup_run(config, start, problems.sampler)
+    engine = problems.engine(run.model, engine_config(config, start))
     if engine.static is not None:
         print0(f"engine: decode step compiled in {engine.static.warm_up():.1f} s (once a process)")
-    source = sources.make_source(config, roles, run.model, env, sampler, engine, rollout,
-                                 start.iter_num) or Colocated(engine, env, sampler, config)
     meter = training.Meter(run.start)
     best = best_so_far(config, start)
     print0(f"{config['prompts_per_step']} prompts x {config['group_size']} samples per step, "
-           f"{len(eval_problems)} {config['eval_split']} problems")
+           f"{len(problems.eval)} {config['eval_split']} problems")
     final = {} if start.meta is not None else \
-        evaluate_and_log(engine, env, run, eval_problems, config, 0, meter, best)
+        evaluate_and_log(engine, problems, run, config, 0, meter, best)
     for it in range(start.iter_num, config["max_iters"]):
-        metrics, flops = grpo_step(source, run, reference, config, it)
+        metrics, flops = grpo_step(engine, problems.env, problems.sampler, run, config, it)
         metrics.update(meter.add(flops, metrics["perf/step_time_s"]))
         done = it + 1
         last = done == config["max_iters"]
         if training.due(config, "log_interval", done, last):
             log_iteration(run.logger, done, metrics)
         if training.due(config, "eval_interval", done, last):
-            final = evaluate_and_log(source.eval_engine(run.model), env, run, eval_problems, config,
-                                     done, meter, best)
+            final = evaluate_and_log(engine, problems, run, config, done, meter, best)
         if training.due(config, "ckpt_interval", done, last):
-            training.save(run, config, done, source.data_state(),
-                          RunState(meter=meter.state_dict(), weight_version=source.version,
-                                   best=best))
+            training.save(run, config, done, problems.sampler.state_dict(),
+                          RunState(meter=meter.state_dict(),
+                                   weight_version=engine.get_weight_version(), best=best))
     run.logger.close()
     engine.shutdown()
-    del run, source   # a sharded model and its optimizer go before the process group
+    del run, engine   # a sharded model and its optimizer go before the process group
     distributed.teardown()
     return final
 

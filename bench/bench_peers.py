@@ -179,7 +179,7 @@ def ours_grpo(init_dir, steps, prompts, group, max_new_tokens, temperature, lr, 
                f"--max_new_tokens={max_new_tokens}", f"--temperature={temperature}",
                f"--learning_rate={lr}", f"--min_lr={lr}", "--warmup_iters=0",
                "--scale_rewards=True", "--aux_loss_coef=0.0",   # TRL's model adds no router loss
-               "--loss_norm=constant", "--kl_coef=0.0", f"--seed={seed}", "--n_eval_problems=8",
+               "--loss_norm=constant", f"--seed={seed}", "--n_eval_problems=8",
                "--pass_k=0", "--keep_best=False", f"--eval_interval={steps + 1}",
                f"--ckpt_interval={steps + 1}", "--log_interval=1"]
         run(cmd)

@@ -34,7 +34,7 @@ run() {   # run <arm> <seed>
         launch=(.venv/bin/torchrun --standalone --nproc_per_node=2) routes=
     fi
     # shellcheck disable=SC2086
-    "${launch[@]}" train_grpo.py config/qwen_small.py --init_from="$INIT" --out_dir="$d" \
+    "${launch[@]}" train_grpo_async.py config/qwen_small.py --init_from="$INIT" --out_dir="$d" \
         --seed="$2" --max_iters=60 --prompts_per_step=64 --eval_interval=10 --ckpt_interval=60 \
         --log_interval=10 --keep_best=False $routes ${FLAGS[$1]} > "$d.log" 2>&1
 }

@@ -58,6 +58,7 @@ import torch
 from bench.report import paired_ci, pyplot as report_pyplot, t975
 from tasks import evaluate
 import train_grpo
+import train_grpo_async
 import training
 from checkpoint import META, init_start, load_trainer_state, read_checkpoint_meta
 from configurator import configure
@@ -84,8 +85,8 @@ corrections = {"none": {}, "tis": dict(tis_cap=2.0), "mis": dict(mis_low=0.5, mi
 
 
 def grpo_config(init_from):
-    """train_grpo's settings under config/qwen_small.py (the main job's), quietly."""
-    settings = {k: v for k, v in vars(train_grpo).items() if not k.startswith("_")}
+    """train_grpo_async's settings under config/qwen_small.py (the main job's), quietly."""
+    settings = {k: v for k, v in vars(train_grpo_async).items() if not k.startswith("_")}
     stdout, sys.stdout = sys.stdout, open(os.devnull, "w")
     try:
         config = configure(settings, ["config/qwen_small.py", f"--init_from={init_from}",
@@ -110,17 +111,17 @@ def batches_of(model, env, problems, config, seed, dtype="float32", top_p=1.0, r
     flat = train_grpo.zero_variance_groups(rewards, G).tolist()
     groups = [Group(p, samples[j * G:(j + 1) * G], rewards[j * G:(j + 1) * G])
               for j, p in enumerate(problems) if not flat[j]]
-    return train_grpo.build_batches(groups, config)
+    return train_grpo_async.build_batches(groups, config)
 
 
 def gradient(model, batches, config, normalizer):
     """The flat gradient of GRPO's loss on the batches after the configured correction."""
     model.zero_grad()
     off = torch.autocast("cpu", enabled=False)
-    batches, _ = train_grpo.apply_corrections(batches, model, None, off, config)
+    batches, _ = train_grpo_async.apply_corrections(batches, model, None, off, config)
     for b in batches:
         logp, _ = training.batch_logprobs(model, b)
-        train_grpo.policy_loss(logp, b, normalizer, config).backward()
+        train_grpo_async.policy_loss(logp, b, normalizer, config).backward()
     # a parameter no token reached (an expert with none routed to it) has no gradient: 0
     return torch.cat([torch.zeros(p.numel()) if p.grad is None else p.grad.flatten()
                       for p in model.parameters()]).clone()
@@ -142,7 +143,7 @@ def advance(model, env, problems, config, steps, start):
     plain = {**config, "record_routes": False}
     P, first = config["prompts_per_step"], start.meta.get("iter", 0) if start.meta else 0
     normalizer = train_grpo.loss_normalizer([], config)
-    loss_fn = functools.partial(train_grpo.policy_loss, config=plain)
+    loss_fn = functools.partial(train_grpo_async.policy_loss, config=plain)
     for k in range(steps):
         batches = batches_of(ahead, env, problems[k * P:(k + 1) * P], plain, seed=10_000 + k)
         batches = [dataclasses.replace(b, routes=None) for b in batches]

@@ -28,7 +28,7 @@ grpo = dict(
     max_iters=100,
     prompts_per_step=64, group_size=8, temperature=1.0,
     max_new_tokens=4, max_turns=6, max_episode_tokens=256,
-    scale_rewards=True, loss_norm="constant", kl_coef=0.0,
+    scale_rewards=True, loss_norm="constant",
     learning_rate=3e-4, min_lr=3e-5, warmup_iters=5,
     n_eval_problems=400, pass_k=0,
     log_interval=10, eval_interval=10, ckpt_interval=50,

@@ -54,7 +54,7 @@ grpo = dict(
     init_from="out/qwen_small/sft/best",   # the SFT run's best model on validation
     max_iters=100,
     prompts_per_step=96, group_size=8, max_new_tokens=48, temperature=1.0,
-    scale_rewards=True, loss_norm="constant", kl_coef=0.0,
+    scale_rewards=True, loss_norm="constant",
     learning_rate=6e-4, min_lr=6e-5, warmup_iters=5,
     n_eval_problems=0, pass_k=0, keep_best=True,
     log_interval=10, eval_interval=20, ckpt_interval=40,

@@ -1,2 +1,2 @@
 """Scale-out: the OpenAI-compatible server and its client, rollouts from servers or rollout
-ranks (sources.py is train_grpo's seam), weight broadcast, torchrun data parallelism."""
+ranks (train_grpo_async.py's sources), weight broadcast, torchrun data parallelism."""

@@ -11,7 +11,7 @@ Data parallelism on torch.distributed: one process per device, launched by torch
     lo, hi = distributed.span(len(prompts))      # or a contiguous slice (rollouts keep their order)
     total, count = distributed.all_sum([total, count])   # sums over ranks
     samples = distributed.gather(my_samples)     # every rank's lists, joined in rank order
-    roles = distributed.split_roles(k)           # the last k ranks only sample (train_grpo)
+    roles = distributed.split_roles(k)           # the last k ranks only sample (train_grpo_async)
 
     forward = distributed.wrap(model, device, fsdp=True)   # or FSDP2: sharded per block
     for name, t in distributed.full_tensors(model.state_dict().items()): ...   # one at a time
@@ -98,7 +98,7 @@ class Roles:
 
 
 def split_roles(rollout_ranks):
-    """Give the last rollout_ranks ranks to sampling (train_grpo --rollout_ranks); every
+    """Give the last rollout_ranks ranks to sampling (train_grpo_async --rollout_ranks); every
     rank must call it."""
     global _group
     n = world()

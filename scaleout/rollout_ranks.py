@@ -1,8 +1,8 @@
 """
 Rollout ranks: the last K ranks of a torchrun job only sample, the others only train.
 
-    torchrun --standalone --nproc_per_node=2 train_grpo.py config/qwen_small.py --rollout_ranks=1 \
-        --max_staleness=1 --tis_cap=2
+    torchrun --standalone --nproc_per_node=2 train_grpo_async.py config/qwen_small.py \
+        --rollout_ranks=1 --max_staleness=1 --tis_cap=2
 
 Who talks to whom (distributed.split_roles makes the groups):
   - the workers share every rollout among themselves (each samples its slice,
@@ -22,7 +22,7 @@ With s = 1 the worker samples rollout j + 1 while the trainer trains on rollout 
     trainer   | wait r0 | train 0 | send w1 | wait r1 | train 1 | send w2 | train 2 ...
     worker    | r0 (w0) | r1 (w0)           | recv w1 | r2 (w1)           | recv w2 | r3 (w2) ...
 
-The trainer corrects a stale sample's weight with TIS (train_grpo.apply_corrections: the
+The trainer corrects a stale sample's weight with TIS (train_grpo_async.apply_corrections: the
 ratio of the trainer's to the engine's probability, capped at tis_cap). Nothing is dropped
 for being stale: admission is the wait for the weights above. Every rollout carries its
 iteration and its problems' outcomes (the sampler's draw): the trainer refuses a rollout
@@ -184,13 +184,13 @@ def run_worker(config, roles, start, env, sampler, engine, rollout):
 
 
 # -----------------------------------------------------------------------------
-# the trainers' side: where train_grpo's loop gets its groups and puts its weights
+# the trainers' side: where train_grpo_async's loop gets its groups and puts its weights
 
 
 class RolloutRanks:
-    """train_grpo's rollout source when rollout ranks sample: groups(it) receives
+    """train_grpo_async's rollout source when rollout ranks sample: groups(it) receives
     rollout it, publish(model) broadcasts the new weights (trainer 0). The same
-    interface as train_grpo.Colocated."""
+    interface as train_grpo_async.Colocated."""
 
     def __init__(self, config, roles, model, sampler, engine, version):
         self.config, self.roles, self.sampler = config, roles, sampler

@@ -1,10 +1,10 @@
 """
 Rollouts from running servers, scaleout/serve.py or `vllm serve` with this project's
-weight-transfer backend (docs/scale_out.md): train_grpo --rollout_urls.
+weight-transfer backend (docs/scale_out.md): train_grpo_async --rollout_urls.
 
     python -m scaleout.serve --model_path=DIR --port=8000 --enable_weight_updates=True &   # per GPU
     # once GET :8000/health answers (it compiles its decode step first)
-    python train_grpo.py config/qwen_small.py --rollout_urls=http://127.0.0.1:8000
+    python train_grpo_async.py config/qwen_small.py --rollout_urls=http://127.0.0.1:8000
 
 The trainer samples through HTTP exactly as it samples in-process: RemoteEngine has the
 engine's generate(prompts, params, num_samples, first_index), so tasks/environment.py's
@@ -134,8 +134,8 @@ def wait_until_up(urls, timeout_s=600):
 
 
 class Servers:
-    """train_grpo's rollout source when scaleout/serve.py processes sample (the interface
-    of train_grpo.Colocated). One thread of this process drives the servers, rollout
+    """train_grpo_async's rollout source when scaleout/serve.py processes sample (the
+    interface of train_grpo_async.Colocated). One thread of this process drives the servers, rollout
     after rollout, with scaleout/rollout_ranks.py's schedule: rollout j is sampled with
     the weights after iteration j - s (s = max_staleness; the starting weights while j -
     s is before the start), so with s >= 1 the servers sample rollout j + 1 while the

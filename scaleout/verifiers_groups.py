@@ -2,11 +2,11 @@
 verifiers episodes as GRPO groups: what a verifiers environment records of an episode
 (its trace's branch: one token sequence, the mask of the tokens the model sampled, their
 logprobs; and the reward) becomes a TrainingSample, and the episodes of one task a group,
-which train_grpo.build_batches turns into the step's batches like any rollout's:
+which train_grpo_async.build_batches turns into the step's batches like any rollout's:
 
     episodes = [json.loads(line) for line in lines]   # verifiers_countdown.py --json
     groups = episode_groups(episodes, group_size=8)
-    batches = train_grpo.build_batches(groups, config)
+    batches = train_grpo_async.build_batches(groups, config)
 
 An episode is {"task": name, "reward": float, "branch": {"token_ids": [...],
 "sampled_mask": [...], "logprobs": [...]}}. The prompt is the branch's ids before the
@@ -15,7 +15,7 @@ turn's user message) with mask 0 and logprob 0, as train_grpo's own multi-turn e
 have them. Episodes are grouped by task in the order they come; each task's episodes
 share one prompt.
 
-train_grpo trains on a verifiers environment through rollout() below, in place of its
+train_grpo_async trains on a verifiers environment through rollout() below, in place of its
 own: the servers of --rollout_urls sample, the trainer pushes its weights to them after
 each step, and each iteration runs --verifiers_cmd, a program in verifiers' venv that
 plays the environment against a server and prints its episodes as JSON lines, for each
@@ -23,7 +23,7 @@ server's share of the step's tasks:
 
     python -m scaleout.serve --model_path=out/qwen_small/sft/best --port=8123 \\
         --enable_weight_updates=True &
-    python train_grpo.py config/qwen_small.py --rollout_urls=http://127.0.0.1:8123 \\
+    python train_grpo_async.py config/qwen_small.py --rollout_urls=http://127.0.0.1:8123 \\
         --verifiers_cmd="/tmp/vf_venv/bin/python scaleout/verifiers_countdown.py"
 
 The command is called with --base_url, --json, --split=train, --offset (its first task:
@@ -90,7 +90,7 @@ def episode_groups(episodes, group_size):
 
 
 # -----------------------------------------------------------------------------
-# a verifiers environment as train_grpo's rollout
+# a verifiers environment as train_grpo_async's rollout
 
 
 def collect(config, url, offset, num_tasks):

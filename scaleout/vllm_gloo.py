@@ -14,7 +14,7 @@ its own. The trainer's side:
         source=vllm_gloo.CheckpointSource(model))
     push.send_weights()   # vLLM's cycle: start, update_weights (the bytes meanwhile), finish
 
-(train_grpo.py's own trainer, weight_sync.ServerWeights, speaks the same protocol without
+(train_grpo_async.py's own trainer, weight_sync.ServerWeights, speaks the same protocol without
 vLLM installed.) The server's side is either scaleout/serve.py started with
 --enable_weight_updates=True, or `vllm serve` with this backend:
 

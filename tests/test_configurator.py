@@ -186,9 +186,9 @@ def test_help_prints_the_docstring_and_every_setting(capsys, flag):
 # every script with a command line: --help answers with its usage (exit 0, or a usage
 # line), never a traceback, and writes nothing (make_arith once wrote a file named
 # '--help'). The peers' and verifiers' scripts run in their own venvs and are left out.
-SCRIPTS = ["pretrain", "sft", "train_grpo", "scaleout.serve", "tasks.evaluate",
-           "tasks.make_arith", "tasks.make_gsm8k_like", "bench.bench", "bench.report",
-           "bench.off_policy_lab", "bench.pass_at_k"]
+SCRIPTS = ["pretrain", "sft", "train_grpo", "train_grpo_async", "scaleout.serve",
+           "tasks.evaluate", "tasks.make_arith", "tasks.make_gsm8k_like", "bench.bench",
+           "bench.report", "bench.off_policy_lab", "bench.pass_at_k", "bench.forks_check"]
 
 
 # runs each script as `python -m SCRIPT --help` would, one after the other in one process (a

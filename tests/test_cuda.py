@@ -12,6 +12,7 @@ import pytest
 import torch
 
 import train_grpo
+import train_grpo_async
 from engine import EngineConfig, InferenceEngine, SamplingParams
 from checkpoint import load_hf_checkpoint
 from test_engine import PROMPTS, make_checkpoint
@@ -184,8 +185,9 @@ def test_weights_pushed_over_nccl_sample_what_the_colocated_gpu_run_samples(tmp_
         m.setenv("CUDA_VISIBLE_DEVICES", "1")
         server = Served(tmp_path / "one" / "ckpt", "--enable_weight_updates=True", "--device=cuda")
     try:
-        train_grpo.main(tiny_config(tmp_path / "served", *args, f"--rollout_urls={server.url}",
-                                    "--weight_backend=nccl"))
+        served = tiny_config(tmp_path / "served", *args, f"--rollout_urls={server.url}",
+                             "--weight_backend=nccl", script=train_grpo_async)
+        train_grpo_async.main(served)
     finally:
         server.stop()
     assert_same(tmp_path / "one", tmp_path / "served", rel=1e-4, at_least=10)

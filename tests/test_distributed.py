@@ -51,8 +51,9 @@ def guard(event, args):
 if rank != 0:
     sys.addaudithook(guard)
 script, argv = sys.argv[1], sys.argv[2:]
-if script.endswith("train_grpo.py"):
-    import train_grpo
+if os.path.basename(script) in ("train_grpo.py", "train_grpo_async.py"):
+    import importlib
+    import train_grpo   # whose rollout both scripts call (the async one from any rank)
     from configurator import configure
     seen, real = [], train_grpo.rollout
     def rollout(*a):
@@ -61,8 +62,9 @@ if script.endswith("train_grpo.py"):
                      for g in groups for s in g.samples])
         return groups, flops, metrics
     train_grpo.rollout = rollout
-    settings = {k: v for k, v in vars(train_grpo).items() if not k.startswith("_")}
-    train_grpo.main(configure(settings, argv, stage="grpo"))
+    module = importlib.import_module(os.path.basename(script)[:-3])
+    settings = {k: v for k, v in vars(module).items() if not k.startswith("_")}
+    module.main(configure(settings, argv, stage="grpo"))
     with open(os.environ["SAMPLES_OUT"] + f".{rank}.json", "w") as f:
         json.dump(seen, f)
 else:
@@ -88,7 +90,8 @@ def launch(tmp, script, out_dir, args, nproc=1, wait=True, timeout=300):
     launcher.write_text(LAUNCHER)
     env = dict(os.environ, ROOT=ROOT, OUT_DIR=str(out_dir), SAMPLES_OUT=str(out_dir) + ".samples",
                OMP_NUM_THREADS="1", WANDB_MODE="disabled", PYTHONPATH=ROOT)
-    if script == "train_grpo.py" and not any(str(a).startswith("--task=") for a in args):
+    grpo = script in ("train_grpo.py", "train_grpo_async.py")
+    if grpo and not any(str(a).startswith("--task=") for a in args):
         args = [f"--task={write_task(str(tmp))}", *args]
     argv = [launcher, os.path.join(ROOT, script), CONFIG, f"--out_dir={out_dir}", *args]
     if not wait:
@@ -186,17 +189,17 @@ def test_sft_on_two_ranks_steps_like_one_process(pretrained, sft_one):
 
 
 def test_grpo_on_two_ranks_samples_and_steps_like_one_process(tmp_path):
-    # with the corrections (routing replay, masked IS, PPO's two epochs), which add a
-    # logprob pass the ranks pad as they pad the step (the plain path: the multi-turn
-    # test below, and FSDP2's LoRA run)
+    # train_grpo_async.py with the corrections (routing replay, masked IS, PPO's two
+    # epochs), which add a logprob pass the ranks pad as they pad the step (train_grpo.py's
+    # plain path: the multi-turn test below, and FSDP2's LoRA run)
     corrections = CORRECTED
     args = ["--init_from=scratch", f"--model={TINY}", "--max_iters=5", "--prompts_per_step=5",
             "--group_size=4", "--max_new_tokens=8", "--n_eval_problems=6", "--pass_k=2",
             "--learning_rate=3e-3", "--warmup_iters=0", "--eval_interval=5", "--log_interval=1",
             "--batch_tokens=128", *corrections]
     one, two = tmp_path / "one", tmp_path / "two"
-    launch(tmp_path, "train_grpo.py", one, args)
-    launch(tmp_path, "train_grpo.py", two, args, nproc=2)
+    launch(tmp_path, "train_grpo_async.py", one, args)
+    launch(tmp_path, "train_grpo_async.py", two, args, nproc=2)
     assert_same_run(one, two,
                     ("train/loss", "train/grad_norm", "rollout/reward_mean", "rollout/problems",
                      "train/tokens", "eval/accuracy", "eval/pass@1"))
@@ -369,12 +372,13 @@ LORA = ["--lora_rank=2", "--lora_alpha=4", "--learning_rate=3e-2"]
 def test_fsdp_grpo_on_two_ranks_steps_like_one_process(pretrained, lora):
     # the engines sample with the gathered weights; a step with one group leaves a rank
     # without a micro-batch (it joins the collectives with an empty one, in the step and
-    # in the corrections' logprob pass); LoRA + FSDP2
+    # in the corrections' logprob pass: train_grpo_async.py's); LoRA + FSDP2 (train_grpo.py)
     tmp, one, _ = pretrained
     args = [f"--init_from={one}", "--learning_rate=3e-3", *GRPO, *(LORA if lora else CORRECTED)]
+    script = "train_grpo.py" if lora else "train_grpo_async.py"
     a, b = tmp / f"grpo_{lora}_one", tmp / f"grpo_{lora}_fsdp"
-    launch(tmp, "train_grpo.py", a, args)
-    launch(tmp, "train_grpo.py", b, args + ["--fsdp=True"], nproc=2)
+    launch(tmp, script, a, args)
+    launch(tmp, script, b, args + ["--fsdp=True"], nproc=2)
     assert_same_run(a, b, ("train/loss", "train/grad_norm", "rollout/reward_mean",
                            "train/tokens", "eval/accuracy", "eval/pass@1"), rel=1e-6)
     assert all(r["train/logprob_mismatch"] < 1e-5 for r in rows(b) if "train/loss" in r)

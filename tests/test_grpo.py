@@ -20,6 +20,7 @@ import torch
 import checkpoint
 from tasks import countdown
 import train_grpo
+import train_grpo_async
 import training
 from configurator import configure
 from conftest import PARITY_TASK, write_task
@@ -156,10 +157,10 @@ NO_CORRECTION = {"mis_low": 0.0, "mis_high": 0.0, "is_level": "token", "ppo_clip
                  "ppo_epochs": 1, "record_routes": False, "routing_replay": False}
 
 
-def tiny_config(out_dir, *extra):
+def tiny_config(out_dir, *extra, script=train_grpo):
     # the parity task (conftest.PARITY_TASK): countdown's problems, a reward a random
-    # model can earn
-    settings = {k: v for k, v in vars(train_grpo).items() if not k.startswith("_")}
+    # model can earn; script's settings (train_grpo or train_grpo_async)
+    settings = {k: v for k, v in vars(script).items() if not k.startswith("_")}
     parity = write_task(os.path.dirname(str(out_dir)))
     args = [f"--task={parity}", "--init_from=scratch", f"--out_dir={out_dir}",
             f"--model={TINY!r}".replace(" ", ""), "--prompts_per_step=4", "--group_size=4",
@@ -209,13 +210,15 @@ def test_tiny_run_versions_advance_and_loss_is_finite(tmp_path, monkeypatch):
     assert meta["iter"] == 3 and meta["extra"]["weight_version"] == 3
 
 
-def test_rollouts_at_another_temperature_are_trained_on_policy(tmp_path, monkeypatch):
+@pytest.mark.parametrize("script, extra", [(train_grpo, []), (train_grpo_async, ["--tis_cap=2.0"])],
+                         ids=["on_policy", "async_tis"])
+def test_rollouts_at_another_temperature_are_trained_on_policy(tmp_path, script, extra):
     # the engine's logprobs are log_softmax(logits / T): the trainer must score the same
     # distribution (scoring it at T = 1 measured a mismatch of ~0.1 at T = 0.5, and TIS
-    # would then correct by p_1 / p_T)
+    # would then correct by p_1 / p_T). With TIS the mismatch is the logprob pass's
     out = tmp_path / "cool"
-    train_grpo.main(tiny_config(out, "--max_iters=2", "--temperature=0.5", "--tis_cap=2.0",
-                                "--ckpt_interval=100"))
+    script.main(tiny_config(out, "--max_iters=2", "--temperature=0.5", "--ckpt_interval=100",
+                            *extra, script=script))
     rows = [r for r in metrics(out) if "train/loss" in r]
     assert len(rows) == 2 and all(r["train/logprob_mismatch"] < 1e-4 for r in rows)
     assert all(math.isfinite(r["train/loss"]) for r in rows)
@@ -248,9 +251,10 @@ CORRECTED = ["--routing_replay=True", "--mis_low=0.5", "--mis_high=2.0", "--is_l
              "--ppo_clip=0.2", "--ppo_epochs=2"]
 
 
-def killed_at_3_then_resumed(monkeypatch, out, settings):
-    """Run tiny_config(out, *settings), killed during iteration 4 (after the checkpoint at
-    2 and iteration 3's log line), then resumed to its end (init_from='resume')."""
+def killed_at_3_then_resumed(monkeypatch, out, settings, script=train_grpo):
+    """Run script with tiny_config(out, *settings), killed during iteration 4 (after the
+    checkpoint at 2 and iteration 3's log line), then resumed to its end
+    (init_from='resume')."""
     real_rollout = train_grpo.rollout
 
     class Killed(Exception):
@@ -263,19 +267,21 @@ def killed_at_3_then_resumed(monkeypatch, out, settings):
 
     monkeypatch.setattr(train_grpo, "rollout", dies_at_3)
     with pytest.raises(Killed):
-        train_grpo.main(tiny_config(out, *settings))
+        script.main(tiny_config(out, *settings, script=script))
     assert checkpoint.read_checkpoint_meta(checkpoint.find_checkpoint(str(out)))["iter"] == 2
     monkeypatch.setattr(train_grpo, "rollout", real_rollout)
-    train_grpo.main(tiny_config(out, *settings, "--init_from=resume"))
+    script.main(tiny_config(out, *settings, "--init_from=resume", script=script))
 
 
 @pytest.mark.parametrize("corrections", [[], CORRECTED], ids=["plain", "corrected"])
 def test_killed_run_resumes_exactly(tmp_path, monkeypatch, corrections):
+    # the corrections are train_grpo_async.py's
+    script = train_grpo_async if corrections else train_grpo
     common = ["--max_iters=4", "--lr_decay_iters=4", "--ckpt_interval=2", *corrections]
     whole = tmp_path / "whole"
-    train_grpo.main(tiny_config(whole, *common))
+    script.main(tiny_config(whole, *common, script=script))
     killed = tmp_path / "killed"
-    killed_at_3_then_resumed(monkeypatch, killed, common)
+    killed_at_3_then_resumed(monkeypatch, killed, common, script)
 
     a, b = metrics(whole), metrics(killed)
     assert [r["iter"] for r in a] == [r["iter"] for r in b]
@@ -321,26 +327,29 @@ def test_bad_settings_are_refused(tmp_path):
     for bad in ("--group_size=1", "--prompts_per_step=0", "--tis_cap=-1", "--temperature=-0.5",
                 "--temperature=0",
                 "--eval_interval=0", "--ckpt_interval=0", "--min_lr=-0.5"):
+        script = train_grpo_async if bad == "--tis_cap=-1" else train_grpo
         with pytest.raises(ValueError, match=bad[2:].split("=")[0]):
-            train_grpo.check_settings(tiny_config(tmp_path, bad))
+            script.check_settings(tiny_config(tmp_path, bad, script=script))
 
 
 def test_bad_rollout_rank_settings_are_refused_before_any_work(tmp_path):
+    def config(*bad, out=tmp_path):   # train_grpo_async.py's settings
+        return tiny_config(out, *bad, script=train_grpo_async)
     for bad, says in (("--rollout_ranks=-1", "rollout_ranks=-1"),
                       ("--max_staleness=1", "set rollout_ranks"),
                       ("--weight_bucket_mb=0", "weight_bucket_mb=0")):
         with pytest.raises(ValueError, match=says):
-            train_grpo.check_settings(tiny_config(tmp_path, bad))
+            train_grpo_async.check_settings(config(bad))
     with pytest.raises(ValueError, match="engine_sleep is the colocated engine's"):
-        train_grpo.check_settings(tiny_config(tmp_path, "--rollout_ranks=1", "--engine_sleep=True"))
+        train_grpo_async.check_settings(config("--rollout_ranks=1", "--engine_sleep=True"))
     with pytest.raises(ValueError,
                        match="max_staleness=2 trains on samples of older weights: set tis_cap"):
-        train_grpo.check_settings(tiny_config(tmp_path, "--rollout_ranks=1", "--max_staleness=2"))
+        train_grpo_async.check_settings(config("--rollout_ranks=1", "--max_staleness=2"))
     # one process has no rank to spare for sampling: refused before out_dir exists
     with pytest.raises(ValueError,
                        match="rollout_ranks=1: expected an int >= 1 that leaves at least one of "
                        "the job's 1 ranks"):
-        train_grpo.main(tiny_config(tmp_path / "none", "--rollout_ranks=1"))
+        train_grpo_async.main(config("--rollout_ranks=1", out=tmp_path / "none"))
     assert not (tmp_path / "none").exists()
 
 
@@ -479,7 +488,7 @@ def test_tis_is_the_papers_estimator_outside_the_normalizer():
     trainer[rows] += torch.log(torch.tensor(0.5))
     trainer[rows[0]] = b.log_probs[rows[0]] + torch.log(torch.tensor(3.0))
     model = FixedLogits(trainer).with_labels(b.labels)
-    (out,), _ = train_grpo.apply_corrections([b], model, None,
+    (out,), _ = train_grpo_async.apply_corrections([b], model, None,
                                              torch.autocast("cpu", enabled=False), c)
     ratio = torch.where(masks[0], torch.full_like(trainer, 0.5), torch.ones_like(trainer))
     ratio[rows[0]] = 2.0
@@ -503,12 +512,12 @@ def test_the_steps_own_forward_measures_the_mismatch_and_no_logprob_pass_runs_wi
 
     def no_pass(*args, **kwargs):
         raise AssertionError("a logprob pass ran with nothing to fold")
-    assert train_grpo.apply_corrections([b], no_pass, None, None, c) == ([b], {})
+    assert train_grpo_async.apply_corrections([b], no_pass, None, None, c) == ([b], {})
     # the sampler's logprobs: the model's own, off by 0.3 on the first completion row and
     # by 0.1 on the others
     off = torch.where(masks[0], torch.full_like(b.log_probs, 0.1), torch.zeros_like(b.log_probs))
     off[masks[0].nonzero().flatten()[0]] = 0.3
-    own = train_grpo.trainer_logprobs(model, b, torch.autocast("cpu", enabled=False))
+    own = train_grpo_async.trainer_logprobs(model, b, torch.autocast("cpu", enabled=False))
     b = dataclasses.replace(b, log_probs=own + off)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
     metrics = training.train_step(model, optimizer, [b], 1e-3, normalizer=16.0)
@@ -543,15 +552,15 @@ def test_kl_coef_pulls_the_policy_back_toward_the_reference():
         # the weights -(log p - log p_ref) make the step a gradient step on
         # 1/2 sum (log p - log p_ref)^2 over these tokens (and, over tokens sampled from the
         # policy, on the KL to the reference)
-        lp = train_grpo.trainer_logprobs(policy, b, off)
-        ref = train_grpo.trainer_logprobs(reference, b, off)
+        lp = train_grpo_async.trainer_logprobs(policy, b, off)
+        ref = train_grpo_async.trainer_logprobs(reference, b, off)
         return float(((lp - ref)[masks[0]] ** 2).sum() / 2)
 
     before = gap()
     assert before > 0
-    (weighted,), _ = train_grpo.apply_corrections([b], policy, reference, off, c)
-    lp = train_grpo.trainer_logprobs(policy, b, off)
-    ref = train_grpo.trainer_logprobs(reference, b, off)
+    (weighted,), _ = train_grpo_async.apply_corrections([b], policy, reference, off, c)
+    lp = train_grpo_async.trainer_logprobs(policy, b, off)
+    ref = train_grpo_async.trainer_logprobs(reference, b, off)
     assert torch.allclose(weighted.token_weights, torch.where(masks[0], -(lp - ref), 0.0),
                           atol=1e-6)
     optimizer = torch.optim.SGD(policy.parameters(), lr=1e-3)
@@ -560,13 +569,17 @@ def test_kl_coef_pulls_the_policy_back_toward_the_reference():
 
 
 def test_bad_grpo_settings_are_refused(tmp_path):
-    for bad, named in (("--top_p=0", "top_p"), ("--top_k=-1", "top_k"),
-                       ("--tis_cap=2", "truncated and masked"), ("--mis_low=1.5", "must hold 1"),
+    for bad, named in (("--top_p=0", "top_p"), ("--top_k=-1", "top_k")):
+        with pytest.raises(ValueError, match=named):
+            train_grpo.check_settings(tiny_config(tmp_path, bad))
+    # the corrections' settings: train_grpo_async.py's
+    for bad, named in (("--tis_cap=2", "truncated and masked"), ("--mis_low=1.5", "must hold 1"),
                        ("--is_level=episode", "is_level"), ("--ppo_epochs=2", "ppo_clip"),
                        ("--ppo_clip=1.5", "ppo_clip")):
         extra = ("--mis_high=2",) if bad in ("--tis_cap=2", "--mis_low=1.5") else ()
         with pytest.raises(ValueError, match=named):
-            train_grpo.check_settings(tiny_config(tmp_path, bad, *extra))
+            train_grpo_async.check_settings(
+                tiny_config(tmp_path, bad, *extra, script=train_grpo_async))
     with pytest.raises(ValueError, match="loss_norm"):
         train_grpo.check_settings(tiny_config(tmp_path, "--loss_norm=mean"))
     for bad in (("--advantage_pass_k=0",), ("--advantage_pass_k=4",),   # group_size=4
@@ -575,7 +588,8 @@ def test_bad_grpo_settings_are_refused(tmp_path):
             train_grpo.check_settings(tiny_config(tmp_path, *bad))
     with pytest.raises(ValueError, match="kl_coef"):
         # tiny_config starts from scratch
-        train_grpo.check_settings(tiny_config(tmp_path, "--kl_coef=0.1"))
+        train_grpo_async.check_settings(
+            tiny_config(tmp_path, "--kl_coef=0.1", script=train_grpo_async))
 
 
 def test_the_confirmatory_split_is_scored_with_its_outcomes_and_other_splits_refused(tmp_path):

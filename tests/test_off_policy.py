@@ -1,5 +1,5 @@
 """
-The off-policy corrections (training.py): each estimator against a hand computation,
+The off-policy corrections (train_grpo_async.py): each estimator against a hand computation,
 the exact gradient left as it was when there is no mismatch, top-p's ratio, and routing
 replay on an MoE model whose bf16 engine routes some tokens elsewhere.
 
@@ -12,7 +12,7 @@ import pytest
 import torch
 from transformers import Qwen3MoeConfig
 
-import train_grpo
+import train_grpo_async
 import training
 from checkpoint import load_hf_checkpoint
 from conftest import write_hf_checkpoint
@@ -45,20 +45,19 @@ def test_ratios_token_and_sequence_level_by_hand():
     mask = torch.tensor([False, True, True, True, False, True])
     trainer = torch.tensor([0.0, 0.2, -0.4, 0.5, 3.0, 0.0])
     engine = torch.zeros(6)
-    token = training.importance_ratios(trainer, engine, mask)
+    token = train_grpo_async.importance_ratios(trainer, engine, mask)
     want = [1.0, math.exp(0.2), math.exp(-0.4), math.exp(0.5), 1.0, 1.0]
     assert token.tolist() == pytest.approx(want)
     # rows 0-3 are sample 0, rows 4-5 sample 1: the geometric mean of its
     # masked rows' ratios
     ids = torch.tensor([0, 0, 0, 0, 1, 1])
-    seq = training.importance_ratios(trainer, engine, mask, ids)
+    seq = train_grpo_async.importance_ratios(trainer, engine, mask, ids)
     assert seq.tolist() == pytest.approx([1.0, math.exp(0.1), math.exp(0.1), math.exp(0.1), 1.0,
                                           1.0])
     r = torch.tensor([0.3, 0.9, 1.0, 1.7, 2.5])
-    assert training.truncated(r, 2.0).tolist() == pytest.approx([0.3, 0.9, 1.0, 1.7, 2.0])
-    assert training.masked(r, 0.5, 2.0).tolist() == pytest.approx([0.0, 0.9, 1.0, 1.7, 0.0])
-    config = {**NO_CORRECTION, "tis_cap": 0.0, "mis_low": 0.5, "mis_high": 2.0}
-    factor, changed = training.is_factor(r, config)
+    assert train_grpo_async.truncated(r, 2.0).tolist() == pytest.approx([0.3, 0.9, 1.0, 1.7, 2.0])
+    assert train_grpo_async.masked(r, 0.5, 2.0).tolist() == pytest.approx([0.0, 0.9, 1.0, 1.7, 0.0])
+    factor, changed = train_grpo_async.is_factor(r, tis_cap=0.0, mis_low=0.5, mis_high=2.0)
     assert changed.tolist() == [True, False, False, False, True]
     assert training.kl_k3(torch.log(r), torch.zeros(5), torch.ones(5, dtype=torch.bool)) == \
         pytest.approx(sum(x - 1 - math.log(x) for x in r.tolist()))
@@ -68,7 +67,7 @@ def test_sample_ids_follow_documents_and_branches():
     batch = training.pack_groups([[5, 6, 7], [9, 9]], [[[8, 9], [4]], [[1]]],
                                  [[[1.0, 1.0], [1.0]], [[1.0]]])
     # doc 0: prompt rows 5 6 (branch 0), branch 1: 7 8 9, branch 2: 7 4; doc 1: 9 | 9 1
-    assert training.sample_ids(batch).tolist() == [0, 0, 1, 1, 1, 2, 2, 3, 4, 4]
+    assert train_grpo_async.sample_ids(batch).tolist() == [0, 0, 1, 1, 1, 2, 2, 3, 4, 4]
 
 
 def test_ppo_loss_and_two_epochs_by_hand():
@@ -77,7 +76,7 @@ def test_ppo_loss_and_two_epochs_by_hand():
     mask = torch.ones(2, dtype=torch.bool)
     w = torch.tensor([1.0, -1.0])
     logp = torch.tensor([math.log(1.5), math.log(0.5)], requires_grad=True)
-    loss, clipped = training.ppo_loss(logp, old, w, mask, 0.2, 2.0)
+    loss, clipped = train_grpo_async.ppo_loss(logp, old, w, mask, 0.2, 2.0)
     # row 0: min(1.5, 1.2) * 1 = 1.2 (clipped); row 1: min(-0.5, -0.8) = -0.8 (clipped)
     assert loss.item() == pytest.approx(-(1.2 - 0.8) / 2) and clipped == 2
     loss.backward()
@@ -90,7 +89,7 @@ def test_ppo_loss_and_two_epochs_by_hand():
     opt = torch.optim.SGD([logits], lr=1.0)
     for epoch in range(2):
         lp = torch.log_softmax(logits, 0)
-        loss, clipped = training.ppo_loss(lp[:1], old_lp[:1], torch.ones(1),
+        loss, clipped = train_grpo_async.ppo_loss(lp[:1], old_lp[:1], torch.ones(1),
                                           torch.ones(1, dtype=torch.bool), 0.2, 1.0)
         opt.zero_grad()
         loss.backward()
@@ -104,7 +103,8 @@ def test_ppo_loss_and_two_epochs_by_hand():
 def test_expert_disagreement_counts_sets_not_orders():
     used = torch.tensor([[[0, 1]], [[2, 3]], [[1, 0]]])
     engine = torch.tensor([[[1, 0]], [[2, 4]], [[-1, -1]]])
-    assert training.expert_disagreement(used, engine, torch.ones(3, dtype=torch.bool)) == (1, 2)
+    every = torch.ones(3, dtype=torch.bool)
+    assert train_grpo_async.expert_disagreement(used, engine, every) == (1, 2)
 
 
 # -----------------------------------------------------------------------------
@@ -112,7 +112,7 @@ def test_expert_disagreement_counts_sets_not_orders():
 
 
 def rollout_batches(path, engine_dtype="float32", top_p=1.0, routes=True):
-    """Two groups of four samples from the engine, packed as train_grpo packs them
+    """Two groups of four samples from the engine, packed as train_grpo_async packs them
     (advantages made up so every sample weighs)."""
     engine = InferenceEngine(EngineConfig(model_path=path, max_model_len=128, num_blocks=128,
                                           dtype=engine_dtype, record_routes=routes))
@@ -123,17 +123,17 @@ def rollout_batches(path, engine_dtype="float32", top_p=1.0, routes=True):
               "turn_baseline": False, "share_prompt": True, "batch_tokens": 4096,
               "prompts_per_step": 2, "max_new_tokens": 10, "max_turns": 1,
               "loss_norm": "constant", "tis_cap": 0.0, "kl_coef": 0.0, "temperature": 1.0}
-    return train_grpo.build_batches(groups, config), config
+    return train_grpo_async.build_batches(groups, config), config
 
 
 def gradient(model, batches, config):
     """The flat gradient of the step's loss, after the configured corrections."""
     model.zero_grad()
     off = torch.autocast("cpu", enabled=False)
-    batches, _ = train_grpo.apply_corrections(batches, model, None, off, config)
+    batches, _ = train_grpo_async.apply_corrections(batches, model, None, off, config)
     for b in batches:
         logp, _ = training.batch_logprobs(model, b)
-        train_grpo.policy_loss(logp, b, 100.0, config).backward()
+        train_grpo_async.policy_loss(logp, b, 100.0, config).backward()
     return torch.cat([p.grad.flatten() for p in model.parameters() if p.grad is not None])
 
 
@@ -163,7 +163,7 @@ def test_top_p_logprobs_are_the_truncated_distributions_and_the_ratio_is_the_mas
         top = probs.sort(-1, descending=True).values
         kept = (top * ((top.cumsum(-1) - top) < 0.7)).sum(-1)   # the nucleus's mass, per row
         m = b.loss_mask
-        ratio = training.importance_ratios(hidden_logp, b.log_probs, m)
+        ratio = train_grpo_async.importance_ratios(hidden_logp, b.log_probs, m)
         assert (ratio[m] - kept[m]).abs().max().item() < 1e-5
         assert (ratio[m] < 1 + 1e-6).all() and (ratio[m] < 0.999).any()
 
@@ -178,14 +178,15 @@ def test_routing_replay_makes_the_trainer_route_as_the_bf16_engine_did(moe):
     measure = {**NO_CORRECTION, "tis_cap": 0.0, "kl_coef": 0.0, "record_routes": True}
     for dtype, differs in (("bfloat16", True), ("float32", False)):
         batches, config = rollout_batches(moe, engine_dtype=dtype)
-        _, own = train_grpo.apply_corrections(batches, model, None, off, {**config, **measure})
+        _, own = train_grpo_async.apply_corrections(batches, model, None, off,
+                                                    {**config, **measure})
         replay = {**config, **measure, "routing_replay": True}
-        replayed, same = train_grpo.apply_corrections(batches, model, None, off, replay)
+        replayed, same = train_grpo_async.apply_corrections(batches, model, None, off, replay)
         assert same["offpolicy/expert_disagreement"] == 0.0
         assert (own["offpolicy/expert_disagreement"] > 0) == differs, dtype
         gap = {"own": 0.0, "replayed": 0.0}   # mean |trainer - engine logprob|, sampled tokens
         for b, r in zip(batches, replayed):
-            plain = train_grpo.trainer_logprobs(model, training.replace(b, routes=None), off)
+            plain = train_grpo_async.trainer_logprobs(model, training.replace(b, routes=None), off)
             if not differs:   # fp32: the engine's routes are the trainer's own, the logprobs too
                 assert torch.equal(plain, r.old_log_probs)
             gap["own"] += (plain - b.log_probs)[b.loss_mask].abs().sum().item()

@@ -1,5 +1,5 @@
 """
-train_grpo --rollout_ranks on 2 gloo ranks under real torchrun (rank 0 trains, rank 1 only
+train_grpo_async --rollout_ranks on 2 gloo ranks under real torchrun (rank 0 trains, rank 1 only
 samples): with max_staleness=0 the colocated single process's samples and steps exactly
 (also on 3 ranks split either way), a resumed run that trains no sample twice, and with
 max_staleness=1 sampling overlapped with training, no sample more than one version stale.
@@ -29,18 +29,23 @@ SAME = ("train/loss", "train/grad_norm", "train/tokens", "rollout/reward_mean", 
         "rollout/problems_total", "eval/accuracy", "eval/pass@1")
 
 
+def on_policy(args):
+    """args without train_grpo_async.py's settings: the main job, train_grpo.py's."""
+    return [a for a in args if not a.startswith("--weight_bucket_mb=")]
+
+
 def steps(out_dir):
     return [r for r in td.rows(out_dir) if "train/loss" in r]
 
 
 @pytest.fixture(scope="module")
 def synchronous(tmp_path_factory):
-    """5 GRPO iterations colocated in one process, and the same with rank 1 as a rollout
-    rank (staleness 0)."""
+    """5 GRPO iterations of train_grpo.py (colocated, in one process), and the same with
+    rank 1 as a rollout rank (staleness 0)."""
     tmp = tmp_path_factory.mktemp("rollout_ranks")
     args = ARGS + ["--max_iters=5", "--eval_interval=5"]
-    td.launch(tmp, "train_grpo.py", tmp / "one", args)
-    td.launch(tmp, "train_grpo.py", tmp / "split",
+    td.launch(tmp, "train_grpo.py", tmp / "one", on_policy(args))
+    td.launch(tmp, "train_grpo_async.py", tmp / "split",
               args + ["--rollout_ranks=1", "--max_staleness=0"], nproc=2)
     return tmp, args
 
@@ -77,8 +82,8 @@ def test_multi_turn_episodes_on_a_rollout_rank_step_like_the_colocated_run(tmp_p
     args = ARGS + ["--max_iters=5", "--eval_interval=5", f"--model={model}", f"--task={again}",
                    "--max_turns=3", "--max_new_tokens=40", "--max_episode_tokens=160",
                    "--prompts_per_step=8", "--batch_tokens=1024"]
-    td.launch(tmp_path, "train_grpo.py", tmp_path / "one", args)
-    td.launch(tmp_path, "train_grpo.py", tmp_path / "split", args + ["--rollout_ranks=1",
+    td.launch(tmp_path, "train_grpo.py", tmp_path / "one", on_policy(args))
+    td.launch(tmp_path, "train_grpo_async.py", tmp_path / "split", args + ["--rollout_ranks=1",
                                                                      "--max_staleness=0"], nproc=2)
     td.assert_same_run(tmp_path / "one", tmp_path / "split", SAME + ("rollout/turns_mean",
                                                                      "eval/success_by_turn_3"))
@@ -94,7 +99,7 @@ def test_three_ranks_split_either_way_step_like_the_colocated_run(synchronous, r
     # sampling half of a rollout)
     tmp, args = synchronous
     out = tmp / f"three_{rollout_ranks}"
-    td.launch(tmp, "train_grpo.py", out, args + [f"--rollout_ranks={rollout_ranks}"], nproc=3)
+    td.launch(tmp, "train_grpo_async.py", out, args + [f"--rollout_ranks={rollout_ranks}"], nproc=3)
     td.assert_same_run(tmp / "one", out, SAME)
 
 
@@ -103,8 +108,8 @@ def test_a_resumed_rollout_ranks_run_trains_no_sample_twice(synchronous):
     half = tmp / "half"
     split = ["--rollout_ranks=1", "--max_staleness=0"]
     first = ["--max_iters=3", "--lr_decay_iters=5", "--ckpt_interval=3", "--eval_interval=5"]
-    td.launch(tmp, "train_grpo.py", half, args[:-2] + first + split, nproc=2)
-    td.launch(tmp, "train_grpo.py", half,
+    td.launch(tmp, "train_grpo_async.py", half, args[:-2] + first + split, nproc=2)
+    td.launch(tmp, "train_grpo_async.py", half,
               args + ["--init_from=resume", "--lr_decay_iters=5"] + split, nproc=2)
     # iterations 4 and 5 draw from the checkpoint's sampler record and step as
     # the uninterrupted run
@@ -119,7 +124,7 @@ def test_staleness_one_overlaps_sampling_with_training(tmp_path):
     args = ARGS + ["--max_iters=8", "--eval_interval=8", "--prompts_per_step=16", "--group_size=8",
                    "--max_new_tokens=16", "--batch_tokens=512", "--tis_cap=2", "--rollout_ranks=1",
                    "--max_staleness=1"]
-    td.launch(tmp_path, "train_grpo.py", tmp_path / "async", args, nproc=2)
+    td.launch(tmp_path, "train_grpo_async.py", tmp_path / "async", args, nproc=2)
     rows = steps(tmp_path / "async")
     assert [r["iter"] for r in rows] == list(range(1, 9))
     # rollout 0 and 1 sample with the starting weights, rollout j >= 1 with those after
@@ -144,7 +149,7 @@ def test_staleness_three_runs_with_rollouts_in_flight(tmp_path):
     args = ARGS + ["--max_iters=7", "--eval_interval=7", "--prompts_per_step=8", "--group_size=4",
                    "--max_new_tokens=8", "--batch_tokens=512", "--tis_cap=2", "--rollout_ranks=1",
                    "--max_staleness=3", "--dist_timeout_s=60"]
-    td.launch(tmp_path, "train_grpo.py", tmp_path / "async3", args, nproc=2)
+    td.launch(tmp_path, "train_grpo_async.py", tmp_path / "async3", args, nproc=2)
     rows = steps(tmp_path / "async3")
     assert [r["iter"] for r in rows] == list(range(1, 8))
     # rollouts 0-3 sample with the starting weights, rollout j >= 3 with those after j - 3

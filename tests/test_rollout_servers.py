@@ -1,5 +1,5 @@
 """
-train_grpo --rollout_urls: rollouts sampled by real scaleout/serve.py processes over
+train_grpo_async --rollout_urls: rollouts sampled by real scaleout/serve.py processes over
 HTTP, the trainer's weights pushed to them over a gloo group of their own, against
 the colocated run.
 
@@ -10,6 +10,7 @@ import httpx
 import pytest
 
 import train_grpo
+import train_grpo_async
 from test_grpo import TINY, metrics, tiny_config
 from test_serve import Served
 
@@ -33,6 +34,11 @@ def assert_same(a, b, rel=1e-5, at_least=20):
     assert checked >= at_least
 
 
+def run_async(out_dir, *args):
+    """train_grpo_async.py (rollout_urls is its setting) on tiny_config(out_dir, *args)."""
+    return train_grpo_async.main(tiny_config(out_dir, *args, script=train_grpo_async))
+
+
 def stats(server):
     return httpx.get(server.url + "/stats").json()
 
@@ -52,7 +58,7 @@ def test_one_and_two_servers_sample_what_the_colocated_run_samples(colocated):
     servers = [Served(tmp / "one" / "ckpt", "--enable_weight_updates=True") for _ in range(2)]
     try:
         one = f"--rollout_urls={servers[0].url}"
-        train_grpo.main(tiny_config(tmp / "served", *args, one))
+        run_async(tmp / "served", *args, one)
         assert_same(tmp / "one", tmp / "served")
         rows = [r for r in metrics(tmp / "served") if "train/loss" in r]
         # rollout j waited for the weights after iteration j - 1: pushed before
@@ -62,7 +68,7 @@ def test_one_and_two_servers_sample_what_the_colocated_run_samples(colocated):
         generated = [stats(s)["generated_tokens"] for s in servers]
         assert generated[0] > 0 and generated[1] == 0
         both = f"--rollout_urls={servers[0].url},{servers[1].url}"   # each samples half
-        train_grpo.main(tiny_config(tmp / "two", *args, both))
+        run_async(tmp / "two", *args, both)
         assert_same(tmp / "one", tmp / "two")
         more = [stats(s)["generated_tokens"] - g for s, g in zip(servers, generated)]
         assert more[0] > 0 and more[1] > 0 and 0.5 < more[0] / more[1] < 2, more
@@ -85,13 +91,13 @@ def test_a_killed_server_fails_the_step_naming_it_and_resume_continues(colocated
     monkeypatch.setattr(train_grpo, "rollout", dies_at_3)
     url = server.url
     with pytest.raises(RuntimeError, match=f"rollout server {url}"):
-        train_grpo.main(tiny_config(out, *args[:-2], "--ckpt_interval=2", "--eval_interval=5",
-                                    f"--rollout_urls={url}"))
+        run_async(out, *args[:-2], "--ckpt_interval=2", "--eval_interval=5",
+                  f"--rollout_urls={url}")
     monkeypatch.setattr(train_grpo, "rollout", real)
     back = Served(tmp / "one" / "ckpt", "--enable_weight_updates=True")
     try:
-        train_grpo.main(tiny_config(out, *args[:-2], "--ckpt_interval=2", "--eval_interval=5",
-                                    "--init_from=resume", f"--rollout_urls={back.url}"))
+        run_async(out, *args[:-2], "--ckpt_interval=2", "--eval_interval=5",
+                  "--init_from=resume", f"--rollout_urls={back.url}")
     finally:
         back.stop()
     # iterations 3..5 again from the checkpoint at 2: what the uninterrupted run trained on
@@ -113,7 +119,7 @@ def test_multi_turn_episodes_through_a_server_step_like_the_colocated_run(tmp_pa
     train_grpo.main(tiny_config(tmp_path / "one", *args))
     server = Served(tmp_path / "one" / "ckpt", "--enable_weight_updates=True")
     try:
-        train_grpo.main(tiny_config(tmp_path / "served", *args, f"--rollout_urls={server.url}"))
+        run_async(tmp_path / "served", *args, f"--rollout_urls={server.url}")
     finally:
         server.stop()
     assert_same(tmp_path / "one", tmp_path / "served", at_least=8)
@@ -125,8 +131,8 @@ def test_staleness_one_samples_the_next_rollout_while_training(colocated):
     tmp, args = colocated
     server = Served(tmp / "one" / "ckpt", "--enable_weight_updates=True")
     try:
-        train_grpo.main(tiny_config(tmp / "stale", *args, "--max_staleness=1", "--tis_cap=2",
-                                    f"--rollout_urls={server.url}"))
+        run_async(tmp / "stale", *args, "--max_staleness=1", "--tis_cap=2",
+                  f"--rollout_urls={server.url}")
     finally:
         server.stop()
     rows = [r for r in metrics(tmp / "stale") if "rollout/staleness_max" in r]
@@ -182,9 +188,9 @@ def test_a_lora_trainer_pushes_its_merged_weights(colocated):
     tmp, args = colocated
     server = Served(tmp / "one" / "ckpt", "--enable_weight_updates=True")
     try:
-        train_grpo.main(tiny_config(tmp / "lora", *args, "--lora_rank=4", "--learning_rate=3e-2",
-                                    f"--init_from={tmp / 'one' / 'ckpt'}",
-                                    f"--rollout_urls={server.url}"))
+        run_async(tmp / "lora", *args, "--lora_rank=4", "--learning_rate=3e-2",
+                  f"--init_from={tmp / 'one' / 'ckpt'}",
+                  f"--rollout_urls={server.url}")
     finally:
         server.stop()
     rows = [r for r in metrics(tmp / "lora") if "train/loss" in r]

@@ -149,7 +149,7 @@ def test_the_renderers_parser_reads_our_generate_responses(tmp_path_factory, tmp
 
 
 # -----------------------------------------------------------------------------
-# train_grpo on a verifiers environment: its episodes, collected through a server the
+# train_grpo_async on a verifiers environment: its episodes, collected through a server the
 # trainer pushes its weights to, become GRPO groups (scaleout/verifiers_groups.py)
 
 
@@ -160,6 +160,7 @@ def test_train_grpo_learns_on_a_verifiers_environment(tmp_path):
     # seed and the criterion were fixed before the first run: seed 1337, the mean reward
     # of the last three of 8 iterations above that of the first three
     import train_grpo
+    import train_grpo_async
     from test_grpo import TINY, metrics, tiny_config
     model = f"--model={dict(TINY, max_position_embeddings=256)!r}".replace(" ", "")
     args = [model, "--max_new_tokens=12", "--eval_interval=100", "--seed=1337"]
@@ -169,9 +170,9 @@ def test_train_grpo_learns_on_a_verifiers_environment(tmp_path):
     server = Served(str(tmp_path / "init" / "ckpt"), "--enable_weight_updates=True")
     try:
         command = f"{VF_PYTHON} {EXAMPLE} --reward=brevity"
-        train_grpo.main(tiny_config(tmp_path / "vf", *args, "--max_iters=8",
-                                    f"--rollout_urls={server.url}",
-                                    f"--verifiers_cmd={command}"))
+        train_grpo_async.main(tiny_config(tmp_path / "vf", *args, "--max_iters=8",
+                                          f"--rollout_urls={server.url}",
+                                          f"--verifiers_cmd={command}", script=train_grpo_async))
     finally:
         assert server.stop() == 0
     rows = [r for r in metrics(tmp_path / "vf") if "rollout/reward_mean" in r]

@@ -7,7 +7,7 @@ second user message sits inside its completion (mask 0, no weight).
 import pytest
 import torch
 
-import train_grpo
+import train_grpo_async
 from scaleout.verifiers_groups import branch_sample, episode_groups
 
 # task "a": episode 1 one reply (right), episode 2 two replies around the environment's
@@ -39,7 +39,7 @@ def test_episodes_become_groups_and_batches_as_built_by_hand():
     assert two_turn.loss_mask == (1, 0, 0, 1)
     assert two_turn.logprobs == (-2.0, 0.0, 0.0, -0.75)   # the environment's ids: 0
     # task a's group: advantages +0.5 and -0.5 (reward - group mean) on sampled tokens only
-    (batch,) = train_grpo.build_batches(groups[:1], CONFIG)
+    (batch,) = train_grpo_async.build_batches(groups[:1], CONFIG)
     weighted = {int(t): float(w) for t, w, m in zip(batch.labels, batch.token_weights,
                                                    batch.loss_mask) if m}
     assert weighted == {10: 0.5, 11: 0.5, 12: -0.5, 13: -0.5}
@@ -75,4 +75,4 @@ def test_bad_verifiers_settings_are_refused_before_any_work(tmp_path):
                         "No closing quotation"),
                        ((cmd, "--rollout_urls=http://h:1", "--top_p=0.9"), "top_p=0.9")):
         with pytest.raises(ValueError, match=says):
-            train_grpo.check_settings(tiny_config(tmp_path, *args))
+            train_grpo_async.check_settings(tiny_config(tmp_path, *args, script=train_grpo_async))

@@ -8,7 +8,7 @@ RL API, with this project's weight-transfer backend on vLLM's worker side
   shapes do not fit is refused with vLLM's 500 before any byte, nothing changed;
 - a request in flight across an update, with vLLM's pause mode=keep, finishes, its tokens'
   versions in vLLM's weight_versions spans: the old version's, then the new one's;
-- train_grpo --rollout_urls=<the vLLM server> trains: rewards and logprobs reach the
+- train_grpo_async --rollout_urls=<the vLLM server> trains: rewards and logprobs reach the
   trainer, and the logprob mismatch between vLLM's sampler and the trainer stays at the
   fp32 noise level at every step (the trainer's weights are the ones vLLM samples with).
 
@@ -28,6 +28,7 @@ import pytest
 import torch
 
 import train_grpo
+import train_grpo_async
 from checkpoint import load_hf_checkpoint, ours_to_hf
 from engine import EngineConfig, InferenceEngine, SamplingParams
 from test_grpo import TINY, metrics, tiny_config
@@ -176,7 +177,8 @@ def test_a_request_in_flight_across_an_update_finishes_under_both_versions(coloc
 
 def test_grpo_trains_through_a_vllm_server(colocated):
     tmp, args, server = colocated
-    train_grpo.main(tiny_config(tmp / "served", *args, f"--rollout_urls={server.url}"))
+    train_grpo_async.main(tiny_config(tmp / "served", *args, f"--rollout_urls={server.url}",
+                                      script=train_grpo_async))
     rows = [r for r in metrics(tmp / "served") if "train/loss" in r]
     assert len(rows) == 3
     for r in rows:   # vLLM's samples and logprobs reached the trainer
