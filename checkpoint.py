@@ -746,11 +746,17 @@ def _start(config, new_tokenizer):
 
 def report_changed_settings(config, saved):
     """A resumed run takes its settings from this command line, not the checkpoint's:
-    say which differ (a changed grad_accum or lr is a different run from here on)."""
+    say which differ (a changed grad_accum or lr is a different run from here on), and
+    which of the checkpoint's this script does not read (a train_grpo_async.py run
+    resumed by train_grpo.py: its corrections are off from here on)."""
     changed = {k: (saved[k], v) for k, v in config.items()
                if k in saved and k != "init_from" and saved[k] != v}
     for key, (was, now) in changed.items():
         print0(f"resume: {key} = {now!r} (the checkpoint's run had {was!r})")
+    unread = [f"{k}={v!r}" for k, v in saved.items() if k not in config]
+    if unread:
+        print0(f"resume: the checkpoint's run had settings this script does not read, off "
+               f"from here on: {', '.join(unread)}")
     return changed
 
 

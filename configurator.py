@@ -167,6 +167,9 @@ def configure(g, args, stage):
         if key not in settings:
             close = difflib.get_close_matches(str(key), list(settings), n=1)
             hint = f" (did you mean {close[0]!r}?)" if close else ""
+            owners = scripts_with(str(key), g.get("__file__"))
+            if owners:   # e.g. train_grpo_async.py's tis_cap given to train_grpo.py
+                hint = f" (a setting of {', '.join(owners)}, not of this script)"
             raise BadValue(f"{source}: unknown config key {key!r}{hint}")
         updates[key] = check_value(key, value, settings[key], source)
         applied.append((key, updates[key], source))
@@ -204,6 +207,28 @@ def configure(g, args, stage):
 
 # -----------------------------------------------------------------------------
 # a script's command line
+
+def scripts_with(key, script):
+    """The other scripts beside script (the .py files of its folder with a command line,
+    run_cli) that have a setting named key, read without importing them: where a key
+    this script does not know belongs. [] without a script."""
+    if not script:
+        return []
+    folder, found = os.path.dirname(os.path.abspath(script)), []
+    for name in sorted(os.listdir(folder)):
+        path = os.path.join(folder, name)
+        if not name.endswith(".py") or os.path.abspath(script) == path:
+            continue
+        with open(path) as f:
+            text = f.read()
+        if "run_cli(" not in text:
+            continue
+        tree = ast.parse(text)
+        if any(isinstance(t, ast.Name) and t.id == key
+               for node in tree.body if isinstance(node, ast.Assign) for t in node.targets):
+            found.append(name)
+    return found
+
 
 def run_cli(main, g, stage):
     """a script's command line: main(configure(g, sys.argv[1:], stage)). A mistake in its

@@ -451,14 +451,20 @@ def grpo_step(engine, env, sampler, run, config, it):
         metrics["train/normalizer"] = normalizer
         clock["step"] = time.perf_counter()
     # 5. publish the new weights in place, so the next rollout is on-policy
-    t0 = time.perf_counter()
-    if config["engine_sleep"]:
-        engine.wake_up()
-    engine.update_from(run.model)
-    metrics["perf/update_weights_s"] = time.perf_counter() - t0
+    metrics.update(publish(engine, run.model, config))
     clock["end"] = time.perf_counter()
     flops += step_bookkeeping(metrics, clock, batches, run)
     return metrics, flops
+
+
+def publish(engine, model, config):
+    """The engine's weights swapped for model's in place (engine.update_from: version += 1,
+    prefix cache flushed), an engine asleep through the step woken first."""
+    t0 = time.perf_counter()
+    if config["engine_sleep"]:
+        engine.wake_up()
+    engine.update_from(model)
+    return {"perf/update_weights_s": time.perf_counter() - t0}
 
 
 def step_bookkeeping(metrics, clock, batches, run, passes=0, epochs=1):

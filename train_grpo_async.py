@@ -14,7 +14,8 @@ normalizer, evaluation) and adding what it leaves out. Read train_grpo.py first.
     # colocated as train_grpo.py, with a bf16 engine and truncated IS (docs/off_policy.md)
     python train_grpo_async.py config/qwen_small.py --engine_dtype=bfloat16 --tis_cap=2
 
-What it adds to train_grpo.py's iteration (grpo_step below):
+What it adds to train_grpo.py's iteration (grpo_step below; the numbers are that
+step's phases, and phase 2, the advantages and the packing, is the same):
   1. the groups come from a source: this process's engine (Colocated), rollout ranks or
      servers; with max_staleness = s, rollout j samples with the weights after step j - s;
   3. a logprob pass of the trainer's weights before the step, when a setting needs one,
@@ -180,8 +181,6 @@ def expert_disagreement(used, engine_routes, mask):
     return int(differ.sum()), differ.numel()
 
 
-
-
 # -----------------------------------------------------------------------------
 # the step's batches and its objective
 
@@ -226,6 +225,10 @@ def policy_loss(logp, batch, normalizer, config, stats=None):
     return train_grpo.policy_loss(logp, batch, normalizer, config)
 
 
+# -----------------------------------------------------------------------------
+# the corrections' pass
+
+
 @torch.no_grad()
 def trainer_logprobs(model, batch, autocast, routes_out=None):
     """log p(label) of every row under the trainer's current weights (before the step)."""
@@ -239,10 +242,6 @@ def needs_trainer_pass(config):
     compare."""
     return (config["tis_cap"] > 0 or config["mis_high"] > 0 or config["kl_coef"] > 0
             or config["ppo_clip"] > 0 or config["record_routes"] or config["routing_replay"])
-
-
-# -----------------------------------------------------------------------------
-# the corrections' pass
 
 
 def apply_corrections(batches, model, reference, autocast, config):
@@ -279,8 +278,7 @@ def apply_corrections(batches, model, reference, autocast, config):
         counts["corrected"] += int((changed & mask).sum())
         counts["sampled"] += int(mask.sum())
         if used is not None:
-            differ, pairs = expert_disagreement(torch.stack(used, 1), engine_routes,
-                                                         mask)
+            differ, pairs = expert_disagreement(torch.stack(used, 1), engine_routes, mask)
             counts["differ"] += differ
             counts["pairs"] += pairs
         out.append(dataclasses.replace(b, token_weights=w, old_log_probs=lp))
@@ -318,11 +316,7 @@ class Colocated:
         return out
 
     def publish(self, model, it):
-        t0 = time.perf_counter()
-        if self.config["engine_sleep"]:
-            self.engine.wake_up()
-        self.engine.update_from(model)
-        return {"perf/update_weights_s": time.perf_counter() - t0}
+        return train_grpo.publish(self.engine, model, self.config)
 
     def eval_engine(self, model):
         return self.engine

@@ -23,7 +23,8 @@ mkdir -p "$OUT"
 server=$!
 trap 'kill $server 2>/dev/null || true' EXIT
 until curl -sf "http://127.0.0.1:$PORT/health" > /dev/null; do sleep 2; done
-.venv/bin/python train_grpo_async.py config/qwen_small.py "${COMMON[@]}" --out_dir="$OUT/verifiers" \
+.venv/bin/python train_grpo_async.py config/qwen_small.py "${COMMON[@]}" \
+    --out_dir="$OUT/verifiers" \
     --rollout_urls="http://127.0.0.1:$PORT" \
     --verifiers_cmd="$VF_PYTHON scaleout/verifiers_countdown.py"
 kill $server

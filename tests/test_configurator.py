@@ -366,6 +366,8 @@ def test_a_mistake_on_the_command_line_is_one_line_and_status_2(tmp_path):
     # message alone, no traceback, and exits with status 2
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     for args, says in ((["--prompts_per_stepp=3"], "unknown config key 'prompts_per_stepp'"),
+                       # the fork's setting: where it belongs
+                       (["--tis_cap=2"], "'tis_cap' (a setting of train_grpo_async.py, not of"),
                        ([f"--init_from={tmp_path / 'none'}", f"--out_dir={tmp_path / 'out'}"],
                         "run that stage first")):
         run = subprocess.run([sys.executable, "train_grpo.py", "config/qwen_small.py", *args],

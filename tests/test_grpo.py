@@ -152,7 +152,7 @@ TINY = dict(hidden_size=32, intermediate_size=64, moe_intermediate_size=32, num_
             num_experts_per_tok=2, max_position_embeddings=128)
 
 
-# the off-policy settings off (train_grpo's defaults), for configs written out by hand
+# the off-policy settings off (train_grpo_async's defaults), for configs written out by hand
 NO_CORRECTION = {"mis_low": 0.0, "mis_high": 0.0, "is_level": "token", "ppo_clip": 0.0,
                  "ppo_epochs": 1, "record_routes": False, "routing_replay": False}
 

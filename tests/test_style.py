@@ -33,7 +33,8 @@ def module_name(path):
     return ".".join(path.relative_to(ROOT).with_suffix("").parts)
 
 
-def test_no_import_circle():
+def project_imports():
+    """{module: the project's modules it imports}, for every file of FILES."""
     modules = {module_name(p): p for p in FILES}
     imports = {}
     for name, path in modules.items():
@@ -44,6 +45,11 @@ def test_no_import_circle():
             elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
                 found |= {node.module} | {f"{node.module}.{a.name}" for a in node.names}
         imports[name] = found & set(modules) - {name}
+    return imports
+
+
+def test_no_import_circle():
+    imports = project_imports()
 
     def reachable(start):
         seen, todo = set(), [start]
@@ -52,7 +58,7 @@ def test_no_import_circle():
                 seen.add(m)
                 todo.append(m)
         return seen
-    circles = sorted(m for m in modules if m in reachable(m))
+    circles = sorted(m for m in imports if m in reachable(m))
     assert not circles, f"modules that import themselves through others: {circles}"
 
 
@@ -65,3 +71,14 @@ def test_the_worked_forks_apply_to_train_grpo_as_written():
     assert len(sources) == 3, list(sources)
     for title, text in sources.items():
         compile(text, f"train_grpo.py ({title})", "exec")
+
+
+def test_the_fork_imports_the_main_loop_never_the_reverse():
+    # train_grpo_async.py imports train_grpo.py's parts; no module of the core imports the
+    # fork, and the on-policy loop imports no rollout source
+    imports = project_imports()
+    core = [m for m in imports if not m.startswith(("tests.", "bench.", "config."))]
+    assert [m for m in core if "train_grpo_async" in imports[m]] == []
+    assert "train_grpo" in imports["train_grpo_async"]
+    sources = {m for m in imports if m.startswith("scaleout.") and m != "scaleout.distributed"}
+    assert not imports["train_grpo"] & sources, imports["train_grpo"] & sources

@@ -429,6 +429,10 @@ def test_resume_names_the_settings_that_differ_from_the_checkpoints(capsys):
     assert changed == {"grad_accum": (2, 1), "max_iters": (10, 20)}   # init_from always differs
     out = capsys.readouterr().out
     assert "resume: grad_accum = 1 (the checkpoint's run had 2)" in out and "added" not in out
+    # a setting of the run this script does not have (train_grpo_async.py's tis_cap,
+    # resumed by train_grpo.py) is named: it is off from here on
+    checkpoint.report_changed_settings(now, {**saved, "tis_cap": 2.0})
+    assert "does not read, off from here on: tis_cap=2.0" in capsys.readouterr().out
 
 
 def test_sigkill_then_resume_matches_uninterrupted_run(tmp_path):
