@@ -32,6 +32,13 @@ def randomise(hf_model, seed=0):
     return hf_model.eval()
 
 
+def logits_and_aux(model, *args, temperature=1.0, **kwargs):
+    """The whole model on a batch, as transformers' forward gives it: (logits [T, V],
+    the load-balancing loss): model's blocks (forward), then its head and its aux loss."""
+    hidden, router_logits = model(*args, **kwargs)
+    return model.logits(hidden, temperature), model.aux_loss(router_logits, hidden)
+
+
 def write_hf_checkpoint(hf_config, path, seed=0):
     """(hf_model, path): a randomised transformers model of hf_config (Qwen3, Qwen3-MoE,
     Qwen2, Llama), written to path by transformers' own save_pretrained."""

@@ -399,8 +399,8 @@ class InferenceEngine:
                                    compiled=self.compile)
         # each MoE layer's experts, beside the K/V
         used = None if kv.routes is None else []
-        logits, _ = self.model(tokens, positions, attention=attention,
-                               logits_indices=last_rows, aux_loss=False, routes_out=used)
+        hidden, _ = self.model(tokens, positions, attention=attention, routes_out=used)
+        logits = self.model.logits(hidden[last_rows])
         if used is not None:
             routes = torch.stack(used, 1).to(torch.int16)
             kv.routes.view(-1, *kv.routes.shape[2:])[slots] = routes

@@ -5,8 +5,11 @@ to fp32 rounding.
     from model import ModelConfig, Transformer
     from checkpoint import load_hf_checkpoint, save_hf_checkpoint
     model = load_hf_checkpoint("path/to/hf_dir")    # qwen3_moe, qwen3, qwen2, llama; fp32 on cpu
-    logits, aux_loss = model(tokens, position_ids, cu_seqlens)   # packed: [T], [T], [N+1] int32
-    save_hf_checkpoint(model, "out/hf")                         # AutoModelForCausalLM loads it back
+    hidden, router_logits = model(tokens, position_ids, cu_seqlens)   # packed: [T], [T], [N+1]
+    logits = model.logits(hidden)                        # the head, its own call: [T, V]
+    logp = model.logprobs(hidden, labels)                # log p(label) per row, a chunk at a time
+    aux_loss = model.aux_loss(router_logits, hidden)     # the router's load-balancing loss
+    save_hf_checkpoint(model, "out/hf")                  # AutoModelForCausalLM loads it back
 
 Everything is computed over a *packed* batch: the sequences are laid end to end in one
 row of T tokens and `cu_seqlens` marks where each one starts, so there is no padding and
@@ -648,23 +651,22 @@ class Transformer(nn.Module):
             self._rope = (inv_freq.to(device), scale)
         return self._rope
 
-    def forward(self, tokens, position_ids, cu_seqlens=None, attention=None, logits_indices=None,
-                aux_loss=True, labels=None, temperature=1.0, branch=None, routes=None,
-                routes_out=None):
-        """tokens, position_ids: [T] (a packed batch); cu_seqlens: int32 [N+1] document
-        boundaries. attention: how to attend (default: causal within each document of
-        cu_seqlens; with branch [T], documents whose completions share a prompt,
-        training.pack_groups: a row sees its own branch and branch 0). logits_indices:
-        compute logits only at these rows (the engine wants one per sequence). Returns
-        (logits / temperature [T or len(logits_indices), V], aux_loss): aux_loss is the
-        load-balancing loss over all MoE layers (transformers'
-        load_balancing_loss_func), a 0-dim tensor, 0 for a dense model; None when
-        aux_loss=False (inference: the engine never needs it). labels [T]: return
-        log_softmax(logits / temperature)[label] per row [T] (fp32) instead of the
-        logits, made a chunk of rows at a time (head_logprobs), so no [T, V] tensor is
-        ever whole: the trainers' path. routes [T, M, k]: routing replay, the experts
-        each row uses in each of the M MoE layers (-1: its own choice); routes_out: a
-        list that receives the experts each MoE layer used, [T, k] each."""
+    def forward(self, tokens, position_ids, cu_seqlens=None, attention=None, branch=None,
+                routes=None, routes_out=None):
+        """The blocks on a packed batch: (hidden [T, D], the final norm's output, and the
+        router logits [T, E] of each MoE layer, a list). tokens, position_ids: [T];
+        cu_seqlens: int32 [N+1] document boundaries. attention: how to attend (default:
+        causal within each document of cu_seqlens; with branch [T], documents whose
+        completions share a prompt, training.pack_groups: a row sees its own branch and
+        branch 0). routes [T, M, k]: routing replay, the experts each row uses in each of
+        the M MoE layers (-1: its own choice); routes_out: a list that receives the
+        experts each MoE layer used, [T, k] each. The head is its own call: logits (the
+        engine's), logprobs (the trainers'), and aux_loss for the router logits.
+
+            hidden, router_logits = model(tokens, position_ids, cu_seqlens)
+            logits = model.logits(hidden[last_rows])              # [N, V]
+            logp = model.logprobs(hidden, labels, temperature)    # [T], no [T, V] tensor
+            aux = model.aux_loss(router_logits, hidden)           # 0-dim"""
         assert tokens.dim() == 1 and position_ids.shape == tokens.shape
         # an attention already holds its mask (DocumentCausalAttention(..., branch=...))
         require(attention is None or branch is None, "pass branch or attention, not both")
@@ -684,18 +686,29 @@ class Transformer(nn.Module):
                 router_logits.append(r)
                 if routes_out is not None:
                     routes_out.append(used)
-        x = self.norm(x)
-        if logits_indices is not None:
-            x = x[logits_indices]
-        head = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        if labels is not None:
-            logits = head_logprobs(x, head, labels, temperature)
-        else:
-            logits = F.linear(x, head) / temperature if temperature != 1.0 else F.linear(x, head)
-        if not aux_loss:
-            return logits, None
-        return logits, load_balancing_loss(router_logits, self.config.num_experts,
-                                           self.config.num_experts_per_tok, x)
+        return self.norm(x), router_logits
+
+    def head_weight(self):
+        # a tied head reads the embedding matrix
+        return self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+
+    def logits(self, hidden, temperature=1.0):
+        """logits / temperature of hidden states [N, D]: [N, V]."""
+        logits = F.linear(hidden, self.head_weight())
+        return logits / temperature if temperature != 1.0 else logits
+
+    def logprobs(self, hidden, labels, temperature=1.0):
+        """log_softmax(logits / temperature)[label] per row of hidden [T, D], labels [T]:
+        [T] fp32, made a chunk of rows at a time (head_logprobs), so no [T, V] tensor is
+        ever whole: the trainers' path."""
+        return head_logprobs(hidden, self.head_weight(), labels, temperature)
+
+    def aux_loss(self, router_logits, like):
+        """The load-balancing loss over the MoE layers' router logits (transformers'
+        load_balancing_loss_func), a 0-dim tensor (0 for a dense model, on like's
+        device)."""
+        return load_balancing_loss(router_logits, self.config.num_experts,
+                                   self.config.num_experts_per_tok, like)
 
 
 # -----------------------------------------------------------------------------

@@ -10,7 +10,7 @@ import torch
 from transformers import Qwen3Config, Qwen3MoeConfig
 
 from inference.attention import PagedAttention, PaddedCall, PagedKVCache, decode_kernel
-from conftest import check_invariants, write_hf_checkpoint
+from conftest import check_invariants, logits_and_aux, write_hf_checkpoint
 from engine import EngineConfig, InferenceEngine, SamplingParams
 from checkpoint import load_hf_checkpoint
 from model import DocumentCausalAttention, ModelConfig
@@ -151,7 +151,7 @@ def test_engine_logprobs_equal_trainer_logprobs(moe):
         tokens = torch.tensor([t for s in seqs for t in s])
         pos = torch.cat([torch.arange(len(s)) for s in seqs])
         cu = torch.tensor([0] + [len(s) for s in seqs]).cumsum(0).to(torch.int32)
-        logits, _ = model(tokens, pos, cu)
+        logits, _ = logits_and_aux(model, tokens, pos, cu)
         for s, start in zip(samples, cu[:-1].tolist()):
             P, C = len(s.prompt_tokens), len(s.completion_tokens)
             rows = logits[start + P - 1:start + P + C - 1] / T
@@ -612,7 +612,7 @@ def test_the_design_documents_usage_block_runs_as_written(moe):
     from engine import schedule, sample_with_logprobs, compute_block_hash, SchedulerConfig
     model = load_hf_checkpoint(path, device="cpu", dtype=torch.float32)   # -> Transformer
     with torch.no_grad():
-        logits, aux_loss = model(tokens, position_ids, cu_seqlens)
+        logits, aux_loss = logits_and_aux(model, tokens, position_ids, cu_seqlens)
     save_hf_checkpoint(model, str(path) + "_saved")
     assert isinstance(model, Transformer) and isinstance(model.config, ModelConfig)
 

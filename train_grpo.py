@@ -410,19 +410,6 @@ def policy_loss(logp, batch, normalizer, config):
     return training.unified_loss(logp, batch, normalizer)
 
 
-def tempered(model, temperature):
-    """model with its logits divided by temperature: the policy the engine samples from at
-    that temperature (its logprobs are log_softmax(logits / T)), so the loss and
-    train/logprob_mismatch score the distribution that was sampled, as TRL's
-    GRPOTrainer does. T = 1 returns model itself."""
-    if temperature == 1.0:
-        return model
-
-    def forward(*args, **kwargs):
-        return model(*args, temperature=temperature, **kwargs)
-    return forward
-
-
 def grpo_step(engine, env, sampler, run, config, it):
     """One GRPO iteration, top to bottom. Returns its metrics and the FLOPs it spent."""
     clock = {"start": time.perf_counter()}
@@ -441,13 +428,13 @@ def grpo_step(engine, env, sampler, run, config, it):
         # 3. this rank's share
         mine = [b.to(config["device"]) for b in distributed.shard(batches)]
         clock["batches"] = time.perf_counter()
-        # 4. one optimizer step on policy_loss, of the distribution the engine sampled
-        policy = tempered(run.forward, config["temperature"])
+        # 4. one optimizer step on policy_loss, scoring log_softmax(logits / temperature):
+        # the distribution the engine sampled (as TRL's GRPOTrainer does)
         loss_fn = functools.partial(policy_loss, config=config)
-        metrics.update(training.train_step(policy, run.optimizer, mine,
+        metrics.update(training.train_step(run.forward, run.optimizer, mine,
                                            training.scheduled_lr(config, it), config["grad_clip"],
                                            config["aux_loss_coef"], run.autocast, normalizer,
-                                           loss_fn))
+                                           loss_fn, config["temperature"]))
         metrics["train/normalizer"] = normalizer
         clock["step"] = time.perf_counter()
     # 5. publish the new weights in place, so the next rollout is on-policy

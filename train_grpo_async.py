@@ -230,10 +230,11 @@ def policy_loss(logp, batch, normalizer, config, stats=None):
 
 
 @torch.no_grad()
-def trainer_logprobs(model, batch, autocast, routes_out=None):
-    """log p(label) of every row under the trainer's current weights (before the step)."""
+def trainer_logprobs(model, batch, autocast, temperature, routes_out=None):
+    """log p(label) at temperature of every row under the trainer's current weights
+    (before the step)."""
     with autocast:
-        return training.batch_logprobs(model, batch, routes_out)[0]
+        return training.batch_logprobs(model, batch, routes_out, temperature)[0]
 
 
 def needs_trainer_pass(config):
@@ -259,22 +260,22 @@ def apply_corrections(batches, model, reference, autocast, config):
     # tokens corrected of those sampled; expert pairs differing of those compared
     out = []
     counts = dict(corrected=0, sampled=0, differ=0, pairs=0)
+    T = config["temperature"]   # both score the distribution the engine sampled
     for _ in range(distributed.missing(len(batches))):   # FSDP2: as many forwards as any rank
-        trainer_logprobs(model, training.empty_batch(config["device"]), autocast)
+        trainer_logprobs(model, training.empty_batch(config["device"]), autocast, T)
     for b in batches:   # this rank's share of the step's micro-batches
         engine_routes = b.routes
         b = b if config["routing_replay"] else dataclasses.replace(b, routes=None)
         used = None if engine_routes is None else []
-        lp = trainer_logprobs(model, b, autocast, used)
+        lp = trainer_logprobs(model, b, autocast, T, used)
         mask, w = b.loss_mask, b.token_weights
         ids = sample_ids(b) if config["is_level"] == "sequence" else None
         factor, changed = is_factor(importance_ratios(lp, b.log_probs, mask, ids),
                                     config["tis_cap"], config["mis_low"], config["mis_high"])
         w = w * factor
         if config["kl_coef"] > 0:
-            w = w - config["kl_coef"] * torch.where(mask,
-                                                    lp - trainer_logprobs(reference, b, autocast),
-                                                    0.0)
+            reference_lp = trainer_logprobs(reference, b, autocast, T)
+            w = w - config["kl_coef"] * torch.where(mask, lp - reference_lp, 0.0)
         counts["corrected"] += int((changed & mask).sum())
         counts["sampled"] += int(mask.sum())
         if used is not None:
@@ -336,18 +337,16 @@ def grpo_step(source, run, reference, config, it):
     if not groups:   # every group had zero reward variance: no step, the weights stay
         print0(f"iter {it + 1}: no group with reward variance")
     else:
-        policy = train_grpo.tempered(run.forward, config["temperature"])
         # 2. advantages x loss mask as token weights, packed; the normalizer, fixed first
         batches = build_batches(groups, config)
         normalizer = train_grpo.loss_normalizer(batches, config)
         # 3. this rank's share, with the IS factor / the KL folded into its weights
         mine = [b.to(config["device"]) for b in distributed.shard(batches)]
-        ref = None if reference is None else train_grpo.tempered(reference, config["temperature"])
-        mine, corrected = apply_corrections(mine, policy, ref, run.autocast, config)
+        mine, corrected = apply_corrections(mine, run.forward, reference, run.autocast, config)
         metrics.update(corrected)
         clock["batches"] = time.perf_counter()
         # 4. ppo_epochs optimizer steps on policy_loss
-        metrics.update(optimizer_steps(policy, run, mine, normalizer, config, it))
+        metrics.update(optimizer_steps(run, mine, normalizer, config, it))
         metrics["train/normalizer"] = normalizer
         clock["step"] = time.perf_counter()
     # 5. publish the new weights to whatever samples
@@ -364,15 +363,16 @@ def grpo_step(source, run, reference, config, it):
     return metrics, flops
 
 
-def optimizer_steps(policy, run, batches, normalizer, config, it):
+def optimizer_steps(run, batches, normalizer, config, it):
     """ppo_epochs optimizer steps on the step's batches (one by default); the metrics of
     the last, with the first's logprob mismatch and KL (those of the weights that
     sampled) and the share of sampled tokens PPO's clip held back over all of them."""
     stats = {"clipped": 0}
     lr = training.scheduled_lr(config, it)
     loss_fn = functools.partial(policy_loss, config=config, stats=stats)
-    epochs = [training.train_step(policy, run.optimizer, batches, lr, config["grad_clip"],
-                                  config["aux_loss_coef"], run.autocast, normalizer, loss_fn)
+    epochs = [training.train_step(run.forward, run.optimizer, batches, lr, config["grad_clip"],
+                                  config["aux_loss_coef"], run.autocast, normalizer, loss_fn,
+                                  config["temperature"])
               for _ in range(config["ppo_epochs"])]
     metrics = dict(epochs[-1])
     for name in ("train/logprob_mismatch", "offpolicy/kl_k3"):

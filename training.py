@@ -81,8 +81,8 @@ def token_logprobs(logits, labels):
 def unified_loss(logits, batch, normalizer=None):
     """-(token_weights * log p(labels)).sum() / normalizer, the one loss of all three
     trainers. `logits` is [T, V], or the [T] log p(labels) themselves: what
-    model(..., labels=batch.labels) returns, computed a chunk of rows at a time so that no [T, V]
-    tensor is ever whole (the trainers' path; the same numbers). The default normalizer
+    batch_logprobs returns (model.logprobs, a chunk of rows at a time so that no [T, V]
+    tensor is ever whole: the trainers' path; the same numbers). The default normalizer
     is token_weights.abs().sum().clamp(min=1), which means:
       pretrain  weights 1         -> the mean next-token NLL (== F.cross_entropy's mean)
       SFT       weights 0/1 mask  -> the mean NLL over assistant tokens (== cross_entropy with
@@ -100,15 +100,19 @@ def unified_loss(logits, batch, normalizer=None):
     return -(w * logp).sum() / normalizer
 
 
-def batch_logprobs(model, batch, routes_out=None):
-    """(log p(label) per row [T], aux loss) of model on a packed batch, its shared
-    prefixes included, routed by batch.routes when it carries them (routing replay);
-    routes_out receives the experts each MoE layer used."""
+def batch_logprobs(model, batch, routes_out=None, temperature=1.0):
+    """(log p(label) per row [T] at temperature, aux loss) of model on a packed batch, its
+    shared prefixes included, routed by batch.routes when it carries them (routing
+    replay); routes_out receives the experts each MoE layer used. model may be wrapped
+    (DDP, torch.compile): the blocks run through the wrapper, the head is the model's own
+    (model.Transformer.logprobs)."""
     extra = {} if batch.branch is None else {"branch": batch.branch}
     extra |= {} if batch.routes is None else {"routes": batch.routes}
     extra |= {} if routes_out is None else {"routes_out": routes_out}
-    return model(batch.tokens, batch.position_ids, batch.cu_seqlens,
-                 labels=batch.labels, **extra)
+    hidden, router_logits = model(batch.tokens, batch.position_ids, batch.cu_seqlens, **extra)
+    head = distributed.unwrap(model)
+    return (head.logprobs(hidden, batch.labels, temperature),
+            head.aux_loss(router_logits, hidden))
 
 
 def kl_k3(trainer_lp, engine_lp, mask):
@@ -357,9 +361,10 @@ def scheduled_lr(config, it):
 
 
 def train_step(model, optimizer, batches, lr, grad_clip=1.0, aux_loss_coef=0.0, autocast=None,
-               normalizer=None, loss_fn=unified_loss):
+               normalizer=None, loss_fn=unified_loss, temperature=1.0):
     """One optimizer step of loss_fn(log p(labels) [T], batch, normalizer) (unified_loss
-    unless a trainer passes its own objective) over one or more micro-batches (already
+    unless a trainer passes its own objective; log p at temperature: GRPO scores the
+    distribution its engine sampled) over one or more micro-batches (already
     on the model's device). They share one normalizer (by default the sum of |weights|
     over all of them), so the step is the same as one big batch; the router's
     load-balancing loss (mean over micro-batches) is added with its coefficient. Returns
@@ -387,7 +392,7 @@ def train_step(model, optimizer, batches, lr, grad_clip=1.0, aux_loss_coef=0.0, 
     for i, b in enumerate(passes):
         with distributed.no_sync(last=i == len(passes) - 1):
             with autocast or nullcontext():
-                logp, aux = batch_logprobs(model, b)
+                logp, aux = batch_logprobs(model, b, temperature=temperature)
             loss = loss_fn(logp, b, normalizer)
             aux = aux.float() * (i < len(batches)) / max(count, 1)
             ((loss + aux_loss_coef * aux) * distributed.world()).backward()

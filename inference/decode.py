@@ -43,7 +43,8 @@ def decode_graph(model, k_cache, v_cache, tokens, positions, slots, block_tables
     """One decode step, tensors in, tensors out: each row's next token and its logprob.
     backend: the engine's attention, 'sdpa' or 'paged'."""
     attention = DecodeAttention(k_cache, v_cache, slots, block_tables, positions, backend)
-    logits, _ = model(tokens, positions, attention=attention, aux_loss=False)
+    hidden, _ = model(tokens, positions, attention=attention)
+    logits = model.logits(hidden)
     # the draw for the token at position p + 1 (sampling.sample_next: a sequence's length)
     return sample_in_graph(logits, temperatures, seeds, positions + 1)
 

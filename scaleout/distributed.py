@@ -37,12 +37,11 @@ import torch
 import torch.distributed as dist
 import xxhash
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
-from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard, register_fsdp_forward_method
 from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel
 
-# the DDP-wrapped model of this process (no_sync reaches it through closures
-# such as tempered())
+# the DDP-wrapped model of this process (no_sync reaches it without being handed it)
 _ddp = None
 # this rank's data-parallel group when split_roles gave the world two roles (None:
 # the whole world)
@@ -168,12 +167,23 @@ def wrap(model, device, fsdp=False, bf16=False):
             if bf16 and kind == "cuda" else MixedPrecisionPolicy()
         for block in model.layers:
             fully_shard(block, mesh=_mesh, mp_policy=policy)
-        return fully_shard(model, mesh=_mesh, mp_policy=policy)
+        sharded = fully_shard(model, mesh=_mesh, mp_policy=policy)
+        # the head is a call of its own after forward: it gathers the root's weights too
+        for method in ("logits", "logprobs"):
+            register_fsdp_forward_method(sharded, method)
+        return sharded
     cuda = torch.device(device).type == "cuda"
     _ddp = DistributedDataParallel(model, device_ids=[torch.device(device).index] if cuda else None,
                                    # buffers: constants
                                    forward_sync_buffers=False, process_group=_group)
     return _ddp
+
+
+def unwrap(model):
+    """The model inside torch.compile's and DDP's wrappers (FSDP2 shards it in place):
+    whose head (logits, logprobs) a trainer calls on what the wrapped forward returns."""
+    model = getattr(model, "_orig_mod", model)
+    return model.module if isinstance(model, DistributedDataParallel) else model
 
 
 def no_sync(last):

@@ -15,6 +15,7 @@ import train_grpo
 import train_grpo_async
 from engine import EngineConfig, InferenceEngine, SamplingParams
 from checkpoint import load_hf_checkpoint
+from conftest import logits_and_aux
 from test_engine import PROMPTS, make_checkpoint
 from test_grpo import metrics, tiny_config
 from test_rollout_servers import MODEL, assert_same
@@ -51,7 +52,7 @@ def logprobs_of(model, sample, temperature=1.0):
     if isinstance(model, torch.nn.Module) and hasattr(model, "generate"):
         logits = model(seq[None]).logits[0]
     else:
-        logits, _ = model(seq, torch.arange(len(seq), device="cuda"), aux_loss=False)
+        logits, _ = logits_and_aux(model, seq, torch.arange(len(seq), device="cuda"))
     P, C = len(sample.prompt_tokens), len(sample.completion_tokens)
     rows = torch.log_softmax(logits[P - 1:P + C - 1].float() / temperature, -1)
     return rows.gather(1, seq[P:, None])[:, 0].cpu()
@@ -109,7 +110,7 @@ def test_cuda_routes_and_truncated_logprobs(checkpoint):
         if name == "moe":
             seq = torch.tensor(s.prompt_tokens + s.completion_tokens, device="cuda")
             used = []
-            model(seq, torch.arange(len(seq), device="cuda"), aux_loss=False, routes_out=used)
+            model(seq, torch.arange(len(seq), device="cuda"), routes_out=used)
             own = torch.stack(used, 1)[:-1].sort(-1).values.cpu()
             assert torch.equal(own, s.routes.long().sort(-1).values), f"[{name}] routes"
         else:
@@ -154,7 +155,7 @@ def test_packed_training_forward_and_backward_match_transformers_and_the_cpu(che
         model = load_hf_checkpoint(path, device=device)
         tokens = torch.tensor([t for d in docs for t in d], device=device)
         pos = torch.cat([torch.arange(len(d)) for d in docs]).to(device)
-        logits, aux = model(tokens, pos, cu)
+        logits, aux = logits_and_aux(model, tokens, pos, cu)
         (logits.logsumexp(-1).mean() + aux).backward()
         grads[device] = {n: p.grad.cpu() for n, p in model.named_parameters()}
         if device == "cuda":

@@ -24,7 +24,7 @@ from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config, Qwen3Co
 
 import train_grpo
 from checkpoint import load_hf_checkpoint, save_hf_checkpoint
-from conftest import write_hf_checkpoint
+from conftest import logits_and_aux, write_hf_checkpoint
 from engine import EngineConfig, InferenceEngine, SamplingParams
 from test_grpo import tiny_config
 from tokenizer import build_tokenizer, save_tokenizer
@@ -80,7 +80,7 @@ def test_logits_match_transformers_over_a_packed_batch(family):
     tokens = torch.tensor([t for p in PROMPTS for t in p])
     pos = torch.cat([torch.arange(len(p)) for p in PROMPTS])
     cu = torch.tensor([0] + [len(p) for p in PROMPTS]).cumsum(0).to(torch.int32)
-    logits, _ = ours(tokens, pos, cu)
+    logits, _ = logits_and_aux(ours, tokens, pos, cu)
     for p, start in zip(PROMPTS, cu[:-1].tolist()):
         ref = hf(torch.tensor([p])).logits[0]
         assert (logits[start:start + len(p)] - ref).abs().max().item() < 1e-4
@@ -98,7 +98,7 @@ def test_engine_greedy_equals_generate_and_logprobs_equal_the_trainers(family):
     model = load_hf_checkpoint(path)
     for s in engine.generate(PROMPTS, SamplingParams(temperature=0.8, max_tokens=12, seed=1), 2):
         seq = torch.tensor(list(s.prompt_tokens + s.completion_tokens))
-        logits = model(seq, torch.arange(len(seq)))[0][len(s.prompt_tokens) - 1:-1]
+        logits = logits_and_aux(model, seq, torch.arange(len(seq)))[0][len(s.prompt_tokens) - 1:-1]
         lp = torch.log_softmax(logits / 0.8, -1)
         got = lp.gather(1, torch.tensor(s.completion_tokens)[:, None])[:, 0]
         assert (got - torch.tensor(s.logprobs)).abs().max().item() < 1e-5

@@ -152,9 +152,11 @@ TINY = dict(hidden_size=32, intermediate_size=64, moe_intermediate_size=32, num_
             num_experts_per_tok=2, max_position_embeddings=128)
 
 
-# the off-policy settings off (train_grpo_async's defaults), for configs written out by hand
+# the off-policy settings off (train_grpo_async's defaults) and the temperature the trainer
+# scores at, for configs written out by hand
 NO_CORRECTION = {"mis_low": 0.0, "mis_high": 0.0, "is_level": "token", "ppo_clip": 0.0,
-                 "ppo_epochs": 1, "record_routes": False, "routing_replay": False}
+                 "ppo_epochs": 1, "record_routes": False, "routing_replay": False,
+                 "temperature": 1.0}
 
 
 def tiny_config(out_dir, *extra, script=train_grpo):
@@ -452,24 +454,26 @@ def test_loss_normalizers_on_hand_made_batches():
 
 class FixedLogits:
     """A stand-in model whose next-token log-probabilities are given per row (vocab of
-    16)."""
+    16): row t puts logprob_of_label[t] on its label batch_labels[t] and spreads the
+    rest of the mass evenly. Its "hidden states" are those logits, and its head reads
+    them, as Transformer's logprobs reads its own."""
 
-    def __init__(self, logprob_of_label):
-        self.logprob_of_label = logprob_of_label
+    def __init__(self, logprob_of_label, batch_labels):
+        self.logprob_of_label, self.batch_labels = logprob_of_label, batch_labels
 
-    def with_labels(self, batch_labels):
-        # row t puts logprob_of_label[t] on its label and spreads the rest of the
-        # mass evenly; with labels= (the trainers' path) it returns the label
-        # logprobs, as Transformer.forward does
-        def forward(tokens, position_ids, cu_seqlens, labels=None, branch=None):
-            T = tokens.numel()
-            p = torch.exp(self.logprob_of_label)
-            rest = ((1 - p) / 15).clamp(min=1e-12).log()
-            logits = rest[:, None].repeat(1, 16)
-            logits[torch.arange(T), batch_labels] = self.logprob_of_label
-            return (logits if labels is None
-                    else torch.log_softmax(logits, -1).gather(1, labels[:, None])[:, 0]), None
-        return forward
+    def __call__(self, tokens, position_ids, cu_seqlens, branch=None):
+        T = tokens.numel()
+        p = torch.exp(self.logprob_of_label)
+        rest = ((1 - p) / 15).clamp(min=1e-12).log()
+        logits = rest[:, None].repeat(1, 16)
+        logits[torch.arange(T), self.batch_labels] = self.logprob_of_label
+        return logits, []
+
+    def logprobs(self, hidden, labels, temperature=1.0):
+        return torch.log_softmax(hidden / temperature, -1).gather(1, labels[:, None])[:, 0]
+
+    def aux_loss(self, router_logits, like):
+        return torch.zeros(())
 
 
 def test_tis_is_the_papers_estimator_outside_the_normalizer():
@@ -487,7 +491,7 @@ def test_tis_is_the_papers_estimator_outside_the_normalizer():
     rows = masks[0].nonzero().flatten()
     trainer[rows] += torch.log(torch.tensor(0.5))
     trainer[rows[0]] = b.log_probs[rows[0]] + torch.log(torch.tensor(3.0))
-    model = FixedLogits(trainer).with_labels(b.labels)
+    model = FixedLogits(trainer, b.labels)
     (out,), _ = train_grpo_async.apply_corrections([b], model, None,
                                              torch.autocast("cpu", enabled=False), c)
     ratio = torch.where(masks[0], torch.full_like(trainer, 0.5), torch.ones_like(trainer))
@@ -517,7 +521,7 @@ def test_the_steps_own_forward_measures_the_mismatch_and_no_logprob_pass_runs_wi
     # by 0.1 on the others
     off = torch.where(masks[0], torch.full_like(b.log_probs, 0.1), torch.zeros_like(b.log_probs))
     off[masks[0].nonzero().flatten()[0]] = 0.3
-    own = train_grpo_async.trainer_logprobs(model, b, torch.autocast("cpu", enabled=False))
+    own = train_grpo_async.trainer_logprobs(model, b, torch.autocast("cpu", enabled=False), 1.0)
     b = dataclasses.replace(b, log_probs=own + off)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
     metrics = training.train_step(model, optimizer, [b], 1e-3, normalizer=16.0)
@@ -552,15 +556,15 @@ def test_kl_coef_pulls_the_policy_back_toward_the_reference():
         # the weights -(log p - log p_ref) make the step a gradient step on
         # 1/2 sum (log p - log p_ref)^2 over these tokens (and, over tokens sampled from the
         # policy, on the KL to the reference)
-        lp = train_grpo_async.trainer_logprobs(policy, b, off)
-        ref = train_grpo_async.trainer_logprobs(reference, b, off)
+        lp = train_grpo_async.trainer_logprobs(policy, b, off, 1.0)
+        ref = train_grpo_async.trainer_logprobs(reference, b, off, 1.0)
         return float(((lp - ref)[masks[0]] ** 2).sum() / 2)
 
     before = gap()
     assert before > 0
     (weighted,), _ = train_grpo_async.apply_corrections([b], policy, reference, off, c)
-    lp = train_grpo_async.trainer_logprobs(policy, b, off)
-    ref = train_grpo_async.trainer_logprobs(reference, b, off)
+    lp = train_grpo_async.trainer_logprobs(policy, b, off, 1.0)
+    ref = train_grpo_async.trainer_logprobs(reference, b, off, 1.0)
     assert torch.allclose(weighted.token_weights, torch.where(masks[0], -(lp - ref), 0.0),
                           atol=1e-6)
     optimizer = torch.optim.SGD(policy.parameters(), lr=1e-3)

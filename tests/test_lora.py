@@ -21,7 +21,7 @@ from transformers import (AutoModelForCausalLM, LlamaConfig, Qwen2Config, Qwen3C
 import checkpoint
 import lora
 import train_grpo
-from conftest import write_hf_checkpoint
+from conftest import logits_and_aux, write_hf_checkpoint
 from engine import EngineConfig, InferenceEngine, SamplingParams
 from tests.test_grpo import TINY, killed_at_3_then_resumed, metrics, tiny_config
 from tokenizer import build_tokenizer
@@ -62,7 +62,8 @@ def test_every_targeted_weight_gets_a_gradient_and_no_base_weight_does(family):
     name, _, path = family
     model = adapted(path)
     x = torch.randint(0, VOCAB, (29,), generator=torch.Generator().manual_seed(0))
-    logp, aux = model(x, torch.arange(29), labels=torch.roll(x, -1))
+    hidden, router_logits = model(x, torch.arange(29))
+    logp, aux = model.logprobs(hidden, torch.roll(x, -1)), model.aux_loss(router_logits, hidden)
     (logp.sum() + aux).backward()
     # the base is frozen: nothing but the adapters' factors can get a gradient (or AdamW state)
     trained = {n for n, p in model.named_parameters() if p.requires_grad}
@@ -102,7 +103,8 @@ def test_merged_weights_are_the_base_plus_scaled_B_A_exactly(family):
     plain.load_state_dict(merged)
     x = torch.arange(VOCAB)[:31]
     with torch.no_grad():   # (to rounding: the forward adds (x A^T) B^T beside x W^T)
-        gap = plain(x, torch.arange(31))[0] - model(x, torch.arange(31))[0]
+        gap = logits_and_aux(plain, x, torch.arange(31))[0] - logits_and_aux(model, x,
+                                                                            torch.arange(31))[0]
     assert gap.abs().max().item() < 1e-5
 
 
@@ -121,7 +123,7 @@ def test_peft_loads_the_exported_adapter_onto_the_transformers_model(family, tmp
     theirs = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(path),
                                        str(tmp_path / "adapter")).eval()
     x = torch.randint(0, VOCAB, (37,), generator=torch.Generator().manual_seed(2))
-    ours, _ = model(x, torch.arange(37))
+    ours, _ = logits_and_aux(model, x, torch.arange(37))
     assert (theirs(x[None]).logits[0] - ours).abs().max().item() < 1e-4
     # and the merged model, saved as a plain transformers checkpoint
     checkpoint.save_hf_checkpoint(model, str(tmp_path / "merged"))

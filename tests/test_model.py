@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 from transformers import AutoModelForCausalLM, Qwen3Config, Qwen3MoeConfig, Qwen3MoeForCausalLM
 
-from conftest import randomise, write_hf_checkpoint
+from conftest import logits_and_aux, randomise, write_hf_checkpoint
 from checkpoint import config_from_hf, config_to_hf
 import training
 from checkpoint import load_hf_checkpoint, save_hf_checkpoint
@@ -79,7 +79,7 @@ def test_logits_match_transformers(checkpoint):
     ours = load_hf_checkpoint(path)
     x = torch.randint(0, VOCAB, (37,), generator=torch.Generator().manual_seed(1))
     ref = hf(x[None]).logits[0]
-    got, _ = ours(x, torch.arange(len(x)))
+    got, _ = logits_and_aux(ours, x, torch.arange(len(x)))
     err = (ref - got).abs().max().item()
     print(f"[{name}] max |dlogit| = {err:.2e}")
     assert err < 1e-4
@@ -94,9 +94,10 @@ def test_cpu_padded_path_matches_flex_path(checkpoint):
     ours = load_hf_checkpoint(path)
     tokens, pos, cu = packed([torch.randint(0, VOCAB, (n,)) for n in (5, 19, 1, 12)])
     with torch.no_grad():
-        flex, _ = ours(tokens, pos, cu,
-                       attention=DocumentCausalAttention(cu, len(tokens), "cpu", flex=True))
-    padded, aux = ours(tokens, pos, cu)
+        flex, _ = logits_and_aux(
+            ours, tokens, pos, cu,
+            attention=DocumentCausalAttention(cu, len(tokens), "cpu", flex=True))
+    padded, aux = logits_and_aux(ours, tokens, pos, cu)
     assert padded.requires_grad
     assert (flex - padded).abs().max().item() < 1e-5
     (padded.logsumexp(-1).mean() + aux).backward()
@@ -110,9 +111,9 @@ def test_packed_batch_equals_each_sequence_alone(checkpoint):
     seqs = [torch.randint(0, VOCAB, (n,), generator=torch.Generator().manual_seed(n))
             for n in (7, 1, 30, 16)]
     tokens, pos, cu = packed(seqs)
-    together, _ = ours(tokens, pos, cu)
+    together, _ = logits_and_aux(ours, tokens, pos, cu)
     for s, start in zip(seqs, cu[:-1].tolist()):
-        alone, _ = ours(s, torch.arange(len(s)))
+        alone, _ = logits_and_aux(ours, s, torch.arange(len(s)))
         assert (together[start:start + len(s)] - alone).abs().max().item() < 1e-5
         assert (alone - hf(s[None]).logits[0]).abs().max().item() < 1e-4
 
@@ -140,7 +141,8 @@ def test_completions_sharing_their_prompt_score_as_transformers_does_alone(check
                           for p, cs in zip(prompts, comps) for c in cs])
         flex = DocumentCausalAttention(shared.cu_seqlens, shared.num_tokens, "cpu", flex=True,
                                        branch=shared.branch)
-        logits, _ = ours(shared.tokens, shared.position_ids, shared.cu_seqlens, attention=flex)
+        logits, _ = logits_and_aux(ours, shared.tokens, shared.position_ids, shared.cu_seqlens,
+                                   attention=flex)
         got_flex = torch.log_softmax(logits, -1).gather(-1, shared.labels[:, None])[:, 0]
     got, _ = training.batch_logprobs(ours, shared)
     scored = shared.token_weights != 0
@@ -177,7 +179,7 @@ def test_aux_loss_matches_transformers_on_padded_batch(checkpoint):
     name, hf, path = checkpoint
     ours = load_hf_checkpoint(path)
     if name == "dense":   # no router, no aux loss: transformers' dense Qwen3 has none either
-        assert ours(torch.arange(5), torch.arange(5))[1].item() == 0.0
+        assert logits_and_aux(ours, torch.arange(5), torch.arange(5))[1].item() == 0.0
         return
     seqs = [torch.randint(0, VOCAB, (n,), generator=torch.Generator().manual_seed(10 + n))
             for n in (9, 23, 4)]
@@ -187,7 +189,7 @@ def test_aux_loss_matches_transformers_on_padded_batch(checkpoint):
     for i, s in enumerate(seqs):
         ids[i, :len(s)], mask[i, :len(s)] = s, 1
     ref = hf(ids, attention_mask=mask, output_router_logits=True).aux_loss
-    _, aux = ours(*packed(seqs))
+    _, aux = logits_and_aux(ours, *packed(seqs))
     print(f"[{name}] aux loss ours {aux.item():.6f} transformers {ref.item():.6f}")
     assert abs(aux.item() - ref.item()) < 1e-5
 
@@ -200,7 +202,7 @@ def test_save_then_transformers_load_gives_identical_logits(checkpoint, tmp_path
     back = AutoModelForCausalLM.from_pretrained(str(tmp_path)).eval()
     assert type(back) is type(hf)
     x = torch.randint(0, VOCAB, (21,))
-    got, aux = ours(x, torch.arange(len(x)))
+    got, aux = logits_and_aux(ours, x, torch.arange(len(x)))
     out = back(x[None], output_router_logits=name != "dense")
     assert (out.logits[0] - got).abs().max().item() < 1e-4
     if name != "dense":
@@ -218,7 +220,8 @@ def test_sharded_checkpoint_loads(tmp_path):
     assert os.path.exists(tmp_path / "model.safetensors.index.json")
     ours = load_hf_checkpoint(str(tmp_path))
     x = torch.randint(0, VOCAB, (11,))
-    assert (hf(x[None]).logits[0] - ours(x, torch.arange(11))[0]).abs().max().item() < 1e-4
+    got, _ = logits_and_aux(ours, x, torch.arange(11))
+    assert (hf(x[None]).logits[0] - got).abs().max().item() < 1e-4
 
 
 @torch.no_grad()
@@ -227,7 +230,7 @@ def test_bfloat16(checkpoint):
     ours = load_hf_checkpoint(path, dtype="bfloat16")
     assert all(p.dtype == torch.bfloat16 for p in ours.parameters())
     x = torch.randint(0, VOCAB, (17,), generator=torch.Generator().manual_seed(3))
-    got, aux = ours(x, torch.arange(len(x)))
+    got, aux = logits_and_aux(ours, x, torch.arange(len(x)))
     assert got.dtype == torch.bfloat16 and torch.isfinite(got).all() and torch.isfinite(aux)
     ref32 = hf(x[None]).logits[0]
     # bf16 has ~3 significant digits: close to fp32, not equal
@@ -244,11 +247,12 @@ def test_model_config_round_trips_through_transformers(checkpoint):
 def test_embedded_default_shape_builds():
     cfg = ModelConfig()       # the dataclass defaults: an 8-expert top-2 Qwen3-MoE shape
     model = Transformer(cfg)
-    logits, aux = model(torch.tensor([1, 2, 3]), torch.arange(3))
+    hidden, router_logits = model(torch.tensor([1, 2, 3]), torch.arange(3))
+    logits, aux = model.logits(hidden), model.aux_loss(router_logits, hidden)
+    assert hidden.shape == (3, cfg.hidden_size) and len(router_logits) == cfg.num_hidden_layers
     assert logits.shape == (3, cfg.vocab_size) and aux.item() > 0
-    # inference skips the aux loss: same logits, no loss
-    same, none = model(torch.tensor([1, 2, 3]), torch.arange(3), aux_loss=False)
-    assert none is None and torch.equal(same, logits)
+    # the engine's head: the logits of the rows it asks for (one row's matmul rounds apart)
+    assert torch.allclose(model.logits(hidden[[2]]), logits[[2]], atol=1e-6)
     # a branch beside a ready attention would be silently ignored: refused
     attention = DocumentCausalAttention(torch.tensor([0, 3], dtype=torch.int32), 3, "cpu")
     with pytest.raises(ValueError, match="branch or attention, not both"):
@@ -374,9 +378,9 @@ def test_grouped_gemm_path_is_the_inference_default_and_equals_the_loop(checkpoi
     with torch.no_grad():   # inference's choice
         grouped = [model._use_grouped_mm(torch.zeros(1), e) for e in moe]
     assert all(g == model.GROUPED_MM for g in grouped)
-    fast, _ = ours(x, torch.arange(len(x)))
+    fast, _ = logits_and_aux(ours, x, torch.arange(len(x)))
     monkeypatch.setattr(model, "GROUPED_MM", False)
-    slow, _ = ours(x, torch.arange(len(x)))
+    slow, _ = logits_and_aux(ours, x, torch.arange(len(x)))
     assert (fast - slow).abs().max().item() < 1e-5
     assert (fast - hf(x[None]).logits[0]).abs().max().item() < 1e-4
     monkeypatch.setattr(model, "GROUPED_MM", hasattr(torch, "_grouped_mm"))
@@ -392,7 +396,7 @@ def test_grouped_gemm_path_is_the_inference_default_and_equals_the_loop(checkpoi
 
 
 # -----------------------------------------------------------------------------
-# the head's logprobs a chunk of rows at a time (model(..., labels=...)): the same
+# the head's logprobs a chunk of rows at a time (model.logprobs): the same
 # numbers, no [T, V] tensor
 
 
@@ -415,7 +419,7 @@ def test_head_logprobs_equal_the_whole_computation(temperature):
         assert torch.allclose(a, b, atol=1e-6, rtol=1e-6)
 
 
-def test_model_labels_path_equals_logits_path():
+def test_model_logprobs_equal_its_logits():
     cfg = ModelConfig(vocab_size=64, hidden_size=32, intermediate_size=64, moe_intermediate_size=16,
                       num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
                       num_experts=4, num_experts_per_tok=2)
@@ -425,10 +429,10 @@ def test_model_labels_path_equals_logits_path():
     position_ids, cu = (torch.cat([torch.arange(10), torch.arange(14)]),
                         torch.tensor([0, 10, 24], dtype=torch.int32))
     labels = torch.randint(0, 64, (24,))
-    logits, _ = model(tokens, position_ids, cu, temperature=0.5)
+    logits, _ = logits_and_aux(model, tokens, position_ids, cu, temperature=0.5)
     whole = torch.log_softmax(logits, -1).gather(1, labels[:, None])[:, 0]
     want = torch.autograd.grad(whole.sum(), list(model.parameters()), allow_unused=True)
-    logp, _ = model(tokens, position_ids, cu, labels=labels, temperature=0.5)
+    logp = model.logprobs(model(tokens, position_ids, cu)[0], labels, temperature=0.5)
     got = torch.autograd.grad(logp.sum(), list(model.parameters()), allow_unused=True)
     assert torch.allclose(logp, whole, atol=1e-6, rtol=1e-6)
     for a, b in zip(got, want):   # fp32 rounding: up to ~5e-7 relative on an AMD EPYC CPU

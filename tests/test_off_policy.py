@@ -15,7 +15,7 @@ from transformers import Qwen3MoeConfig
 import train_grpo_async
 import training
 from checkpoint import load_hf_checkpoint
-from conftest import write_hf_checkpoint
+from conftest import logits_and_aux, write_hf_checkpoint
 from engine import EngineConfig, InferenceEngine, SamplingParams
 from tasks.environment import Group
 from test_grpo import NO_CORRECTION
@@ -158,7 +158,8 @@ def test_top_p_logprobs_are_the_truncated_distributions_and_the_ratio_is_the_mas
     for b in batches:
         with torch.no_grad():
             hidden_logp, _ = training.batch_logprobs(model, b)
-            logits, _ = model(b.tokens, b.position_ids, b.cu_seqlens, branch=b.branch)
+            logits, _ = logits_and_aux(model, b.tokens, b.position_ids, b.cu_seqlens,
+                                       branch=b.branch)
         probs = torch.softmax(logits, -1)
         top = probs.sort(-1, descending=True).values
         kept = (top * ((top.cumsum(-1) - top) < 0.7)).sum(-1)   # the nucleus's mass, per row
@@ -186,7 +187,8 @@ def test_routing_replay_makes_the_trainer_route_as_the_bf16_engine_did(moe):
         assert (own["offpolicy/expert_disagreement"] > 0) == differs, dtype
         gap = {"own": 0.0, "replayed": 0.0}   # mean |trainer - engine logprob|, sampled tokens
         for b, r in zip(batches, replayed):
-            plain = train_grpo_async.trainer_logprobs(model, training.replace(b, routes=None), off)
+            plain = train_grpo_async.trainer_logprobs(model, training.replace(b, routes=None), off,
+                                                      1.0)
             if not differs:   # fp32: the engine's routes are the trainer's own, the logprobs too
                 assert torch.equal(plain, r.old_log_probs)
             gap["own"] += (plain - b.log_probs)[b.loss_mask].abs().sum().item()

@@ -379,7 +379,7 @@ def test_three_turn_episodes_logprobs_are_the_trainers(family):
     for e in three[:4]:
         seq = torch.tensor(e.prompt + e.ids)
         with torch.no_grad():
-            logits = model(seq, torch.arange(len(seq)))[0][len(e.prompt) - 1:-1]
+            logits = model.logits(model(seq, torch.arange(len(seq)))[0])[len(e.prompt) - 1:-1]
         lp = torch.log_softmax(logits, -1).gather(1, torch.tensor(e.ids)[:, None])[:, 0]
         on = torch.tensor(e.mask, dtype=torch.bool)
         assert (lp[on] - torch.tensor(e.logprobs)[on]).abs().max().item() < 1e-5

@@ -15,7 +15,7 @@ import torch.nn.functional as F
 
 import checkpoint
 import training
-from conftest import write_task
+from conftest import logits_and_aux, write_task
 from checkpoint import load_hf_checkpoint
 from configurator import configure
 from model import ModelConfig, Transformer
@@ -206,12 +206,12 @@ def test_packed_loss_equals_per_sequence_losses_combined():
     g = torch.Generator().manual_seed(6)
     weights = [(torch.rand(len(s), generator=g) < 0.6).float().tolist() for s in seqs]
     b = pack_sequences(seqs, weights)
-    logits, _ = model(b.tokens, b.position_ids, b.cu_seqlens)
+    logits, _ = logits_and_aux(model, b.tokens, b.position_ids, b.cu_seqlens)
     packed = unified_loss(logits, b)
     num, den = 0.0, 0.0
     for s, w in zip(seqs, weights):
         one = pack_sequences([s], [w])
-        lg, _ = model(one.tokens, one.position_ids, one.cu_seqlens)
+        lg, _ = logits_and_aux(model, one.tokens, one.position_ids, one.cu_seqlens)
         num += unified_loss(lg, one, normalizer=1.0).item()
         den += one.token_weights.sum().item()
     assert abs(packed.item() - num / den) < 1e-5
@@ -546,8 +546,8 @@ print(loss, int(peak.split()[1]) * 1024)
 
 
 def test_a_4k_token_step_at_qwen3_vocabulary_never_holds_its_whole_logits():
-    # 4,096 tokens x 151,936 fp32 logits are 2.3 GiB; the trainers' path (model(...,
-    # labels=...)) makes them 256 MiB of rows at a time, forward and backward: this step
+    # 4,096 tokens x 151,936 fp32 logits are 2.3 GiB; the trainers' path (model.logprobs)
+    # makes them 256 MiB of rows at a time, forward and backward: this step
     # peaks near 1.4 GiB (16,384 tokens: 1.9 GiB), so one whole [T, V] tensor anywhere
     # would pass 2.5 GiB (with the head unchunked it peaks at 5.5 GiB)
     out = subprocess.run([sys.executable, "-c", REAL_VOCAB_STEP], capture_output=True, text=True,
