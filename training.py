@@ -104,8 +104,9 @@ def batch_logprobs(model, batch, routes_out=None, temperature=1.0):
     """(log p(label) per row [T] at temperature, aux loss) of model on a packed batch, its
     shared prefixes included, routed by batch.routes when it carries them (routing
     replay); routes_out receives the experts each MoE layer used. model may be wrapped
-    (DDP, torch.compile): the blocks run through the wrapper, the head is the model's own
-    (model.Transformer.logprobs)."""
+    (DDP, torch.compile) or sharded (FSDP2): the blocks run through the wrapper, the head
+    is the model's own (model.Transformer.logprobs; distributed.wrap says why that is
+    right under each)."""
     extra = {} if batch.branch is None else {"branch": batch.branch}
     extra |= {} if batch.routes is None else {"routes": batch.routes}
     extra |= {} if routes_out is None else {"routes_out": routes_out}

@@ -120,7 +120,7 @@ def gradient(model, batches, config, normalizer):
     off = torch.autocast("cpu", enabled=False)
     batches, _ = train_grpo_async.apply_corrections(batches, model, None, off, config)
     for b in batches:
-        logp, _ = training.batch_logprobs(model, b)
+        logp, _ = training.batch_logprobs(model, b, temperature=config["temperature"])
         train_grpo_async.policy_loss(logp, b, normalizer, config).backward()
     # a parameter no token reached (an expert with none routed to it) has no gradient: 0
     return torch.cat([torch.zeros(p.numel()) if p.grad is None else p.grad.flatten()
@@ -149,7 +149,7 @@ def advance(model, env, problems, config, steps, start):
         batches = [dataclasses.replace(b, routes=None) for b in batches]
         training.train_step(ahead, opt, batches, training.scheduled_lr(config, first + k),
                             config["grad_clip"], config["aux_loss_coef"], None, normalizer,
-                            loss_fn)
+                            loss_fn, config["temperature"])
     return ahead
 
 
@@ -175,12 +175,14 @@ def on_policy_reference(trainer, env, problems, config, normalizer):
             "reliability": math.sqrt(max(2 * halves / (1 + halves), 0.0))}
 
 
-def kl_of(trainer, batches):
-    """k3's KL(sampler || trainer) per sampled token of the batches."""
+def kl_of(trainer, batches, temperature):
+    """k3's KL(sampler || trainer) per sampled token of the batches, the trainer scoring at
+    the sampler's temperature."""
     total, tokens = 0.0, 0
     with torch.no_grad():
         for b in batches:
-            logp, _ = training.batch_logprobs(trainer, dataclasses.replace(b, routes=None))
+            logp, _ = training.batch_logprobs(trainer, dataclasses.replace(b, routes=None),
+                                              temperature=temperature)
             total += training.kl_k3(logp.float(), b.log_probs, b.loss_mask)
             tokens += int(b.loss_mask.sum())
     return total / max(tokens, 1)
@@ -238,7 +240,7 @@ def measure(start, env, config, sources=sources, remote=None):
         for b, batch in enumerate(problems[1]):   # the same problems and seeds as exact
             off = batches_of(start.model, env, batch, sampled_with, 1_000 + b, dtype, top_p,
                              remote if kind == "vllm" else None)
-            kl.append(kl_of(trainer, off))
+            kl.append(kl_of(trainer, off, config["temperature"]))
             for c, settings in here.items():
                 got[c].append(gradient(trainer, off, {**config, **settings}, normalizer))
         rows = {c: row(g, exact, got["none"], reference["mean"]) for c, g in got.items()}

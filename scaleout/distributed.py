@@ -37,7 +37,7 @@ import torch
 import torch.distributed as dist
 import xxhash
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
-from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard, register_fsdp_forward_method
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel
 
@@ -167,12 +167,17 @@ def wrap(model, device, fsdp=False, bf16=False):
             if bf16 and kind == "cuda" else MixedPrecisionPolicy()
         for block in model.layers:
             fully_shard(block, mesh=_mesh, mp_policy=policy)
-        sharded = fully_shard(model, mesh=_mesh, mp_policy=policy)
-        # the head is a call of its own after forward: it gathers the root's weights too
-        for method in ("logits", "logprobs"):
-            register_fsdp_forward_method(sharded, method)
-        return sharded
+        # the head (model.logprobs) is a call of its own after forward. It reads the root's
+        # weights as forward left them: gathered, since FSDP2 keeps the root unsharded from
+        # its forward to its backward (reshard_after_forward is False at the root), and the
+        # head's gradient joins the root's one reduce-scatter. (Registered as a forward
+        # method with register_fsdp_forward_method, the head would reduce-scatter and free
+        # the root in backward right away, and the norm's backward would gather it again.)
+        return fully_shard(model, mesh=_mesh, mp_policy=policy)
     cuda = torch.device(device).type == "cuda"
+    # the head runs after DDP's forward (training.batch_logprobs): its weights' gradients
+    # still join the step's all-reduce, through each parameter's own hook; with
+    # find_unused_parameters or static_graph DDP would count them unused, so neither is set
     _ddp = DistributedDataParallel(model, device_ids=[torch.device(device).index] if cuda else None,
                                    # buffers: constants
                                    forward_sync_buffers=False, process_group=_group)
