@@ -4,13 +4,15 @@ and run: each section's diff blocks (context lines ' ', removed '-', added '+') 
 file exactly once, and the forked file must run three GRPO iterations.
 
     python -m bench.forks_check                       # apply each fork, compile it, nothing run
-    python -m bench.forks_check --run --init_from=out/compare/seed1/sft/best --n_eval_problems=100
+    python -m bench.forks_check --run --init_from=out/compare/seed1/sft/best --n_eval_problems=100 \
+        --keep=docs/results/forks          # each fork's metrics.jsonl kept there
 
 --run copies the root's entries into a temporary folder by symlink, with the forked
 train_grpo.py in place of the real one, and runs
 `train_grpo.py config/qwen_small.py --max_iters=3` there (an out_dir of its own per fork), then
 prints each fork's reward at iteration 3 and its validation accuracy at 0 and 3. Any other
---key=value goes to train_grpo.py. tests/test_style.py checks that the diffs apply.
+--key=value goes to train_grpo.py; --keep=DIR keeps each fork's metrics.jsonl in DIR.
+tests/test_style.py checks that the diffs apply.
 """
 import json
 import os
@@ -65,9 +67,9 @@ def forked_sources(doc=DOC, source=os.path.join(ROOT, "train_grpo.py")):
     return out
 
 
-def run_fork(title, text, args):
+def run_fork(text, args):
     """train_grpo.py forked as text, three iterations from a folder of links to the root;
-    returns (reward at iteration 3, validation accuracy at 0 and at 3)."""
+    returns its metrics.jsonl rows."""
     with tempfile.TemporaryDirectory() as tmp:
         for name in os.listdir(ROOT):
             if name != "train_grpo.py":
@@ -80,7 +82,11 @@ def run_fork(title, text, args):
                f"--out_dir={out}", *args]
         subprocess.run(cmd, cwd=tmp, check=True, stdout=subprocess.DEVNULL)
         with open(os.path.join(out, "metrics.jsonl")) as f:
-            rows = [json.loads(line) for line in f]
+            return [json.loads(line) for line in f]
+
+
+def summary(rows):
+    """(reward at iteration 3, validation accuracy at 0 and at 3) of a fork's run."""
     reward = [r["rollout/reward_mean"] for r in rows if r.get("iter") == 3 and
               "rollout/reward_mean" in r]
     accuracy = [r["eval/accuracy"] for r in rows if "eval/accuracy" in r]
@@ -97,9 +103,15 @@ def main(argv):
         print(f"applies and compiles: {title}")
     if "--run" not in argv:
         return
-    args = [a for a in argv if a != "--run"]
-    for title, text in sources.items():
-        reward, start, end = run_fork(title, text, args)
+    keep = next((a.split("=", 1)[1] for a in argv if a.startswith("--keep=")), None)
+    args = [a for a in argv if a != "--run" and not a.startswith("--keep=")]
+    for i, (title, text) in enumerate(sources.items(), 1):
+        rows = run_fork(text, args)
+        if keep:   # the fork's metrics, whole, behind the printed line
+            os.makedirs(keep, exist_ok=True)
+            with open(os.path.join(keep, f"fork{i}_metrics.jsonl"), "w") as f:
+                f.writelines(json.dumps(dict(r, fork=title)) + "\n" for r in rows)
+        reward, start, end = summary(rows)
         print(f"{title}: reward at iteration 3 {reward:.3f}, validation {start:.3f} -> {end:.3f}")
 
 
